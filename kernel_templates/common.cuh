@@ -1,0 +1,117 @@
+// flashtune: what every kernel family shares. Self-contained (no CUDA headers), so NVRTC needs no
+// include path: element conversions and the async copies are inline PTX.
+#pragma once
+
+#define FT_DEVICE __device__ __forceinline__
+
+// Element types as raw storage: float, or the 16-bit patterns of fp16 / bf16.
+#define FT_F32 0
+#define FT_F16 1
+#define FT_BF16 2
+
+template <int DT> struct Elem;
+template <> struct Elem<FT_F32> { using type = float; };
+template <> struct Elem<FT_F16> { using type = unsigned short; };
+template <> struct Elem<FT_BF16> { using type = unsigned short; };
+
+template <int DT> FT_DEVICE float to_f32(typename Elem<DT>::type x);
+template <> FT_DEVICE float to_f32<FT_F32>(float x) { return x; }
+template <> FT_DEVICE float to_f32<FT_F16>(unsigned short x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+}
+template <> FT_DEVICE float to_f32<FT_BF16>(unsigned short x) {
+  return __uint_as_float(static_cast<unsigned>(x) << 16);
+}
+
+template <int DT> FT_DEVICE typename Elem<DT>::type from_f32(float x);
+template <> FT_DEVICE float from_f32<FT_F32>(float x) { return x; }
+template <> FT_DEVICE unsigned short from_f32<FT_F16>(float x) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+template <> FT_DEVICE unsigned short from_f32<FT_BF16>(float x) {
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+
+// Four consecutive elements <-> four floats (one 16-byte or 8-byte access).
+template <int DT> FT_DEVICE void load4(float (&out)[4], const typename Elem<DT>::type* p) {
+  if constexpr (DT == FT_F32) {
+    const float4 t = *reinterpret_cast<const float4*>(p);
+    out[0] = t.x; out[1] = t.y; out[2] = t.z; out[3] = t.w;
+  } else {
+    const uint2 t = *reinterpret_cast<const uint2*>(p);
+    out[0] = to_f32<DT>(static_cast<unsigned short>(t.x & 0xffffu));
+    out[1] = to_f32<DT>(static_cast<unsigned short>(t.x >> 16));
+    out[2] = to_f32<DT>(static_cast<unsigned short>(t.y & 0xffffu));
+    out[3] = to_f32<DT>(static_cast<unsigned short>(t.y >> 16));
+  }
+}
+
+template <int DT, int N> FT_DEVICE void store_n(typename Elem<DT>::type* p, const float (&v)[N]) {
+  if constexpr (DT == FT_F32) {
+    if constexpr (N == 4) *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+    else if constexpr (N == 2) *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+    else p[0] = v[0];
+  } else {
+    if constexpr (N == 4) {
+      uint2 t;
+      t.x = from_f32<DT>(v[0]) | (static_cast<unsigned>(from_f32<DT>(v[1])) << 16);
+      t.y = from_f32<DT>(v[2]) | (static_cast<unsigned>(from_f32<DT>(v[3])) << 16);
+      *reinterpret_cast<uint2*>(p) = t;
+    } else if constexpr (N == 2) {
+      *reinterpret_cast<unsigned*>(p) = from_f32<DT>(v[0]) | (static_cast<unsigned>(from_f32<DT>(v[1])) << 16);
+    } else {
+      p[0] = from_f32<DT>(v[0]);
+    }
+  }
+}
+
+// N consecutive floats in shared memory -> registers, as one vector access where N allows.
+template <int N> FT_DEVICE void lds(float* dst, const float* p) {
+  if constexpr (N == 4) {
+    const float4 t = *reinterpret_cast<const float4*>(p);
+    dst[0] = t.x; dst[1] = t.y; dst[2] = t.z; dst[3] = t.w;
+  } else if constexpr (N == 2) {
+    const float2 t = *reinterpret_cast<const float2*>(p);
+    dst[0] = t.x; dst[1] = t.y;
+  } else {
+    dst[0] = p[0];
+  }
+}
+template <int N> FT_DEVICE void sts(float* p, const float* src) {
+  if constexpr (N == 4) *reinterpret_cast<float4*>(p) = make_float4(src[0], src[1], src[2], src[3]);
+  else if constexpr (N == 2) *reinterpret_cast<float2*>(p) = make_float2(src[0], src[1]);
+  else p[0] = src[0];
+}
+
+// The widest vector (4, 2 or 1 floats) that divides n: how a thread's strip of a tile is grouped.
+__host__ __device__ constexpr int vec_width(int n) { return n % 4 == 0 ? 4 : (n % 2 == 0 ? 2 : 1); }
+
+// Max over the `width` consecutive lanes that share a row (width divides 32).
+template <int WIDTH> FT_DEVICE float group_max(float x) {
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+template <int WIDTH> FT_DEVICE float group_sum(float x) {
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// cp.async (sm_80+): 16 bytes global -> shared, zero-filled where `valid` is false.
+FT_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+FT_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+FT_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+constexpr float FT_LN2 = 0.6931471805599453f;
+#define FT_NEG_INF (__int_as_float(0xff800000))

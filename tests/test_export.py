@@ -1,0 +1,172 @@
+"""Best-config lookup: build, atomic write, strict read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tuner import export
+from tuner.db import BestEntry, make_engine, record_measurement, session_factory, update_best
+from tuner.export import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    build_lookup,
+    default_lookup_path,
+    export_from_db,
+    read_lookup,
+    write_lookup,
+)
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.problem import Problem
+from tuner.records import Measurement
+
+# P1 and P1b share a bucket (fp16/d64/causal/n1024/medium); P2 is elsewhere
+P1 = Problem(8, 12, 1024, 1024, 64, "fp16", True)
+P1b = Problem(6, 12, 1000, 1000, 64, "fp16", True)
+P2 = Problem(1, 16, 4096, 4096, 128, "bf16", False)
+
+
+def entry(problem: Problem, family: str, tflops: float, gpu: str = H100_SXM.key, mid: int = 1) -> BestEntry:
+    return BestEntry(gpu, family, problem, problem.bucket().key, {"Br": 64, "fam": family}, tflops, 1.0 / tflops, mid)
+
+
+def sample_doc() -> dict:
+    return build_lookup([
+        entry(P1, "simt", 50.0), entry(P1b, "simt", 70.0), entry(P1, "wgmma", 200.0),
+        entry(P1, "sdpa_flash", 120.0), entry(P2, "simt", 30.0), entry(P1, "simt", 10.0, gpu=A100_SXM.key),
+    ])
+
+
+def test_build_groups_sorted_and_deduped() -> None:
+    doc = sample_doc()
+    assert doc["schema"] == SCHEMA and doc["version"] == SCHEMA_VERSION and "generated_at" in doc
+    h100 = [e for e in doc["entries"] if e["gpu_key"] == H100_SXM.key and e["bucket"] == P1.bucket().key]
+    # one per family, fastest first; of the two simt problems in the bucket the faster stays
+    assert [(e["family"], e["tflops"]) for e in h100] == [("wgmma", 200.0), ("sdpa_flash", 120.0), ("simt", 70.0)]
+    assert h100[2]["problem"] == P1b.to_dict()
+    assert (h100[0]["dtype"], h100[0]["head_dim"], h100[0]["causal"]) == ("fp16", 64, True)
+    assert len(doc["entries"]) == 5
+
+
+def test_write_read_round_trip_no_temp_files(tmp_path: Path) -> None:
+    path = tmp_path / "out" / "best.json"
+    doc = sample_doc()
+    write_lookup(doc, path)
+    write_lookup(doc, path)  # overwriting works too
+    assert read_lookup(path) == json.loads(json.dumps(doc))
+    assert [p.name for p in path.parent.iterdir()] == ["best.json"]
+
+
+def test_failed_write_keeps_old_file_and_no_temp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "best.json"
+    write_lookup(sample_doc(), path)
+    before = path.read_bytes()
+
+    def boom(src: str, dst: str) -> None:
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(export.os, "replace", boom)
+    with pytest.raises(OSError, match="disk gone"):
+        write_lookup(build_lookup([entry(P2, "simt", 1.0)]), path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["best.json"]
+
+
+def test_write_refuses_invalid_doc(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        write_lookup({"schema": SCHEMA, "version": 1, "entries": [{}]}, tmp_path / "best.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _bad(tmp_path: Path, content: str | dict) -> Path:
+    p = tmp_path / "bad.json"
+    p.write_text(content if isinstance(content, str) else json.dumps(content))
+    return p
+
+
+def _doc_with(**changes) -> dict:
+    doc = json.loads(json.dumps(sample_doc()))
+    doc.update(changes)
+    return doc
+
+
+def _entry_with(drop: str | None = None, **changes) -> dict:
+    doc = json.loads(json.dumps(sample_doc()))
+    e = doc["entries"][0]
+    e.update(changes)
+    if drop:
+        del e[drop]
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "not a flashtune"),
+        ({"schema": "something.else", "version": 1, "entries": []}, "not a flashtune"),
+        (_doc_with(version=SCHEMA_VERSION + 1), "written by a newer flashtune"),
+        (_doc_with(version="1"), "invalid lookup version"),
+        (_doc_with(entries={"a": 1}), "no 'entries' list"),
+        (_entry_with(drop="params"), "lacks field 'params'"),
+        (_entry_with(drop="bucket"), "lacks field 'bucket'"),
+        (_entry_with(tflops="fast"), "'tflops' has type str"),
+        (_entry_with(head_dim=True), "'head_dim' has type bool"),
+        (_entry_with(causal=1), "'causal' has type int"),
+        (_entry_with(bucket="nonsense"), "not a shape-bucket key"),
+        (_entry_with(dtype="fp8"), "unknown dtype"),
+        (_entry_with(problem={"batch": 1}), "entry 0"),
+        (_entry_with(head_dim=256), "disagrees"),
+    ],
+)
+def test_read_rejects(tmp_path: Path, content: str | dict, match: str) -> None:
+    p = _bad(tmp_path, content)
+    with pytest.raises(ValueError, match=match) as info:
+        read_lookup(p)
+    msg = str(info.value)
+    assert str(p) in msg and "\n" not in msg
+
+
+def test_read_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no best-config lookup"):
+        read_lookup(tmp_path / "nope.json")
+
+
+def test_export_from_db(tmp_path: Path) -> None:
+    Session = session_factory(make_engine(f"sqlite:///{tmp_path / 'ft.db'}"))
+    ok = lambda t: Measurement("ok", median_ms=10.0 / t, tflops=t)
+    with Session() as s, s.begin():
+        record_measurement(s, H100_SXM, P1, "simt", {"Br": 32}, ok(40.0))
+        record_measurement(s, H100_SXM, P1, "simt", {"Br": 64}, ok(60.0))
+        record_measurement(s, H100_SXM, P1, "simt", {"Br": 128}, Measurement("wrong_result", median_ms=0.1, tflops=900.0))
+        record_measurement(s, H100_SXM, P1, "sdpa_flash", {}, ok(80.0))
+        record_measurement(s, A100_SXM, P2, "simt", {"Br": 16}, ok(20.0))
+        for g, p, f in ((H100_SXM, P1, "simt"), (H100_SXM, P1, "sdpa_flash"), (A100_SXM, P2, "simt")):
+            update_best(s, g.key, p.key, f)
+    out = tmp_path / "best.json"
+    with Session() as s:
+        assert export_from_db(s, out) == 3
+        doc = read_lookup(out)
+        h = [e for e in doc["entries"] if e["gpu_key"] == H100_SXM.key]
+        assert [(e["family"], e["params"], e["tflops"]) for e in h] == [("sdpa_flash", {}, 80.0), ("simt", {"Br": 64}, 60.0)]
+        assert Problem(**h[1]["problem"]) == P1
+        assert export_from_db(s, out, gpu_key=A100_SXM.key) == 1
+        assert [e["gpu_key"] for e in read_lookup(out)["entries"]] == [A100_SXM.key]
+
+
+def test_default_lookup_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TUNER_LOOKUP", str(tmp_path / "x.json"))
+    assert default_lookup_path() == tmp_path / "x.json"
+    monkeypatch.delenv("TUNER_LOOKUP")
+    p = default_lookup_path()
+    assert p.name == "best.json" and "flashtune" in str(p)
+
+
+def test_export_module_needs_no_db_or_optuna() -> None:
+    code = "import sys, tuner.export; print(sorted(m for m in ('sqlalchemy', 'optuna') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

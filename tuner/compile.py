@@ -1,0 +1,147 @@
+"""NVRTC compilation through cuda.core, with an on-disk cubin cache and ptxas's resource report."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict
+from functools import cache
+from pathlib import Path
+
+from .family import KernelFamily
+from .problem import Problem
+from .records import CompiledKernel, Resources, short_hash
+
+# Flags that are part of every compile (and so of every cache key).
+STD = "c++17"
+PTXAS = "-v"
+
+
+class CompileError(RuntimeError):
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message)
+        self.log = log
+
+
+@cache
+def nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"NVRTC is not usable: {err}")
+    return f"{major}.{minor}"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("TUNER_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("flashtune")) / "cubin"
+
+
+def parse_ptxas(log: str) -> Resources:
+    """Registers, spills, stack and static shared memory from `ptxas -v` output."""
+    r = Resources()
+    if m := re.search(r"Used (\d+) registers", log):
+        r.registers = int(m.group(1))
+    if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log):
+        r.stack_bytes = int(m.group(1))
+        r.spill_bytes = int(m.group(2)) + int(m.group(3))
+    if m := re.search(r"(\d+) bytes smem", log):
+        r.static_smem = int(m.group(1))
+    return r
+
+
+def cache_key(source: str, arch: str) -> str:
+    return short_hash("\n".join((source, arch, nvrtc_version(), STD, PTXAS)), 32)
+
+
+def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: str) -> CompiledKernel:
+    """Compile one point of a family for `arch` (e.g. sm_90a), or answer from the disk cache."""
+    source = family.render(params, problem)
+    key = cache_key(source, arch)
+    smem = family.smem_bytes(params, problem)
+    hit = _read_cache(key)
+    if hit is not None:
+        hit.resources.dynamic_smem = smem
+        return hit
+    from cuda.core import Program, ProgramOptions
+
+    options = ProgramOptions(name=f"{family.name}.cu", arch=arch, std=STD, ptxas_options=PTXAS)
+    log = io.StringIO()
+    start = time.perf_counter()
+    try:
+        obj = Program(source, "c++", options=options).compile("cubin", logs=log)
+    except Exception as exc:  # cuda.core raises NVRTCError with the log in its message
+        text = f"{exc}\n{log.getvalue()}".strip()
+        first = next((ln for ln in text.splitlines() if "error" in ln), text.splitlines()[0] if text else "")
+        raise CompileError(f"NVRTC failed for {family.name} {params}: {first.strip()}", text) from None
+    seconds = time.perf_counter() - start
+    text = log.getvalue()
+    res = parse_ptxas(text)
+    res.dynamic_smem = smem
+    ck = CompiledKernel(
+        key=key,
+        family=family.name,
+        kernel_name=family.kernel_name,
+        arch=arch,
+        cubin=bytes(obj.code),
+        resources=res,
+        compile_seconds=seconds,
+        log=text,
+        nvrtc_version=nvrtc_version(),
+    )
+    _write_cache(ck)
+    return ck
+
+
+def _paths(key: str) -> tuple[Path, Path]:
+    d = cache_dir() / key[:2]
+    return d / f"{key}.cubin", d / f"{key}.json"
+
+
+def _read_cache(key: str) -> CompiledKernel | None:
+    cubin_path, meta_path = _paths(key)
+    try:
+        meta = json.loads(meta_path.read_text())
+        cubin = cubin_path.read_bytes()
+    except (OSError, ValueError):
+        return None
+    if short_hash(cubin.hex(), 32) != meta.get("cubin_sha"):  # truncated or corrupted: rebuild
+        return None
+    meta.pop("cubin_sha")
+    meta["resources"] = Resources(**meta["resources"])
+    return CompiledKernel(cubin=cubin, cached=True, **meta)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_cache(ck: CompiledKernel) -> None:
+    """cubin first, metadata (with the cubin's hash) last: a reader never sees a half entry."""
+    cubin_path, meta_path = _paths(ck.key)
+    meta = asdict(ck)
+    meta.pop("cubin")
+    meta.pop("cached")
+    meta["cubin_sha"] = short_hash(ck.cubin.hex(), 32)
+    try:
+        _atomic_write(cubin_path, ck.cubin)
+        _atomic_write(meta_path, json.dumps(meta).encode())
+    except OSError:
+        pass  # a read-only cache only costs a recompile next time

@@ -1,0 +1,174 @@
+"""The best-config lookup: a versioned JSON document the runtime dispatcher reads.
+
+The dispatcher must run without Optuna or the database, so this module imports the DB lazily
+(only `export_from_db` needs it) and `read_lookup` validates everything it hands on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .problem import DTYPES, Bucket, Problem
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from .db.queries import BestEntry
+
+SCHEMA = "flashtune.best-configs"
+SCHEMA_VERSION = 1
+
+# field -> accepted types (bool is excluded from numbers explicitly below)
+_ENTRY_FIELDS: dict[str, tuple[type, ...]] = {
+    "gpu_key": (str,), "family": (str,), "dtype": (str,), "head_dim": (int,), "causal": (bool,),
+    "bucket": (str,), "params": (dict,), "tflops": (int, float), "median_ms": (int, float),
+    "problem": (dict,),
+}
+
+
+def default_lookup_path() -> Path:
+    """TUNER_LOOKUP wins; otherwise best.json in the per-user flashtune data dir."""
+    env = os.environ.get("TUNER_LOOKUP")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("flashtune")) / "best.json"
+
+
+def _group(e: dict[str, Any]) -> tuple[str, str, int, bool, str]:
+    return (e["gpu_key"], e["dtype"], e["head_dim"], e["causal"], e["bucket"])
+
+
+def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
+    """One entry per (GPU, dtype, head dim, causal, bucket, family), fastest first per group.
+
+    Several tuned problems can fall into one bucket; per family only the fastest is kept, since
+    the dispatcher takes the first entry of a group whose family it can run.
+    """
+    fastest: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for b in entries:
+        p = b.problem
+        e = {
+            "gpu_key": b.gpu_key, "family": b.family, "dtype": p.dtype, "head_dim": p.head_dim,
+            "causal": p.causal, "bucket": b.bucket_key, "params": dict(b.params),
+            "tflops": float(b.tflops), "median_ms": float(b.median_ms), "problem": p.to_dict(),
+        }
+        k = (*_group(e), b.family)
+        if k not in fastest or e["tflops"] > fastest[k]["tflops"]:
+            fastest[k] = e
+    rows = sorted(fastest.values(), key=lambda e: (*_group(e), -e["tflops"], e["family"]))
+    return {
+        "schema": SCHEMA,
+        "version": SCHEMA_VERSION,
+        "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "entries": rows,
+    }
+
+
+def _check_entry(e: Any) -> str | None:
+    """Why an entry is unusable, or None."""
+    if not isinstance(e, dict):
+        return "is not an object"
+    for name, types in _ENTRY_FIELDS.items():
+        if name not in e:
+            return f"lacks field {name!r}"
+        v = e[name]
+        if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
+            return f"field {name!r} has type {type(v).__name__}"
+    if e["dtype"] not in DTYPES:
+        return f"unknown dtype {e['dtype']!r}"
+    try:
+        bucket = Bucket.from_key(e["bucket"])
+        problem = Problem(**e["problem"])
+    except (TypeError, ValueError) as err:
+        return str(err).splitlines()[0] if str(err) else "bad bucket or problem"
+    if (bucket.dtype, bucket.head_dim, bucket.causal) != (e["dtype"], e["head_dim"], e["causal"]):
+        return f"bucket {e['bucket']!r} disagrees with dtype/head_dim/causal"
+    if problem.bucket() != bucket:
+        return f"problem {problem.key} is not in bucket {e['bucket']!r}"
+    return None
+
+
+def validate_lookup(doc: Any, source: str = "lookup") -> dict[str, Any]:
+    """Raise ValueError (one line, naming `source`) unless `doc` is a lookup this version reads."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{source}: not a flashtune best-config lookup (top level is not an object)")
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"{source}: not a flashtune best-config lookup (schema {doc.get('schema')!r})")
+    version = doc.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ValueError(f"{source}: invalid lookup version {version!r}")
+    if version > SCHEMA_VERSION:
+        raise ValueError(
+            f"{source}: lookup version {version} was written by a newer flashtune "
+            f"(this one reads version {SCHEMA_VERSION}); upgrade flashtune or re-export"
+        )
+    entries = doc.get("entries")
+    if not isinstance(entries, list):
+        raise ValueError(f"{source}: lookup has no 'entries' list")
+    for i, e in enumerate(entries):
+        why = _check_entry(e)
+        if why:
+            raise ValueError(f"{source}: entry {i} {why}")
+    return doc
+
+
+def read_lookup(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{p}: no best-config lookup there (run `tuner export`)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: cannot read the best-config lookup: {e}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    return validate_lookup(doc, str(p))
+
+
+def write_lookup(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Atomic: a dispatcher reading concurrently sees the old file or the new one, never half."""
+    p = Path(path)
+    validate_lookup(doc, str(p))
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable; not possible everywhere (e.g. Windows)
+        dfd = os.open(p.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def export_from_db(session: Session, path: str | os.PathLike[str], gpu_key: str | None = None) -> int:
+    """Write the lookup from ft_best; returns the number of entries written."""
+    from .db.queries import best_rows
+
+    doc = build_lookup(best_rows(session, gpu_key))
+    write_lookup(doc, path)
+    return len(doc["entries"])

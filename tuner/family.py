@@ -1,0 +1,131 @@
+"""What a kernel family must tell the tuner: its space, its constraints, its launch geometry.
+
+Each family lives in kernel_templates/<name>.py beside its CUDA source and subclasses
+KernelFamily. Everything here is pure Python, so CI can enumerate, check and compile every point
+of every space without a GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from .gpu import GpuSpec
+from .problem import Problem
+
+_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Launch:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+
+
+@cache
+def template_text(filename: str) -> str:
+    """A file of kernel_templates/, with our own `#include "x.cuh"` lines inlined.
+
+    Inlining makes the rendered text the whole truth about what NVRTC compiled: it is what the
+    compile cache hashes, and NVRTC needs no include path.
+    """
+    text = resources.files("tuner.kernel_templates").joinpath(filename).read_text()
+    return _INCLUDE.sub(lambda m: template_text(m.group(1)), text)
+
+
+class KernelFamily(ABC):
+    name: str
+    kernel_name: str
+    source_file: str
+    min_cc: tuple[int, int] = (7, 5)
+    dtypes: tuple[str, ...] = ()
+    head_dims: tuple[int, ...] = ()
+    space: dict[str, tuple] = {}
+
+    # ---- what the search explores ----
+    def points(self) -> list[dict]:
+        """Every point of the space, valid or not."""
+        keys = list(self.space)
+        return [dict(zip(keys, combo)) for combo in itertools.product(*self.space.values())]
+
+    def valid_points(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
+        return [p for p in self.points() if self.check(p, gpu, problem) is None]
+
+    def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        """Why this family cannot serve (gpu, problem) at all, or None."""
+        if (gpu.major, gpu.minor) < self.min_cc:
+            return f"{self.name} needs compute capability {self.min_cc[0]}.{self.min_cc[1]}+, {gpu.name} is {gpu.cc}"
+        if problem.dtype not in self.dtypes:
+            return f"{self.name} takes {'/'.join(self.dtypes)} inputs, not {problem.dtype}"
+        if problem.head_dim not in self.head_dims:
+            return f"{self.name} supports head dim {', '.join(map(str, self.head_dims))}, not {problem.head_dim}"
+        return None
+
+    def check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        """Why `params` is invalid for (gpu, problem), or None: decided before anything compiles."""
+        if set(params) != set(self.space):
+            return f"parameters must be exactly {sorted(self.space)}"
+        for k, v in params.items():
+            if v not in self.space[k]:
+                return f"{k}={v} is not one of {self.space[k]}"
+        reason = self.supports(gpu, problem)
+        if reason:
+            return reason
+        reason = self._check(params, gpu, problem)
+        if reason:
+            return reason
+        smem = self.smem_bytes(params, problem)
+        if smem > gpu.smem_per_block_optin:
+            return f"needs {smem} B of shared memory, {gpu.name} allows {gpu.smem_per_block_optin} B per block"
+        return None
+
+    def default(self, gpu: GpuSpec, problem: Problem) -> dict:
+        """The known-good config the search is seeded with: the first seed that passes check."""
+        for p in self.seeds(gpu, problem):
+            if self.check(p, gpu, problem) is None:
+                return p
+        valid = self.valid_points(gpu, problem)
+        if not valid:
+            raise ValueError(f"{self.name} has no valid config for {problem.key} on {gpu.name}")
+        return valid[0]
+
+    # ---- what each family provides ----
+    @abstractmethod
+    def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None: ...
+
+    @abstractmethod
+    def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
+        """Hand-picked configs, best guess first."""
+
+    @abstractmethod
+    def defines(self, params: dict, problem: Problem) -> dict[str, int]:
+        """Compile-time constants: everything that makes one cubin differ from another."""
+
+    @abstractmethod
+    def smem_bytes(self, params: dict, problem: Problem) -> int: ...
+
+    @abstractmethod
+    def launch(self, params: dict, problem: Problem) -> Launch: ...
+
+    def render(self, params: dict, problem: Problem) -> str:
+        """The full CUDA source NVRTC compiles for one point."""
+        defs = "".join(f"#define {k} {v}\n" for k, v in sorted(self.defines(params, problem).items()))
+        return f"// {self.name} {params}\n{defs}{template_text(self.source_file)}"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def log2_int(n: int) -> int:
+    return int(math.log2(n))

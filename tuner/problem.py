@@ -1,0 +1,144 @@
+"""The attention problem being tuned: shapes, dtype, masking, FLOP count and shape buckets."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+DTYPES = ("fp32", "fp16", "bf16")
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: str = "fp32"
+    causal: bool = False
+    kv_heads: int = 0  # 0 means "same as heads"
+
+    def __post_init__(self) -> None:
+        if self.kv_heads == 0:
+            object.__setattr__(self, "kv_heads", self.heads)
+        for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
+
+    @classmethod
+    def parse(cls, text: str, dtype: str = "fp32") -> "Problem":
+        """Parse `B,H,N,D[,causal]` as the CLI's --shape takes it."""
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if len(parts) not in (4, 5):
+            raise ValueError(f"shape {text!r} must be B,H,N,D or B,H,N,D,causal")
+        try:
+            b, h, n, d = (int(p) for p in parts[:4])
+        except ValueError:
+            raise ValueError(f"shape {text!r}: B, H, N and D must be integers") from None
+        causal = False
+        if len(parts) == 5:
+            flag = parts[4].lower()
+            if flag not in ("causal", "c", "1", "true", "0", "false", "noncausal"):
+                raise ValueError(f"shape {text!r}: the fifth field must be 'causal' (or 1/0)")
+            causal = flag in ("causal", "c", "1", "true")
+        return cls(b, h, n, n, d, dtype, causal)
+
+    def flops(self) -> float:
+        """4·B·H·Nq·Nk·d (two matrix products), halved for causal, as BENCHMARKS.md counts."""
+        f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
+        return f / 2 if self.causal else f
+
+    def tflops(self, ms: float) -> float:
+        return self.flops() / (ms * 1e-3) / 1e12
+
+    def bytes_moved(self) -> int:
+        """Fewest bytes through device memory: q, k, v read once, o written once."""
+        elt = DTYPE_BYTES[self.dtype]
+        q_o = 2 * self.batch * self.heads * self.seqlen_q * self.head_dim
+        k_v = 2 * self.batch * self.kv_heads * self.seqlen_k * self.head_dim
+        return elt * (q_o + k_v)
+
+    def bucket(self) -> "Bucket":
+        return Bucket.of(self)
+
+    @property
+    def key(self) -> str:
+        kv = f"/kv{self.kv_heads}" if self.kv_heads != self.heads else ""
+        mask = "causal" if self.causal else "full"
+        nq = str(self.seqlen_q) if self.seqlen_q == self.seqlen_k else f"{self.seqlen_q}x{self.seqlen_k}"
+        return f"B{self.batch}-H{self.heads}{kv}-N{nq}-D{self.head_dim}-{self.dtype}-{mask}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(n)))
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """The shape class a tuned config serves.
+
+    Configs depend on the head dim, dtype and masking exactly, and on the sequence length and the
+    amount of parallel work only coarsely, so seqlen is rounded up to a power of two (min 128) and
+    the work (batch x heads) to one of three sizes.
+    """
+
+    dtype: str
+    head_dim: int
+    causal: bool
+    seqlen: int
+    work: str
+
+    @classmethod
+    def of(cls, p: Problem) -> "Bucket":
+        n = max(128, _pow2_ceil(max(p.seqlen_q, p.seqlen_k)))
+        bh = p.batch * p.heads
+        work = "small" if bh < 32 else ("medium" if bh < 256 else "large")
+        return cls(p.dtype, p.head_dim, p.causal, n, work)
+
+    @property
+    def key(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return f"{self.dtype}/d{self.head_dim}/{mask}/n{self.seqlen}/{self.work}"
+
+    @classmethod
+    def from_key(cls, key: str) -> "Bucket":
+        try:
+            dtype, d, mask, n, work = key.split("/")
+            if not (d.startswith("d") and n.startswith("n") and mask in ("causal", "full")):
+                raise ValueError
+            return cls(dtype, int(d[1:]), mask == "causal", int(n[1:]), work)
+        except ValueError:
+            raise ValueError(f"not a shape-bucket key: {key!r}") from None
+
+
+GPT2_FP32 = (
+    Problem(8, 12, 1024, 1024, 64, "fp32", True),
+    Problem(6, 12, 4096, 4096, 64, "fp32", True),
+    Problem(1, 12, 8192, 8192, 64, "fp32", True),
+)
+
+
+def standard_grid(dtype: str) -> list[Problem]:
+    """BENCHMARKS.md's 24-shape grid for one dtype: 16k tokens per batch, hidden 2048."""
+    out = []
+    for d in (64, 128):
+        for n in (1024, 4096, 16384):
+            for causal in (False, True):
+                out.append(Problem(16384 // n, 2048 // d, n, n, d, dtype, causal))
+    return out
+
+
+def default_problems(dtype: str | None = None) -> list[Problem]:
+    if dtype in (None, "fp32"):
+        return list(GPT2_FP32)
+    return standard_grid(dtype)
