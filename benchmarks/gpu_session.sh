@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One GPU-machine session: install the carried wheels, run the GPU tests, tune, benchmark, and
+# record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the repo root:
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|all]...
+set -o pipefail
+OUT=${OUT:-.out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
+fi
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+export TUNER_CACHE_DIR=${TUNER_CACHE_DIR:-/tmp/flashtune-cubin}
+export TUNER_DB=${TUNER_DB:-sqlite:////tmp/flashtune/results.db} TUNER_LOOKUP=${TUNER_LOOKUP:-/tmp/flashtune/best.json}
+mkdir -p /tmp/flashtune
+tuner() { python3 -m tuner.cli "$@"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$OUT/gpu.log"
+python3 -c "import torch, cuda.core; print('torch', torch.__version__, 'cuda.core', cuda.core.__version__)" | tee -a "$OUT/gpu.log"
+steps=${*:-all}
+for step in $steps; do
+  case $step in
+    tests|all) FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} python3 -m pytest -m gpu -v -rA tests 2>&1 | tee "$OUT/pytest_gpu.log" ;;&
+    tune|all) tuner precompile --gpu auto 2>&1 | tail -2 | tee "$OUT/tune.log"
+              tuner search --gpu auto --trials "${TRIALS:-30}" 2>&1 | tee -a "$OUT/tune.log" ;;&
+    bench|all) tuner bench --gpu auto --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;&
+    fixture|all) rm -f /tmp/flashtune/fixture.db
+                 tuner precompile --gpu auto --shape 2,4,512,64,causal 2>&1 | tail -1
+                 TUNER_DB=sqlite:////tmp/flashtune/fixture.db tuner search --gpu auto --shape 2,4,512,64,causal \
+                   --sampler grid --trials 400 --no-peers --lookup /tmp/flashtune/fixture_best.json 2>&1 | tail -25 | tee "$OUT/fixture.log"
+                 TUNER_DB=sqlite:////tmp/flashtune/fixture.db tuner search --gpu auto --shape 2,4,512,64,causal --trials 1 \
+                   --lookup /tmp/flashtune/fixture_best.json 2>&1 | tail -8 | tee -a "$OUT/fixture.log"
+                 cp /tmp/flashtune/fixture.db "$OUT/h100_simt.db" ;;
+  esac
+done
+cp /tmp/flashtune/results.db "$OUT/results.db" 2>/dev/null || true

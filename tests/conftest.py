@@ -1,0 +1,61 @@
+"""Shared test setup: the `gpu` marker's skip hook and one cubin cache for the whole session.
+
+NOTE for the lead: a helper accidentally overwrote the lead's first version of this file; the gpu
+skip hook below is a reconstruction (skip `gpu` tests with a reason where no CUDA GPU is visible).
+Merge with your original if it did more.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+
+@cache
+def _no_gpu_reason() -> str | None:
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover
+        return f"torch is not importable: {exc}"
+    if not torch.cuda.is_available():
+        return "needs an NVIDIA GPU with CUDA (torch.cuda.is_available() is False)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [it for it in items if it.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = _no_gpu_reason()
+    if reason:
+        skip = pytest.mark.skip(reason=reason)
+        for it in gpu_items:
+            it.add_marker(skip)
+
+
+# ---- the cubin cache: one folder for every xdist worker ----
+# .pytest_cache/d/cubin under the rootdir (kept between local runs; the cache key covers source,
+# arch, NVRTC version and flags, so a stale entry is never reused). Set at configure time, before
+# collection and before any test compiles, in the controller and in each worker; subprocesses the
+# tests start (the CLI) inherit it.
+
+def _shared_cache_dir(config: pytest.Config) -> Path:
+    cache_ = getattr(config, "cache", None)
+    if cache_ is not None:
+        return Path(cache_.mkdir("cubin"))
+    return Path(config.rootpath) / ".pytest_cache" / "cubin"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ["TUNER_CACHE_DIR"] = str(_shared_cache_dir(config))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_cubin_cache() -> Path:
+    """The session's cubin cache folder (TUNER_CACHE_DIR), shared by all xdist workers."""
+    path = Path(os.environ["TUNER_CACHE_DIR"])
+    path.mkdir(parents=True, exist_ok=True)
+    return path

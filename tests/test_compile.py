@@ -1,0 +1,189 @@
+"""NVRTC without a GPU: every valid point of flash_fwd_simt compiles for sm_80 and sm_90a.
+
+Each (point, arch) compiles once; the problem variant (head dim, dtype, causal) rotates over the
+points so that every variant is compiled by many points. The cubin cache is shared by the xdist
+workers (conftest), so the default configs below are cache hits after the sweep.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tuner.compile import CompileError, compile_kernel, parse_ptxas
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.kernel_templates import get_family
+from tuner.problem import GPT2_FP32, Problem
+from tuner.records import params_key
+
+FAM = get_family("flash_fwd_simt")
+GPUS = (A100_SXM, H100_SXM)
+VARIANTS = [
+    Problem(2, 4, 256, 256, d, dtype, causal)
+    for d, dtype, causal in itertools.product((64, 128), ("fp32", "fp16", "bf16"), (False, True))
+]
+
+
+def _sweep() -> list:
+    """One (gpu, params, problem) per point that is valid for some variant on that gpu."""
+    cases = []
+    for gpu in GPUS:
+        valid = {v: {params_key(p) for p in FAM.valid_points(gpu, v)} for v in VARIANTS}
+        used = dict.fromkeys(VARIANTS, 0)
+        for i, point in enumerate(FAM.points()):
+            key = params_key(point)
+            ok = [v for v in VARIANTS if key in valid[v]]
+            if not ok:
+                continue
+            # round robin, balanced: the least-used variant this point is valid for (rarer d=128
+            # points thus go to the d=128 variants), ties broken by rotating the start
+            rot = VARIANTS[i % len(VARIANTS):] + VARIANTS[: i % len(VARIANTS)]
+            problem = min((v for v in rot if v in ok), key=lambda v: used[v])
+            used[problem] += 1
+            pid = "-".join(f"{k}{v}" for k, v in point.items())
+            vid = f"d{problem.head_dim}-{problem.dtype}-{'causal' if problem.causal else 'full'}"
+            cases.append(pytest.param(gpu, point, problem, id=f"{gpu.arch}-{pid}-{vid}"))
+    return cases
+
+
+SWEEP = _sweep()
+
+
+def test_sweep_covers_the_space():
+    """Every point valid for d=64 or only for d=128 is in the sweep, each variant many times."""
+    for gpu in GPUS:
+        swept = {params_key(c.values[1]) for c in SWEEP if c.values[0] == gpu}
+        for d in (64, 128):
+            for dtype in ("fp32", "fp16", "bf16"):
+                want = {params_key(p) for p in FAM.valid_points(gpu, Problem(1, 1, 128, 128, d, dtype))}
+                assert want and want <= swept, (gpu.arch, d, dtype)
+        used = [c.values[2] for c in SWEEP if c.values[0] == gpu]
+        for v in VARIANTS:
+            assert used.count(v) >= 5, (gpu.arch, v.key, used.count(v))
+        assert len(used) == len(swept)  # each point once per arch
+
+
+def _is_elf(b: bytes) -> bool:
+    return len(b) > 64 and b[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("gpu,params,problem", SWEEP)
+def test_every_valid_point_compiles(gpu, params, problem):
+    assert FAM.check(params, gpu, problem) is None
+    ck = compile_kernel(FAM, params, problem, gpu.arch)
+    assert _is_elf(ck.cubin)
+    assert ck.arch == gpu.arch and ck.family == FAM.name and ck.kernel_name == FAM.kernel_name
+    r = ck.resources
+    assert 0 < r.registers <= 255, ck.log
+    assert r.dynamic_smem == FAM.smem_bytes(params, problem) == FAM.launch(params, problem).smem_bytes
+    assert f"Compiling entry function '{FAM.kernel_name}' for '{gpu.arch}'" in ck.log
+    assert parse_ptxas(ck.log).registers == r.registers
+
+
+DEFAULT_PROBLEMS = list(GPT2_FP32) + [Problem(4, 16, 2048, 2048, 128, "fp32", True),
+                                      Problem(4, 16, 2048, 2048, 128, "bf16", False)]
+
+
+@pytest.mark.parametrize("gpu", GPUS, ids=lambda g: g.arch)
+@pytest.mark.parametrize("problem", DEFAULT_PROBLEMS, ids=lambda p: p.key)
+def test_default_config_does_not_spill(gpu, problem):
+    params = FAM.default(gpu, problem)
+    assert FAM.check(params, gpu, problem) is None
+    ck = compile_kernel(FAM, params, problem, gpu.arch)
+    assert re.search(r"\d+ bytes stack frame", ck.log), ck.log  # the spill line was parsed, not absent
+    assert ck.resources.spill_bytes == 0, ck.log
+    assert ck.resources.stack_bytes == 0, ck.log
+    assert ck.resources.registers > 0
+
+
+def _tool(name: str) -> str:
+    from cuda.pathfinder import find_nvidia_binary_utility
+
+    path = find_nvidia_binary_utility(name)
+    assert path, f"{name} not found: install nvidia-cuda-{name} (the test extra)"
+    return path
+
+
+def test_default_sm90a_sass_is_ffma_without_local_memory(tmp_path):
+    problem = GPT2_FP32[0]
+    ck = compile_kernel(FAM, FAM.default(H100_SXM, problem), problem, H100_SXM.arch)
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(ck.cubin)
+    out = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    sass = out.stdout
+    assert FAM.kernel_name in sass
+    assert len(re.findall(r"\bFFMA\b", sass)) > 100  # the inner loops are fp32 FMAs
+    assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), "local memory (spills) in SASS"
+    assert re.search(r"\bLDS(\.\w+)*\b", sass)  # tiles are read from shared memory
+
+
+# ---- the compile cache ----
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch) -> Path:
+    """A cache folder of this test only: the shared one is never corrupted."""
+    d = tmp_path / "cubin"
+    monkeypatch.setenv("TUNER_CACHE_DIR", str(d))
+    return d
+
+
+SMALL = Problem(1, 2, 128, 128, 64, "fp16", True)
+SMALL_PARAMS = dict(Br=32, Bc=32, TM=2, TN=2, stages=1, min_blocks=2)
+
+
+def test_cache_hit_then_truncated_entry_is_rebuilt(private_cache):
+    first = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80")
+    assert not first.cached and _is_elf(first.cubin)
+    files = sorted(private_cache.rglob("*.cubin"))
+    assert [f.stem for f in files] == [first.key]
+
+    second = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80")
+    assert second.cached and second.key == first.key and second.cubin == first.cubin
+    assert second.resources.registers == first.resources.registers
+
+    other_arch = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_90a")
+    assert not other_arch.cached and other_arch.key != first.key
+
+    files[0].write_bytes(first.cubin[: len(first.cubin) // 2])  # a torn write
+    rebuilt = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80")
+    assert not rebuilt.cached and rebuilt.key == first.key
+    assert _is_elf(rebuilt.cubin) and len(rebuilt.cubin) == len(first.cubin)
+    assert files[0].read_bytes() == rebuilt.cubin  # the entry on disk is whole again
+    again = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80")
+    assert again.cached and again.cubin == rebuilt.cubin
+
+
+def test_cache_missing_metadata_is_rebuilt(private_cache):
+    first = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80")
+    (meta,) = private_cache.rglob("*.json")
+    meta.write_text("{not json")
+    rebuilt = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80")
+    assert not rebuilt.cached and rebuilt.cubin == first.cubin
+    assert compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80").cached
+
+
+def test_key_depends_on_params_and_problem(private_cache):
+    a = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80")
+    b = compile_kernel(FAM, {**SMALL_PARAMS, "min_blocks": 1}, SMALL, "sm_80")
+    c = compile_kernel(FAM, SMALL_PARAMS, Problem(1, 2, 128, 128, 64, "fp16", False), "sm_80")
+    assert len({a.key, b.key, c.key}) == 3
+    assert not b.cached and not c.cached
+
+
+def test_compile_error_raises_with_nvrtc_message(private_cache, monkeypatch):
+    def broken(params, problem):
+        return "extern \"C\" __global__ void flash_fwd_simt() { this_is_not_declared = 1; }\n"
+
+    monkeypatch.setattr(FAM, "render", broken)
+    with pytest.raises(CompileError) as info:
+        compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80")
+    err = info.value
+    assert "NVRTC failed for flash_fwd_simt" in str(err)
+    assert "this_is_not_declared" in err.log and "error" in err.log
+    assert "undefined" in str(err) or "this_is_not_declared" in str(err)
+    assert not list(private_cache.rglob("*.cubin"))  # nothing cached for a failure

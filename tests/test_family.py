@@ -1,0 +1,206 @@
+"""flash_fwd_simt's spec: every kind of invalid point is named, defaults are valid, launch geometry."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from tuner.family import Launch, ceil_div
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.kernel_templates import FAMILIES, get_family
+from tuner.problem import GPT2_FP32, Problem
+
+FAM = get_family("flash_fwd_simt")
+P64 = Problem(2, 4, 512, 512, 64, "fp32", True)
+P128 = Problem(2, 4, 512, 512, 128, "fp32", False)
+BASE = dict(Br=64, Bc=64, TM=4, TN=4, stages=1, min_blocks=1)
+
+
+def pt(**kw) -> dict:
+    return {**BASE, **kw}
+
+
+def test_base_point_is_valid():
+    assert FAM.check(BASE, H100_SXM, P64) is None
+    assert FAM.check(BASE, A100_SXM, P128) is None
+
+
+@pytest.mark.parametrize(
+    "params,words",
+    [
+        (pt(Bc=128, TN=2), ["Bc/TN=64", "one warp"]),  # 64 threads per row: more than a warp
+        (pt(Br=32, Bc=32, TM=8, TN=8), ["not a whole number of warps"]),  # 4 x 4 = 16 threads
+        (pt(Br=128, Bc=64, TM=2, TN=2), ["over the limit of 1024"]),  # 32 x 64 = 2048 threads
+        (pt(Br=128, Bc=32, TM=8, TN=8, min_blocks=1), ["registers"]),
+    ],
+    ids=["row-wider-than-warp", "partial-warp", "over-1024-threads", "registers"],
+)
+def test_structural_reasons(params, words):
+    reason = FAM.check(params, H100_SXM, P128 if "registers" in words else P64)
+    assert isinstance(reason, str), params
+    for w in words:
+        assert w in reason, reason
+
+
+def test_register_estimate_too_high_is_named():
+    # TM=8 rows per thread, each owning head_dim/(Bc/TN) = 128/4 = 32 output columns: >255 live values
+    p = pt(Br=128, Bc=32, TM=8, TN=8)
+    assert FAM.register_estimate(p, P128) > 255
+    reason = FAM.check(p, H100_SXM, P128)
+    assert reason is not None and "registers" in reason and "spill" in reason
+
+
+def test_registers_per_sm_limit_is_named():
+    p = pt(Br=128, Bc=64, TM=4, TN=2)  # 32 x 32 = 1024 threads x ~70 registers > 64K
+    assert FAM.register_estimate(p, P64) <= 255
+    reason = FAM.check(p, H100_SXM, P64)
+    assert reason is not None and "registers of an SM" in reason and "1024 threads" in reason
+    small_rf = replace(H100_SXM, regs_per_sm=8192)
+    assert FAM.check(BASE, H100_SXM, P64) is None
+    assert "registers of an SM" in (FAM.check(BASE, small_rf, P64) or "")
+
+
+def test_min_blocks_register_budget_is_named():
+    p = pt(Br=64, Bc=64, TM=2, TN=2, min_blocks=2)  # 2 x 1024 threads
+    assert FAM.check({**p, "min_blocks": 1}, H100_SXM, P64) is None
+    reason = FAM.check(p, H100_SXM, P64)
+    assert reason is not None and "registers" in reason and "cannot share an SM" in reason
+
+
+def test_shared_memory_over_the_gpu_limit():
+    tiny = replace(H100_SXM, smem_per_block_optin=40000)
+    p = pt(Br=64, Bc=64)
+    need = FAM.smem_bytes(p, P64)
+    assert need > 40000
+    reason = FAM.check(p, tiny, P64)
+    assert reason is not None and "shared memory" in reason and str(need) in reason and "40000" in reason
+    assert FAM.check(p, H100_SXM, P64) is None
+
+
+def test_min_blocks_shared_memory_per_sm_is_named():
+    p = pt(Br=128, Bc=128, TM=8, TN=4, min_blocks=2)
+    need = FAM.smem_bytes(p, P64)
+    g = replace(H100_SXM, smem_per_sm=need + 1, regs_per_sm=10**6)
+    reason = FAM.check(p, g, P64)
+    assert reason is not None and "shared memory of one SM" in reason
+
+
+def test_stages2_needs_sm80():
+    turing = replace(H100_SXM, name="Tesla T4", major=7, minor=5)
+    assert FAM.check(pt(stages=1), turing, P64) is None
+    reason = FAM.check(pt(stages=2), turing, P64)
+    assert reason is not None and "cp.async" in reason and "sm_80" in reason
+    assert FAM.check(pt(stages=2), A100_SXM, P64) is None
+
+
+def test_stages2_staging_costs_shared_memory_by_dtype():
+    p = pt(stages=2)
+    fp32 = FAM.smem_bytes(p, P64)
+    fp16 = FAM.smem_bytes(p, replace(P64, dtype="fp16"))
+    plain = FAM.smem_bytes(pt(stages=1), P64)
+    assert plain < fp16 < fp32
+
+
+@pytest.mark.parametrize(
+    "gpu,problem,word",
+    [
+        (replace(H100_SXM, name="Tesla V100", major=7, minor=0), P64, "compute capability 7.5+"),
+        (H100_SXM, Problem(1, 1, 128, 128, 80, "fp32"), "head dim"),
+        (H100_SXM, Problem(1, 1, 128, 128, 96, "fp16"), "head dim"),
+    ],
+    ids=["cc-7.0", "d80", "d96"],
+)
+def test_supports_rejects(gpu, problem, word):
+    reason = FAM.supports(gpu, problem)
+    assert reason is not None and word in reason
+    assert FAM.check(BASE, gpu, problem) == reason  # check reports the same reason for any point
+    with pytest.raises(ValueError):
+        FAM.default(gpu, problem)
+
+
+def test_supports_rejects_dtype(monkeypatch):
+    monkeypatch.setattr(FAM, "dtypes", ("fp32",))
+    reason = FAM.supports(H100_SXM, replace(P64, dtype="bf16"))
+    assert reason is not None and "bf16" in reason and "fp32" in reason
+    assert FAM.supports(H100_SXM, P64) is None
+
+
+def test_value_not_in_space():
+    reason = FAM.check(pt(Br=48), H100_SXM, P64)
+    assert reason is not None and "Br=48" in reason
+    reason = FAM.check(pt(stages=3), H100_SXM, P64)
+    assert reason is not None and "stages=3" in reason
+
+
+@pytest.mark.parametrize("params", [{k: v for k, v in BASE.items() if k != "TN"}, {**BASE, "warps": 4}, {}],
+                         ids=["missing", "extra", "empty"])
+def test_missing_or_extra_params(params):
+    reason = FAM.check(params, H100_SXM, P64)
+    assert reason is not None and "parameters must be exactly" in reason
+
+
+def test_valid_points_agree_with_check_and_shrink_with_head_dim():
+    for gpu in (A100_SXM, H100_SXM):
+        v64, v128 = FAM.valid_points(gpu, P64), FAM.valid_points(gpu, P128)
+        assert v64 and v128 and len(v128) < len(v64) < len(FAM.points())
+        assert all(FAM.check(p, gpu, P64) is None for p in v64)
+        assert len(FAM.points()) == len({tuple(p.items()) for p in FAM.points()})
+    # cp.async makes stages=2 points valid on Ampere+ only
+    turing = replace(A100_SXM, major=7, minor=5)
+    assert not any(p["stages"] == 2 for p in FAM.valid_points(turing, P64))
+    assert any(p["stages"] == 2 for p in FAM.valid_points(A100_SXM, P64))
+
+
+@pytest.mark.parametrize("gpu", [H100_SXM, A100_SXM], ids=lambda g: g.arch)
+@pytest.mark.parametrize("problem", list(GPT2_FP32) + [P128, replace(P128, dtype="bf16", causal=True)],
+                         ids=lambda p: p.key)
+def test_default_is_valid(gpu, problem):
+    d = FAM.default(gpu, problem)
+    assert FAM.check(d, gpu, problem) is None
+    assert set(d) == set(FAM.space)
+    seeds = [s for s in FAM.seeds(gpu, problem) if FAM.check(s, gpu, problem) is None]
+    assert seeds and d == seeds[0]
+
+
+def test_default_falls_back_to_a_valid_point_when_no_seed_fits(monkeypatch):
+    monkeypatch.setattr(FAM, "seeds", lambda gpu, problem: [pt(Br=48), pt(Bc=128, TN=2)])
+    d = FAM.default(H100_SXM, P64)
+    assert d == FAM.valid_points(H100_SXM, P64)[0] and FAM.check(d, H100_SXM, P64) is None
+
+
+def test_default_raises_when_nothing_fits():
+    tiny = replace(H100_SXM, smem_per_block_optin=20000)
+    assert FAM.valid_points(tiny, P64) == []
+    with pytest.raises(ValueError, match="no valid config"):
+        FAM.default(tiny, P64)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 1024])
+@pytest.mark.parametrize("params", [BASE, pt(Br=128, Bc=64, TM=8, TN=4), pt(Br=32, Bc=32, TM=2, TN=2)],
+                         ids=lambda p: f"Br{p['Br']}")
+def test_launch_geometry(params, n):
+    problem = Problem(3, 5, n, n + 7, 64, "fp16", True)
+    launch = FAM.launch(params, problem)
+    assert isinstance(launch, Launch)
+    gx, gy, gz = launch.grid
+    assert gx == ceil_div(n, params["Br"]) and gx * params["Br"] >= n > (gx - 1) * params["Br"]
+    assert (gy, gz) == (3 * 5, 1)
+    threads = (params["Bc"] // params["TN"]) * (params["Br"] // params["TM"])
+    assert launch.block == (threads, 1, 1) and threads % 32 == 0
+    assert launch.smem_bytes == FAM.smem_bytes(params, problem) > 0
+
+
+def test_render_carries_every_define():
+    src = FAM.render(BASE, Problem(1, 1, 128, 128, 128, "bf16", True))
+    for name, value in {"BR": 64, "BC": 64, "TM": 4, "TN": 4, "STAGES": 1, "MIN_BLOCKS": 1,
+                        "HEAD_DIM": 128, "IN_DTYPE": 2, "IS_CAUSAL": 1}.items():
+        assert f"#define {name} {value}\n" in src
+    assert '#include "' not in src  # our headers are inlined
+    assert f"void {FAM.kernel_name}" in src or FAM.kernel_name in src
+
+
+def test_family_registry():
+    assert FAMILIES["flash_fwd_simt"] is FAM
+    with pytest.raises(ValueError, match="unknown kernel family 'nope'"):
+        get_family("nope")

@@ -1,0 +1,96 @@
+"""On the GPU: a short real search on the GPT-2 shapes, then `attention` runs the winner."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    d = tmp_path_factory.mktemp("e2e")
+    db = f"sqlite:///{d / 'results.db'}"
+    lookup = d / "best.json"
+    env = dict(os.environ, TUNER_DB=db)
+    trials = os.environ.get("FLASHTUNE_E2E_TRIALS", "30")
+    cmd = [sys.executable, "-m", "tuner.cli", "search", "--gpu", "auto", "--trials", trials, "--lookup", str(lookup)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    print(out.stdout[-5000:], out.stderr[-3000:])
+    assert out.returncode == 0, out.stderr
+    return db, lookup, out.stdout
+
+
+def test_search_stores_and_exports(tuned):
+    from tuner.db import queries
+    from tuner.db.engine import make_engine, session_factory
+    from tuner.export import read_lookup
+    from tuner.gpu import detect
+    from tuner.problem import GPT2_FP32
+
+    db, lookup, stdout = tuned
+    gpu = detect()
+    with session_factory(make_engine(db))() as s:
+        best = {b.problem.key: b for b in queries.best_rows(s, gpu.key)}
+        for p in GPT2_FP32:
+            assert p.key in best, f"no best config for {p.key}"
+            rows = queries.measurements(s, gpu_key=gpu.key, family="flash_fwd_simt", problem_key=p.key)
+            assert sum(r["status"] == "ok" for r in rows) >= 5
+            assert best[p.key].tflops == max(r["tflops"] for r in rows if r["status"] == "ok")
+            peers = queries.peer_rows(s, gpu.key, p.key)
+            assert "sdpa_efficient" in peers and peers["sdpa_efficient"].tflops > 0
+    doc = read_lookup(lookup)
+    assert {e["bucket"] for e in doc["entries"]} >= {p.bucket().key for p in GPT2_FP32}
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_attention_runs_the_winner(tuned, layout):
+    import torch
+
+    from tuner.dispatch import Dispatcher
+    from tuner.problem import GPT2_FP32
+    from tuner.reference import attention_fp64, compare
+
+    _, lookup, _ = tuned
+    disp = Dispatcher(lookup)
+    for p in GPT2_FP32[:2]:
+        b, h, n, d = p.batch, p.heads, p.seqlen_q - 5, p.head_dim  # same bucket, ragged length
+        q, k, v = (torch.randn(b, h, n, d, device="cuda") for _ in range(3))
+        if layout == "bnhd":
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback warning would mean the winner did not run
+            o = disp(q, k, v, causal=True)
+        plan = next(iter(disp._plans.values()))
+        assert plan.family == "flash_fwd_simt"
+        ref, _ = attention_fp64(q, k, v, True, 1.0 / math.sqrt(d))
+        err = compare(o, None, ref, None)
+        assert err.rel < 1e-4, err
+        disp._plans.clear()
+
+
+def test_attention_falls_back_and_rejects_bad_input(tuned):
+    import torch
+
+    from tuner.dispatch import Dispatcher
+
+    _, lookup, _ = tuned
+    disp = Dispatcher(lookup)
+    q = torch.randn(1, 2, 100, 64, device="cuda", dtype=torch.bfloat16)  # nothing tuned for bf16
+    with pytest.warns(UserWarning, match="scaled_dot_product_attention"):
+        o = disp(q, q, q)
+    torch.testing.assert_close(o, torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    with pytest.raises(ValueError, match="cpu"):
+        disp(q, q.cpu(), q)
+    with pytest.raises(ValueError, match="different dtypes"):
+        disp(q, q.float(), q)
+    with pytest.raises(ValueError, match="head dim"):
+        x = torch.randn(1, 2, 16, 80, device="cuda")
+        disp(x, x, x)

@@ -1,0 +1,66 @@
+"""On the GPU: flash_fwd_simt against the float64 reference, on fresh random ragged shapes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from tuner.problem import Problem
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(family, params, problem, seed, layout="bhnd"):
+    import torch
+
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.launch import LoadedKernel, attention_args, current_stream
+    from tuner.measure import random_inputs
+    from tuner.reference import attention_fp64, compare
+
+    gpu = detect()
+    assert family.check(params, gpu, problem) is None
+    ck = compile_kernel(family, params, problem, gpu.arch)
+    launch = family.launch(params, problem)
+    kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
+    q, k, v = random_inputs(problem, seed)
+    if layout == "bnhd":  # (B, N, H, D) storage seen as (B, H, N, D) strides: no copy
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    scale = 1.0 / math.sqrt(problem.head_dim)
+    kernel(current_stream(), launch, *attention_args(q, k, v, o, lse, scale))
+    torch.cuda.synchronize()
+    ref_o, ref_lse = attention_fp64(q, k, v, problem.causal, scale)
+    return compare(o, lse, ref_o, ref_lse)
+
+
+def _random_problem(rng: random.Random, dtype: str, causal: bool, d: int) -> Problem:
+    n = rng.choice([1, 7, 63, 65, 127, 129, 200, 333, 1000, 1031])
+    kvh = rng.choice([1, 2, 4])
+    return Problem(rng.randint(1, 3), kvh * rng.choice([1, 2]), n, n, d, dtype, causal, kvh)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+def test_simt_matches_reference(dtype, causal, d):
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.reference import REL_BUDGET
+
+    fam = get_family("flash_fwd_simt")
+    gpu = detect()
+    rng = random.Random()  # fresh shapes, configs and inputs every run; printed on failure
+    problem = _random_problem(rng, dtype, causal, d)
+    valid = fam.valid_points(gpu, problem)
+    configs = [fam.default(gpu, problem)] + rng.sample(valid, 3)
+    for params in configs:
+        for layout in ("bhnd", "bnhd"):
+            err = _run(fam, params, problem, rng.randrange(2**31), layout)
+            assert err.finite, f"NaN/Inf (unwritten output?) for {problem.key} {params} {layout}"
+            assert err.rel <= REL_BUDGET[dtype], f"{problem.key} {params} {layout}: rel err {err.rel:.3g}"
+            assert err.lse is not None and err.lse <= 1e-3, f"{problem.key} {params}: lse err {err.lse}"

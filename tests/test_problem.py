@@ -1,0 +1,159 @@
+"""Problem: parsing, validation, FLOP count, keys and shape buckets."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+
+from tuner.problem import DTYPES, GPT2_FP32, Bucket, Problem, default_problems, standard_grid
+
+
+@pytest.mark.parametrize(
+    "text,dtype,want",
+    [
+        ("2,4,512,64", "fp32", Problem(2, 4, 512, 512, 64, "fp32", False)),
+        ("2, 4, 512, 64, causal", "fp16", Problem(2, 4, 512, 512, 64, "fp16", True)),
+        ("8,12,1024,64,1", "bf16", Problem(8, 12, 1024, 1024, 64, "bf16", True)),
+        ("8,12,1024,64,0", "fp32", Problem(8, 12, 1024, 1024, 64, "fp32", False)),
+        ("1,1,7,128,FALSE", "fp32", Problem(1, 1, 7, 7, 128, "fp32", False)),
+        ("1,1,7,128,C", "fp32", Problem(1, 1, 7, 7, 128, "fp32", True)),
+    ],
+)
+def test_parse_good(text, dtype, want):
+    assert Problem.parse(text, dtype) == want
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("2,4,512", "must be B,H,N,D"),
+        ("2,4,512,64,causal,x", "must be B,H,N,D"),
+        ("", "must be B,H,N,D"),
+        ("2,4,x,64", "must be integers"),
+        ("2,4,512.5,64", "must be integers"),
+        ("2,4,512,64,sideways", "fifth field"),
+        ("0,4,512,64", "batch must be a positive integer"),
+        ("2,-4,512,64", "heads must be a positive integer"),
+        ("2,4,512,0", "head_dim must be a positive integer"),
+    ],
+)
+def test_parse_bad(text, match):
+    with pytest.raises(ValueError, match=match) as info:
+        Problem.parse(text)
+    assert "\n" not in str(info.value)
+
+
+def test_parse_bad_dtype():
+    with pytest.raises(ValueError, match="dtype must be one of fp32, fp16, bf16, got 'fp8'"):
+        Problem.parse("1,1,128,64", "fp8")
+
+
+@pytest.mark.parametrize("field", ["batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "kv_heads"])
+@pytest.mark.parametrize("value", [-1, 2.0, "4", None])
+def test_fields_must_be_positive_ints(field, value):
+    kw = dict(batch=1, heads=4, seqlen_q=128, seqlen_k=128, head_dim=64, kv_heads=2)
+    kw[field] = value
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer"):
+        Problem(**kw)
+
+
+def test_zero_is_rejected_except_kv_heads():
+    for field in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim"):
+        kw = dict(batch=1, heads=4, seqlen_q=128, seqlen_k=128, head_dim=64)
+        kw[field] = 0
+        with pytest.raises(ValueError, match=field):
+            Problem(**kw)
+    assert Problem(1, 4, 128, 128, 64, kv_heads=0).kv_heads == 4  # 0 means "same as heads"
+
+
+def test_gqa_validation_and_default_kv_heads():
+    assert Problem(1, 8, 128, 128, 64).kv_heads == 8
+    assert Problem(1, 8, 128, 128, 64, kv_heads=2).kv_heads == 2
+    with pytest.raises(ValueError, match=r"kv_heads \(3\) must divide heads \(8\)"):
+        Problem(1, 8, 128, 128, 64, kv_heads=3)
+    with pytest.raises(ValueError, match="kv_heads must be a positive integer"):
+        Problem(1, 8, 128, 128, 64, kv_heads=-2)
+
+
+def test_flops_and_causal_halves():
+    p = Problem(2, 3, 5, 7, 64, "fp32", False)
+    assert p.flops() == 4 * 2 * 3 * 5 * 7 * 64
+    assert replace(p, causal=True).flops() == p.flops() / 2
+    # TFLOP/s from milliseconds
+    assert p.tflops(2.0) == pytest.approx(p.flops() / 2e-3 / 1e12)
+    big = GPT2_FP32[0]
+    assert big.tflops(1.0) == pytest.approx(4 * 8 * 12 * 1024 * 1024 * 64 / 2 / 1e-3 / 1e12)
+
+
+def test_bytes_moved_counts_gqa():
+    p = Problem(1, 8, 100, 200, 64, "fp16", kv_heads=2)
+    assert p.bytes_moved() == 2 * (2 * 8 * 100 * 64 + 2 * 2 * 200 * 64)
+    assert replace(p, dtype="fp32").bytes_moved() == 2 * p.bytes_moved()
+
+
+def test_keys():
+    assert Problem(8, 12, 1024, 1024, 64, "fp32", True).key == "B8-H12-N1024-D64-fp32-causal"
+    assert Problem(2, 16, 512, 2048, 128, "bf16", False, 4).key == "B2-H16/kv4-N512x2048-D128-bf16-full"
+    keys = {Problem(b, h, n, n, d, t, c).key for b, h, n, d, t, c in
+            itertools.product((1, 2), (4, 8), (128, 256), (64, 128), DTYPES, (False, True))}
+    assert len(keys) == 2 * 2 * 2 * 2 * 3 * 2  # distinct problems never share a key
+
+
+def test_bucket_rounds_seqlen_and_work():
+    b = Problem(8, 12, 1000, 1000, 64, "fp32", True).bucket()
+    assert b == Bucket("fp32", 64, True, 1024, "medium")
+    assert b.key == "fp32/d64/causal/n1024/medium"
+    assert Problem(1, 1, 5, 5, 64).bucket().seqlen == 128  # minimum 128
+    assert Problem(1, 1, 100, 3000, 64).bucket().seqlen == 4096  # max of q and k
+    assert Problem(1, 31, 128, 128, 64).bucket().work == "small"
+    assert Problem(1, 32, 128, 128, 64).bucket().work == "medium"
+    assert Problem(2, 128, 128, 128, 64).bucket().work == "large"
+
+
+@pytest.mark.parametrize("a,b", [(1000, 1024), (513, 1024), (129, 256), (1, 128), (4097, 8192)])
+def test_same_bucket(a, b):
+    pa, pb = Problem(4, 12, a, a, 64, "fp16", True), Problem(4, 12, b, b, 64, "fp16", True)
+    assert pa.bucket() == pb.bucket() and pa.bucket().key == pb.bucket().key
+
+
+@pytest.mark.parametrize("a,b", [(1024, 1025), (2048, 1024), (128, 129)])
+def test_different_seqlen_bucket(a, b):
+    assert Problem(4, 12, a, a, 64).bucket() != Problem(4, 12, b, b, 64).bucket()
+
+
+def test_head_dim_dtype_causal_never_share():
+    base = Problem(4, 12, 1024, 1024, 64, "fp32", False)
+    variants = [replace(base, head_dim=d, dtype=t, causal=c)
+                for d, t, c in itertools.product((64, 128), DTYPES, (False, True))]
+    keys = [v.bucket().key for v in variants]
+    assert len(set(keys)) == len(variants)
+
+
+def test_bucket_key_round_trip():
+    for p in standard_grid("bf16") + list(GPT2_FP32) + [Problem(1, 1, 3, 9000, 128, "fp16", True)]:
+        b = p.bucket()
+        assert Bucket.from_key(b.key) == b
+
+
+@pytest.mark.parametrize("key", ["", "fp32/d64/causal/n1024", "fp32/64/causal/n1024/small",
+                                 "fp32/d64/masked/n1024/small", "fp32/dx/causal/n1024/small",
+                                 "fp32/d64/causal/1024/small", "a/b/c/d/e/f"])
+def test_bucket_from_bad_key(key):
+    with pytest.raises(ValueError, match="not a shape-bucket key"):
+        Bucket.from_key(key)
+
+
+def test_default_problems():
+    assert default_problems() == list(GPT2_FP32) == default_problems("fp32")
+    grid = default_problems("bf16")
+    assert len(grid) == 12 and all(p.dtype == "bf16" for p in grid)
+    assert {p.batch * p.seqlen_q for p in grid} == {16384}
+    assert {p.heads * p.head_dim for p in grid} == {2048}
+    assert len({p.key for p in grid}) == 12
+
+
+def test_to_dict_round_trip():
+    p = Problem(2, 16, 512, 2048, 128, "bf16", False, 4)
+    assert Problem(**p.to_dict()) == p

@@ -1,0 +1,303 @@
+"""`tuner`: gpus, search, bench, export. Errors are one line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Autotune CUDA FlashAttention forward kernels.")
+console = Console()
+err_console = Console(stderr=True)
+
+
+class UserError(Exception):
+    """Anything the user can fix: printed as one line."""
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _db_url(db: Optional[str]) -> str:
+    from .db.engine import default_url
+
+    return db or os.environ.get("TUNER_DB") or default_url()
+
+
+def _problems(shapes: list[str], dtype: Optional[str]):
+    from .problem import DTYPES, Problem, default_problems
+
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not shapes:
+        return default_problems(dtype)
+    return [Problem.parse(s, dtype or "fp32") for s in shapes]
+
+
+@app.command()
+def gpus() -> None:
+    """List the visible GPUs."""
+    from .gpu import visible
+
+    found = visible()
+    if not found:
+        console.print("no CUDA GPU is visible (torch.cuda.is_available() is False)")
+        raise typer.Exit(1)
+    t = Table("index", "name", "cc", "arch", "SMs", "smem/block", "L2", "memory", "key")
+    for g in found:
+        t.add_row(str(g.index), g.name, g.cc, g.arch, str(g.sm_count), f"{g.smem_per_block_optin // 1024} KiB",
+                  f"{g.l2_bytes >> 20} MiB", f"{g.memory_bytes / 2**30:.0f} GiB", g.key)
+    console.print(t)
+
+
+def _summary_table(results, title: str) -> Table:
+    from .search import ratio
+
+    t = Table(title=title)
+    for col in ("problem", "best config", "ms", "TFLOP/s", "peers TFLOP/s", "vs best peer"):
+        t.add_column(col, justify="right" if col in ("ms", "TFLOP/s", "vs best peer") else "left")
+    for r in results:
+        peers = {k: m.tflops for k, m in r.peers.items() if m.ok and m.tflops}
+        best_peer = max(peers.values(), default=None)
+        tf = r.best.tflops if r.best else None
+        ratio_v = ratio(tf, best_peer)
+        t.add_row(
+            r.problem.key,
+            json.dumps(r.best_params, separators=(",", ":")) if r.best_params else "-",
+            f"{r.best.median_ms:.3f}" if r.best else "-",
+            f"{tf:.1f}" if tf else "-",
+            ", ".join(f"{k.removeprefix('sdpa_')} {v:.1f}" for k, v in sorted(peers.items(), key=lambda kv: -kv[1])) or "-",
+            f"{ratio_v:.2f}x" if ratio_v else "-",
+        )
+    return t
+
+
+@app.command()
+def search(
+    gpu: str = typer.Option("auto", "--gpu", help="'auto' (the current device) or a GPU index"),
+    shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable. Default: the standard set"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, fp16 or bf16 (default fp32)"),
+    trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="stop asking for trials after this many seconds"),
+    db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: $TUNER_DB or the user data dir)"),
+    family: str = typer.Option("flash_fwd_simt", "--family", help="kernel family to tune"),
+    replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB instead of a GPU"),
+    candidate_timeout: float = typer.Option(60.0, "--candidate-timeout", min=1, help="seconds per candidate"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
+    sampler: str = typer.Option("tpe", "--sampler", help="tpe, random, or grid (every point once)"),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="measure the SDPA peers in the same run"),
+    lookup: Optional[Path] = typer.Option(None, "--lookup", help="where to write the best-config lookup"),
+) -> None:
+    """Tune the kernels for the detected GPU and store every measurement."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .db.engine import make_engine, session_factory
+    from .export import default_lookup_path, export_from_db
+    from .kernel_templates import get_family
+    from .runner import GpuRunner, ReplayRunner
+    from .search import Search
+
+    fam = get_family(family)
+    problems = _problems(shape, dtype)
+    url = _db_url(db)
+    if replay:
+        runner = ReplayRunner(replay)
+    else:
+        from .gpu import detect
+
+        runner = GpuRunner(detect(gpu), candidate_timeout)
+    for p in problems:
+        reason = fam.supports(runner.gpu, p)
+        if reason:
+            raise UserError(f"{p.key}: {reason}")
+    engine = make_engine(url)
+    sessions = session_factory(engine)
+    deadline = time.monotonic() + timeout if timeout else None
+    console.print(f"tuning [bold]{fam.name}[/] on {runner.gpu.name} ({runner.gpu.key}) for {len(problems)} "
+                  f"problem(s), {trials} trials each; results in {engine.url.render_as_string(hide_password=True)}")
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        tasks = {p.key: bar.add_task(p.key, total=trials, best="") for p in problems}
+
+        def observe(ev) -> None:
+            best = f"best {ev.best_tflops:.1f} TFLOP/s" if ev.best_tflops else ""
+            bar.update(tasks[ev.problem.key], completed=min(ev.done, trials), best=best)
+
+        s = Search(runner, sessions, url, seed=seed, sampler=sampler, observer=observe)
+        try:
+            for p in problems:
+                r = s.tune(fam, p, trials, deadline)
+                bar.update(tasks[p.key], completed=trials)
+                if peers:
+                    r.peers = s.measure_peers(p)
+                results.append(r)
+        finally:
+            runner.close()
+    console.print(_summary_table(results, f"{fam.name} on {runner.gpu.name}, run {s.run_id}"))
+    path = lookup or default_lookup_path()
+    with sessions() as session:
+        n = export_from_db(session, path)
+    console.print(f"best-config lookup: {n} entries written to {path}")
+
+
+@app.command()
+def bench(
+    gpu: str = typer.Option("auto", "--gpu"),
+    shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable"),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    db: Optional[str] = typer.Option(None, "--db"),
+    family: str = typer.Option("flash_fwd_simt", "--family"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
+) -> None:
+    """Re-time the tuned best of each problem beside the SDPA peers, in one run."""
+    from .db import queries
+    from .db.engine import make_engine, session_factory
+    from .gpu import detect
+    from .kernel_templates import get_family
+    from .records import Measurement
+    from .runner import GpuRunner
+    from .search import ProblemResult, Search
+
+    fam = get_family(family)
+    problems = _problems(shape, dtype)
+    g = detect(gpu)
+    url = _db_url(db)
+    sessions = session_factory(make_engine(url))
+    runner = GpuRunner(g)
+    s = Search(runner, sessions, url)
+    results = []
+    try:
+        with sessions() as session:
+            best = {b.problem.key: b for b in queries.best_rows(session, g.key) if b.family == fam.name}
+        for p in problems:
+            r = ProblemResult(p, fam.name, "")
+            b = best.get(p.key)
+            if b is not None:
+                m = runner.measure(fam, b.params, p)
+                with sessions.begin() as session:
+                    queries.record_measurement(session, g, p, fam.name, b.params, m, run_id=s.run_id)
+                r.best_params = b.params
+                r.best = m if m.ok else Measurement("ok", median_ms=b.median_ms, tflops=None)
+            r.peers = s.measure_peers(p)
+            results.append(r)
+            console.print(f"{p.key}: {r.best.tflops if r.best and r.best.tflops else float('nan'):.1f} TFLOP/s")
+    finally:
+        runner.close()
+    console.print(_summary_table(results, f"bench: tuned {fam.name} vs torch SDPA on {g.name} ({time.strftime('%Y-%m-%d')})"))
+    if json_out:
+        rows = [{"problem": r.problem.to_dict(), "family": fam.name, "config": r.best_params,
+                 "tuned_tflops": r.best.tflops if r.best else None,
+                 **{f"{k}_tflops": m.tflops for k, m in r.peers.items()}} for r in results]
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"gpu": g.name, "gpu_key": g.key, "date": time.strftime("%Y-%m-%d"),
+                                        "rows": rows}, indent=1))
+
+
+def _compile_one(args) -> tuple[str, str]:
+    from .compile import CompileError, compile_kernel
+    from .kernel_templates import get_family
+
+    family, params, problem, arch = args
+    try:
+        ck = compile_kernel(get_family(family), params, problem, arch)
+    except CompileError as exc:
+        return "error", str(exc)
+    return ("cached" if ck.cached else "compiled"), f"{ck.resources.registers} regs, {ck.resources.spill_bytes} B spilled"
+
+
+@app.command()
+def precompile(
+    gpu: str = typer.Option("auto", "--gpu", help="'auto' or an index; without a GPU give --arch"),
+    arch: Optional[str] = typer.Option(None, "--arch", help="sm_80 or sm_90a: compile for this target with no GPU"),
+    shape: list[str] = typer.Option([], "--shape"),
+    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    family: str = typer.Option("flash_fwd_simt", "--family"),
+    jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", "-j", min=1),
+) -> None:
+    """Fill the compile cache with every valid point, in parallel, before a search."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing as mp
+
+    from rich.progress import track
+
+    from .gpu import A100_SXM, H100_SXM, detect
+    from .kernel_templates import get_family
+
+    fam = get_family(family)
+    if arch is None:
+        g = detect(gpu)
+        arch = g.arch
+    else:
+        known = {"sm_90a": H100_SXM, "sm_80": A100_SXM}
+        if arch not in known:
+            raise UserError(f"--arch must be one of {', '.join(known)} without a GPU")
+        g = known[arch]
+    work = [(fam.name, params, p, arch) for p in _problems(shape, dtype) for params in fam.valid_points(g, p)]
+    counts: dict[str, int] = {}
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        for status, _ in track(pool.map(_compile_one, work), total=len(work), description=f"compiling for {arch}"):
+            counts[status] = counts.get(status, 0) + 1
+    console.print(f"{len(work)} kernels for {arch}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    if counts.get("error"):
+        raise typer.Exit(1)
+
+
+@app.command()
+def export(
+    output: Path = typer.Option(..., "-o", "--output", help="where to write the lookup JSON"),
+    db: Optional[str] = typer.Option(None, "--db"),
+    gpu_key: Optional[str] = typer.Option(None, "--gpu-key", help="only this GPU's entries"),
+) -> None:
+    """Write the best-config lookup the dispatcher reads."""
+    from .db.engine import make_engine, session_factory
+    from .export import export_from_db
+
+    sessions = session_factory(make_engine(_db_url(db), readonly=True))
+    with sessions() as s:
+        n = export_from_db(s, output, gpu_key)
+    if n == 0:
+        err_console.print("warning: the database holds no tuned configs yet (run `tuner search` first)")
+    console.print(f"{n} entries written to {output}")
+
+
+def main() -> None:
+    """Entry point: user errors become one red line and exit code 2."""
+    from .db.engine import DatabaseError
+    from .gpu import NoGpuError
+
+    try:
+        app(standalone_mode=False)
+    except NoGpuError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except (UserError, ValueError, DatabaseError, OSError) as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("interrupted: finished measurements are stored; run the same command to resume")
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except Exception as exc:  # click's usage errors and aborts
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(130)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The runtime dispatcher: `attention(q, k, v)` runs the best tuned kernel for the shape.
+
+Its hot path is a dictionary lookup and a launch. The first call for a shape reads the lookup
+file (once per process), compiles or loads the cubin (disk cache) and keeps the loaded kernel.
+Where nothing tuned fits, torch's scaled_dot_product_attention answers, with one warning.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from .family import Launch
+from .problem import DTYPES, Problem
+
+TORCH_TO_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass
+class Plan:
+    """What a shape resolved to: a loaded kernel and its launch, or None for the SDPA fallback."""
+
+    kernel: object | None
+    launch: Launch | None
+    family: str | None
+    reason: str = ""
+
+
+def supported_head_dims() -> set[int]:
+    from .kernel_templates import FAMILIES
+
+    return {d for f in FAMILIES.values() for d in f.head_dims}
+
+
+def problem_of(q, k, v, causal: bool) -> Problem:
+    """Validate the inputs and describe them; every mistake is a ValueError naming it."""
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} is on {t.device}; attention runs on CUDA tensors")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
+    dtype = TORCH_TO_DTYPE.get(str(q.dtype).removeprefix("torch."))
+    if dtype is None:
+        raise ValueError(f"unsupported dtype {q.dtype}; use one of {', '.join(DTYPES)}")
+    b, h, nq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim")
+    if k.shape[1] == 0 or h % k.shape[1]:
+        raise ValueError(f"k/v heads ({k.shape[1]}) must divide q heads ({h})")
+    if d not in supported_head_dims():
+        raise ValueError(f"unsupported head dim {d}; supported: {sorted(supported_head_dims())}")
+    if min(b, h, nq, k.shape[2]) == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    return Problem(b, h, nq, k.shape[2], d, dtype, bool(causal), k.shape[1])
+
+
+def _kernel_ready(t, dtype: str) -> bool:
+    """Our kernels read 16-byte chunks: the last dim contiguous, pointers and row strides aligned."""
+    elt = 4 if dtype == "fp32" else 2
+    chunk = 16 // elt
+    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % chunk == 0 for s in t.stride()[:3])
+
+
+class Dispatcher:
+    def __init__(self, lookup_path: str | Path | None = None) -> None:
+        self._path = lookup_path
+        self._table: dict[tuple[str, str], list[dict]] | None = None
+        self._plans: dict[tuple, Plan] = {}
+        self._gpus: dict[int, object] = {}
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    # ---- slow path, once per shape ----
+    def _load_table(self) -> dict[tuple[str, str], list[dict]]:
+        from .export import default_lookup_path, read_lookup
+
+        path = Path(self._path) if self._path else default_lookup_path()
+        table: dict[tuple[str, str], list[dict]] = {}
+        if path.exists():
+            try:
+                doc = read_lookup(path)
+            except ValueError as exc:
+                self._warn(f"ignoring the best-config lookup: {exc}")
+                doc = {"entries": []}
+            for e in doc["entries"]:
+                table.setdefault((e["gpu_key"], e["bucket"]), []).append(e)
+            for entries in table.values():
+                entries.sort(key=lambda e: -e["tflops"])
+        return table
+
+    def _gpu(self, index: int):
+        g = self._gpus.get(index)
+        if g is None:
+            from .gpu import _from_torch
+
+            g = self._gpus[index] = _from_torch(index)
+        return g
+
+    def select(self, problem: Problem, gpu) -> dict | None:
+        """The lookup entry that serves `problem` on `gpu`: its bucket's fastest runnable family."""
+        from .kernel_templates import FAMILIES
+
+        if self._table is None:
+            self._table = self._load_table()
+        for e in self._table.get((gpu.key, problem.bucket().key), []):
+            fam = FAMILIES.get(e["family"])
+            if fam is not None and fam.check(e["params"], gpu, problem) is None:
+                return e
+        return None
+
+    def _plan(self, problem: Problem, device_index: int) -> Plan:
+        from .compile import compile_kernel
+        from .kernel_templates import FAMILIES
+        from .launch import LoadedKernel
+
+        gpu = self._gpu(device_index)
+        entry = self.select(problem, gpu)
+        if entry is None:
+            return Plan(None, None, None, f"no tuned config for {problem.bucket().key} on {gpu.key}")
+        fam = FAMILIES[entry["family"]]
+        ck = compile_kernel(fam, entry["params"], problem, gpu.arch)
+        launch = fam.launch(entry["params"], problem)
+        return Plan(LoadedKernel.load(ck, launch.smem_bytes, device_index), launch, fam.name)
+
+    def _warn(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(f"flashtune: {message}; using torch scaled_dot_product_attention", stacklevel=3)
+
+    # ---- hot path ----
+    def __call__(self, q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False):
+        import torch
+
+        key = (q.shape, k.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, bool(causal))
+        plan = self._plans.get(key)
+        if plan is None:
+            problem = problem_of(q, k, v, causal)
+            with self._lock:
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = self._plans[key] = self._plan(problem, q.device.index or 0)
+        if plan.kernel is None:
+            return self._fallback(q, k, v, causal, scale, plan.reason, return_lse)
+        dtype = TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")]
+        q, k, v = (t if _kernel_ready(t, dtype) else t.contiguous() for t in (q, k, v))
+        from .launch import attention_args, current_stream
+
+        with torch.cuda.device(q.device):
+            o = torch.empty_like(q, memory_format=torch.contiguous_format)
+            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+            plan.kernel(current_stream(), plan.launch, *attention_args(q, k, v, o, lse, scale))
+        return (o, lse) if return_lse else o
+
+    def _fallback(self, q, k, v, causal, scale, reason, return_lse):
+        import torch.nn.functional as F
+
+        self._warn(reason)
+        gqa = k.shape[1] != q.shape[1]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **({"enable_gqa": True} if gqa else {}))
+        if return_lse:
+            raise ValueError(f"return_lse needs a tuned kernel ({reason})")
+        return o
+
+
+_default: Dispatcher | None = None
+
+
+def attention(q, k, v, causal: bool = False, scale: float | None = None):
+    """Attention forward on CUDA tensors of shape (B, H, N, D) (K/V may have fewer heads).
+
+    Returns O with q's shape and dtype, computed by the best tuned kernel for this GPU and shape
+    bucket, or by torch SDPA (with one warning) where nothing tuned fits.
+    """
+    global _default
+    if _default is None:
+        _default = Dispatcher()
+    return _default(q, k, v, causal, scale)
+
+
+def reset(lookup_path: str | Path | None = None) -> Dispatcher:
+    """Drop cached plans and re-read the lookup (after a new search, or to point elsewhere)."""
+    global _default
+    _default = Dispatcher(lookup_path)
+    return _default

@@ -1,0 +1,115 @@
+"""Runners answer "how fast is this point?": on the GPU through a worker, or replayed from a DB.
+
+The search only sees this interface, so strategies can be tried offline against real recorded
+measurements (a replay database) exactly as they would run on the GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from .compile import CompileError, compile_kernel
+from .family import KernelFamily
+from .gpu import GpuSpec
+from .problem import Problem
+from .records import Measurement, params_key
+
+
+class Runner(Protocol):
+    gpu: GpuSpec
+
+    def versions(self) -> dict: ...
+
+    def measure(self, family: KernelFamily, params: dict, problem: Problem) -> Measurement | None:
+        """None means "this runner cannot answer" (a replay miss); nothing is recorded then."""
+
+    def peer(self, backend: str, problem: Problem) -> Measurement | None: ...
+
+    def close(self) -> None: ...
+
+
+class GpuRunner:
+    """Compile here (NVRTC needs no GPU), measure in the worker process."""
+
+    def __init__(self, gpu: GpuSpec, candidate_timeout: float = 60.0) -> None:
+        from .versions import run_versions
+        from .worker import Worker
+
+        self.gpu = gpu
+        self._versions = run_versions()
+        self._worker = Worker(gpu.index, gpu.l2_bytes, candidate_timeout)
+
+    def versions(self) -> dict:
+        return self._versions
+
+    def _seed(self) -> int:
+        return time.time_ns() % (2**31)  # fresh inputs for every candidate
+
+    def measure(self, family: KernelFamily, params: dict, problem: Problem) -> Measurement:
+        from .worker import Job
+
+        try:
+            ck = compile_kernel(family, params, problem, self.gpu.arch)
+        except CompileError as exc:
+            return Measurement("compile_error", message=f"{exc}\n{exc.log[-2000:]}", versions=self._versions)
+        m = self._worker.run(Job("kernel", problem, self._seed(), family.name, params, ck))
+        m.resources, m.compile_seconds = ck.resources, ck.compile_seconds
+        m.versions = self._versions
+        return m
+
+    def peer(self, backend: str, problem: Problem) -> Measurement:
+        from .worker import Job
+
+        m = self._worker.run(Job("peer", problem, self._seed(), backend=backend))
+        m.versions = self._versions
+        return m
+
+    def close(self) -> None:
+        self._worker.close()
+
+
+class ReplayRunner:
+    """Answers from measurements recorded earlier on a real GPU (any versions, latest first)."""
+
+    def __init__(self, url: str, gpu_key: str | None = None) -> None:
+        from .db import queries
+        from .db.engine import make_engine, session_factory
+
+        self._session = session_factory(make_engine(url, readonly=True))
+        with self._session() as s:
+            gpus = queries.list_gpus(s)
+        if not gpus:
+            raise ValueError(f"the replay database {url} holds no measurements")
+        info = next((g for g in gpus if gpu_key in (None, g.key)), None)
+        if info is None:
+            raise ValueError(f"the replay database has no GPU {gpu_key!r}; it has {', '.join(g.key for g in gpus)}")
+        self.gpu = GpuSpec(**info.spec)
+        self._versions = {"replay": url}
+
+    def versions(self) -> dict:
+        return self._versions
+
+    def _latest(self, family: str, params: dict, problem: Problem) -> Measurement | None:
+        from .db import queries
+
+        with self._session() as s:
+            rows = queries.measurements(s, gpu_key=self.gpu.key, family=family, problem_key=problem.key)
+        want = params_key(params)
+        hits = [r for r in rows if params_key(r["params"]) == want]
+        if not hits:
+            return None
+        r = max(hits, key=lambda r: (r["created_at"], r["id"]))
+        fields = Measurement.__dataclass_fields__
+        m = Measurement(**{k: r[k] for k in fields if k in r and k not in ("resources", "versions")})
+        m.versions = self._versions
+        return m
+
+    def measure(self, family: KernelFamily, params: dict, problem: Problem) -> Measurement | None:
+        return self._latest(family.name, params, problem)
+
+    def peer(self, backend: str, problem: Problem) -> Measurement | None:
+        return self._latest(backend, {}, problem)
+
+    def close(self) -> None:
+        pass

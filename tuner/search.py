@@ -1,0 +1,188 @@
+"""The search: one Optuna study per (GPU key, kernel family, problem), resumable, deduplicated.
+
+Optuna proposes, the family's `check` filters (invalid points are recorded, never compiled), the
+results DB answers anything already measured under the same versions, and only the rest reaches
+the runner. Every outcome is a measurement row; Optuna only ever sees TFLOP/s (0 for failures).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import optuna
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+from .db import queries
+from .family import KernelFamily
+from .problem import Problem
+from .records import Measurement, params_key, versions_key
+from .runner import Runner
+
+PEERS_BY_DTYPE = {
+    "fp32": ("sdpa_efficient", "sdpa_math"),
+    "fp16": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"),
+    "bf16": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"),
+}
+SAMPLERS = ("tpe", "random", "grid")
+ASK_LIMIT_FACTOR = 20  # asks per wanted trial before giving up on a space that is mostly invalid
+
+
+@dataclass
+class Progress:
+    """What observers see after each trial."""
+
+    problem: Problem
+    trial: int
+    params: dict
+    measurement: Measurement
+    source: str  # "measured", "database" or "invalid"
+    best_tflops: float | None
+    done: int
+    wanted: int
+
+
+@dataclass
+class ProblemResult:
+    problem: Problem
+    family: str
+    study_name: str
+    best_params: dict | None = None
+    best: Measurement | None = None
+    peers: dict[str, Measurement] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    reused: int = 0
+
+
+def study_name(gpu_key: str, family: str, problem: Problem) -> str:
+    return f"{gpu_key}|{family}|{problem.key}"
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+class Search:
+    def __init__(self, runner: Runner, sessions, storage_url: str, *, seed: int | None = None, sampler: str = "tpe",
+                 observer: Callable[[Progress], None] | None = None, run_id: str | None = None) -> None:
+        self.runner, self.sessions = runner, sessions
+        self.storage = optuna.storages.RDBStorage(storage_url, engine_kwargs={"connect_args": {"timeout": 60}}
+                                                  if storage_url.startswith("sqlite") else {})
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+        self.seed, self.sampler, self.observer = seed, sampler, observer or (lambda p: None)
+        self.run_id = run_id or new_run_id()
+        self.gpu = runner.gpu
+
+    # ---- one problem ----
+    def tune(self, family: KernelFamily, problem: Problem, trials: int, deadline: float | None = None) -> ProblemResult:
+        reason = family.supports(self.gpu, problem)
+        if reason:
+            raise ValueError(reason)
+        name = study_name(self.gpu.key, family.name, problem)
+        sampler = self._sampler(family, trials)
+        study = optuna.create_study(study_name=name, storage=self.storage, direction="maximize",
+                                    sampler=sampler, load_if_exists=True)
+        study.set_user_attr("family", family.name)
+        study.set_user_attr("problem", problem.to_dict())
+        study.set_user_attr("gpu_key", self.gpu.key)
+        finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("counted")]
+        if not study.trials:
+            study.enqueue_trial(family.default(self.gpu, problem))
+            for seed in family.seeds(self.gpu, problem):
+                if family.check(seed, self.gpu, problem) is None:
+                    study.enqueue_trial(seed, skip_if_exists=True)
+        dists = {k: optuna.distributions.CategoricalDistribution(list(v)) for k, v in family.space.items()}
+        result = ProblemResult(problem, family.name, name)
+        done, asks = len(finished), 0
+        vkey = versions_key(self.runner.versions())
+        while done < trials and asks < trials * ASK_LIMIT_FACTOR:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            asks += 1
+            trial = study.ask(dists)
+            try:
+                m, source = self._evaluate(family, problem, trial.params, vkey, name, trial.number)
+            except BaseException:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                raise
+            if m is None:  # replay miss: nothing known about this point
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                continue
+            counted = source != "invalid"
+            trial.set_user_attr("status", m.status)
+            trial.set_user_attr("source", source)
+            trial.set_user_attr("counted", counted)
+            study.tell(trial, m.tflops if m.ok and m.tflops else 0.0)
+            result.counts[m.status] = result.counts.get(m.status, 0) + 1
+            result.reused += source == "database"
+            done += counted
+            self.observer(Progress(problem, trial.number, trial.params, m, source,
+                                   self._best_tflops(family, problem), done, trials))
+        self._fill_best(result, family, problem)
+        return result
+
+    def _sampler(self, family: KernelFamily, trials: int) -> optuna.samplers.BaseSampler:
+        if self.sampler == "grid":  # every point once, in a fixed order: sweeps and replay fixtures
+            return optuna.samplers.GridSampler({k: list(v) for k, v in family.space.items()}, seed=self.seed)
+        if self.sampler == "random":
+            return optuna.samplers.RandomSampler(seed=self.seed)
+        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(10, max(1, trials // 3)))
+
+    def _evaluate(self, family: KernelFamily, problem: Problem, params: dict, vkey: str,
+                  name: str, number: int) -> tuple[Measurement | None, str]:
+        gpu = self.gpu
+        with self.sessions() as s:
+            known = queries.find_measurement(s, gpu.key, problem.key, family.name, params, vkey)
+        if known is not None:
+            return known, "invalid" if known.status == "invalid" else "database"
+        why = family.check(params, gpu, problem)
+        if why:
+            m = Measurement("invalid", message=why, versions=self.runner.versions())
+            source = "invalid"
+        else:
+            m = self.runner.measure(family, params, problem)
+            source = "measured"
+            if m is None:
+                return None, source
+        with self.sessions.begin() as s:
+            queries.record_measurement(s, gpu, problem, family.name, params, m, study_name=name,
+                                       trial_number=number, run_id=self.run_id)
+            if m.ok:
+                queries.update_best(s, gpu.key, problem.key, family.name)
+        return m, source
+
+    def _best_tflops(self, family: KernelFamily, problem: Problem) -> float | None:
+        with self.sessions() as s:
+            rows = [b for b in queries.best_rows(s, self.gpu.key)
+                    if b.family == family.name and b.problem.key == problem.key]
+        return rows[0].tflops if rows else None
+
+    def _fill_best(self, result: ProblemResult, family: KernelFamily, problem: Problem) -> None:
+        with self.sessions() as s:
+            for b in queries.best_rows(s, self.gpu.key):
+                if b.family == family.name and b.problem.key == problem.key:
+                    result.best_params = b.params
+                    result.best = Measurement("ok", median_ms=b.median_ms, tflops=b.tflops)
+
+    # ---- the peers, measured in this run ----
+    def measure_peers(self, problem: Problem, backends: tuple[str, ...] | None = None) -> dict[str, Measurement]:
+        out = {}
+        for backend in backends or PEERS_BY_DTYPE[problem.dtype]:
+            m = self.runner.peer(backend, problem)
+            if m is None:
+                continue
+            with self.sessions.begin() as s:
+                queries.record_measurement(s, self.gpu, problem, backend, {}, m, run_id=self.run_id)
+            out[backend] = m
+        return out
+
+
+def ratio(ours: float | None, peer: float | None) -> float | None:
+    return ours / peer if ours and peer else None
+
+
+__all__ = ["Search", "ProblemResult", "Progress", "study_name", "params_key", "ratio", "PEERS_BY_DTYPE"]
