@@ -28,6 +28,8 @@ constexpr int VS_LD = HEAD_DIM;        // Vs[col][d]
 constexpr int PS_LD = BR;              // Ps[col][row], row groups XOR-swizzled by column
 constexpr int STG_LD = HEAD_DIM + (IN_DTYPE == FT_F32 ? 4 : 8);  // raw staging rows, 16-byte aligned
 constexpr int ROW_GROUPS = BR / VM;
+// Unroll O += P V fully while the body stays small enough for the instruction cache.
+constexpr int PV_UNROLL = BC * TM * DN <= 4096 ? BC : 16;
 constexpr int SWZ = (ROW_GROUPS & (ROW_GROUPS - 1)) == 0 ? (ROW_GROUPS < 8 ? ROW_GROUPS : 8) : 1;
 
 static_assert(TX * TN == BC && TY * TM == BR, "tile must split evenly into thread patches");
@@ -193,12 +195,12 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(
       mx = group_max<TX>(mx);
       const float m_new = fmaxf(m[i], mx);
       const float m_use = m_new == FT_NEG_INF ? 0.f : m_new;   // a row with nothing unmasked yet
-      const float alpha = exp2f(m[i] - m_use);
+      const float alpha = fast_exp2(m[i] - m_use);
       m[i] = m_new;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < TN; ++j) {
-        s[i][j] = exp2f(s[i][j] - m_use);
+        s[i][j] = fast_exp2(s[i][j] - m_use);
         sum += s[i][j];
       }
       l[i] = l[i] * alpha + sum;   // this thread's columns only; summed across the row at the end
@@ -217,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(
     __syncthreads();
 
     // ---- O += P V ----
-#pragma unroll 16
+#pragma unroll PV_UNROLL
     for (int kk = 0; kk < BC; ++kk) {
       float p[TM], vv[DN];
 #pragma unroll

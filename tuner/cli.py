@@ -14,8 +14,9 @@ from rich.console import Console
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Autotune CUDA FlashAttention forward kernels.")
-console = Console()
-err_console = Console(stderr=True)
+# Logs and CI are not terminals: give tables room instead of rich's default 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 180)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 180)
 
 
 class UserError(Exception):

@@ -59,6 +59,37 @@ def parse_ptxas(log: str) -> Resources:
     return r
 
 
+def cuobjdump() -> str | None:
+    import shutil
+
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+
+        found = find_nvidia_binary_utility("cuobjdump")
+    except Exception:
+        found = None
+    return found or shutil.which("cuobjdump")
+
+
+def resources_from_cubin(cubin: bytes) -> Resources | None:
+    """Registers and local memory read back from the cubin, for compiles whose log was empty."""
+    import subprocess
+
+    tool = cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if not m:
+        return None
+    regs, stack, _shared, local = map(int, m.groups())
+    # ptxas's own split into spill stores/loads is not in the cubin; local memory is what spills use.
+    return Resources(registers=regs, spill_bytes=local, stack_bytes=stack)
+
+
 def cache_key(source: str, arch: str) -> str:
     return short_hash("\n".join((source, arch, nvrtc_version(), STD, PTXAS)), 32)
 
@@ -86,6 +117,8 @@ def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: s
     seconds = time.perf_counter() - start
     text = log.getvalue()
     res = parse_ptxas(text)
+    if res.registers == 0:  # NVRTC sometimes returns no ptxas report: ask the cubin instead
+        res = resources_from_cubin(bytes(obj.code)) or res
     res.dynamic_smem = smem
     ck = CompiledKernel(
         key=key,

@@ -90,6 +90,7 @@ class Search:
         study.set_user_attr("problem", problem.to_dict())
         study.set_user_attr("gpu_key", self.gpu.key)
         finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("counted")]
+        seen = {params_key(t.params) for t in finished}  # a point re-proposed in this study counts once
         if not study.trials:
             study.enqueue_trial(family.default(self.gpu, problem))
             for seed in family.seeds(self.gpu, problem):
@@ -110,18 +111,22 @@ class Search:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 raise
             if m is None:  # replay miss: nothing known about this point
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                if _tell(study, trial, state=optuna.trial.TrialState.FAIL):
+                    break
                 continue
-            counted = source != "invalid"
+            counted = source != "invalid" and params_key(trial.params) not in seen
+            seen.add(params_key(trial.params))
             trial.set_user_attr("status", m.status)
             trial.set_user_attr("source", source)
             trial.set_user_attr("counted", counted)
-            study.tell(trial, m.tflops if m.ok and m.tflops else 0.0)
+            exhausted = _tell(study, trial, m.tflops if m.ok and m.tflops else 0.0)
             result.counts[m.status] = result.counts.get(m.status, 0) + 1
             result.reused += source == "database"
             done += counted
             self.observer(Progress(problem, trial.number, trial.params, m, source,
                                    self._best_tflops(family, problem), done, trials))
+            if exhausted:
+                break
         self._fill_best(result, family, problem)
         return result
 
@@ -179,6 +184,21 @@ class Search:
                 queries.record_measurement(s, self.gpu, problem, backend, {}, m, run_id=self.run_id)
             out[backend] = m
         return out
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None, **kw) -> bool:
+    """study.tell; True when the sampler wants the study stopped (GridSampler, grid exhausted).
+
+    GridSampler.after_trial calls study.stop(), which raises RuntimeError outside optimize(); the
+    trial is stored by then, so that error only means "no point left to propose".
+    """
+    try:
+        study.tell(trial, value, **kw)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
+        return True
+    return False
 
 
 def ratio(ours: float | None, peer: float | None) -> float | None:
