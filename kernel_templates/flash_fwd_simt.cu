@@ -28,6 +28,8 @@ constexpr int VS_LD = HEAD_DIM;        // Vs[col][d]
 constexpr int PS_LD = BR;              // Ps[col][row], row groups XOR-swizzled by column
 constexpr int STG_LD = HEAD_DIM + (IN_DTYPE == FT_F32 ? 4 : 8);  // raw staging rows, 16-byte aligned
 constexpr int ROW_GROUPS = BR / VM;
+// Tile loads: four 4-element loads per thread in flight, without the registers of a full unroll.
+constexpr int LOAD_UNROLL = 4;
 // Unroll O += P V fully while the body stays small enough for the instruction cache.
 constexpr int PV_UNROLL = BC * TM * DN <= 4096 ? BC : 16;
 constexpr int SWZ = (ROW_GROUPS & (ROW_GROUPS - 1)) == 0 ? (ROW_GROUPS < 8 ? ROW_GROUPS : 8) : 1;
@@ -50,14 +52,21 @@ FT_DEVICE int ps_index(int col, int row) {
 // `d` come from `src(c, d)`; K lands transposed (Kt[d][c]), V row-major.
 template <typename SrcK, typename SrcV>
 FT_DEVICE void fill_kv(float* Kt, float* Vs, int tid, SrcK src_k, SrcV src_v) {
-  for (int idx = tid; idx < BC * (HEAD_DIM / 4); idx += NT) {
+  constexpr int ITEMS = BC * (HEAD_DIM / 4);
+#pragma unroll LOAD_UNROLL
+  for (int it = 0; it < (ITEMS + NT - 1) / NT; ++it) {
+    const int idx = tid + it * NT;
+    if (ITEMS % NT != 0 && idx >= ITEMS) break;
     const int c = idx % BC, d = (idx / BC) * 4;
     float x[4];
     src_k(x, c, d);
 #pragma unroll
     for (int e = 0; e < 4; ++e) Kt[(d + e) * KT_LD + c] = x[e];
   }
-  for (int idx = tid; idx < BC * (HEAD_DIM / 4); idx += NT) {
+#pragma unroll LOAD_UNROLL
+  for (int it = 0; it < (ITEMS + NT - 1) / NT; ++it) {
+    const int idx = tid + it * NT;
+    if (ITEMS % NT != 0 && idx >= ITEMS) break;
     const int d = (idx % (HEAD_DIM / 4)) * 4, c = idx / (HEAD_DIM / 4);
     float x[4];
     src_v(x, c, d);
@@ -87,15 +96,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(
   const T* qp = q + b * q_sb + h * q_sh;
   const T* kp = k + b * k_sb + hk * k_sh;
   const T* vp = v + b * v_sb + hk * v_sh;
-
-  // ---- load: Q tile, transposed, scaled into the exp2 domain ----
-  for (int idx = tid; idx < BR * (HEAD_DIM / 4); idx += NT) {
-    const int r = idx % BR, d = (idx / BR) * 4;
-    float x[4] = {0.f, 0.f, 0.f, 0.f};
-    if (q0 + r < nq) load4<IN_DTYPE>(x, qp + (q0 + r) * q_sn + d);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) Qt[(d + e) * QT_LD + r] = x[e] * scale_log2;
-  }
 
   const int kv_end = IS_CAUSAL ? min(nk, q0 + BR) : nk;   // later tiles are fully masked
   const int ntiles = (kv_end + BC - 1) / BC;
@@ -131,6 +131,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(
 #else
   (void)Ks_raw; (void)Vs_raw;
 #endif
+
+  // ---- load: Q tile, transposed, scaled into the exp2 domain (overlaps tile 0's cp.async) ----
+  constexpr int Q_ITEMS = BR * (HEAD_DIM / 4);
+#pragma unroll LOAD_UNROLL
+  for (int it = 0; it < (Q_ITEMS + NT - 1) / NT; ++it) {   // unrolled: all loads in flight at once
+    const int idx = tid + it * NT;
+    if (Q_ITEMS % NT != 0 && idx >= Q_ITEMS) break;
+    const int r = idx % BR, d = (idx / BR) * 4;
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (q0 + r < nq) load4<IN_DTYPE>(x, qp + (q0 + r) * q_sn + d);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) Qt[(d + e) * QT_LD + r] = x[e] * scale_log2;
+  }
 
   float m[TM], l[TM], acc[TM][DN];
 #pragma unroll
