@@ -44,15 +44,17 @@ def _random_problem(rng: random.Random, dtype: str, causal: bool, d: int) -> Pro
     return Problem(rng.randint(1, 3), kvh * rng.choice([1, 2]), n, n, d, dtype, causal, kvh)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-def test_simt_matches_reference(dtype, causal, d):
+CASES = [(f, dt, c, d) for f, dts in (("flash_fwd_simt", ("fp32", "fp16", "bf16")), ("flash_fwd_mma", ("fp16", "bf16")))
+         for dt in dts for c in (False, True) for d in (64, 128)]
+
+
+@pytest.mark.parametrize("family,dtype,causal,d", CASES)
+def test_family_matches_reference(family, dtype, causal, d):
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.reference import REL_BUDGET
 
-    fam = get_family("flash_fwd_simt")
+    fam = get_family(family)
     gpu = detect()
     rng = random.Random()  # fresh shapes, configs and inputs every run; printed on failure
     problem = _random_problem(rng, dtype, causal, d)
@@ -64,3 +66,48 @@ def test_simt_matches_reference(dtype, causal, d):
             assert err.finite, f"NaN/Inf (unwritten output?) for {problem.key} {params} {layout}"
             assert err.rel <= REL_BUDGET[dtype], f"{problem.key} {params} {layout}: rel err {err.rel:.3g}"
             assert err.lse is not None and err.lse <= 1e-3, f"{problem.key} {params}: lse err {err.lse}"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_mma_error_no_worse_than_sdpa_flash(dtype, causal):
+    """Same inputs through our tensor-core kernel and SDPA's FlashAttention-2: our error against
+    float64 must not exceed FA2's by more than rounding noise."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.reference import attention_fp64, compare
+
+    gpu = detect()
+    fam = get_family("flash_fwd_mma")
+    dt = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype])
+    for d in (64, 128):
+        p = Problem(2, 8, 1000, 1000, d, dtype, causal)
+        q, k, v = (torch.randn(2, 8, 1000, d, device="cuda", dtype=dt) for _ in range(3))
+        ours = _run_inputs(fam, fam.default(gpu, p), p, q, k, v)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        ref, _ = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(d))
+        e_ours, e_fa2 = compare(ours, None, ref, None), compare(theirs, None, ref, None)
+        assert e_ours.finite and e_ours.rel <= 1.1 * e_fa2.rel, (d, e_ours, e_fa2)
+
+
+def _run_inputs(family, params, problem, q, k, v):
+    import torch
+
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.launch import LoadedKernel, attention_args, current_stream
+
+    gpu = detect()
+    ck = compile_kernel(family, params, problem, gpu.arch)
+    launch = family.launch(params, problem)
+    kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    kernel(current_stream(), launch, *attention_args(q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
+    torch.cuda.synchronize()
+    return o

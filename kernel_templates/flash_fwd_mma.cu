@@ -1,0 +1,226 @@
+// flash_fwd_mma: FlashAttention-2 forward on tensor cores (mma.sync m16n8k16), fp16/bf16 in,
+// fp32 accumulation.
+//
+// A block owns BR query rows; its WARPS warps split them (BR/WARPS rows each, MT m16 tiles) and
+// walk K/V in tiles of BC columns through a STAGES-deep cp.async ring in swizzled shared memory.
+// Q stays in registers as mma A-fragments; S = Q K^T comes from ldmatrix'ed K; P = softmax(S)
+// never leaves registers: its accumulator layout is repacked as the A operand of O += P V.
+// Online softmax in base 2: p = exp2(s * c - m * c) with c = softmax_scale * log2(e).
+//
+// Q_REGS=1 keeps Q's fragments in registers for the whole block; 0 re-reads them from shared
+// memory at every k-step (fewer registers, more ldmatrix).
+//
+// Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE IS_CAUSAL.
+#include "mma.cuh"
+
+using T = unsigned short;
+constexpr int NT = WARPS * 32;
+constexpr int WROWS = BR / WARPS;       // query rows per warp
+constexpr int MT = WROWS / 16;          // m16 tiles per warp
+constexpr int NTILES = BC / 8;          // n8 tiles of S
+constexpr int DTILES = HEAD_DIM / 8;    // n8 tiles of O
+constexpr int KSTEPS = HEAD_DIM / 16;   // k16 steps of S = Q K^T
+constexpr int PSTEPS = BC / 16;         // k16 steps of O += P V
+constexpr int CHUNKS = HEAD_DIM / 8;    // 16-byte chunks per row
+
+static_assert(WROWS % 16 == 0, "each warp owns whole m16 tiles");
+static_assert(BC % 16 == 0, "BC must be a multiple of 16");
+static_assert(CHUNKS >= 8 && CHUNKS % 8 == 0, "swizzle needs rows of 8k 16-byte chunks");
+static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "2-byte inputs only");
+
+FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz(row, chunk) * 8; }
+
+// rows [row0, row0 + ROWS) of a (N, HEAD_DIM) matrix into a swizzled tile; rows >= limit read as 0.
+template <int ROWS>
+FT_DEVICE void load_tile(T* dst, const T* src, long long stride, int row0, int limit, int tid) {
+#pragma unroll
+  for (int idx = tid; idx < ROWS * CHUNKS; idx += NT) {
+    const int r = idx / CHUNKS, c = idx % CHUNKS;
+    const bool ok = row0 + r < limit;
+    cp_async16(at(dst, r, c), src + (ok ? row0 + r : 0) * stride + c * 8, ok);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NT) flash_fwd_mma(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
+    float* __restrict__ lse, int heads, int kv_group, int nq, int nk,
+    long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn,
+    long long v_sb, long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn,
+    float scale_log2) {
+  extern __shared__ float4 smem4[];
+  T* Qs = reinterpret_cast<T*>(smem4);
+  T* Ks = Qs + BR * HEAD_DIM;
+  T* Vs = Ks + STAGES * BC * HEAD_DIM;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int qblk = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
+  const int q0 = qblk * BR;
+  const int b = blockIdx.y / heads, h = blockIdx.y % heads, hk = h / kv_group;
+  const T* qp = q + b * q_sb + h * q_sh;
+  const T* kp = k + b * k_sb + hk * k_sh;
+  const T* vp = v + b * v_sb + hk * v_sh;
+  const int kv_end = IS_CAUSAL ? min(nk, q0 + BR) : nk;
+  const int ntiles = (kv_end + BC - 1) / BC;
+  const int wrow0 = warp * WROWS;
+
+  auto issue_kv = [&](int t) {
+    if (t < ntiles) {
+      load_tile<BC>(Ks + (t % STAGES) * BC * HEAD_DIM, kp, k_sn, t * BC, nk, tid);
+      load_tile<BC>(Vs + (t % STAGES) * BC * HEAD_DIM, vp, v_sn, t * BC, nk, tid);
+    }
+    cp_async_commit();   // empty groups keep the wait counts uniform
+  };
+
+  // ---- load: Q with the first K/V tiles (one cp.async group per tile) ----
+  load_tile<BR>(Qs, qp, q_sn, q0, nq, tid);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_kv(s);
+  if constexpr (STAGES == 1) cp_async_commit();
+
+  unsigned qf[MT][Q_REGS ? KSTEPS : 1][4];
+  float o_acc[MT][DTILES][4], m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) { m[mt][hh] = FT_NEG_INF; l[mt][hh] = 0.f; }
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mt][dt][e] = 0.f;
+  }
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int k0 = t * BC;
+    if constexpr (STAGES == 1) {
+      issue_kv(t);
+      cp_async_wait<0>();
+    } else {
+      cp_async_wait<STAGES - 2>();   // tile t (and Q) have landed
+    }
+    __syncthreads();
+    if constexpr (STAGES > 1) issue_kv(t + STAGES - 1);   // into the buffer tile t-1 just freed
+    if (Q_REGS && t == 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks)
+          ldmatrix_x4(qf[mt][ks], smem_addr(at(Qs, wrow0 + mt * 16 + lane % 16, ks * 2 + lane / 16)));
+    }
+    T* Kt = Ks + (t % STAGES) * BC * HEAD_DIM;
+    T* Vt = Vs + (t % STAGES) * BC * HEAD_DIM;
+
+    // ---- S = Q K^T ----
+    float s[MT][NTILES][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      const int kq = Q_REGS ? ks : 0;
+      if constexpr (!Q_REGS) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          ldmatrix_x4(qf[mt][0], smem_addr(at(Qs, wrow0 + mt * 16 + lane % 16, ks * 2 + lane / 16)));
+      }
+#pragma unroll
+      for (int np = 0; np < NTILES / 2; ++np) {
+        unsigned bf[4];
+        ldmatrix_x4(bf, smem_addr(at(Kt, np * 16 + lane % 8 + (lane / 16) * 8, ks * 2 + (lane / 8) % 2)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<IN_DTYPE>(s[mt][2 * np], qf[mt][kq], bf[0], bf[1]);
+          mma16816<IN_DTYPE>(s[mt][2 * np + 1], qf[mt][kq], bf[2], bf[3]);
+        }
+      }
+    }
+
+    // ---- mask: the K/V tail, and above the diagonal on the tiles that cross it ----
+    if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0)) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = q0 + wrow0 + mt * 16 + lane / 4 + (e >= 2 ? 8 : 0);
+            const int col = k0 + nt * 8 + 2 * (lane % 4) + (e & 1);
+            if (col >= nk || (IS_CAUSAL && col > row)) s[mt][nt][e] = FT_NEG_INF;
+          }
+    }
+
+    // ---- online softmax on the accumulators: each thread holds 2 rows per m16 tile ----
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = FT_NEG_INF;
+#pragma unroll
+        for (int nt = 0; nt < NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
+        mx = group_max<4>(mx);
+        const float m_new = fmaxf(m[mt][hh], mx);
+        const float m_use = m_new == FT_NEG_INF ? 0.f : m_new * scale_log2;
+        const float alpha = fast_exp2(m[mt][hh] * scale_log2 - m_use);
+        m[mt][hh] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -m_use));
+            sum += s[mt][nt][e];
+          }
+        l[mt][hh] = l[mt][hh] * alpha + sum;   // per-thread partial; the quad sums it at the end
+#pragma unroll
+        for (int dt = 0; dt < DTILES; ++dt) {
+          o_acc[mt][dt][2 * hh] *= alpha;
+          o_acc[mt][dt][2 * hh + 1] *= alpha;
+        }
+      }
+
+    // ---- O += P V, P repacked from accumulators into A fragments ----
+#pragma unroll
+    for (int ps = 0; ps < PSTEPS; ++ps) {
+      unsigned pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = pack2<IN_DTYPE>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
+        pa[mt][1] = pack2<IN_DTYPE>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
+        pa[mt][2] = pack2<IN_DTYPE>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
+        pa[mt][3] = pack2<IN_DTYPE>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < DTILES / 2; ++dp) {
+        unsigned bf[4];
+        ldmatrix_x4_trans(bf, smem_addr(at(Vt, ps * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<IN_DTYPE>(o_acc[mt][2 * dp], pa[mt], bf[0], bf[1]);
+          mma16816<IN_DTYPE>(o_acc[mt][2 * dp + 1], pa[mt], bf[2], bf[3]);
+        }
+      }
+    }
+    if constexpr (STAGES == 1) __syncthreads();   // the next tile overwrites this buffer
+  }
+
+  // ---- epilogue: O = acc / l in the input precision, LSE = ln(sum exp(s * scale)) ----
+  T* op = o + b * o_sb + h * o_sh;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float row_l = group_sum<4>(l[mt][hh]);
+      const int row = q0 + wrow0 + mt * 16 + lane / 4 + hh * 8;
+      if (row >= nq) continue;
+      const float inv = row_l > 0.f ? 1.f / row_l : 0.f;
+#pragma unroll
+      for (int dt = 0; dt < DTILES; ++dt) {
+        const unsigned packed = pack2<IN_DTYPE>(o_acc[mt][dt][2 * hh] * inv, o_acc[mt][dt][2 * hh + 1] * inv);
+        *reinterpret_cast<unsigned*>(op + row * o_sn + dt * 8 + 2 * (lane % 4)) = packed;
+      }
+      if (lane % 4 == 0)
+        lse[static_cast<long long>(blockIdx.y) * nq + row] = (m[mt][hh] * scale_log2 + __log2f(row_l)) * FT_LN2;
+    }
+}

@@ -1,0 +1,246 @@
+"""tuner.dispatch without a GPU: input validation, and choosing the lookup entry for a shape.
+
+The validators after the device check need CUDA tensors; torch's FakeTensorMode makes tensors
+that say device cuda:N (shape, dtype, device, no storage) on a CPU-only build, which is all
+problem_of looks at.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tuner.db.queries import BestEntry
+from tuner.dispatch import Dispatcher, problem_of, supported_head_dims
+from tuner.export import build_lookup, read_lookup, write_lookup
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.kernel_templates import FAMILIES, get_family
+from tuner.problem import Problem
+
+FAM = get_family("flash_fwd_simt")
+FAST = dict(Br=128, Bc=64, TM=8, TN=4, stages=1, min_blocks=1)
+SLOW = dict(Br=64, Bc=64, TM=4, TN=4, stages=1, min_blocks=2)
+STAGED = dict(Br=64, Bc=64, TM=4, TN=4, stages=2, min_blocks=1)
+
+
+@pytest.fixture(scope="module")
+def fake():
+    mode = FakeTensorMode()
+
+    def make(*shape, dtype=torch.float32, device="cuda"):
+        with mode:
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+    return make
+
+
+# ---- problem_of ----
+
+def test_cpu_tensors_are_refused_first():
+    q = torch.randn(1, 2, 16, 64)
+    with pytest.raises(ValueError, match=r"q is on cpu; attention runs on CUDA tensors"):
+        problem_of(q, q, q, causal=False)
+
+
+def test_dispatcher_refuses_cpu_tensors_without_touching_cuda(tmp_path):
+    q = torch.randn(1, 2, 16, 64)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        Dispatcher(tmp_path / "none.json")(q, q, q, causal=True)
+
+
+def test_non_tensor_and_non_4d(fake):
+    q = fake(1, 2, 16, 64)
+    with pytest.raises(ValueError, match="k must be a torch.Tensor, got list"):
+        problem_of(q, [1, 2], q, False)
+    with pytest.raises(ValueError, match="q must be a torch.Tensor, got ndarray"):
+        problem_of(torch.randn(1, 2, 16, 64).numpy(), q, q, False)
+    with pytest.raises(ValueError, match=r"v must be 4-D \(B, H, N, D\), got shape \(2, 16, 64\)"):
+        problem_of(q, q, torch.randn(2, 16, 64), False)
+
+
+def test_valid_cuda_inputs_describe_the_problem(fake):
+    q = fake(2, 8, 100, 64, dtype=torch.bfloat16)
+    kv = fake(2, 2, 300, 64, dtype=torch.bfloat16)
+    p = problem_of(q, kv, kv, causal=True)
+    assert p == Problem(2, 8, 100, 300, 64, "bf16", True, kv_heads=2)
+    assert problem_of(fake(1, 1, 5, 128), fake(1, 1, 5, 128), fake(1, 1, 5, 128), False).dtype == "fp32"
+
+
+def test_fake_cpu_tensor_is_refused_too(fake):
+    q = fake(1, 2, 16, 64, device="cpu")
+    with pytest.raises(ValueError, match="is on cpu"):
+        problem_of(q, q, q, False)
+
+
+@pytest.mark.parametrize(
+    "shapes,dtypes,match",
+    [
+        (((1, 2, 16, 64),) * 3, (torch.float32, torch.float16, torch.float32), "different dtypes"),
+        (((1, 2, 16, 64),) * 3, (torch.float64,) * 3, "unsupported dtype torch.float64"),
+        (((1, 2, 16, 64), (1, 2, 16, 64), (1, 2, 17, 64)), None, "k and v shapes differ"),
+        (((2, 2, 16, 64), (1, 2, 16, 64), (1, 2, 16, 64)), None, r"does not match q \(.*\) in batch or head dim"),
+        (((1, 2, 16, 64), (1, 2, 16, 128), (1, 2, 16, 128)), None, r"does not match q \(.*\) in batch or head dim"),
+        (((1, 6, 16, 64), (1, 4, 16, 64), (1, 4, 16, 64)), None, r"k/v heads \(4\) must divide q heads \(6\)"),
+        (((1, 2, 16, 80),) * 3, None, r"unsupported head dim 80; supported: \[64, 128\]"),
+        (((1, 2, 0, 64),) * 3, None, "empty input"),
+    ],
+    ids=["mixed-dtypes", "float64", "kv-mismatch", "batch-mismatch", "d-mismatch", "gqa-heads", "d80", "empty"],
+)
+def test_validators(fake, shapes, dtypes, match):
+    dtypes = dtypes or (torch.float16,) * 3
+    q, k, v = (fake(*s, dtype=t) for s, t in zip(shapes, dtypes))
+    with pytest.raises(ValueError, match=match) as info:
+        problem_of(q, k, v, False)
+    assert "\n" not in str(info.value)
+
+
+def test_different_devices(fake):
+    q = fake(1, 2, 16, 64, device="cuda:0")
+    k = fake(1, 2, 16, 64, device="cuda:1")
+    with pytest.raises(ValueError, match="different devices"):
+        problem_of(q, k, q, False)
+
+
+def test_supported_head_dims_come_from_the_families():
+    assert supported_head_dims() == set(FAM.head_dims) == {64, 128}
+
+
+# ---- Dispatcher.select ----
+
+TUNED = Problem(8, 12, 1024, 1024, 64, "fp32", True)
+
+
+def entry(params: dict, tflops: float, *, problem: Problem = TUNED, gpu=H100_SXM, family: str = FAM.name,
+          mid: int = 1) -> BestEntry:
+    return BestEntry(gpu.key, family, problem, problem.bucket().key, params, tflops, problem.flops() / tflops / 1e9, mid)
+
+
+@pytest.fixture
+def two_families(monkeypatch):
+    """A second family name in the registry (the same spec) so one bucket holds two entries."""
+    monkeypatch.setitem(FAMILIES, "simt_twin", FAM)
+    return "simt_twin"
+
+
+def lookup_file(tmp_path, entries) -> str:
+    path = tmp_path / "best.json"
+    write_lookup(build_lookup(entries), path)
+    assert read_lookup(path)["entries"]
+    return str(path)
+
+
+def test_select_matching_bucket_and_gpu(tmp_path):
+    a100_only = entry(SLOW, 9.0, gpu=A100_SXM, mid=2)
+    other_bucket = entry(SLOW, 30.0, problem=replace(TUNED, causal=False), mid=3)
+    path = lookup_file(tmp_path, [entry(FAST, 20.0), a100_only, other_bucket])
+    d = Dispatcher(path)
+    e = d.select(replace(TUNED, seqlen_q=1000, seqlen_k=1000), H100_SXM)
+    assert e is not None and e["params"] == FAST and e["tflops"] == 20.0 and e["gpu_key"] == H100_SXM.key
+    e = d.select(TUNED, A100_SXM)
+    assert e is not None and e["params"] == SLOW and e["gpu_key"] == A100_SXM.key
+    assert d.select(replace(TUNED, causal=False), H100_SXM)["tflops"] == 30.0
+
+
+@pytest.mark.parametrize(
+    "problem",
+    [
+        replace(TUNED, seqlen_q=2048, seqlen_k=2048),  # next seqlen bucket
+        replace(TUNED, batch=64),  # more work: another bucket
+        replace(TUNED, head_dim=128),
+        replace(TUNED, dtype="fp16"),
+    ],
+    ids=["n2048", "large-work", "d128", "fp16"],
+)
+def test_select_none_for_other_bucket(tmp_path, problem):
+    d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0)]))
+    assert problem.bucket() != TUNED.bucket()
+    assert d.select(problem, H100_SXM) is None
+
+
+def test_bucketing_of_lengths(tmp_path):
+    d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0, problem=replace(TUNED, seqlen_q=1000, seqlen_k=1000))]))
+    for n in (513, 1000, 1024):
+        assert d.select(replace(TUNED, seqlen_q=n, seqlen_k=n), H100_SXM) is not None, n
+    assert d.select(replace(TUNED, seqlen_q=2048, seqlen_k=2048), H100_SXM) is None
+    assert d.select(replace(TUNED, seqlen_q=512, seqlen_k=512), H100_SXM) is None
+
+
+def test_select_none_for_other_gpu_key(tmp_path):
+    d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0)]))
+    l40 = replace(H100_SXM, name="NVIDIA L40S", major=8, minor=9)
+    assert d.select(TUNED, A100_SXM) is None
+    assert d.select(TUNED, l40) is None
+    same_model = replace(H100_SXM, index=3)  # another card of the same model shares results
+    assert d.select(TUNED, same_model) is not None
+
+
+def test_select_fastest_first_and_skips_what_fails_check(tmp_path, two_families):
+    path = lookup_file(tmp_path, [entry(SLOW, 10.0, mid=1), entry(STAGED, 25.0, family=two_families, mid=2)])
+    doc = read_lookup(path)
+    assert [e["tflops"] for e in doc["entries"]] == [25.0, 10.0]
+    d = Dispatcher(path)
+    assert d.select(TUNED, H100_SXM)["family"] == two_families  # fastest first
+    # a Turing card of the same key cannot run cp.async (stages=2): the next entry serves
+    turing_like = replace(H100_SXM, major=7, minor=5)
+    turing_d = Dispatcher(lookup_file(tmp_path / "t", [replace(entry(SLOW, 10.0), gpu_key=turing_like.key),
+                                                      replace(entry(STAGED, 25.0, family=two_families),
+                                                              gpu_key=turing_like.key)]))
+    e = turing_d.select(TUNED, turing_like)
+    assert e is not None and e["params"] == SLOW and e["family"] == FAM.name
+    # shared memory too small for the fast entry on this card: the slow one serves
+    small = replace(H100_SXM, smem_per_block_optin=FAM.smem_bytes(SLOW, TUNED))
+    assert FAM.check(STAGED, small, TUNED) is not None and FAM.check(SLOW, small, TUNED) is None
+    assert Dispatcher(path).select(TUNED, small)["params"] == SLOW
+    # nothing runnable: None
+    tiny = replace(H100_SXM, smem_per_block_optin=1024)
+    assert Dispatcher(path).select(TUNED, tiny) is None
+
+
+def test_unknown_family_in_lookup_is_skipped(tmp_path, two_families):
+    path = lookup_file(tmp_path, [entry(SLOW, 10.0), entry(FAST, 40.0, family=two_families)])
+    FAMILIES.pop(two_families)  # a lookup written by a flashtune with more families
+    e = Dispatcher(path).select(TUNED, H100_SXM)
+    assert e is not None and e["family"] == FAM.name and e["params"] == SLOW
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "", json.dumps({"schema": "other", "version": 1, "entries": []}),
+     json.dumps({"schema": "flashtune.best-configs", "version": 99, "entries": []}),
+     json.dumps({"schema": "flashtune.best-configs", "version": 1, "entries": [{"gpu_key": 1}]})],
+    ids=["truncated", "empty", "other-schema", "newer-version", "bad-entry"],
+)
+def test_corrupt_lookup_warns_once_and_selects_nothing(tmp_path, content):
+    path = tmp_path / "best.json"
+    path.write_text(content)
+    d = Dispatcher(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert d.select(TUNED, H100_SXM) is None
+        assert d.select(TUNED, A100_SXM) is None
+        assert d.select(replace(TUNED, head_dim=128), H100_SXM) is None
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1, msgs
+    assert "ignoring the best-config lookup" in msgs[0] and str(path) in msgs[0]
+    assert "scaled_dot_product_attention" in msgs[0]
+
+
+def test_missing_lookup_selects_nothing_silently(tmp_path):
+    d = Dispatcher(tmp_path / "absent.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert d.select(TUNED, H100_SXM) is None
+
+
+def test_lookup_is_read_once(tmp_path):
+    path = lookup_file(tmp_path, [entry(FAST, 20.0)])
+    d = Dispatcher(path)
+    assert d.select(TUNED, H100_SXM)["params"] == FAST
+    write_lookup(build_lookup([entry(SLOW, 50.0)]), path)  # a later export is not picked up...
+    assert d.select(TUNED, H100_SXM)["params"] == FAST
+    assert Dispatcher(path).select(TUNED, H100_SXM)["params"] == SLOW  # ...until a new dispatcher
