@@ -1,12 +1,45 @@
-"""Kernel families: one CUDA source and one Python spec per family."""
+"""Kernel families: one CUDA source and one Python spec per family.
+
+Extra families (test-only faulty kernels, out-of-tree experiments) are plugged in through the
+environment: TUNER_EXTRA_FAMILIES names importable modules, comma-separated, each exposing FAMILY
+(one KernelFamily) or FAMILIES (a list or dict of them). A worker process is spawned with the same
+environment, so `get_family` finds them there too.
+"""
 
 from __future__ import annotations
 
+import importlib
+import os
+
 from tuner.family import KernelFamily
 
+from .flash_fwd_mma import FAMILY as _MMA
 from .flash_fwd_simt import FAMILY as _SIMT
 
-FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT,)}
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA)}
+EXTRA_ENV = "TUNER_EXTRA_FAMILIES"
+
+
+def _load_extra(spec: str) -> None:
+    for name in (s.strip() for s in spec.split(",")):
+        if not name:
+            continue
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"{EXTRA_ENV}: cannot import {name!r}: {exc}") from None
+        found = getattr(mod, "FAMILIES", None)
+        if found is None and hasattr(mod, "FAMILY"):
+            found = [mod.FAMILY]
+        if isinstance(found, dict):
+            found = list(found.values())
+        if not found or not all(isinstance(f, KernelFamily) for f in found):
+            raise ValueError(f"{EXTRA_ENV}: module {name!r} exposes no FAMILY or FAMILIES of KernelFamily")
+        for f in found:
+            FAMILIES.setdefault(f.name, f)
+
+
+_load_extra(os.environ.get(EXTRA_ENV, ""))
 
 
 def get_family(name: str) -> KernelFamily:

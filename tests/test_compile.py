@@ -1,4 +1,4 @@
-"""NVRTC without a GPU: every valid point of flash_fwd_simt compiles for sm_80 and sm_90a.
+"""NVRTC without a GPU: every valid point of every kernel family compiles for sm_80 and sm_90a.
 
 Each (point, arch) compiles once; the problem variant (head dim, dtype, causal) rotates over the
 points so that every variant is compiled by many points. The cubin cache is shared by the xdist
@@ -16,7 +16,7 @@ import pytest
 
 from tuner.compile import CompileError, compile_kernel, parse_ptxas, resources_from_cubin
 from tuner.gpu import A100_SXM, H100_SXM
-from tuner.kernel_templates import get_family
+from tuner.kernel_templates import FAMILIES, get_family
 from tuner.problem import GPT2_FP32, Problem
 from tuner.records import params_key
 
@@ -28,42 +28,49 @@ VARIANTS = [
 ]
 
 
-def _sweep() -> list:
+def _variants(fam) -> list[Problem]:
+    return [v for v in VARIANTS if v.dtype in fam.dtypes and v.head_dim in fam.head_dims]
+
+
+def _sweep(fam) -> list:
     """One (gpu, params, problem) per point that is valid for some variant on that gpu."""
     cases = []
+    variants = _variants(fam)
     for gpu in GPUS:
-        valid = {v: {params_key(p) for p in FAM.valid_points(gpu, v)} for v in VARIANTS}
-        used = dict.fromkeys(VARIANTS, 0)
-        for i, point in enumerate(FAM.points()):
+        valid = {v: {params_key(p) for p in fam.valid_points(gpu, v)} for v in variants}
+        used = dict.fromkeys(variants, 0)
+        for i, point in enumerate(fam.points()):
             key = params_key(point)
-            ok = [v for v in VARIANTS if key in valid[v]]
+            ok = [v for v in variants if key in valid[v]]
             if not ok:
                 continue
             # round robin, balanced: the least-used variant this point is valid for (rarer d=128
             # points thus go to the d=128 variants), ties broken by rotating the start
-            rot = VARIANTS[i % len(VARIANTS):] + VARIANTS[: i % len(VARIANTS)]
+            rot = variants[i % len(variants):] + variants[: i % len(variants)]
             problem = min((v for v in rot if v in ok), key=lambda v: used[v])
             used[problem] += 1
             pid = "-".join(f"{k}{v}" for k, v in point.items())
             vid = f"d{problem.head_dim}-{problem.dtype}-{'causal' if problem.causal else 'full'}"
-            cases.append(pytest.param(gpu, point, problem, id=f"{gpu.arch}-{pid}-{vid}"))
+            cases.append(pytest.param(fam, gpu, point, problem, id=f"{fam.name}-{gpu.arch}-{pid}-{vid}"))
     return cases
 
 
-SWEEP = _sweep()
+SWEEP = [case for fam in FAMILIES.values() for case in _sweep(fam)]
 
 
-def test_sweep_covers_the_space():
+@pytest.mark.parametrize("fam", FAMILIES.values(), ids=lambda f: f.name)
+def test_sweep_covers_the_space(fam):
     """Every point valid for d=64 or only for d=128 is in the sweep, each variant many times."""
     for gpu in GPUS:
-        swept = {params_key(c.values[1]) for c in SWEEP if c.values[0] == gpu}
-        for d in (64, 128):
-            for dtype in ("fp32", "fp16", "bf16"):
-                want = {params_key(p) for p in FAM.valid_points(gpu, Problem(1, 1, 128, 128, d, dtype))}
-                assert want and want <= swept, (gpu.arch, d, dtype)
-        used = [c.values[2] for c in SWEEP if c.values[0] == gpu]
-        for v in VARIANTS:
-            assert used.count(v) >= 5, (gpu.arch, v.key, used.count(v))
+        cases = [c for c in SWEEP if c.values[0] is fam and c.values[1] == gpu]
+        swept = {params_key(c.values[2]) for c in cases}
+        for d in fam.head_dims:
+            for dtype in fam.dtypes:
+                want = {params_key(p) for p in fam.valid_points(gpu, Problem(1, 1, 128, 128, d, dtype))}
+                assert want and want <= swept, (fam.name, gpu.arch, d, dtype)
+        used = [c.values[3] for c in cases]
+        for v in _variants(fam):
+            assert used.count(v) >= 5, (fam.name, gpu.arch, v.key, used.count(v))
         assert len(used) == len(swept)  # each point once per arch
 
 
@@ -71,20 +78,20 @@ def _is_elf(b: bytes) -> bool:
     return len(b) > 64 and b[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("gpu,params,problem", SWEEP)
-def test_every_valid_point_compiles(gpu, params, problem):
-    assert FAM.check(params, gpu, problem) is None
-    ck = compile_kernel(FAM, params, problem, gpu.arch)
+@pytest.mark.parametrize("fam,gpu,params,problem", SWEEP)
+def test_every_valid_point_compiles(fam, gpu, params, problem):
+    assert fam.check(params, gpu, problem) is None
+    ck = compile_kernel(fam, params, problem, gpu.arch)
     assert _is_elf(ck.cubin)
-    assert ck.arch == gpu.arch and ck.family == FAM.name and ck.kernel_name == FAM.kernel_name
+    assert ck.arch == gpu.arch and ck.family == fam.name and ck.kernel_name == fam.kernel_name
     r = ck.resources
     assert 0 < r.registers <= 255, ck.log
-    assert r.dynamic_smem == FAM.smem_bytes(params, problem) == FAM.launch(params, problem).smem_bytes
+    assert r.dynamic_smem == fam.smem_bytes(params, problem) == fam.launch(params, problem).smem_bytes
     # the resources agree with the cubin itself (cuobjdump), and with ptxas's report where NVRTC gave one
     from_cubin = resources_from_cubin(ck.cubin)
     assert from_cubin is not None and from_cubin.registers == r.registers
     if "Compiling entry function" in ck.log:
-        assert f"Compiling entry function '{FAM.kernel_name}' for '{gpu.arch}'" in ck.log
+        assert f"Compiling entry function '{fam.kernel_name}' for '{gpu.arch}'" in ck.log
         assert parse_ptxas(ck.log).registers == r.registers
 
 
@@ -109,6 +116,20 @@ def test_default_config_does_not_spill(gpu, problem):
     assert from_cubin.registers == ck.resources.registers
 
 
+MMA = get_family("flash_fwd_mma")
+MMA_PROBLEMS = [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128) for dt in ("fp16", "bf16") for c in (False, True)]
+
+
+@pytest.mark.parametrize("gpu", GPUS, ids=lambda g: g.arch)
+@pytest.mark.parametrize("problem", MMA_PROBLEMS, ids=lambda p: p.key)
+def test_mma_seeds_do_not_spill(gpu, problem):
+    seeds = [s for s in MMA.seeds(gpu, problem) if MMA.check(s, gpu, problem) is None]
+    assert seeds and seeds[0] == MMA.default(gpu, problem)
+    for params in seeds:
+        ck = compile_kernel(MMA, params, problem, gpu.arch)
+        assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (params, ck.resources)
+
+
 def _tool(name: str) -> str:
     from cuda.pathfinder import find_nvidia_binary_utility
 
@@ -129,6 +150,18 @@ def test_default_sm90a_sass_is_ffma_without_local_memory(tmp_path):
     assert len(re.findall(r"\bFFMA\b", sass)) > 100  # the inner loops are fp32 FMAs
     assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), "local memory (spills) in SASS"
     assert re.search(r"\bLDS(\.\w+)*\b", sass)  # tiles are read from shared memory
+
+
+def test_mma_sm90a_sass_uses_tensor_cores(tmp_path):
+    problem = MMA_PROBLEMS[1]
+    ck = compile_kernel(MMA, MMA.default(H100_SXM, problem), problem, H100_SXM.arch)
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(ck.cubin)
+    sass = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120).stdout
+    assert len(re.findall(r"\bHMMA\.16816\.F32", sass)) >= 16  # both products on tensor cores
+    assert re.search(r"\bLDSM(\.\w+)*\b", sass)  # ldmatrix
+    assert re.search(r"\bLDGSTS(\.\w+)*\b", sass)  # cp.async
+    assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), "local memory (spills) in SASS"
 
 
 # ---- the compile cache ----
