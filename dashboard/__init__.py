@@ -1,0 +1,1 @@
+"""The Streamlit dashboard over the results database (read-only): `tuner dashboard` runs app.py."""
