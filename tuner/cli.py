@@ -60,11 +60,28 @@ def gpus() -> None:
     console.print(t)
 
 
+def _families(name: str, gpu, problem):
+    """The families to tune for one problem: the one named, or (auto) every one that fits."""
+    from .kernel_templates import FAMILIES, get_family
+
+    if name != "auto":
+        fam = get_family(name)
+        reason = fam.supports(gpu, problem)
+        if reason:
+            raise UserError(f"{problem.key}: {reason}")
+        return [fam]
+    fits = [f for f in FAMILIES.values() if f.supports(gpu, problem) is None]
+    if not fits:
+        reasons = "; ".join(f.supports(gpu, problem) for f in FAMILIES.values())
+        raise UserError(f"{problem.key}: no kernel family fits ({reasons})")
+    return fits
+
+
 def _summary_table(results, title: str) -> Table:
     from .search import ratio
 
     t = Table(title=title)
-    for col in ("problem", "best config", "ms", "TFLOP/s", "peers TFLOP/s", "vs best peer"):
+    for col in ("problem", "family", "best config", "ms", "TFLOP/s", "peers TFLOP/s", "vs best peer"):
         t.add_column(col, justify="right" if col in ("ms", "TFLOP/s", "vs best peer") else "left")
     for r in results:
         peers = {k: m.tflops for k, m in r.peers.items() if m.ok and m.tflops}
@@ -73,6 +90,7 @@ def _summary_table(results, title: str) -> Table:
         ratio_v = ratio(tf, best_peer)
         t.add_row(
             r.problem.key,
+            r.family,
             json.dumps(r.best_params, separators=(",", ":")) if r.best_params else "-",
             f"{r.best.median_ms:.3f}" if r.best else "-",
             f"{tf:.1f}" if tf else "-",
@@ -90,7 +108,7 @@ def search(
     trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="stop asking for trials after this many seconds"),
     db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: $TUNER_DB or the user data dir)"),
-    family: str = typer.Option("flash_fwd_simt", "--family", help="kernel family to tune"),
+    family: str = typer.Option("auto", "--family", help="a kernel family, or auto: every family that fits"),
     replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB instead of a GPU"),
     candidate_timeout: float = typer.Option(60.0, "--candidate-timeout", min=1, help="seconds per candidate"),
     seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
@@ -107,7 +125,8 @@ def search(
     from .runner import GpuRunner, ReplayRunner
     from .search import Search
 
-    fam = get_family(family)
+    if family != "auto":
+        get_family(family)  # an unknown name fails before any GPU work
     problems = _problems(shape, dtype)
     url = _db_url(db)
     if replay:
@@ -116,35 +135,38 @@ def search(
         from .gpu import detect
 
         runner = GpuRunner(detect(gpu), candidate_timeout)
-    for p in problems:
-        reason = fam.supports(runner.gpu, p)
-        if reason:
-            raise UserError(f"{p.key}: {reason}")
+    plan = [(p, f) for p in problems for f in _families(family, runner.gpu, p)]
     engine = make_engine(url)
     sessions = session_factory(engine)
     deadline = time.monotonic() + timeout if timeout else None
-    console.print(f"tuning [bold]{fam.name}[/] on {runner.gpu.name} ({runner.gpu.key}) for {len(problems)} "
+    names = sorted({f.name for _, f in plan})
+    console.print(f"tuning [bold]{', '.join(names)}[/] on {runner.gpu.name} ({runner.gpu.key}) for {len(problems)} "
                   f"problem(s), {trials} trials each; results in {engine.url.render_as_string(hide_password=True)}")
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
-        tasks = {p.key: bar.add_task(p.key, total=trials, best="") for p in problems}
+        tasks = {(p.key, f.name): bar.add_task(f"{p.key} {f.name}", total=trials, best="") for p, f in plan}
+        current: list[str] = [""]
 
         def observe(ev) -> None:
             best = f"best {ev.best_tflops:.1f} TFLOP/s" if ev.best_tflops else ""
-            bar.update(tasks[ev.problem.key], completed=min(ev.done, trials), best=best)
+            bar.update(tasks[(ev.problem.key, current[0])], completed=min(ev.done, trials), best=best)
 
         s = Search(runner, sessions, url, seed=seed, sampler=sampler, observer=observe)
         try:
             for p in problems:
-                r = s.tune(fam, p, trials, deadline)
-                bar.update(tasks[p.key], completed=trials)
-                if peers:
-                    r.peers = s.measure_peers(p)
-                results.append(r)
+                measured_peers = s.measure_peers(p) if peers else {}
+                for q, fam in plan:
+                    if q != p:
+                        continue
+                    current[0] = fam.name
+                    r = s.tune(fam, p, trials, deadline)
+                    bar.update(tasks[(p.key, fam.name)], completed=trials)
+                    r.peers = measured_peers
+                    results.append(r)
         finally:
             runner.close()
-    console.print(_summary_table(results, f"{fam.name} on {runner.gpu.name}, run {s.run_id}"))
+    console.print(_summary_table(results, f"{', '.join(names)} on {runner.gpu.name}, run {s.run_id}"))
     path = lookup or default_lookup_path()
     with sessions() as session:
         n = export_from_db(session, path)
@@ -157,7 +179,7 @@ def bench(
     shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable"),
     dtype: Optional[str] = typer.Option(None, "--dtype"),
     db: Optional[str] = typer.Option(None, "--db"),
-    family: str = typer.Option("flash_fwd_simt", "--family"),
+    family: str = typer.Option("auto", "--family", help="a kernel family, or auto: the best of all"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
 ) -> None:
     """Re-time the tuned best of each problem beside the SDPA peers, in one run."""
@@ -169,7 +191,8 @@ def bench(
     from .runner import GpuRunner
     from .search import ProblemResult, Search
 
-    fam = get_family(family)
+    if family != "auto":
+        get_family(family)
     problems = _problems(shape, dtype)
     g = detect(gpu)
     url = _db_url(db)
@@ -178,12 +201,16 @@ def bench(
     s = Search(runner, sessions, url)
     results = []
     try:
+        best: dict[str, object] = {}
         with sessions() as session:
-            best = {b.problem.key: b for b in queries.best_rows(session, g.key) if b.family == fam.name}
+            for b in queries.best_rows(session, g.key):
+                if family in ("auto", b.family) and (b.problem.key not in best or b.tflops > best[b.problem.key].tflops):
+                    best[b.problem.key] = b
         for p in problems:
-            r = ProblemResult(p, fam.name, "")
             b = best.get(p.key)
+            r = ProblemResult(p, b.family if b else "-", "")
             if b is not None:
+                fam = get_family(b.family)
                 m = runner.measure(fam, b.params, p)
                 with sessions.begin() as session:
                     queries.record_measurement(session, g, p, fam.name, b.params, m, run_id=s.run_id)
@@ -194,9 +221,9 @@ def bench(
             console.print(f"{p.key}: {r.best.tflops if r.best and r.best.tflops else float('nan'):.1f} TFLOP/s")
     finally:
         runner.close()
-    console.print(_summary_table(results, f"bench: tuned {fam.name} vs torch SDPA on {g.name} ({time.strftime('%Y-%m-%d')})"))
+    console.print(_summary_table(results, f"bench: tuned best vs torch SDPA on {g.name} ({time.strftime('%Y-%m-%d')})"))
     if json_out:
-        rows = [{"problem": r.problem.to_dict(), "family": fam.name, "config": r.best_params,
+        rows = [{**r.problem.to_dict(), "family": r.family, "config": r.best_params,
                  "tuned_tflops": r.best.tflops if r.best else None,
                  **{f"{k}_tflops": m.tflops for k, m in r.peers.items()}} for r in results]
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -271,33 +298,86 @@ def export(
     console.print(f"{n} entries written to {output}")
 
 
+@app.command()
+def dashboard(
+    db: Optional[str] = typer.Option(None, "--db", help="database URL (default: $TUNER_DB or the user data dir)"),
+    port: int = typer.Option(8501, "--port", help="port to serve on"),
+    address: str = typer.Option("127.0.0.1", "--address", help="address to bind (0.0.0.0 to share)"),
+) -> None:
+    """Open the results dashboard (Streamlit; read-only) in the browser."""
+    import subprocess
+
+    try:
+        import streamlit  # noqa: F401
+    except ImportError:
+        raise UserError("the dashboard needs streamlit: pip install 'flashtune[dashboard]'") from None
+    from .dashboard import __file__ as pkg_init
+
+    script = Path(pkg_init).with_name("app.py")
+    cmd = [sys.executable, "-m", "streamlit", "run", str(script), "--server.headless", "true",
+           "--server.port", str(port), "--server.address", address, "--browser.gatherUsageStats", "false",
+           "--", "--db", _db_url(db)]
+    console.print(f"dashboard on http://{address}:{port}/ (Ctrl-C stops it)")
+    try:
+        code = subprocess.call(cmd)
+    except KeyboardInterrupt:
+        code = 0
+    raise typer.Exit(code)
+
+
+def _click_classes(name: str) -> tuple[type, ...]:
+    """click's exception class `name`, and typer's vendored copy of it (typer >= 0.20 ships its own)."""
+    import click
+
+    classes = [getattr(click.exceptions, name)]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:
+        pass
+    else:
+        if hasattr(vendored, name):  # typer versions differ in what they vendor
+            classes.append(getattr(vendored, name))
+    return tuple(classes)
+
+
+def _interrupted(exc: BaseException | None) -> int:
+    """One line for SIGINT/SIGTERM; the exit code is 128 + the signal (130, 143)."""
+    name = f" ({exc})" if isinstance(exc, KeyboardInterrupt) and str(exc) else ""
+    err_console.print(f"interrupted{name}: finished measurements are stored; run the same command to resume",
+                      highlight=False, soft_wrap=True)
+    return getattr(exc, "exit_code", 130)
+
+
 def main() -> None:
     """Entry point: user errors become one red line and exit code 2."""
+    from . import interrupts
     from .db.engine import DatabaseError
     from .gpu import NoGpuError
 
+    interrupts.install()  # SIGINT and SIGTERM both arrive as interrupts.Interrupted (a KeyboardInterrupt)
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # typer.Exit(n) comes back as the return value here
     except NoGpuError as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except (UserError, ValueError, DatabaseError, OSError) as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except KeyboardInterrupt:
-        err_console.print("interrupted: finished measurements are stored; run the same command to resume")
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        sys.exit(_interrupted(exc))
     except typer.Exit as exc:
-        sys.exit(exc.exit_code)
+        sys.exit(_interrupted(interrupts.last) if exc.exit_code == 130 else exc.exit_code)
     except Exception as exc:  # click's usage errors and aborts
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+        if isinstance(exc, _click_classes("ClickException")):
             exc.show()
             sys.exit(exc.exit_code)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(130)
+        if isinstance(exc, _click_classes("Abort")):  # Ctrl-C arrives as click's Abort
+            sys.exit(_interrupted(exc.__cause__ or exc.__context__))
         raise
+    if code == 130:  # typer turns a KeyboardInterrupt into Exit(130), returned here
+        sys.exit(_interrupted(interrupts.last))
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
