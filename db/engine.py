@@ -7,14 +7,20 @@ from pathlib import Path
 from typing import Any
 
 from platformdirs import user_data_dir
-from sqlalchemy import Engine, create_engine, event, select
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
+from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.exc import DatabaseError as SQLDatabaseError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .models import Base, MetaRow
 
-SCHEMA_VERSION = 1
+# ft_meta.schema_version of a database at HEAD_REVISION. Alembic (db/migrations, version table
+# ft_alembic_version: Optuna keeps its own `alembic_version` in the same file) moves older databases
+# forward; a database whose version or revision this flashtune does not know is refused.
+SCHEMA_VERSION = 2
+HEAD_REVISION = "0002"
+VERSION_TABLE = "ft_alembic_version"
+MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 APP_NAME = "flashtune"
 
 
@@ -67,20 +73,110 @@ def _install_sqlite_pragmas(engine: Engine, mode: dict[str, bool]) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if mode["immediate"] else "BEGIN")
 
 
-def _ensure_meta(engine: Engine) -> None:
-    with Session(engine) as s, s.begin():
-        row = s.scalar(select(MetaRow).where(MetaRow.id == 1))
-        if row is None:
+def serialize_sqlite_writers(engine: Engine) -> None:
+    """For an engine we did not make (Optuna's RDBStorage on the same file): busy timeout, and every
+    transaction starts with BEGIN IMMEDIATE, so concurrent searches queue for the write lock instead
+    of failing with "database is locked" when a deferred read transaction tries to become a writer.
+    Pooled connections are dropped so that every connection from now on gets the settings."""
+    if engine.url.get_backend_name() != "sqlite":
+        return
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute("PRAGMA busy_timeout=60000")
+        finally:
+            cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()
+
+
+def sqlite_init_lock(url: str):
+    """An inter-process lock for one SQLite file's first-time setup by a library that does not
+    serialize it itself (Optuna creates its tables and stamps its version check-then-act). A file
+    lock in the temp dir, keyed by the database path; a no-op for other backends and on Windows."""
+    import contextlib
+    import hashlib
+    import tempfile
+
+    try:
+        parsed = make_url(url)
+        path = _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+        import fcntl
+    except (ArgumentError, ImportError):
+        path = None
+    if path is None:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _locked():
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+        lock = Path(tempfile.gettempdir()) / f"flashtune-{digest}.lock"
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
             try:
-                with s.begin_nested():
-                    s.add(MetaRow(id=1, schema_version=SCHEMA_VERSION))
-            except IntegrityError:  # another process wrote it first
-                row = s.scalar(select(MetaRow).where(MetaRow.id == 1))
-        if row is not None and row.schema_version > SCHEMA_VERSION:
-            raise DatabaseError(
-                f"{engine.url.render_as_string(hide_password=True)}: schema version "
-                f"{row.schema_version} was written by a newer flashtune (this one knows {SCHEMA_VERSION})"
-            )
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    return _locked()
+
+
+def _alembic_config(conn: Connection):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.attributes["connection"] = conn
+    return cfg
+
+
+def _schema_state(conn: Connection) -> tuple[set[str], list[str], int | None]:
+    tables = set(inspect(conn).get_table_names())
+    revs = [r for (r,) in conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}")] if VERSION_TABLE in tables else []
+    version = conn.exec_driver_sql("SELECT schema_version FROM ft_meta WHERE id = 1").scalar() if "ft_meta" in tables else None
+    return tables, revs, version
+
+
+def migrate(engine: Engine) -> str:
+    """Bring the database to HEAD_REVISION; returns what was done ("current", "created", "upgraded").
+
+    One transaction (BEGIN IMMEDIATE on SQLite), so processes opening one file at once take turns
+    and each sees the schema the previous one left. A database created before Alembic came in (ft
+    tables, no ft_alembic_version) is stamped 0001, the schema it has, then upgraded.
+    """
+    where = engine.url.render_as_string(hide_password=True)
+    with engine.begin() as conn:
+        tables, revs, version = _schema_state(conn)
+        if version is not None and version > SCHEMA_VERSION:
+            raise DatabaseError(f"{where}: schema version {version} was written by a newer flashtune "
+                                f"(this one knows {SCHEMA_VERSION}); upgrade flashtune to open it")
+        if revs == [HEAD_REVISION]:
+            return "current"
+        from alembic import command
+        from alembic.script import ScriptDirectory
+        from alembic.util import CommandError
+
+        cfg = _alembic_config(conn)
+        script = ScriptDirectory.from_config(cfg)
+        for r in revs:
+            try:
+                known = script.get_revision(r) is not None
+            except CommandError:
+                known = False
+            if not known:
+                raise DatabaseError(f"{where}: schema revision {r!r} was written by a newer flashtune "
+                                    f"(this one knows up to {HEAD_REVISION}); upgrade flashtune to open it")
+        if not revs and "ft_measurements" in tables:
+            command.stamp(cfg, "0001")
+        command.upgrade(cfg, "head")
+        return "created" if "ft_measurements" not in tables else "upgraded"
 
 
 def make_engine(url: str | None = None, *, readonly: bool = False) -> Engine:
@@ -116,9 +212,8 @@ def make_engine(url: str | None = None, *, readonly: bool = False) -> Engine:
     if is_sqlite:
         _install_sqlite_pragmas(engine, mode)
     try:
-        Base.metadata.create_all(engine)
-        _ensure_meta(engine)
-    except OperationalError as e:
+        migrate(engine)
+    except SQLDatabaseError as e:  # OperationalError (cannot open, locked), "file is not a database", ...
         engine.dispose()
         where = str(path) if path is not None else parsed.render_as_string(hide_password=True)
         raise DatabaseError(f"cannot open the database {where}: {e.orig}") from None

@@ -102,6 +102,7 @@ class MeasurementRow(Base):
     __tablename__ = "ft_measurements"
     __table_args__ = (
         Index("ix_ft_measurements_lookup", "gpu_id", "problem_id", "config_id", "versions_key"),
+        Index("ix_ft_measurements_study", "study_name", "trial_number"),  # schema version 2
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

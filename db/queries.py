@@ -342,3 +342,27 @@ def list_problems(s: Session, gpu_key: str | None = None) -> list[Problem]:
         )
         q = q.where(ProblemRow.id.in_(measured))
     return [_to_problem(p) for p in s.scalars(q)]
+
+
+def study_summaries(s: Session) -> list[dict[str, Any]]:
+    """Trial counts per (GPU, family, problem, status), aggregated in SQL.
+
+    The dashboard's overview reads this instead of `measurements()`, so a database of 100,000
+    rows opens in well under a second: no ORM objects, no JSON parsing per row.
+    """
+    q = (
+        select(
+            GpuRow.key, GpuRow.name, ConfigRow.family, ProblemRow.key, ProblemRow.bucket_key,
+            *(getattr(ProblemRow, f) for f in _PROBLEM_FIELDS),
+            MeasurementRow.status, func.count(MeasurementRow.id), func.max(MeasurementRow.tflops),
+            func.max(MeasurementRow.created_at),
+        )
+        .join(GpuRow, MeasurementRow.gpu_id == GpuRow.id)
+        .join(ProblemRow, MeasurementRow.problem_id == ProblemRow.id)
+        .join(ConfigRow, MeasurementRow.config_id == ConfigRow.id)
+        .group_by(GpuRow.id, ConfigRow.family, ProblemRow.id, MeasurementRow.status)
+        .order_by(GpuRow.key, ConfigRow.family, ProblemRow.key, MeasurementRow.status)
+    )
+    names = ("gpu_key", "gpu_name", "family", "problem_key", "bucket_key", *_PROBLEM_FIELDS,
+             "status", "count", "max_tflops", "last_at")
+    return [dict(zip(names, row)) for row in s.execute(q)]

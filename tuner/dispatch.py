@@ -81,6 +81,7 @@ class Dispatcher:
         self._gpus: dict[int, object] = {}
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        self._warn_lock = threading.Lock()  # _warn runs under _lock (plan) and outside it (fallback)
 
     # ---- slow path, once per shape ----
     def _load_table(self) -> dict[tuple[str, str], list[dict]]:
@@ -135,9 +136,11 @@ class Dispatcher:
         return Plan(LoadedKernel.load(ck, launch.smem_bytes, device_index), launch, fam.name)
 
     def _warn(self, message: str) -> None:
-        if message not in self._warned:
+        with self._warn_lock:  # once per message, even with threads falling back at the same time
+            if message in self._warned:
+                return
             self._warned.add(message)
-            warnings.warn(f"flashtune: {message}; using torch scaled_dot_product_attention", stacklevel=3)
+        warnings.warn(f"flashtune: {message}; using torch scaled_dot_product_attention", stacklevel=3)
 
     # ---- hot path ----
     def __call__(self, q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False):
@@ -175,6 +178,7 @@ class Dispatcher:
 
 
 _default: Dispatcher | None = None
+_default_lock = threading.Lock()
 
 
 def attention(q, k, v, causal: bool = False, scale: float | None = None):
@@ -184,9 +188,13 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     bucket, or by torch SDPA (with one warning) where nothing tuned fits.
     """
     global _default
-    if _default is None:
-        _default = Dispatcher()
-    return _default(q, k, v, causal, scale)
+    d = _default
+    if d is None:
+        with _default_lock:  # threads racing on the first call share one dispatcher (one plan cache)
+            if _default is None:
+                _default = Dispatcher()
+            d = _default
+    return d(q, k, v, causal, scale)
 
 
 def reset(lookup_path: str | Path | None = None) -> Dispatcher:

@@ -79,8 +79,8 @@ def current_stream():
 
     handle = torch.cuda.current_stream().cuda_stream
     s = _streams.get(handle)
-    if s is None:
-        s = _streams[handle] = Stream.from_handle(handle)
+    if s is None:  # threads racing here each make a wrapper of the same handle: harmless, one is kept
+        s = _streams.setdefault(handle, Stream.from_handle(handle))
     return s
 
 

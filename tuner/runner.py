@@ -70,9 +70,16 @@ class GpuRunner:
 
 
 class ReplayRunner:
-    """Answers from measurements recorded earlier on a real GPU (any versions, latest first)."""
+    """Answers from measurements recorded earlier on a real GPU (any versions, latest first).
+
+    TUNER_REPLAY_DELAY (seconds, default 0) makes each answer take that long, like a GPU
+    measurement: the reliability tests use it to land signals in the middle of a search.
+    """
 
     def __init__(self, url: str, gpu_key: str | None = None) -> None:
+        import os
+
+        self.delay = float(os.environ.get("TUNER_REPLAY_DELAY") or 0)
         from .db import queries
         from .db.engine import make_engine, session_factory
 
@@ -106,6 +113,8 @@ class ReplayRunner:
         return m
 
     def measure(self, family: KernelFamily, params: dict, problem: Problem) -> Measurement | None:
+        if self.delay > 0:
+            time.sleep(self.delay)
         return self._latest(family.name, params, problem)
 
     def peer(self, backend: str, problem: Problem) -> Measurement | None:

@@ -16,6 +16,7 @@ import optuna
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
+from . import interrupts
 from .db import queries
 from .family import KernelFamily
 from .problem import Problem
@@ -69,8 +70,7 @@ class Search:
     def __init__(self, runner: Runner, sessions, storage_url: str, *, seed: int | None = None, sampler: str = "tpe",
                  observer: Callable[[Progress], None] | None = None, run_id: str | None = None) -> None:
         self.runner, self.sessions = runner, sessions
-        self.storage = optuna.storages.RDBStorage(storage_url, engine_kwargs={"connect_args": {"timeout": 60}}
-                                                  if storage_url.startswith("sqlite") else {})
+        self.storage = optuna_storage(storage_url)
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
         self.seed, self.sampler, self.observer = seed, sampler, observer or (lambda p: None)
@@ -79,6 +79,12 @@ class Search:
 
     # ---- one problem ----
     def tune(self, family: KernelFamily, problem: Problem, trials: int, deadline: float | None = None) -> ProblemResult:
+        """SIGINT/SIGTERM (see tuner.interrupts) reach this only while a point is being measured, or
+        between trials: the trial in flight is told FAIL, every stored row is whole."""
+        with interrupts.deferred():
+            return self._tune(family, problem, trials, deadline)
+
+    def _tune(self, family: KernelFamily, problem: Problem, trials: int, deadline: float | None) -> ProblemResult:
         reason = family.supports(self.gpu, problem)
         if reason:
             raise ValueError(reason)
@@ -103,6 +109,7 @@ class Search:
         while done < trials and asks < trials * ASK_LIMIT_FACTOR:
             if deadline is not None and time.monotonic() > deadline:
                 break
+            interrupts.checkpoint()  # a signal held during the last trial's bookkeeping stops here
             asks += 1
             trial = study.ask(dists)
             try:
@@ -149,11 +156,18 @@ class Search:
             m = Measurement("invalid", message=why, versions=self.runner.versions())
             source = "invalid"
         else:
-            m = self.runner.measure(family, params, problem)
+            with interrupts.allowed():
+                m = self.runner.measure(family, params, problem)
             source = "measured"
             if m is None:
                 return None, source
         with self.sessions.begin() as s:
+            # Another search on this DB may have stored the point meanwhile. On SQLite the write
+            # transaction starts with BEGIN IMMEDIATE (one writer at a time), so this check and the
+            # insert are atomic: a point gets one row per versions however many searches race for it.
+            again = queries.find_measurement(s, gpu.key, problem.key, family.name, params, vkey)
+            if again is not None:
+                return again, "invalid" if again.status == "invalid" else "database"
             queries.record_measurement(s, gpu, problem, family.name, params, m, study_name=name,
                                        trial_number=number, run_id=self.run_id)
             if m.ok:
@@ -175,15 +189,34 @@ class Search:
 
     # ---- the peers, measured in this run ----
     def measure_peers(self, problem: Problem, backends: tuple[str, ...] | None = None) -> dict[str, Measurement]:
+        with interrupts.deferred():
+            return self._measure_peers(problem, backends)
+
+    def _measure_peers(self, problem: Problem, backends: tuple[str, ...] | None) -> dict[str, Measurement]:
         out = {}
         for backend in backends or PEERS_BY_DTYPE[problem.dtype]:
-            m = self.runner.peer(backend, problem)
+            interrupts.checkpoint()
+            with interrupts.allowed():
+                m = self.runner.peer(backend, problem)
             if m is None:
                 continue
             with self.sessions.begin() as s:
                 queries.record_measurement(s, self.gpu, problem, backend, {}, m, run_id=self.run_id)
             out[backend] = m
         return out
+
+
+def optuna_storage(url: str) -> optuna.storages.RDBStorage:
+    """Optuna's storage in our DB, safe with several searches on one SQLite file: its first-time
+    table creation and version stamp run one process at a time, and its transactions queue for the
+    write lock (BEGIN IMMEDIATE, 60 s busy timeout) instead of failing with "database is locked"."""
+    from .db.engine import serialize_sqlite_writers, sqlite_init_lock
+
+    sqlite = url.startswith("sqlite")
+    with sqlite_init_lock(url):
+        storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else {})
+    serialize_sqlite_writers(storage.engine)
+    return storage
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None, **kw) -> bool:

@@ -68,15 +68,19 @@ def _serve(conn, device_index: int, l2_bytes: int) -> None:
 class Worker:
     """Runs jobs one at a time in a child process; restarts it after a crash or a timeout."""
 
-    def __init__(self, device_index: int = 0, l2_bytes: int = 50 << 20, timeout: float = 60.0) -> None:
+    def __init__(self, device_index: int = 0, l2_bytes: int = 50 << 20, timeout: float = 60.0,
+                 serve=None) -> None:
+        """`serve(conn, device_index, l2_bytes)` is the child's entry (default `_serve`): a
+        module-level function (spawn pickles it by name). Tests inject fakes that crash or hang."""
         self.device_index, self.l2_bytes, self.timeout = device_index, l2_bytes, timeout
+        self._serve = serve or _serve
         self._ctx = mp.get_context("spawn")
         self._proc = None
         self._conn = None
 
     def _start(self) -> None:
         parent, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_serve, args=(child, self.device_index, self.l2_bytes), daemon=True)
+        self._proc = self._ctx.Process(target=self._serve, args=(child, self.device_index, self.l2_bytes), daemon=True)
         self._proc.start()
         child.close()
         self._conn = parent
@@ -101,6 +105,8 @@ class Worker:
         try:
             m = self._conn.recv()
         except (EOFError, OSError):
+            if self._proc is not None:
+                self._proc.join(5)  # reap it, so its exit code is known
             code = self._proc.exitcode if self._proc else None
             self.close(kill=True)
             return Measurement("crash", message=f"worker died (exit code {code}) after {time.monotonic() - start:.1f} s")

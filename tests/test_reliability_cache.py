@@ -1,0 +1,85 @@
+"""The compile cache: a truncated or corrupted entry is detected (hash) and rebuilt, and several
+processes filling one cache at once leave only whole entries (each file is written to a temp file
+and renamed; NVRTC output is deterministic, so racing writers of one key write the same bytes).
+Uses the tiny test families of tests/faulty_families.py: they compile in a fraction of a second."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+
+import pytest
+
+from faulty_families import FAMILIES
+from tuner import compile as tc
+from tuner.problem import Problem
+from tuner.records import short_hash
+
+P = Problem(1, 2, 128, 128, 64, "fp32", False)
+ARCH = "sm_90a"
+BY_NAME = {f.name: f for f in FAMILIES}
+
+try:
+    tc.nvrtc_version()
+except Exception as exc:  # pragma: no cover
+    pytest.skip(f"NVRTC not usable here: {exc}", allow_module_level=True)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNER_CACHE_DIR", str(tmp_path / "cubin"))
+    return tmp_path / "cubin"
+
+
+def _compile(name: str, x: int):
+    return tc.compile_kernel(BY_NAME[name], {"x": x}, P, ARCH)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "meta-garbage", "meta-missing", "cubin-missing"])
+def test_damaged_entry_is_rebuilt(cache, damage):
+    first = _compile("test_wrong", 1)
+    assert not first.cached
+    assert _compile("test_wrong", 1).cached
+    cubin, meta = tc._paths(first.key)
+    if damage == "truncate":
+        cubin.write_bytes(cubin.read_bytes()[: len(first.cubin) // 2])
+    elif damage == "flip":
+        data = bytearray(cubin.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        cubin.write_bytes(bytes(data))
+    elif damage == "empty":
+        cubin.write_bytes(b"")
+    elif damage == "meta-garbage":
+        meta.write_text('{"key": "trunc')
+    elif damage == "meta-missing":
+        meta.unlink()
+    else:
+        cubin.unlink()
+    rebuilt = _compile("test_wrong", 1)
+    assert not rebuilt.cached and rebuilt.cubin == first.cubin
+    again = _compile("test_wrong", 1)  # and the rebuilt entry is whole again
+    assert again.cached and again.cubin == first.cubin
+
+
+POINTS = [(n, x) for n in ("test_oob", "test_spin", "test_wrong") for x in (1, 2)]
+
+
+def _fill(seed: int) -> list[str]:
+    import random
+
+    order = POINTS * 2
+    random.Random(seed).shuffle(order)
+    return [tc.compile_kernel(BY_NAME[n], {"x": x}, P, ARCH).key for n, x in order]
+
+
+def test_processes_filling_one_cache(cache):
+    with mp.get_context("spawn").Pool(4) as pool:
+        keys = pool.map(_fill, range(8))
+    assert len({k for ks in keys for k in ks}) == len(POINTS)
+    for n, x in POINTS:
+        ck = _compile(n, x)
+        assert ck.cached, (n, x)
+        cubin, meta = tc._paths(ck.key)
+        assert json.loads(meta.read_text())["cubin_sha"] == short_hash(cubin.read_bytes().hex(), 32)
+    assert not list(cache.rglob("*.tmp"))  # no temp file left behind
+    assert len(list(cache.rglob("*.cubin"))) == len(POINTS) and len(list(cache.rglob("*.json"))) == len(POINTS)

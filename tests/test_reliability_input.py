@@ -1,0 +1,200 @@
+"""Bad input: each a one-line error and a non-zero exit (no traceback), or in the dispatcher a
+fallback with one warning; never a partly written database or lookup file."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import tuner.gpu
+from tuner.dispatch import Dispatcher
+from tuner.export import build_lookup, read_lookup, write_lookup
+from tuner.db.queries import BestEntry
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.problem import Problem
+
+FIXTURE = Path(__file__).parent / "fixtures" / "h100_simt.db"
+P = Problem(2, 4, 512, 512, 64, "fp32", True)
+PARAMS = dict(Br=64, Bc=64, TM=4, TN=4, stages=1, min_blocks=1)
+
+
+def run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1", COLUMNS="200",
+               TUNER_DB=f"sqlite:///{tmp_path / 'env.db'}", TUNER_LOOKUP=str(tmp_path / "env.json"))
+    return subprocess.run([sys.executable, "-m", "tuner.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+
+
+def one_line(out: subprocess.CompletedProcess, *words: str) -> str:
+    assert out.returncode != 0, out
+    assert "Traceback" not in out.stdout + out.stderr, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+    return lines[0]
+
+
+def nothing_written(tmp_path: Path, *names: str) -> None:
+    for n in ("env.db", "env.json", *names):
+        assert not (tmp_path / n).exists(), n
+
+
+@pytest.fixture
+def replay(tmp_path) -> str:
+    if not FIXTURE.exists():
+        pytest.skip("needs the fixture")
+    shutil.copy(FIXTURE, tmp_path / "replay.db")
+    (tmp_path / "replay.db").chmod(0o644)
+    return f"sqlite:///{tmp_path / 'replay.db'}"
+
+
+@pytest.mark.parametrize("shape", ["2,4,512", "2,4,x,64", "0,4,512,64", "2,4,512,64,sideways", ""])
+def test_malformed_shape_writes_nothing(tmp_path, replay, shape):
+    out = run(tmp_path, "search", "--replay", replay, "--shape", shape, "--no-peers", "--db",
+              f"sqlite:///{tmp_path / 'r.db'}", "--lookup", str(tmp_path / "b.json"))
+    one_line(out)
+    assert out.returncode == 2
+    nothing_written(tmp_path, "r.db", "b.json")
+
+
+def test_unknown_gpu_index_without_gpu(tmp_path):
+    out = run(tmp_path, "search", "--gpu", "7", "--db", f"sqlite:///{tmp_path / 'r.db'}")
+    one_line(out, "no CUDA GPU")
+    assert out.returncode == 1
+    nothing_written(tmp_path, "r.db")
+
+
+def test_gpu_index_checked(monkeypatch):
+    monkeypatch.setattr(tuner.gpu, "visible", lambda: [H100_SXM])
+    assert tuner.gpu.detect("0") == H100_SXM
+    with pytest.raises(ValueError, match=r"--gpu 7: only 1 GPU\(s\) visible \(indices 0..0\)"):
+        tuner.gpu.detect("7")
+    with pytest.raises(ValueError, match="--gpu -1: only 1"):
+        tuner.gpu.detect("-1")
+    with pytest.raises(ValueError, match="'auto' or a GPU index, got 'first'"):
+        tuner.gpu.detect("first")
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--shape", "1,2,128,80"), ("head dim", "80")),
+    (("--shape", "1,2,128,64", "--dtype", "fp64"), ("--dtype", "fp64")),
+    (("--shape", "1,2,128,64", "--family", "nope"), ("unknown kernel family", "nope")),
+])
+def test_unsupported_problem_writes_nothing(tmp_path, replay, args, words):
+    out = run(tmp_path, "search", "--replay", replay, *args, "--no-peers", "--db", f"sqlite:///{tmp_path / 'r.db'}",
+              "--lookup", str(tmp_path / "b.json"))
+    one_line(out, *words)
+    nothing_written(tmp_path, "r.db", "b.json")
+
+
+def test_db_that_is_not_a_database(tmp_path, replay):
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(os.urandom(4096))
+    before = junk.read_bytes()
+    out = run(tmp_path, "search", "--replay", replay, "--shape", "2,4,512,64,causal", "--trials", "2", "--no-peers",
+              "--db", f"sqlite:///{junk}", "--lookup", str(tmp_path / "b.json"))
+    one_line(out, str(junk), "not a database")
+    assert junk.read_bytes() == before
+    nothing_written(tmp_path, "b.json")
+
+
+def test_db_path_is_a_directory(tmp_path):
+    (tmp_path / "dir.db").mkdir()
+    out = run(tmp_path, "export", "-o", str(tmp_path / "x.json"), "--db", f"sqlite:///{tmp_path / 'dir.db'}")
+    one_line(out, "cannot open the database", "dir.db")
+    nothing_written(tmp_path, "x.json")
+
+
+def test_replay_db_that_is_not_a_database(tmp_path):
+    (tmp_path / "junk.db").write_bytes(b"\x00garbage" * 100)
+    out = run(tmp_path, "search", "--replay", f"sqlite:///{tmp_path / 'junk.db'}", "--shape", "2,4,512,64",
+              "--no-peers", "--db", f"sqlite:///{tmp_path / 'r.db'}")
+    one_line(out, "not a database")
+    nothing_written(tmp_path, "r.db")
+
+
+def test_export_into_a_path_under_a_file(tmp_path, replay):
+    (tmp_path / "afile").write_text("x")
+    out = run(tmp_path, "export", "-o", str(tmp_path / "afile" / "sub" / "x.json"), "--db", replay)
+    one_line(out, "Not a directory")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def _lookup_doc(gpu_key: str = H100_SXM.key) -> dict:
+    return build_lookup([BestEntry(gpu_key, "flash_fwd_simt", P, P.bucket().key, PARAMS, 5.0, 1.0, 1)])
+
+
+@pytest.mark.parametrize("content", [
+    b'{"schema": "flashtune.best-configs", "version": 1, "entries": [',  # truncated
+    b"\xff\xfe\x00garbage",  # not text
+    b'{"openapi": "3.0.0", "paths": {}}',  # someone else's JSON
+    b'{"schema": "flashtune.best-configs", "version": 99, "entries": []}',  # newer
+    b'{"schema": "flashtune.best-configs", "version": 1, "entries": [{"gpu_key": 3}]}',  # bad entry
+])
+def test_dispatcher_ignores_a_bad_lookup_with_one_warning(tmp_path, content):
+    path = tmp_path / "best.json"
+    path.write_bytes(content)
+    d = Dispatcher(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert d.select(P, H100_SXM) is None
+        assert d.select(P, H100_SXM) is None  # read once, warned once
+    msgs = [str(w.message) for w in caught if "flashtune" in str(w.message)]
+    assert len(msgs) == 1 and "ignoring the best-config lookup" in msgs[0] and str(path) in msgs[0]
+
+
+def test_dispatcher_good_lookup_and_foreign_gpu(tmp_path):
+    path = tmp_path / "best.json"
+    write_lookup(_lookup_doc(), path)
+    assert Dispatcher(path).select(P, H100_SXM)["params"] == PARAMS
+    assert Dispatcher(path).select(P, A100_SXM) is None  # another GPU model never silently shares
+
+
+def test_lookup_write_interrupted_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "best.json"
+    write_lookup(_lookup_doc(), path)
+    old = path.read_bytes()
+
+    def boom(src, dst):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(os, "replace", boom)
+    new = _lookup_doc()
+    new["entries"][0]["tflops"] = 99.0
+    with pytest.raises(OSError, match="simulated"):
+        write_lookup(new, path)
+    assert path.read_bytes() == old and read_lookup(path)["entries"][0]["tflops"] == 5.0
+    assert [p.name for p in tmp_path.iterdir()] == ["best.json"]  # no temp file left
+
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="lacks field"):  # an invalid document is never written
+        write_lookup({**new, "entries": [{"gpu_key": "x"}]}, path)
+    assert path.read_bytes() == old
+
+
+def test_lookup_write_killed_mid_write_keeps_the_old_file(tmp_path):
+    """A process killed while writing (after the temp file got bytes, before the rename)."""
+    path = tmp_path / "best.json"
+    write_lookup(_lookup_doc(), path)
+    old = path.read_bytes()
+    code = (
+        "import os, sys, json\n"
+        "import tuner.export as e\n"
+        "real = json.dump\n"
+        "def dump(doc, f, **kw):\n"
+        "    f.write('{\"schema\": \"flashtune.best-con'); f.flush(); os._exit(9)\n"
+        "e.json.dump = dump\n"
+        f"e.write_lookup(e.read_lookup({str(path)!r}), {str(path)!r})\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 9
+    assert path.read_bytes() == old
+    assert read_lookup(path)["entries"]
