@@ -5,7 +5,7 @@
 set -o pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
 fi
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
