@@ -221,6 +221,36 @@ def make_engine(url: str | None = None, *, readonly: bool = False) -> Engine:
     return engine
 
 
+def open_recorded(url: str) -> Engine:
+    """A database that must not change (a replay fixture, someone else's results): a SQLite file
+    is opened through SQLite's read-only mode, with no pragmas and no migrations, and must already
+    be at this schema version. Other backends go through make_engine."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise ValueError(f"malformed database URL {url!r}") from None
+    path = _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
+    if path is None:
+        return make_engine(url, readonly=True)
+    if not path.is_file():
+        raise DatabaseError(f"no database at {path}")
+    engine = create_engine(f"sqlite:///file:{path.resolve()}?mode=ro&uri=true")
+    try:
+        with engine.connect() as conn:
+            tables, _, version = _schema_state(conn)
+    except SQLDatabaseError as e:
+        engine.dispose()
+        raise DatabaseError(f"cannot open the database {path}: {e.orig}") from None
+    if "ft_measurements" not in tables:
+        engine.dispose()
+        raise DatabaseError(f"{path} is not a flashtune results database")
+    if version != SCHEMA_VERSION:
+        engine.dispose()
+        raise DatabaseError(f"{path} has schema version {version}, this flashtune reads {SCHEMA_VERSION}: "
+                            f"open a copy once with `tuner export --db sqlite:///COPY -o best.json` to upgrade it")
+    return engine
+
+
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     """Rows stay readable after commit: callers hand them on as plain values."""
     return sessionmaker(engine, expire_on_commit=False)

@@ -152,7 +152,13 @@ def test_malformed_db_url(cli, tmp_path):
     assert out.code == 2
 
 
-def test_replay_db_without_measurements(cli, tmp_path):
+def test_replay_db_missing_or_without_measurements(cli, tmp_path):
+    out = cli("search", "--replay", f"sqlite:///{tmp_path / 'missing.db'}", "--shape", "1,2,128,64", "--no-peers")
+    one_line_error(out, "no database at")
+    assert out.code == 2
+    from tuner.db.engine import make_engine
+
+    make_engine(f"sqlite:///{tmp_path / 'empty.db'}").dispose()
     out = cli("search", "--replay", f"sqlite:///{tmp_path / 'empty.db'}", "--shape", "1,2,128,64", "--no-peers")
     one_line_error(out, "holds no measurements")
     assert out.code == 2

@@ -174,7 +174,12 @@ def test_replay_runner_answers_like_the_db(replay_db):
         ReplayRunner(replay_db.url, gpu_key="Nope/sm_00")
 
 
-def test_replay_runner_rejects_empty_db(tmp_path):
+def test_replay_runner_rejects_empty_or_missing_db(tmp_path):
+    from tuner.db.engine import DatabaseError
+
+    with pytest.raises(DatabaseError, match="no database at"):
+        ReplayRunner(f"sqlite:///{tmp_path / 'missing.db'}")
+    make_engine(f"sqlite:///{tmp_path / 'empty.db'}").dispose()  # a real, empty results database
     with pytest.raises(ValueError, match="holds no measurements"):
         ReplayRunner(f"sqlite:///{tmp_path / 'empty.db'}")
 
@@ -365,3 +370,22 @@ def test_cli_search_replay(replay_db, tmp_path):
     with session_factory(make_engine(db, readonly=True))() as ses:
         counts = queries.status_counts(ses, replay_db.gpu.key, FAM.name)
     assert sum(v for k, v in counts.items() if k != "invalid") == 10
+
+
+def test_replay_never_writes_to_the_recording(tmp_path):
+    """`tuner search --replay FILE` reads the recording through SQLite's read-only mode."""
+    import os
+    import stat
+
+    fixture = Path(__file__).parent / "fixtures" / "h100_simt.db"
+    copy = tmp_path / "recording.db"
+    shutil.copy(fixture, copy)
+    os.chmod(copy, stat.S_IRUSR)  # a write would fail loudly, not silently change the file
+    before = hashlib.sha256(copy.read_bytes()).hexdigest()
+    runner = ReplayRunner(f"sqlite:///{copy}")
+    fam = get_family("flash_fwd_simt")
+    problem = Problem(2, 4, 512, 512, 64, "fp32", True)
+    m = runner.measure(fam, fam.default(runner.gpu, problem), problem)
+    assert m is not None and m.status == "ok" and m.tflops > 0
+    assert hashlib.sha256(copy.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recording.db"]  # no -wal / -shm either

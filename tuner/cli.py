@@ -110,7 +110,7 @@ def search(
     timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="stop asking for trials after this many seconds"),
     db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: $TUNER_DB or the user data dir)"),
     family: str = typer.Option("auto", "--family", help="a kernel family, or auto: every family that fits"),
-    replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB instead of a GPU"),
+    replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB (URL or file) instead of a GPU"),
     candidate_timeout: float = typer.Option(60.0, "--candidate-timeout", min=1, help="seconds per candidate"),
     seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
     sampler: str = typer.Option("tpe", "--sampler", help="tpe, random, or grid (every point once)"),
@@ -131,7 +131,7 @@ def search(
     problems = _problems(shape, dtype)
     url = _db_url(db)
     if replay:
-        runner = ReplayRunner(replay)
+        runner = ReplayRunner(replay if "://" in replay else f"sqlite:///{Path(replay).resolve()}")
     else:
         from .gpu import detect
 

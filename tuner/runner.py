@@ -81,9 +81,9 @@ class ReplayRunner:
 
         self.delay = float(os.environ.get("TUNER_REPLAY_DELAY") or 0)
         from .db import queries
-        from .db.engine import make_engine, session_factory
+        from .db.engine import open_recorded, session_factory
 
-        self._session = session_factory(make_engine(url, readonly=True))
+        self._session = session_factory(open_recorded(url))  # never writes to the recording
         with self._session() as s:
             gpus = queries.list_gpus(s)
         if not gpus:
