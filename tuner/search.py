@@ -174,18 +174,20 @@ class Search:
                 queries.update_best(s, gpu.key, problem.key, family.name)
         return m, source
 
-    def _best_tflops(self, family: KernelFamily, problem: Problem) -> float | None:
+    def _best_entry(self, family: KernelFamily, problem: Problem) -> queries.BestEntry | None:
         with self.sessions() as s:
-            rows = [b for b in queries.best_rows(s, self.gpu.key)
-                    if b.family == family.name and b.problem.key == problem.key]
-        return rows[0].tflops if rows else None
+            return next((b for b in queries.best_rows(s, self.gpu.key)
+                         if b.family == family.name and b.problem.key == problem.key), None)
+
+    def _best_tflops(self, family: KernelFamily, problem: Problem) -> float | None:
+        best = self._best_entry(family, problem)
+        return best.tflops if best else None
 
     def _fill_best(self, result: ProblemResult, family: KernelFamily, problem: Problem) -> None:
-        with self.sessions() as s:
-            for b in queries.best_rows(s, self.gpu.key):
-                if b.family == family.name and b.problem.key == problem.key:
-                    result.best_params = b.params
-                    result.best = Measurement("ok", median_ms=b.median_ms, tflops=b.tflops)
+        best = self._best_entry(family, problem)
+        if best is not None:
+            result.best_params = best.params
+            result.best = Measurement("ok", median_ms=best.median_ms, tflops=best.tflops)
 
     # ---- the peers, measured in this run ----
     def measure_peers(self, problem: Problem, backends: tuple[str, ...] | None = None) -> dict[str, Measurement]:
