@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from platformdirs import user_data_dir
@@ -48,29 +49,31 @@ def _sqlite_file(url: URL) -> Path | None:
     return Path(db).expanduser()
 
 
-def _install_sqlite_pragmas(engine: Engine, mode: dict[str, bool]) -> None:
-    """WAL + busy timeout let a search, a bench and the dashboard share one file.
-
-    pysqlite's own transaction handling is switched off so that SAVEPOINTs nest properly, and
+def _sqlite_transactions(engine: Engine, pragmas: tuple[str, ...], immediate: Callable[[], bool]) -> None:
+    """pysqlite's own transaction handling is switched off so that SAVEPOINTs nest properly, and
     write sessions start with BEGIN IMMEDIATE: a deferred transaction that reads and then writes
-    can fail at once with SQLITE_BUSY under WAL, without waiting for busy_timeout.
-    """
+    can fail at once with SQLITE_BUSY under WAL, without waiting for busy_timeout."""
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         try:
-            cur.execute("PRAGMA busy_timeout=60000")
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.execute("PRAGMA synchronous=NORMAL")
+            for pragma in pragmas:
+                cur.execute(pragma)
         finally:
             cur.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if mode["immediate"] else "BEGIN")
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate() else "BEGIN")
+
+
+def _install_sqlite_pragmas(engine: Engine, mode: dict[str, bool]) -> None:
+    """WAL + busy timeout let a search, a bench and the dashboard share one file."""
+    pragmas = ("PRAGMA busy_timeout=60000", "PRAGMA journal_mode=WAL", "PRAGMA foreign_keys=ON",
+               "PRAGMA synchronous=NORMAL")
+    _sqlite_transactions(engine, pragmas, lambda: mode["immediate"])
 
 
 def serialize_sqlite_writers(engine: Engine) -> None:
@@ -80,20 +83,7 @@ def serialize_sqlite_writers(engine: Engine) -> None:
     Pooled connections are dropped so that every connection from now on gets the settings."""
     if engine.url.get_backend_name() != "sqlite":
         return
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = None
-        cur = dbapi_conn.cursor()
-        try:
-            cur.execute("PRAGMA busy_timeout=60000")
-        finally:
-            cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-
+    _sqlite_transactions(engine, ("PRAGMA busy_timeout=60000",), lambda: True)
     engine.dispose()
 
 

@@ -30,7 +30,6 @@ FIXTURE = Path(__file__).parent / "fixtures" / "h100_simt.db"
 P1 = "2,4,512,64,causal"
 P2 = Problem(2, 4, 256, 256, 64, "fp32", False)
 
-pytestmark = pytest.mark.skipif(not FIXTURE.exists(), reason="needs tests/fixtures/h100_simt.db")
 
 
 def _replay(tmp: Path) -> str:

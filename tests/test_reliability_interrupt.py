@@ -24,7 +24,6 @@ FIXTURE = Path(__file__).parent / "fixtures" / "h100_simt.db"
 SHAPE = "2,4,512,64,causal"
 TRIALS = 60
 
-pytestmark = pytest.mark.skipif(not FIXTURE.exists(), reason="needs tests/fixtures/h100_simt.db")
 
 
 def _cmd(tmp: Path) -> list[str]:

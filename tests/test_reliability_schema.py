@@ -85,7 +85,6 @@ def test_older_database_upgraded_with_its_rows(tmp_path, pre_alembic):
     assert migrate(engine) == "current"
 
 
-@pytest.mark.skipif(not FIXTURE.exists(), reason="needs the fixture")
 def test_recorded_fixture_upgrades(tmp_path):
     shutil.copy(FIXTURE, tmp_path / "f.db")
     (tmp_path / "f.db").chmod(0o644)
