@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import optuna
-import pytest
 
 from tuner.db import queries
 from tuner.db.engine import make_engine, session_factory

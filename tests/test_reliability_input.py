@@ -3,7 +3,6 @@ fallback with one warning; never a partly written database or lookup file."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess

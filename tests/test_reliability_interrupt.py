@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import optuna
-import pytest
 
 from tuner.records import STATUSES
 

@@ -87,7 +87,6 @@ def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
 
 def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Measurement:
     """One torch SDPA backend, pinned, on the same kind of inputs, with the same timer."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
