@@ -120,5 +120,14 @@ FT_DEVICE float fast_exp2(float x) {
   return y;
 }
 
+// The argument list every attention family shares, in the order tuner/launch.py's attention_args
+// builds it: (B, H, N, D) views with a contiguous last dim, any other strides (in elements), K/V
+// heads shared by `kv_group` query heads, and softmax_scale * log2(e).
+#define FT_ATTENTION_PARAMS(T)                                                                        \
+  const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,    \
+      float* __restrict__ lse, int heads, int kv_group, int nq, int nk, long long q_sb,             \
+      long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn, long long v_sb, \
+      long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn, float scale_log2
+
 constexpr float FT_LN2 = 0.6931471805599453f;
 #define FT_NEG_INF (__int_as_float(0xff800000))

@@ -41,12 +41,7 @@ FT_DEVICE void load_tile(T* dst, const T* src, long long stride, int row0, int l
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-    float* __restrict__ lse, int heads, int kv_group, int nq, int nk,
-    long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn,
-    long long v_sb, long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn,
-    float scale_log2) {
+extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_PARAMS(T)) {
   extern __shared__ float4 smem4[];
   T* Qs = reinterpret_cast<T*>(smem4);
   T* Ks = Qs + BR * HEAD_DIM;

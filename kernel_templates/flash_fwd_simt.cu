@@ -74,12 +74,7 @@ FT_DEVICE void fill_kv(float* Kt, float* Vs, int tid, SrcK src_k, SrcV src_v) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(
-    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, T* __restrict__ o,
-    float* __restrict__ lse, int heads, int kv_group, int nq, int nk,
-    long long q_sb, long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn,
-    long long v_sb, long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn,
-    float scale_log2) {
+extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(FT_ATTENTION_PARAMS(T)) {
   extern __shared__ float4 smem4[];
   float* Qt = reinterpret_cast<float*>(smem4);
   float* Kt = Qt + HEAD_DIM * QT_LD;

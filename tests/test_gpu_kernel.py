@@ -13,28 +13,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _run(family, params, problem, seed, layout="bhnd"):
-    import torch
-
-    from tuner.compile import compile_kernel
     from tuner.gpu import detect
-    from tuner.launch import LoadedKernel, attention_args, current_stream
     from tuner.measure import random_inputs
     from tuner.reference import attention_fp64, compare
 
-    gpu = detect()
-    assert family.check(params, gpu, problem) is None
-    ck = compile_kernel(family, params, problem, gpu.arch)
-    launch = family.launch(params, problem)
-    kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
+    assert family.check(params, detect(), problem) is None
     q, k, v = random_inputs(problem, seed)
     if layout == "bnhd":  # (B, N, H, D) storage seen as (B, H, N, D) strides: no copy
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    o = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    scale = 1.0 / math.sqrt(problem.head_dim)
-    kernel(current_stream(), launch, *attention_args(q, k, v, o, lse, scale))
-    torch.cuda.synchronize()
-    ref_o, ref_lse = attention_fp64(q, k, v, problem.causal, scale)
+    o, lse = _run_inputs(family, params, problem, q, k, v, with_lse=True)
+    ref_o, ref_lse = attention_fp64(q, k, v, problem.causal, 1.0 / math.sqrt(problem.head_dim))
     return compare(o, lse, ref_o, ref_lse)
 
 
@@ -95,7 +83,8 @@ def test_mma_error_no_worse_than_sdpa_flash(dtype, causal):
         assert e_ours.finite and e_ours.rel <= 1.1 * e_fa2.rel, (d, e_ours, e_fa2)
 
 
-def _run_inputs(family, params, problem, q, k, v):
+def _run_inputs(family, params, problem, q, k, v, with_lse=False):
+    """Compile, load and launch one point on NaN-poisoned outputs; O (and the LSE)."""
     import torch
 
     from tuner.compile import compile_kernel
@@ -110,4 +99,4 @@ def _run_inputs(family, params, problem, q, k, v):
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     kernel(current_stream(), launch, *attention_args(q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
     torch.cuda.synchronize()
-    return o
+    return (o, lse) if with_lse else o

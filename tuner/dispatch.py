@@ -12,7 +12,10 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .family import Launch
+from .launch import attention_args, current_stream
 from .problem import DTYPES, Problem
 
 TORCH_TO_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -26,6 +29,7 @@ class Plan:
     launch: Launch | None
     family: str | None
     reason: str = ""
+    dtype: str = ""
 
 
 def supported_head_dims() -> set[int]:
@@ -36,8 +40,6 @@ def supported_head_dims() -> set[int]:
 
 def problem_of(q, k, v, causal: bool) -> Problem:
     """Validate the inputs and describe them; every mistake is a ValueError naming it."""
-    import torch
-
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -133,7 +135,7 @@ class Dispatcher:
         fam = FAMILIES[entry["family"]]
         ck = compile_kernel(fam, entry["params"], problem, gpu.arch)
         launch = fam.launch(entry["params"], problem)
-        return Plan(LoadedKernel.load(ck, launch.smem_bytes, device_index), launch, fam.name)
+        return Plan(LoadedKernel.load(ck, launch.smem_bytes, device_index), launch, fam.name, dtype=problem.dtype)
 
     def _warn(self, message: str) -> None:
         with self._warn_lock:  # once per message, even with threads falling back at the same time
@@ -144,8 +146,6 @@ class Dispatcher:
 
     # ---- hot path ----
     def __call__(self, q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False):
-        import torch
-
         key = (q.shape, k.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, bool(causal))
         plan = self._plans.get(key)
         if plan is None:
@@ -156,10 +156,7 @@ class Dispatcher:
                     plan = self._plans[key] = self._plan(problem, q.device.index or 0)
         if plan.kernel is None:
             return self._fallback(q, k, v, causal, scale, plan.reason, return_lse)
-        dtype = TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")]
-        q, k, v = (t if _kernel_ready(t, dtype) else t.contiguous() for t in (q, k, v))
-        from .launch import attention_args, current_stream
-
+        q, k, v = (t if _kernel_ready(t, plan.dtype) else t.contiguous() for t in (q, k, v))
         with torch.cuda.device(q.device):
             o = torch.empty_like(q, memory_format=torch.contiguous_format)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
