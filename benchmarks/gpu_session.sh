@@ -2,6 +2,9 @@
 # One GPU-machine session: install the carried wheels, run the GPU tests, tune, benchmark, and
 # record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the repo root:
 #   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|all]...
+# Narrowing for a short session: PYTEST_K (a pytest -k expression for the tests step),
+# TUNE_ARGS (replaces `--gpu auto` for precompile, search and bench; e.g. "--gpu auto --dtype bf16"),
+# TRIALS (per problem, default 30).
 set -o pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -18,10 +21,10 @@ python3 -c "import torch, cuda.core; print('torch', torch.__version__, 'cuda.cor
 steps=${*:-all}
 for step in $steps; do
   case $step in
-    tests|all) FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} python3 -m pytest -m gpu -v -rA tests 2>&1 | tee "$OUT/pytest_gpu.log" ;;&
-    tune|all) tuner precompile --gpu auto 2>&1 | tail -2 | tee "$OUT/tune.log"
-              tuner search --gpu auto --trials "${TRIALS:-30}" 2>&1 | tee -a "$OUT/tune.log" ;;&
-    bench|all) tuner bench --gpu auto --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;&
+    tests|all) FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} python3 -m pytest -m gpu -v -rA ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$OUT/pytest_gpu.log" ;;&
+    tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
+              tuner search ${TUNE_ARGS:---gpu auto} --trials "${TRIALS:-30}" 2>&1 | tee -a "$OUT/tune.log" ;;&
+    bench|all) tuner bench ${TUNE_ARGS:---gpu auto} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;&
     fixture|all) rm -f /tmp/flashtune/fixture.db
                  tuner precompile --gpu auto --shape 2,4,512,64,causal 2>&1 | tail -1
                  TUNER_DB=sqlite:////tmp/flashtune/fixture.db tuner search --gpu auto --shape 2,4,512,64,causal \

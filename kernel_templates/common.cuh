@@ -71,6 +71,14 @@ template <int DT, int N> FT_DEVICE void store_n(typename Elem<DT>::type* p, cons
   }
 }
 
+// Two floats -> one register of two 2-byte elements (low half first); sm_80+ for bf16.
+template <int DT> FT_DEVICE unsigned pack2(float lo, float hi) {
+  unsigned r;
+  if constexpr (DT == FT_BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  else asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // N consecutive floats in shared memory -> registers, as one vector access where N allows.
 template <int N> FT_DEVICE void lds(float* dst, const float* p) {
   if constexpr (N == 4) {

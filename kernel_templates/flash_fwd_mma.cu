@@ -12,6 +12,7 @@
 //
 // Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE IS_CAUSAL.
 #include "mma.cuh"
+#include "softmax.cuh"
 
 using T = unsigned short;
 constexpr int NT = WARPS * 32;
@@ -135,57 +136,19 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
     // ---- mask: the K/V tail, and above the diagonal on the tiles that cross it ----
     if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0)) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = q0 + wrow0 + mt * 16 + lane / 4 + (e >= 2 ? 8 : 0);
-            const int col = k0 + nt * 8 + 2 * (lane % 4) + (e & 1);
-            if (col >= nk || (IS_CAUSAL && col > row)) s[mt][nt][e] = FT_NEG_INF;
-          }
+      for (int mt = 0; mt < MT; ++mt) mask_slab<NTILES, IS_CAUSAL>(s[mt], lane, q0 + wrow0 + mt * 16, k0, nk);
     }
 
-    // ---- online softmax on the accumulators: each thread holds 2 rows per m16 tile ----
+    // ---- online softmax on the accumulators ----
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = FT_NEG_INF;
-#pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
-        mx = group_max<4>(mx);
-        const float m_new = fmaxf(m[mt][hh], mx);
-        const float m_use = m_new == FT_NEG_INF ? 0.f : m_new * scale_log2;
-        const float alpha = fast_exp2(m[mt][hh] * scale_log2 - m_use);
-        m[mt][hh] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NTILES; ++nt)
-#pragma unroll
-          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -m_use));
-            sum += s[mt][nt][e];
-          }
-        l[mt][hh] = l[mt][hh] * alpha + sum;   // per-thread partial; the quad sums it at the end
-#pragma unroll
-        for (int dt = 0; dt < DTILES; ++dt) {
-          o_acc[mt][dt][2 * hh] *= alpha;
-          o_acc[mt][dt][2 * hh + 1] *= alpha;
-        }
-      }
+    for (int mt = 0; mt < MT; ++mt) softmax_step(s[mt], o_acc[mt], m[mt], l[mt], scale_log2);
 
     // ---- O += P V, P repacked from accumulators into A fragments ----
 #pragma unroll
     for (int ps = 0; ps < PSTEPS; ++ps) {
       unsigned pa[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        pa[mt][0] = pack2<IN_DTYPE>(s[mt][2 * ps][0], s[mt][2 * ps][1]);
-        pa[mt][1] = pack2<IN_DTYPE>(s[mt][2 * ps][2], s[mt][2 * ps][3]);
-        pa[mt][2] = pack2<IN_DTYPE>(s[mt][2 * ps + 1][0], s[mt][2 * ps + 1][1]);
-        pa[mt][3] = pack2<IN_DTYPE>(s[mt][2 * ps + 1][2], s[mt][2 * ps + 1][3]);
-      }
+      for (int mt = 0; mt < MT; ++mt) p_fragment<IN_DTYPE>(pa[mt], s[mt], ps);
 #pragma unroll
       for (int dp = 0; dp < DTILES / 2; ++dp) {
         unsigned bf[4];
@@ -200,22 +163,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
     if constexpr (STAGES == 1) __syncthreads();   // the next tile overwrites this buffer
   }
 
-  // ---- epilogue: O = acc / l in the input precision, LSE = ln(sum exp(s * scale)) ----
+  // ---- epilogue: O = acc / l in the input precision, LSE per row ----
   T* op = o + b * o_sb + h * o_sh;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float row_l = group_sum<4>(l[mt][hh]);
-      const int row = q0 + wrow0 + mt * 16 + lane / 4 + hh * 8;
-      if (row >= nq) continue;
-      const float inv = row_l > 0.f ? 1.f / row_l : 0.f;
-#pragma unroll
-      for (int dt = 0; dt < DTILES; ++dt) {
-        const unsigned packed = pack2<IN_DTYPE>(o_acc[mt][dt][2 * hh] * inv, o_acc[mt][dt][2 * hh + 1] * inv);
-        *reinterpret_cast<unsigned*>(op + row * o_sn + dt * 8 + 2 * (lane % 4)) = packed;
-      }
-      if (lane % 4 == 0)
-        lse[static_cast<long long>(blockIdx.y) * nq + row] = (m[mt][hh] * scale_log2 + __log2f(row_l)) * FT_LN2;
-    }
+    store_slab<IN_DTYPE>(op, o_sn, lse + static_cast<long long>(blockIdx.y) * nq, o_acc[mt], m[mt], l[mt], lane,
+                         q0 + wrow0 + mt * 16, nq, scale_log2);
 }

@@ -30,12 +30,4 @@ template <int DT> FT_DEVICE void mma16816(float (&d)[4], const unsigned (&a)[4],
   }
 }
 
-// Two floats -> one register of two 2-byte elements (low half first).
-template <int DT> FT_DEVICE unsigned pack2(float lo, float hi) {
-  unsigned r;
-  if constexpr (DT == FT_BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  else asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 template <int N> FT_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

@@ -1,4 +1,4 @@
-"""On the GPU: flash_fwd_simt against the float64 reference, on fresh random ragged shapes."""
+"""On the GPU: every family against the float64 reference, on fresh random ragged shapes."""
 
 from __future__ import annotations
 
@@ -32,8 +32,12 @@ def _random_problem(rng: random.Random, dtype: str, causal: bool, d: int) -> Pro
     return Problem(rng.randint(1, 3), kvh * rng.choice([1, 2]), n, n, d, dtype, causal, kvh)
 
 
-CASES = [(f, dt, c, d) for f, dts in (("flash_fwd_simt", ("fp32", "fp16", "bf16")), ("flash_fwd_mma", ("fp16", "bf16")))
-         for dt in dts for c in (False, True) for d in (64, 128)]
+FAMILY_DTYPES_DIMS = (
+    ("flash_fwd_simt", ("fp32", "fp16", "bf16"), (64, 128)),
+    ("flash_fwd_mma", ("fp16", "bf16"), (64, 128)),
+    ("flash_fwd_sm90", ("fp16", "bf16"), (64, 128, 256)),
+)
+CASES = [(f, dt, c, d) for f, dts, dims in FAMILY_DTYPES_DIMS for dt in dts for c in (False, True) for d in dims]
 
 
 @pytest.mark.parametrize("family,dtype,causal,d", CASES)
@@ -46,6 +50,8 @@ def test_family_matches_reference(family, dtype, causal, d):
     gpu = detect()
     rng = random.Random()  # fresh shapes, configs and inputs every run; printed on failure
     problem = _random_problem(rng, dtype, causal, d)
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
     valid = fam.valid_points(gpu, problem)
     configs = [fam.default(gpu, problem)] + rng.sample(valid, 3)
     for params in configs:
@@ -56,9 +62,10 @@ def test_family_matches_reference(family, dtype, causal, d):
             assert err.lse is not None and err.lse <= 1e-3, f"{problem.key} {params}: lse err {err.lse}"
 
 
+@pytest.mark.parametrize("family", ["flash_fwd_mma", "flash_fwd_sm90"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_mma_error_no_worse_than_sdpa_flash(dtype, causal):
+def test_tensor_core_error_no_worse_than_sdpa_flash(family, dtype, causal):
     """Same inputs through our tensor-core kernel and SDPA's FlashAttention-2: our error against
     float64 must not exceed FA2's by more than rounding noise."""
     import torch
@@ -70,7 +77,9 @@ def test_mma_error_no_worse_than_sdpa_flash(dtype, causal):
     from tuner.reference import attention_fp64, compare
 
     gpu = detect()
-    fam = get_family("flash_fwd_mma")
+    fam = get_family(family)
+    if fam.supports(gpu, Problem(1, 1, 1, 1, 64, dtype)):
+        pytest.skip(fam.supports(gpu, Problem(1, 1, 1, 1, 64, dtype)))
     dt = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype])
     for d in (64, 128):
         p = Problem(2, 8, 1000, 1000, d, dtype, causal)
@@ -89,7 +98,7 @@ def _run_inputs(family, params, problem, q, k, v, with_lse=False):
 
     from tuner.compile import compile_kernel
     from tuner.gpu import detect
-    from tuner.launch import LoadedKernel, attention_args, current_stream
+    from tuner.launch import LoadedKernel, current_stream
 
     gpu = detect()
     ck = compile_kernel(family, params, problem, gpu.arch)
@@ -97,6 +106,6 @@ def _run_inputs(family, params, problem, q, k, v, with_lse=False):
     kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
     o = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    kernel(current_stream(), launch, *attention_args(q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
+    kernel(current_stream(), launch, *family.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
     torch.cuda.synchronize()
     return (o, lse) if with_lse else o

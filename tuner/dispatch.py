@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from .family import Launch
-from .launch import attention_args, current_stream
+from .launch import current_stream
 from .problem import DTYPES, Problem
 
 TORCH_TO_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -30,6 +32,7 @@ class Plan:
     family: str | None
     reason: str = ""
     dtype: str = ""
+    make_args: Callable[..., tuple] | None = None  # (q, k, v, o, lse, scale) -> launch arguments
 
 
 def supported_head_dims() -> set[int]:
@@ -135,7 +138,8 @@ class Dispatcher:
         fam = FAMILIES[entry["family"]]
         ck = compile_kernel(fam, entry["params"], problem, gpu.arch)
         launch = fam.launch(entry["params"], problem)
-        return Plan(LoadedKernel.load(ck, launch.smem_bytes, device_index), launch, fam.name, dtype=problem.dtype)
+        return Plan(LoadedKernel.load(ck, launch.smem_bytes, device_index), launch, fam.name, dtype=problem.dtype,
+                    make_args=partial(fam.kernel_args, entry["params"]))
 
     def _warn(self, message: str) -> None:
         with self._warn_lock:  # once per message, even with threads falling back at the same time
@@ -160,7 +164,7 @@ class Dispatcher:
         with torch.cuda.device(q.device):
             o = torch.empty_like(q, memory_format=torch.contiguous_format)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-            plan.kernel(current_stream(), plan.launch, *attention_args(q, k, v, o, lse, scale))
+            plan.kernel(current_stream(), plan.launch, *plan.make_args(q, k, v, o, lse, scale))
         return (o, lse) if return_lse else o
 
     def _fallback(self, q, k, v, causal, scale, reason, return_lse):

@@ -30,13 +30,19 @@ class Launch:
 
 @cache
 def template_text(filename: str) -> str:
-    """A file of kernel_templates/, with our own `#include "x.cuh"` lines inlined.
+    """A file of kernel_templates/, with our own `#include "x.cuh"` lines inlined, each header once
+    (as `#pragma once` would).
 
     Inlining makes the rendered text the whole truth about what NVRTC compiled: it is what the
     compile cache hashes, and NVRTC needs no include path.
     """
+    return _inline(filename, set())
+
+
+def _inline(filename: str, seen: set[str]) -> str:
+    seen.add(filename)
     text = resources.files("tuner.kernel_templates").joinpath(filename).read_text()
-    return _INCLUDE.sub(lambda m: template_text(m.group(1)), text)
+    return _INCLUDE.sub(lambda m: "" if m.group(1) in seen else _inline(m.group(1), seen), text)
 
 
 class KernelFamily(ABC):
@@ -112,6 +118,13 @@ class KernelFamily(ABC):
 
     @abstractmethod
     def launch(self, params: dict, problem: Problem) -> Launch: ...
+
+    def kernel_args(self, params: dict, q, k, v, o, lse, scale: float | None) -> tuple:
+        """The launch arguments: the shared attention ABI (launch.attention_args); a family whose
+        kernel takes more appends it here."""
+        from .launch import attention_args
+
+        return attention_args(q, k, v, o, lse, scale)
 
     def render(self, params: dict, problem: Problem) -> str:
         """The full CUDA source NVRTC compiles for one point."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .family import KernelFamily
-from .launch import LaunchError, LoadedKernel, attention_args, current_stream
+from .launch import LaunchError, LoadedKernel, current_stream
 from .problem import Problem
 from .records import CompiledKernel, Measurement
 from .reference import attention_fp64, compare
@@ -63,11 +63,11 @@ def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
     o = torch.full_like(q, float("nan"))  # poisoned: every element must be written
     lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
     scale = 1.0 / math.sqrt(problem.head_dim)
-    args = attention_args(q, k, v, o, lse, scale)
     stream = current_stream()
     try:
+        args = family.kernel_args(params, q, k, v, o, lse, scale)
         kernel(stream, launch, *args)
-    except LaunchError as exc:
+    except (LaunchError, ValueError) as exc:  # ValueError: the arguments cannot be built (tma.TmaError)
         return Measurement("launch_error", message=str(exc), **base)
     _sync_or_fault()
 

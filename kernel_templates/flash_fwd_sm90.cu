@@ -1,0 +1,154 @@
+// flash_fwd_sm90: FlashAttention forward for Hopper (sm_90a): TMA, wgmma, warp specialization.
+//
+// Warpgroup 0 is the producer: one thread issues bulk tensor copies (TMA) of Q and of each K/V
+// tile into a STAGES-deep ring of 128-byte-swizzled shared memory, completing on mbarriers; it
+// then gives most of its registers back (setmaxnreg). Warpgroups 1..CWG are consumers, 64 query
+// rows each: S = Q K^T by wgmma with both operands in shared memory, the online softmax on the
+// accumulators (softmax.cuh, shared with flash_fwd_mma), then O += P V by wgmma with P from
+// registers and V read N-major from the same swizzled tile. A consumer frees a stage for the
+// producer by arriving on its `empty` barrier once its products with that stage have completed.
+//
+// Head dims are handled in panels of 64 columns (128 B, one swizzle atom wide): Q, K and V tiles
+// are PANELS boxes of [rows x 64] each, so one TMA box and one wgmma descriptor step per panel.
+//
+// Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS IN_DTYPE IS_CAUSAL;
+// the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
+#include "sm90.cuh"
+#include "softmax.cuh"
+// <wgmma wrappers>
+
+using T = unsigned short;
+constexpr int BR = 64 * CWG;                 // query rows per block
+constexpr int NT = 128 * (CWG + 1);          // threads: producer warpgroup + consumers
+constexpr int PANELS = HEAD_DIM / 64;
+constexpr int NTILES = BC / 8;               // n8 column groups of S
+constexpr int DTILES = HEAD_DIM / 8;         // n8 column groups of O
+constexpr int KSTEPS = HEAD_DIM / 16;        // k16 steps of Q K^T
+constexpr int PSTEPS = BC / 16;              // k16 steps of P V
+constexpr unsigned Q_BYTES = BR * HEAD_DIM * 2;
+constexpr unsigned KV_BYTES = BC * HEAD_DIM * 2;
+
+static_assert(HEAD_DIM % 64 == 0, "head dim in whole 64-column panels");
+static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
+static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "2-byte inputs only");
+
+struct Barriers {
+  unsigned long long q_full;
+  unsigned long long k_full[STAGES], v_full[STAGES], empty[STAGES];
+};
+
+extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const char* __restrict__ tmaps) {
+  extern __shared__ unsigned char smem_raw[];
+  // swizzle atoms repeat every 1024 bytes: the descriptors assume tiles start on that boundary
+  unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  T* Qs = reinterpret_cast<T*>(base);
+  T* Ks = Qs + BR * HEAD_DIM;
+  T* Vs = Ks + STAGES * BC * HEAD_DIM;
+  Barriers& bar = *reinterpret_cast<Barriers*>(Vs + STAGES * BC * HEAD_DIM);
+
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+  const int qblk = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
+  const int q0 = qblk * BR;
+  const int b = blockIdx.y / heads, h = blockIdx.y % heads, hk = h / kv_group;
+  const int kv_end = IS_CAUSAL ? min(nk, q0 + BR) : nk;
+  const int ntiles = (kv_end + BC - 1) / BC;
+
+  if (tid == 0) {
+    mbar_init(&bar.q_full, 1);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&bar.k_full[s], 1);
+      mbar_init(&bar.v_full[s], 1);
+      mbar_init(&bar.empty[s], CWG * 128);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer ----
+    if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
+    if (tid == 0) {
+      const char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256;
+      tmap_acquire(tq);
+      tmap_acquire(tk);
+      tmap_acquire(tv);
+      mbar_expect_tx(&bar.q_full, Q_BYTES);
+#pragma unroll
+      for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, q0, h, b);
+      for (int t = 0; t < ntiles; ++t) {
+        const int s = t % STAGES;
+        if (t >= STAGES) mbar_wait(&bar.empty[s], ((t / STAGES) - 1) & 1);
+        T* kt = Ks + s * BC * HEAD_DIM;
+        T* vt = Vs + s * BC * HEAD_DIM;
+        mbar_expect_tx(&bar.k_full[s], KV_BYTES);
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p) tma_load_4d(kt + p * BC * 64, tk, &bar.k_full[s], p * 64, t * BC, hk, b);
+        mbar_expect_tx(&bar.v_full[s], KV_BYTES);
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p) tma_load_4d(vt + p * BC * 64, tv, &bar.v_full[s], p * 64, t * BC, hk, b);
+      }
+    }
+  } else {
+    // ---- consumers ----
+    if constexpr (CONSUMER_REGS > 0) regs_grow<CONSUMER_REGS>();
+    const int cw = wg - 1;
+    const int wrow0 = cw * 64 + ((tid / 32) % 4) * 16;   // this warp's first row in the block
+    const unsigned q_smem = smem_u32(Qs) + cw * 64 * 128;
+
+    float o_acc[DTILES][4], m[2], l[2];
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[dt][e] = 0.f;
+    m[0] = m[1] = FT_NEG_INF;
+    l[0] = l[1] = 0.f;
+
+    mbar_wait(&bar.q_full, 0);
+    for (int t = 0; t < ntiles; ++t) {
+      const int s = t % STAGES, k0 = t * BC;
+      const unsigned parity = (t / STAGES) & 1;
+      const unsigned k_smem = smem_u32(Ks + s * BC * HEAD_DIM);
+      const unsigned v_smem = smem_u32(Vs + s * BC * HEAD_DIM);
+
+      // ---- S = Q K^T: A and B K-major; a k16 step is 32 bytes into the swizzled row ----
+      float sacc[NTILES][4];
+      mbar_wait(&bar.k_full[s], parity);
+      wgmma_pin(sacc);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        const unsigned koff = (ks % 4) * 32;
+        const auto da = wgmma_desc(q_smem + (ks / 4) * BR * 128 + koff, 16, 1024);
+        const auto db = wgmma_desc(k_smem + (ks / 4) * BC * 128 + koff, 16, 1024);
+        Wgmma<BC>::ss(sacc, da, db, ks > 0);   // the first step overwrites
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_pin(sacc);
+
+      if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, q0 + wrow0, k0, nk);
+      softmax_step(sacc, o_acc, m, l, scale_log2);
+      unsigned pa[PSTEPS][4];
+#pragma unroll
+      for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
+
+      // ---- O += P V: V N-major (its rows are the k dim); panels of 64 columns LBO apart ----
+      mbar_wait(&bar.v_full[s], parity);
+      wgmma_pin(o_acc);
+      wgmma_fence();
+#pragma unroll
+      for (int ps = 0; ps < PSTEPS; ++ps) {
+        const auto db = wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024);
+        Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], db, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_pin(o_acc);
+      mbar_arrive(&bar.empty[s]);
+    }
+
+    store_slab<IN_DTYPE>(o + b * o_sb + h * o_sh, o_sn, lse + static_cast<long long>(blockIdx.y) * nq, o_acc, m, l,
+                         lane, q0 + wrow0, nq, scale_log2);
+  }
+}

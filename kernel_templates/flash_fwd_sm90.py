@@ -1,0 +1,119 @@
+"""flash_fwd_sm90: the Hopper kernel (TMA + wgmma + warp specialization), fp16/bf16, sm_90a only.
+
+Parameters: Bc (the K/V tile, the n of the first wgmma), stages (depth of the TMA ring), cwg
+(consumer warpgroups; Br = 64 per consumer) and split (registers the producer warpgroup keeps
+after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tuner.family import KernelFamily, Launch, ceil_div
+from tuner.gpu import GpuSpec
+from tuner.problem import Problem
+from tuner.kernel_templates.wgmma_gen import wrappers
+
+DTYPE_CODE = {"fp16": 1, "bf16": 2}
+_REGS_PER_BLOCK = 65536
+_MAX_REGS = 255
+_BARRIER_SLACK = 1024 + 256  # alignment of the first tile to 1024 B, then the mbarriers
+_WGMMA_MARK = "// <wgmma wrappers>"
+
+
+def entry_regs(threads: int) -> int:
+    """Registers per thread at launch under __launch_bounds__(threads, 1): the file's share, in 8s."""
+    return min(_MAX_REGS, _REGS_PER_BLOCK // threads // 8 * 8)
+
+
+def consumer_regs(cwg: int, split: int) -> int:
+    """What each consumer thread may grow to once the producer keeps only `split` (0: no change)."""
+    threads = 128 * (cwg + 1)
+    if not split:
+        return entry_regs(threads)
+    pool = entry_regs(threads) * threads - 128 * split
+    return min(240, pool // (128 * cwg) // 8 * 8)
+
+
+class FlashFwdSm90(KernelFamily):
+    name = "flash_fwd_sm90"
+    kernel_name = "flash_fwd_sm90"
+    source_file = "flash_fwd_sm90.cu"
+    min_cc = (9, 0)
+    dtypes = ("fp16", "bf16")
+    head_dims = (64, 128, 256)
+    space = {
+        "Bc": (64, 80, 96, 128, 176),
+        "stages": (2, 3),
+        "cwg": (1, 2, 3),
+        "split": (0, 24, 40),
+    }
+
+    def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        if (gpu.major, gpu.minor) != (9, 0):
+            return f"{self.name} uses sm_90a instructions (wgmma, setmaxnreg): Hopper only, {gpu.name} is {gpu.cc}"
+        return super().supports(gpu, problem)
+
+    @staticmethod
+    def register_estimate(params: dict, problem: Problem) -> int:
+        """Per consumer thread: S (Bc/2), O (d/2), P packed (Bc/4), and ~40 for addresses, softmax
+        state and descriptors (seen in ptxas reports)."""
+        return params["Bc"] // 2 + problem.head_dim // 2 + params["Bc"] // 4 + 40
+
+    def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        cwg, split = params["cwg"], params["split"]
+        if cwg == 1 and split:
+            return "with one consumer warpgroup every thread already has 255 registers: no split"
+        need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
+        if need > have:
+            return f"consumers need about {need} registers, {cwg} warpgroup(s) with split={split} give {have}"
+        return None
+
+    def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
+        # Near FlashAttention-3's own tile choices for H100 (BENCHMARKS.md): 2 consumer warpgroups
+        # with a 24-register producer; longer K/V tiles at small head dims.
+        d = problem.head_dim
+        if d <= 64:
+            cands = [(128, 2, 2, 24), (176, 2, 2, 24), (128, 2, 3, 24), (96, 2, 2, 24)]
+        elif d <= 128:
+            cands = [(128, 2, 2, 24), (176, 2, 2, 24), (96, 2, 2, 24), (128, 1, 2, 0)]
+        else:
+            cands = [(80, 2, 2, 24), (64, 2, 2, 24), (64, 1, 2, 0)]
+        return [dict(Bc=a, stages=b, cwg=c, split=e) for a, b, c, e in cands]
+
+    def defines(self, params: dict, problem: Problem) -> dict[str, int]:
+        split = params["split"]
+        return {
+            "BC": params["Bc"],
+            "STAGES": params["stages"],
+            "CWG": params["cwg"],
+            "PRODUCER_REGS": split,
+            "CONSUMER_REGS": consumer_regs(params["cwg"], split) if split else 0,
+            "HEAD_DIM": problem.head_dim,
+            "IN_DTYPE": DTYPE_CODE[problem.dtype],
+            "IS_CAUSAL": int(problem.causal),
+        }
+
+    def smem_bytes(self, params: dict, problem: Problem) -> int:
+        d = problem.head_dim
+        return 2 * d * (64 * params["cwg"] + 2 * params["stages"] * params["Bc"]) + _BARRIER_SLACK
+
+    def launch(self, params: dict, problem: Problem) -> Launch:
+        return Launch(
+            grid=(ceil_div(problem.seqlen_q, 64 * params["cwg"]), problem.batch * problem.heads, 1),
+            block=(128 * (params["cwg"] + 1), 1, 1),
+            smem_bytes=self.smem_bytes(params, problem),
+        )
+
+    def render(self, params: dict, problem: Problem) -> str:
+        text = super().render(params, problem)
+        return text.replace(_WGMMA_MARK, wrappers((params["Bc"], problem.head_dim), problem.dtype), 1)
+
+    def kernel_args(self, params: dict, q, k, v, o, lse, scale: float | None) -> tuple:
+        from tuner.tma import attention_maps
+
+        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"])
+        return super().kernel_args(params, q, k, v, o, lse, scale) + (np.uint64(maps.data_ptr()),)
+
+
+FAMILY = FlashFwdSm90()

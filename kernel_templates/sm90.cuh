@@ -1,0 +1,66 @@
+// flashtune: Hopper building blocks (sm_90a) as inline PTX: mbarriers, bulk tensor copies (TMA),
+// wgmma descriptors and fences, register reallocation between warpgroups.
+#pragma once
+#include "common.cuh"
+
+FT_DEVICE unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+
+// ---- mbarriers (one 8-byte word of shared memory each) ----
+FT_DEVICE void mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+// Makes the initialised barriers visible to the async proxy (TMA's complete_tx) before use.
+FT_DEVICE void mbar_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+FT_DEVICE void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+FT_DEVICE void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// Blocks until the phase with this parity has completed.
+FT_DEVICE void mbar_wait(unsigned long long* bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+
+// ---- TMA: a 4-d box (d, n, h, b) of a tensor map that lives in global memory ----
+// The maps are written by the host before the launch; the acquire makes them visible to the
+// tensor-map proxy.
+FT_DEVICE void tmap_acquire(const void* tmap) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(tmap) : "memory");
+}
+FT_DEVICE void tma_load_4d(void* dst, const void* tmap, unsigned long long* bar, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+      ::"r"(smem_u32(dst)), "l"(tmap), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+
+// ---- wgmma ----
+// Shared-memory matrix descriptor for a 128-byte-swizzled operand (atoms of 8 rows x 128 B,
+// 1024-byte aligned). K-major: `sbo` is the step between 8-row groups (1024), `lbo` unused.
+// MN-major: `lbo` is the step between 64-element column panels, `sbo` the step between 8-row groups.
+FT_DEVICE unsigned long long wgmma_desc(unsigned saddr, unsigned lbo, unsigned sbo) {
+  return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) |
+         (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+FT_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+FT_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> FT_DEVICE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Keeps the compiler from moving reads or writes of accumulators across the async wgmma.
+template <int R, int C> FT_DEVICE void wgmma_pin(float (&acc)[R][C]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < C; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");
+}
+
+// ---- register reallocation between warpgroups (needs a register cap at entry) ----
+template <int N> FT_DEVICE void regs_grow() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> FT_DEVICE void regs_shrink() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// Named barrier among `count` threads (a multiple of 32); id 0 is __syncthreads'.
+FT_DEVICE void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+FT_DEVICE void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }

@@ -1,0 +1,90 @@
+// flashtune: the online softmax of FlashAttention-2/3 on tensor-core accumulator fragments.
+//
+// Both mma.sync (m16n8) and wgmma (m64nN) leave S in the same per-thread shape: for each n8 tile
+// a thread holds 4 floats, [0..1] on row r and [2..3] on row r + 8, and the 4 threads of a quad
+// share those two rows. So one m16 slab of S is `float s[NTILES][4]` here, and the matching slab of
+// O is `float o[DTILES][4]`, whichever instruction produced them.
+//
+// Base 2 throughout: p = exp2(s * c - m * c), c = softmax_scale * log2(e); l is kept per thread
+// and summed across the quad once, at the end.
+#pragma once
+#include "common.cuh"
+
+// Row and column of accumulator element (nt, e) of a 16-row slab, relative to the slab's origin.
+FT_DEVICE int frag_row(int lane, int e) { return lane / 4 + (e >= 2 ? 8 : 0); }
+FT_DEVICE int frag_col(int lane, int nt, int e) { return nt * 8 + 2 * (lane % 4) + (e & 1); }
+
+// -inf where the key column is past nk or (causal) after the query row; rows and columns are
+// absolute indices of the slab's first row and of the tile's first column.
+template <int NTILES, bool CAUSAL>
+FT_DEVICE void mask_slab(float (&s)[NTILES][4], int lane, int row0, int col0, int nk) {
+#pragma unroll
+  for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + frag_row(lane, e), col = col0 + frag_col(lane, nt, e);
+      if (col >= nk || (CAUSAL && col > row)) s[nt][e] = FT_NEG_INF;
+    }
+}
+
+// One tile of the online softmax for a 16-row slab: S becomes P in place (fp32), m and l advance,
+// O is rescaled by exp2((m_old - m_new) * c).
+template <int NTILES, int DTILES>
+FT_DEVICE void softmax_step(float (&s)[NTILES][4], float (&o)[DTILES][4], float (&m)[2], float (&l)[2],
+                            float scale_log2) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float mx = FT_NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
+    mx = group_max<4>(mx);
+    const float m_new = fmaxf(m[hh], mx);
+    const float m_use = m_new == FT_NEG_INF ? 0.f : m_new * scale_log2;  // a fully masked row so far
+    const float alpha = fast_exp2(m[hh] * scale_log2 - m_use);
+    m[hh] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+      for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+        s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -m_use));
+        sum += s[nt][e];
+      }
+    l[hh] = l[hh] * alpha + sum;
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt) {
+      o[dt][2 * hh] *= alpha;
+      o[dt][2 * hh + 1] *= alpha;
+    }
+  }
+}
+
+// P's k16 step `ps` as an A fragment (m16k16, row-major): the layout mma.sync and register-A
+// wgmma both take, built from the two n8 accumulator tiles it spans.
+template <int DT, int NTILES>
+FT_DEVICE void p_fragment(unsigned (&a)[4], const float (&s)[NTILES][4], int ps) {
+  a[0] = pack2<DT>(s[2 * ps][0], s[2 * ps][1]);
+  a[1] = pack2<DT>(s[2 * ps][2], s[2 * ps][3]);
+  a[2] = pack2<DT>(s[2 * ps + 1][0], s[2 * ps + 1][1]);
+  a[3] = pack2<DT>(s[2 * ps + 1][2], s[2 * ps + 1][3]);
+}
+
+// Epilogue for a 16-row slab: O / l in the input precision straight from the fragments, and
+// LSE = ln(sum exp(s * scale)) per row. `row0` is the slab's first absolute row.
+template <int DT, int DTILES>
+FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* lse_row, const float (&o)[DTILES][4],
+                          const float (&m)[2], const float (&l)[2], int lane, int row0, int nq, float scale_log2) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float row_l = group_sum<4>(l[hh]);
+    const int row = row0 + lane / 4 + hh * 8;
+    if (row >= nq) continue;
+    const float inv = row_l > 0.f ? 1.f / row_l : 0.f;
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt) {
+      const unsigned packed = pack2<DT>(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
+      *reinterpret_cast<unsigned*>(op + row * o_sn + dt * 8 + 2 * (lane % 4)) = packed;
+    }
+    if (lane % 4 == 0) lse_row[row] = (m[hh] * scale_log2 + __log2f(row_l)) * FT_LN2;
+  }
+}

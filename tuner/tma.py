@@ -1,0 +1,73 @@
+"""Tensor maps (TMA descriptors) for the Hopper family, built on the host and kept in device memory.
+
+A kernel reads its maps through a pointer rather than as `__grid_constant__` parameters, so any
+cuda.core that can launch the other families can launch this one. Maps depend only on a tensor's
+address, shape, strides and the box, so they are cached on exactly that: a hit costs one dict
+lookup, a miss one 128-byte host-to-device copy per tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+TMAP_BYTES = 128
+_CACHE_SIZE = 256
+_cache: OrderedDict[tuple, object] = OrderedDict()
+_lock = threading.Lock()
+
+
+class TmaError(ValueError):
+    """The tensor cannot be described by a tensor map (alignment, strides)."""
+
+
+def _encode(t, box_rows: int, box_cols: int) -> bytes:
+    """One map over a (B, H, N, D) view: dims (D, N, H, B) innermost first, a box of
+    [box_rows x box_cols] elements, 128-byte swizzle, rows past N read as zeros."""
+    from cuda.bindings import driver
+
+    b, h, n, d = t.shape
+    esize = t.element_size()
+    if t.stride(3) != 1:
+        raise TmaError("the last dimension must be contiguous")
+    strides = [t.stride(2) * esize, t.stride(1) * esize, t.stride(0) * esize]
+    if t.data_ptr() % 16 or any(s % 16 for s in strides):
+        raise TmaError(f"TMA needs 16-byte aligned data and strides, got {t.data_ptr() % 16} / {strides}")
+    import torch
+
+    kind = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
+            else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        kind, 4, t.data_ptr(), [d, n, h, b], strides, [box_cols, box_rows, 1, 1], [1, 1, 1, 1],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise TmaError(f"cuTensorMapEncodeTiled failed: {err.name} (shape {tuple(t.shape)}, strides {strides})")
+    words = tmap.opaque
+    return b"".join(int(w).to_bytes(8, "little") for w in words)
+
+
+def _key(t, rows: int) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, rows)
+
+
+def attention_maps(q, k, v, q_rows: int, kv_rows: int, box_cols: int = 64):
+    """A device buffer holding the maps of q, k and v back to back (3 x 128 bytes)."""
+    key = (_key(q, q_rows), _key(k, kv_rows), _key(v, kv_rows), box_cols, q.device.index)
+    with _lock:
+        buf = _cache.get(key)
+        if buf is not None:
+            _cache.move_to_end(key)
+            return buf
+    import torch
+
+    raw = _encode(q, q_rows, box_cols) + _encode(k, kv_rows, box_cols) + _encode(v, kv_rows, box_cols)
+    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(q.device)
+    with _lock:
+        _cache[key] = buf
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return buf
