@@ -21,7 +21,7 @@ python3 -c "import torch, cuda.core; print('torch', torch.__version__, 'cuda.cor
 steps=${*:-all}
 for step in $steps; do
   case $step in
-    tests|all) FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} python3 -m pytest -m gpu -v -rA ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$OUT/pytest_gpu.log" ;;&
+    tests|all) FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -v -rA ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$OUT/pytest_gpu.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
               tuner search ${TUNE_ARGS:---gpu auto} --trials "${TRIALS:-30}" 2>&1 | tee -a "$OUT/tune.log" ;;&
     bench|all) tuner bench ${TUNE_ARGS:---gpu auto} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;&
