@@ -11,7 +11,8 @@
 // Head dims are handled in panels of 64 columns (128 B, one swizzle atom wide): Q, K and V tiles
 // are PANELS boxes of [rows x 64] each, so one TMA box and one wgmma descriptor step per panel.
 //
-// Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS IN_DTYPE IS_CAUSAL;
+// Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG IN_DTYPE
+// IS_CAUSAL;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "softmax.cuh"
@@ -31,6 +32,7 @@ constexpr unsigned KV_BYTES = BC * HEAD_DIM * 2;
 static_assert(HEAD_DIM % 64 == 0, "head dim in whole 64-column panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "2-byte inputs only");
+static_assert(!PINGPONG || CWG == 2, "ping-pong takes turns between exactly two consumers");
 
 struct Barriers {
   unsigned long long q_full;
@@ -104,18 +106,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     m[0] = m[1] = FT_NEG_INF;
     l[0] = l[1] = 0.f;
 
-    mbar_wait(&bar.q_full, 0);
-    for (int t = 0; t < ntiles; ++t) {
-      const int s = t % STAGES, k0 = t * BC;
-      const unsigned parity = (t / STAGES) & 1;
-      const unsigned k_smem = smem_u32(Ks + s * BC * HEAD_DIM);
-      const unsigned v_smem = smem_u32(Vs + s * BC * HEAD_DIM);
+    // Ping-pong (PINGPONG, two consumers): the warpgroups take turns issuing their products, so
+    // one's softmax runs under the other's matrix work. Named barrier 1 + c is consumer c's turn;
+    // the other consumer opens it.
+    auto turn_begin = [&] { if constexpr (PINGPONG) named_sync(1 + cw, 256); };
+    auto turn_end = [&] { if constexpr (PINGPONG) named_arrive(2 - cw, 256); };
+    if constexpr (PINGPONG) { if (cw == 1) named_arrive(1, 256); }   // consumer 0 goes first
 
-      // ---- S = Q K^T: A and B K-major; a k16 step is 32 bytes into the swizzled row ----
-      float sacc[NTILES][4];
-      mbar_wait(&bar.k_full[s], parity);
-      wgmma_pin(sacc);
-      wgmma_fence();
+    // ---- S = Q K^T: A and B K-major; a k16 step is 32 bytes into the swizzled row ----
+    auto issue_s = [&](int t, float (&sacc)[NTILES][4]) {
+      const unsigned k_smem = smem_u32(Ks + (t % STAGES) * BC * HEAD_DIM);
 #pragma unroll
       for (int ks = 0; ks < KSTEPS; ++ks) {
         const unsigned koff = (ks % 4) * 32;
@@ -124,29 +124,91 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         Wgmma<BC>::ss(sacc, da, db, ks > 0);   // the first step overwrites
       }
       wgmma_commit();
+    };
+    // ---- O += P V: V N-major (its rows are the k dim); panels of 64 columns LBO apart ----
+    auto issue_pv = [&](int t, const unsigned (&pa)[PSTEPS][4]) {
+      const unsigned v_smem = smem_u32(Vs + (t % STAGES) * BC * HEAD_DIM);
+#pragma unroll
+      for (int ps = 0; ps < PSTEPS; ++ps) Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024), 1);
+      wgmma_commit();
+    };
+    auto mask = [&](int t, float (&sacc)[NTILES][4]) {
+      const int k0 = t * BC;
+      if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, q0 + wrow0, k0, nk);
+    };
+    auto parity = [](int t) { return static_cast<unsigned>((t / STAGES) & 1); };
+
+    float sacc[NTILES][4], alpha[2];
+    unsigned pa[PSTEPS][4];
+    mbar_wait(&bar.q_full, 0);
+    if constexpr (OVERLAP) {
+      // Software-pipelined: S of tile t is issued together with P V of tile t-1, and the softmax
+      // of tile t runs while P V is still in flight; O is rescaled only once that has landed.
+      mbar_wait(&bar.k_full[0], 0);
+      turn_begin();
+      wgmma_fence();
+      issue_s(0, sacc);
+      turn_end();
       wgmma_wait<0>();
       wgmma_pin(sacc);
-
-      if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, q0 + wrow0, k0, nk);
-      softmax_step(sacc, o_acc, m, l, scale_log2);
-      unsigned pa[PSTEPS][4];
+      mask(0, sacc);
+      softmax_advance(sacc, m, l, alpha, scale_log2);
 #pragma unroll
       for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
-
-      // ---- O += P V: V N-major (its rows are the k dim); panels of 64 columns LBO apart ----
-      mbar_wait(&bar.v_full[s], parity);
+      for (int t = 1; t < ntiles; ++t) {
+        mbar_wait(&bar.k_full[t % STAGES], parity(t));
+        mbar_wait(&bar.v_full[(t - 1) % STAGES], parity(t - 1));
+        turn_begin();
+        wgmma_pin(o_acc);
+        wgmma_fence();
+        issue_s(t, sacc);
+        issue_pv(t - 1, pa);
+        turn_end();
+        wgmma_wait<1>();   // S of tile t has landed; P V of tile t-1 may still run
+        wgmma_pin(sacc);
+        mask(t, sacc);
+        softmax_advance(sacc, m, l, alpha, scale_log2);
+        wgmma_wait<0>();
+        wgmma_pin(o_acc);
+        mbar_arrive(&bar.empty[(t - 1) % STAGES]);
+        rescale_rows(o_acc, alpha);
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
+      }
+      mbar_wait(&bar.v_full[(ntiles - 1) % STAGES], parity(ntiles - 1));
+      turn_begin();
       wgmma_pin(o_acc);
       wgmma_fence();
-#pragma unroll
-      for (int ps = 0; ps < PSTEPS; ++ps) {
-        const auto db = wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024);
-        Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], db, 1);
-      }
-      wgmma_commit();
+      issue_pv(ntiles - 1, pa);
+      turn_end();
       wgmma_wait<0>();
       wgmma_pin(o_acc);
-      mbar_arrive(&bar.empty[s]);
+      mbar_arrive(&bar.empty[(ntiles - 1) % STAGES]);
+    } else {
+      for (int t = 0; t < ntiles; ++t) {
+        mbar_wait(&bar.k_full[t % STAGES], parity(t));
+        turn_begin();
+        wgmma_fence();
+        issue_s(t, sacc);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_pin(sacc);
+        mask(t, sacc);
+        softmax_step(sacc, o_acc, m, l, scale_log2);
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
+        mbar_wait(&bar.v_full[t % STAGES], parity(t));
+        turn_begin();
+        wgmma_pin(o_acc);
+        wgmma_fence();
+        issue_pv(t, pa);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_pin(o_acc);
+        mbar_arrive(&bar.empty[t % STAGES]);
+      }
     }
+    if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // consumer 1's last hand-over
 
     store_slab<IN_DTYPE>(o + b * o_sb + h * o_sh, o_sn, lse + static_cast<long long>(blockIdx.y) * nq, o_acc, m, l,
                          lane, q0 + wrow0, nq, scale_log2);

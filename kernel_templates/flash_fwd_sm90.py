@@ -1,8 +1,10 @@
 """flash_fwd_sm90: the Hopper kernel (TMA + wgmma + warp specialization), fp16/bf16, sm_90a only.
 
 Parameters: Bc (the K/V tile, the n of the first wgmma), stages (depth of the TMA ring), cwg
-(consumer warpgroups; Br = 64 per consumer) and split (registers the producer warpgroup keeps
-after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone).
+(consumer warpgroups; Br = 64 per consumer), split (registers the producer warpgroup keeps
+after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone), overlap (a
+consumer issues S of tile t with P V of tile t-1 and runs the softmax under the latter) and
+pingpong (two consumers take turns at the tensor cores, one's softmax under the other's products).
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class FlashFwdSm90(KernelFamily):
         "stages": (2, 3),
         "cwg": (1, 2, 3),
         "split": (0, 24, 40),
+        "overlap": (0, 1),
+        "pingpong": (0, 1),
     }
 
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -64,6 +68,8 @@ class FlashFwdSm90(KernelFamily):
         cwg, split = params["cwg"], params["split"]
         if cwg == 1 and split:
             return "with one consumer warpgroup every thread already has 255 registers: no split"
+        if params["pingpong"] and cwg != 2:
+            return "ping-pong takes turns between exactly two consumer warpgroups"
         need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
         if need > have:
             return f"consumers need about {need} registers, {cwg} warpgroup(s) with split={split} give {have}"
@@ -79,7 +85,7 @@ class FlashFwdSm90(KernelFamily):
             cands = [(128, 2, 2, 24), (176, 2, 2, 24), (96, 2, 2, 24), (128, 1, 2, 0)]
         else:
             cands = [(80, 2, 2, 24), (64, 2, 2, 24), (64, 1, 2, 0)]
-        return [dict(Bc=a, stages=b, cwg=c, split=e) for a, b, c, e in cands]
+        return [dict(Bc=a, stages=b, cwg=c, split=e, overlap=1, pingpong=int(c == 2)) for a, b, c, e in cands]
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         split = params["split"]
@@ -89,6 +95,8 @@ class FlashFwdSm90(KernelFamily):
             "CWG": params["cwg"],
             "PRODUCER_REGS": split,
             "CONSUMER_REGS": consumer_regs(params["cwg"], split) if split else 0,
+            "OVERLAP": params["overlap"],
+            "PINGPONG": params["pingpong"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": DTYPE_CODE[problem.dtype],
             "IS_CAUSAL": int(problem.causal),

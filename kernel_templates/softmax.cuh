@@ -27,11 +27,11 @@ FT_DEVICE void mask_slab(float (&s)[NTILES][4], int lane, int row0, int col0, in
     }
 }
 
-// One tile of the online softmax for a 16-row slab: S becomes P in place (fp32), m and l advance,
-// O is rescaled by exp2((m_old - m_new) * c).
-template <int NTILES, int DTILES>
-FT_DEVICE void softmax_step(float (&s)[NTILES][4], float (&o)[DTILES][4], float (&m)[2], float (&l)[2],
-                            float scale_log2) {
+// One tile of the online softmax for a 16-row slab, O untouched: S becomes P in place (fp32),
+// m and l advance, and alpha[hh] = exp2((m_old - m_new) * c) is what O's rows must be scaled by.
+// Kept apart from the rescale so that a kernel can run it while O is still being accumulated.
+template <int NTILES>
+FT_DEVICE void softmax_advance(float (&s)[NTILES][4], float (&m)[2], float (&l)[2], float (&alpha)[2], float scale_log2) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     float mx = FT_NEG_INF;
@@ -40,7 +40,7 @@ FT_DEVICE void softmax_step(float (&s)[NTILES][4], float (&o)[DTILES][4], float 
     mx = group_max<4>(mx);
     const float m_new = fmaxf(m[hh], mx);
     const float m_use = m_new == FT_NEG_INF ? 0.f : m_new * scale_log2;  // a fully masked row so far
-    const float alpha = fast_exp2(m[hh] * scale_log2 - m_use);
+    alpha[hh] = fast_exp2(m[hh] * scale_log2 - m_use);
     m[hh] = m_new;
     float sum = 0.f;
 #pragma unroll
@@ -50,13 +50,27 @@ FT_DEVICE void softmax_step(float (&s)[NTILES][4], float (&o)[DTILES][4], float 
         s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -m_use));
         sum += s[nt][e];
       }
-    l[hh] = l[hh] * alpha + sum;
-#pragma unroll
-    for (int dt = 0; dt < DTILES; ++dt) {
-      o[dt][2 * hh] *= alpha;
-      o[dt][2 * hh + 1] *= alpha;
-    }
+    l[hh] = l[hh] * alpha[hh] + sum;
   }
+}
+
+template <int DTILES> FT_DEVICE void rescale_rows(float (&o)[DTILES][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < DTILES; ++dt) {
+    o[dt][0] *= alpha[0];
+    o[dt][1] *= alpha[0];
+    o[dt][2] *= alpha[1];
+    o[dt][3] *= alpha[1];
+  }
+}
+
+// Both at once, for kernels whose O is idle during the softmax.
+template <int NTILES, int DTILES>
+FT_DEVICE void softmax_step(float (&s)[NTILES][4], float (&o)[DTILES][4], float (&m)[2], float (&l)[2],
+                            float scale_log2) {
+  float alpha[2];
+  softmax_advance(s, m, l, alpha, scale_log2);
+  rescale_rows(o, alpha);
 }
 
 // P's k16 step `ps` as an A fragment (m16k16, row-major): the layout mma.sync and register-A
