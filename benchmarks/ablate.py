@@ -1,0 +1,72 @@
+"""Time chosen configs of one family on one shape, side by side: for perf-notes ablations
+(does overlap help? which Bc?) without a search. Same timer and launch path as the search; the
+output is checked against SDPA's flash backend once per config (a wrong kernel is not timed).
+
+    python3 benchmarks/ablate.py flash_fwd_sm90 4,16,4096,128 bf16 \
+        '{"Bc":128,"stages":2,"cwg":2,"split":24,"overlap":1,"pingpong":1}' ...
+    python3 benchmarks/ablate.py flash_fwd_sm90 4,16,4096,128 bf16 --vary overlap,pingpong '{...base...}'
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+
+
+def main(argv: list[str]) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.launch import LoadedKernel, current_stream
+    from tuner.measure import random_inputs
+    from tuner.problem import Problem
+    from tuner.timing import Timer
+
+    fam = get_family(argv[0])
+    problem = Problem.parse(argv[1], argv[2])
+    rest = argv[3:]
+    configs = []
+    if rest and rest[0] == "--vary":
+        keys, base = rest[1].split(","), json.loads(rest[2])
+        for combo in itertools.product(*(fam.space[k] for k in keys)):
+            configs.append({**base, **dict(zip(keys, combo))})
+    else:
+        configs = [json.loads(c) for c in rest]
+    gpu = detect()
+    timer = Timer(gpu.l2_bytes)
+    q, k, v = random_inputs(problem, 0)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal).float()
+        t_ref = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal))
+    print(f"{problem.key} on {gpu.name}: sdpa_flash {problem.tflops(t_ref.median_ms):.1f} TFLOP/s")
+    for params in configs:
+        why = fam.check(params, gpu, problem)
+        if why:
+            print(f"{json.dumps(params, sort_keys=True)}  invalid: {why}")
+            continue
+        ck = compile_kernel(fam, params, problem, gpu.arch)
+        launch = fam.launch(params, problem)
+        kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
+        o = torch.full_like(q, float("nan"))
+        lse = torch.empty(q.shape[:3], device="cuda")
+        args = fam.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim))
+        stream = current_stream()
+        kernel(stream, launch, *args)
+        torch.cuda.synchronize()
+        err = ((o.float() - ref).abs().max() / ref.abs().max()).item()
+        if not math.isfinite(err) or err > 0.05:
+            print(f"{json.dumps(params, sort_keys=True)}  WRONG: rel {err:.3g}")
+            continue
+        t = timer(lambda: kernel(stream, launch, *args))
+        print(f"{json.dumps(params, sort_keys=True)}  {problem.tflops(t.median_ms):7.1f} TFLOP/s  "
+              f"{t.median_ms:.3f} ms  regs {ck.resources.registers}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
