@@ -5,8 +5,9 @@
 // then gives most of its registers back (setmaxnreg). Warpgroups 1..CWG are consumers, 64 query
 // rows each: S = Q K^T by wgmma with both operands in shared memory, the online softmax on the
 // accumulators (softmax.cuh, shared with flash_fwd_mma), then O += P V by wgmma with P from
-// registers and V read N-major from the same swizzled tile. A consumer frees a stage for the
-// producer by arriving on its `empty` barrier once its products with that stage have completed.
+// registers and V read N-major from the same swizzled tile. K and V have separate rings: a
+// consumer frees a K stage once S is computed and a V stage once P V is, by arriving on its
+// `empty` barrier, so the next K streams in while the current P V still reads V.
 //
 // Head dims are handled in panels of 64 columns (128 B, one swizzle atom wide): Q, K and V tiles
 // are PANELS boxes of [rows x 64] each, so one TMA box and one wgmma descriptor step per panel.
@@ -36,7 +37,7 @@ static_assert(!PINGPONG || CWG == 2, "ping-pong takes turns between exactly two 
 
 struct Barriers {
   unsigned long long q_full;
-  unsigned long long k_full[STAGES], v_full[STAGES], empty[STAGES];
+  unsigned long long k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 
 extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const char* __restrict__ tmaps) {
@@ -61,7 +62,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&bar.k_full[s], 1);
       mbar_init(&bar.v_full[s], 1);
-      mbar_init(&bar.empty[s], CWG * 128);
+      mbar_init(&bar.k_empty[s], CWG * 128);
+      mbar_init(&bar.v_empty[s], CWG * 128);
     }
     mbar_fence_init();
   }
@@ -78,18 +80,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       mbar_expect_tx(&bar.q_full, Q_BYTES);
 #pragma unroll
       for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, q0, h, b);
-      for (int t = 0; t < ntiles; ++t) {
+      // K and V have their own rings and their own releases (K is free once S is computed, V
+      // only after P V), and V runs one tile behind K, the order the consumers use them in.
+      auto load = [&](T* ring, const char* tmap, unsigned long long* full, unsigned long long* empty, int t) {
         const int s = t % STAGES;
-        if (t >= STAGES) mbar_wait(&bar.empty[s], ((t / STAGES) - 1) & 1);
-        T* kt = Ks + s * BC * HEAD_DIM;
-        T* vt = Vs + s * BC * HEAD_DIM;
-        mbar_expect_tx(&bar.k_full[s], KV_BYTES);
+        if (t >= STAGES) mbar_wait(&empty[s], ((t / STAGES) - 1) & 1);
+        mbar_expect_tx(&full[s], KV_BYTES);
 #pragma unroll
-        for (int p = 0; p < PANELS; ++p) tma_load_4d(kt + p * BC * 64, tk, &bar.k_full[s], p * 64, t * BC, hk, b);
-        mbar_expect_tx(&bar.v_full[s], KV_BYTES);
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p) tma_load_4d(vt + p * BC * 64, tv, &bar.v_full[s], p * 64, t * BC, hk, b);
+        for (int p = 0; p < PANELS; ++p) tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * 64, tmap, &full[s], p * 64, t * BC, hk, b);
+      };
+      for (int t = 0; t < ntiles; ++t) {
+        load(Ks, tk, bar.k_full, bar.k_empty, t);
+        if (t > 0) load(Vs, tv, bar.v_full, bar.v_empty, t - 1);
       }
+      load(Vs, tv, bar.v_full, bar.v_empty, ntiles - 1);
     }
   } else {
     // ---- consumers ----
@@ -151,6 +155,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       turn_end();
       wgmma_wait<0>();
       wgmma_pin(sacc);
+      mbar_arrive(&bar.k_empty[0]);
       mask(0, sacc);
       softmax_advance(sacc, m, l, alpha, scale_log2);
 #pragma unroll
@@ -166,11 +171,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         turn_end();
         wgmma_wait<1>();   // S of tile t has landed; P V of tile t-1 may still run
         wgmma_pin(sacc);
+        mbar_arrive(&bar.k_empty[t % STAGES]);
         mask(t, sacc);
         softmax_advance(sacc, m, l, alpha, scale_log2);
         wgmma_wait<0>();
         wgmma_pin(o_acc);
-        mbar_arrive(&bar.empty[(t - 1) % STAGES]);
+        mbar_arrive(&bar.v_empty[(t - 1) % STAGES]);
         rescale_rows(o_acc, alpha);
 #pragma unroll
         for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
@@ -183,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       turn_end();
       wgmma_wait<0>();
       wgmma_pin(o_acc);
-      mbar_arrive(&bar.empty[(ntiles - 1) % STAGES]);
+      mbar_arrive(&bar.v_empty[(ntiles - 1) % STAGES]);
     } else {
       for (int t = 0; t < ntiles; ++t) {
         mbar_wait(&bar.k_full[t % STAGES], parity(t));
@@ -193,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         turn_end();
         wgmma_wait<0>();
         wgmma_pin(sacc);
+        mbar_arrive(&bar.k_empty[t % STAGES]);
         mask(t, sacc);
         softmax_step(sacc, o_acc, m, l, scale_log2);
 #pragma unroll
@@ -205,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         turn_end();
         wgmma_wait<0>();
         wgmma_pin(o_acc);
-        mbar_arrive(&bar.empty[t % STAGES]);
+        mbar_arrive(&bar.v_empty[t % STAGES]);
       }
     }
     if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // consumer 1's last hand-over
