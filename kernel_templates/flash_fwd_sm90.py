@@ -76,16 +76,17 @@ class FlashFwdSm90(KernelFamily):
         return None
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
-        # Near FlashAttention-3's own tile choices for H100 (BENCHMARKS.md): 2 consumer warpgroups
-        # with a 24-register producer; longer K/V tiles at small head dims.
+        # From the H100 ablations in PERF_NOTES.md (bf16, N=2048-4096): at d=128 two consumers with
+        # overlap, Bc=176 with ping-pong first; at d=64 three consumers without either.
         d = problem.head_dim
         if d <= 64:
-            cands = [(128, 2, 2, 24), (176, 2, 2, 24), (128, 2, 3, 24), (96, 2, 2, 24)]
+            cands = [(96, 2, 3, 24, 0, 0), (176, 2, 2, 24, 1, 1), (64, 2, 3, 24, 0, 0), (128, 2, 2, 24, 1, 1)]
         elif d <= 128:
-            cands = [(128, 2, 2, 24), (176, 2, 2, 24), (96, 2, 2, 24), (128, 1, 2, 0)]
+            cands = [(176, 2, 2, 24, 1, 1), (128, 2, 2, 24, 1, 0), (128, 3, 2, 24, 1, 0), (96, 3, 2, 24, 1, 1)]
         else:
-            cands = [(80, 2, 2, 24), (64, 2, 2, 24), (64, 1, 2, 0)]
-        return [dict(Bc=a, stages=b, cwg=c, split=e, overlap=1, pingpong=int(c == 2)) for a, b, c, e in cands]
+            cands = [(80, 2, 2, 24, 1, 1), (64, 2, 2, 24, 1, 0), (64, 2, 1, 0, 0, 0)]
+        keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong")
+        return [dict(zip(keys, c)) for c in cands]
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         split = params["split"]

@@ -96,6 +96,13 @@ def test_bench_without_gpu(cli):
     assert out.code == 1
 
 
+def test_bench_unknown_peer_is_refused_before_anything_runs(cli):
+    out = cli("bench", "--shape", "1,2,128,64", "--peer", "sdpa_flash", "--peer", "flash3")
+    assert out.code != 0
+    assert "unknown peer 'flash3'" in out.text and "sdpa_cudnn" in out.text
+    assert "Traceback" not in out.text
+
+
 @pytest.mark.parametrize(
     "shape,words",
     [("2,4,512", ["'2,4,512'", "must be B,H,N,D"]), ("2,4,x,64", ["'2,4,x,64'", "must be integers"]),

@@ -182,6 +182,7 @@ def bench(
     db: Optional[str] = typer.Option(None, "--db"),
     family: str = typer.Option("auto", "--family", help="a kernel family, or auto: the best of all"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
+    peer: list[str] = typer.Option([], "--peer", help="only these SDPA peers (e.g. sdpa_flash); repeatable"),
 ) -> None:
     """Re-time the tuned best of each problem beside the SDPA peers, in one run."""
     from .db import queries
@@ -194,6 +195,10 @@ def bench(
 
     if family != "auto":
         get_family(family)
+    from .measure import SDPA_BACKENDS
+
+    if unknown := [x for x in peer if x not in SDPA_BACKENDS]:
+        raise typer.BadParameter(f"unknown peer {unknown[0]!r}; known: {', '.join(SDPA_BACKENDS)}", param_hint="--peer")
     problems = _problems(shape, dtype)
     g = detect(gpu)
     url = _db_url(db)
@@ -217,7 +222,7 @@ def bench(
                     queries.record_measurement(session, g, p, fam.name, b.params, m, run_id=s.run_id)
                 r.best_params = b.params
                 r.best = m if m.ok else Measurement("ok", median_ms=b.median_ms, tflops=None)
-            r.peers = s.measure_peers(p)
+            r.peers = s.measure_peers(p, tuple(peer) or None)
             results.append(r)
             console.print(f"{p.key}: {r.best.tflops if r.best and r.best.tflops else float('nan'):.1f} TFLOP/s")
     finally:
