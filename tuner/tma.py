@@ -12,6 +12,9 @@ import threading
 from collections import OrderedDict
 
 TMAP_BYTES = 128
+# Eviction frees a buffer through torch's allocator, which is ordered on the stream it was made
+# on: a kernel on another stream still reading an evicted map is not protected. 256 entries keep
+# that to workloads cycling through more live shapes and tensors than that.
 _CACHE_SIZE = 256
 _cache: OrderedDict[tuple, object] = OrderedDict()
 _lock = threading.Lock()
