@@ -86,6 +86,7 @@ class ProblemRow(Base):
     head_dim: Mapped[int] = mapped_column(Integer)
     dtype: Mapped[str] = mapped_column(String(16))
     causal: Mapped[bool] = mapped_column(Boolean)
+    max_error: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")  # 0: the dtype's budget
     bucket_key: Mapped[str] = mapped_column(String(100), index=True)
 
 

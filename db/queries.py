@@ -93,7 +93,7 @@ def upsert_problem(s: Session, p: Problem) -> ProblemRow:
         lambda: ProblemRow(
             key=p.key, batch=p.batch, heads=p.heads, kv_heads=p.kv_heads, seqlen_q=p.seqlen_q,
             seqlen_k=p.seqlen_k, head_dim=p.head_dim, dtype=p.dtype, causal=p.causal,
-            bucket_key=p.bucket().key,
+            max_error=p.max_error, bucket_key=p.bucket().key,
         ),
     )
 
@@ -152,7 +152,7 @@ def _to_measurement(row: MeasurementRow) -> Measurement:
 
 def _to_problem(row: ProblemRow) -> Problem:
     return Problem(row.batch, row.heads, row.seqlen_q, row.seqlen_k, row.head_dim, row.dtype,
-                   row.causal, row.kv_heads)
+                   row.causal, row.kv_heads, row.max_error or 0.0)
 
 
 def _joined() -> Select[tuple[MeasurementRow]]:

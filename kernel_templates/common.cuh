@@ -8,6 +8,7 @@
 #define FT_F32 0
 #define FT_F16 1
 #define FT_BF16 2
+#define FT_TF32 3  // a compute precision only: fp32 storage, tf32 tensor-core products
 
 template <int DT> struct Elem;
 template <> struct Elem<FT_F32> { using type = float; };

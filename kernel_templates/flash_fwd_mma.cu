@@ -10,39 +10,68 @@
 // Q_REGS=1 keeps Q's fragments in registers for the whole block; 0 re-reads them from shared
 // memory at every k-step (fewer registers, more ldmatrix).
 //
-// Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE IS_CAUSAL.
+// fp32 inputs run on tensor cores at a lower precision, COMPUTE:
+// - FT_BF16 / FT_F16: tiles are converted while they are stored to shared memory (ordinary loads
+//   instead of cp.async), then everything is as above.
+// - FT_TF32: tiles stay fp32 in shared memory (cp.async) and both products use mma m16n8k8.tf32.
+//   ldmatrix on 32-bit data hands thread (g, c) word c of row g, which is exactly the tf32 A/B
+//   fragment, so Q and K load as for 16-bit types; P is moved from the accumulator layout into
+//   the A layout by shuffles within each quad, and V's fragments are read element by element.
+//
+// Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE COMPUTE IS_CAUSAL.
 #include "mma.cuh"
 #include "softmax.cuh"
 
-using T = unsigned short;
+constexpr bool TF32 = COMPUTE == FT_TF32;
+using In = typename Elem<IN_DTYPE>::type;          // what q, k, v, o hold in global memory
+using T = typename Elem<TF32 ? FT_F32 : COMPUTE>::type;   // what the tiles hold in shared memory
 constexpr int NT = WARPS * 32;
 constexpr int WROWS = BR / WARPS;       // query rows per warp
 constexpr int MT = WROWS / 16;          // m16 tiles per warp
 constexpr int NTILES = BC / 8;          // n8 tiles of S
 constexpr int DTILES = HEAD_DIM / 8;    // n8 tiles of O
-constexpr int KSTEPS = HEAD_DIM / 16;   // k16 steps of S = Q K^T
-constexpr int PSTEPS = BC / 16;         // k16 steps of O += P V
-constexpr int CHUNKS = HEAD_DIM / 8;    // 16-byte chunks per row
+constexpr int KW = TF32 ? 8 : 16;       // k of one mma
+constexpr int KSTEPS = HEAD_DIM / KW;   // k steps of S = Q K^T
+constexpr int PSTEPS = BC / KW;         // k steps of O += P V
+constexpr int CHUNK_ELEMS = 16 / sizeof(T);
+constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;    // 16-byte chunks per row
 
 static_assert(WROWS % 16 == 0, "each warp owns whole m16 tiles");
 static_assert(BC % 16 == 0, "BC must be a multiple of 16");
 static_assert(CHUNKS >= 8 && CHUNKS % 8 == 0, "swizzle needs rows of 8k 16-byte chunks");
-static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "2-byte inputs only");
+static_assert(IN_DTYPE == COMPUTE || (IN_DTYPE == FT_F32 && COMPUTE != FT_F32), "compute in the input type, or fp32 in lower");
 
-FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz(row, chunk) * 8; }
+FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz(row, chunk) * CHUNK_ELEMS; }
 
 // rows [row0, row0 + ROWS) of a (N, HEAD_DIM) matrix into a swizzled tile; rows >= limit read as 0.
 template <int ROWS>
-FT_DEVICE void load_tile(T* dst, const T* src, long long stride, int row0, int limit, int tid) {
+FT_DEVICE void load_tile(T* dst, const In* src, long long stride, int row0, int limit, int tid) {
 #pragma unroll
   for (int idx = tid; idx < ROWS * CHUNKS; idx += NT) {
     const int r = idx / CHUNKS, c = idx % CHUNKS;
     const bool ok = row0 + r < limit;
-    cp_async16(at(dst, r, c), src + (ok ? row0 + r : 0) * stride + c * 8, ok);
+    const In* from = src + (ok ? row0 + r : 0) * stride + c * CHUNK_ELEMS;
+    if constexpr (sizeof(In) == sizeof(T)) {
+      cp_async16(at(dst, r, c), from, ok);
+    } else {  // fp32 -> 16-bit while storing: 32 bytes in, 16 out
+      uint4 packed = make_uint4(0, 0, 0, 0);
+      if (ok) {
+        const float4 lo = reinterpret_cast<const float4*>(from)[0], hi = reinterpret_cast<const float4*>(from)[1];
+        packed = make_uint4(pack2<COMPUTE>(lo.x, lo.y), pack2<COMPUTE>(lo.z, lo.w), pack2<COMPUTE>(hi.x, hi.y),
+                            pack2<COMPUTE>(hi.z, hi.w));
+      }
+      *reinterpret_cast<uint4*>(at(dst, r, c)) = packed;
+    }
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_PARAMS(T)) {
+// One k step of a product on 4 fragment registers of A and 2 of B.
+FT_DEVICE void mma_k(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  if constexpr (TF32) mma1688_tf32(d, a, b0, b1);
+  else mma16816<COMPUTE>(d, a, b0, b1);
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_PARAMS(In)) {
   extern __shared__ float4 smem4[];
   T* Qs = reinterpret_cast<T*>(smem4);
   T* Ks = Qs + BR * HEAD_DIM;
@@ -52,9 +81,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
   const int qblk = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
   const int q0 = qblk * BR;
   const int b = blockIdx.y / heads, h = blockIdx.y % heads, hk = h / kv_group;
-  const T* qp = q + b * q_sb + h * q_sh;
-  const T* kp = k + b * k_sb + hk * k_sh;
-  const T* vp = v + b * v_sb + hk * v_sh;
+  const In* qp = q + b * q_sb + h * q_sh;
+  const In* kp = k + b * k_sb + hk * k_sh;
+  const In* vp = v + b * v_sb + hk * v_sh;
   const int kv_end = IS_CAUSAL ? min(nk, q0 + BR) : nk;
   const int ntiles = (kv_end + BC - 1) / BC;
   const int wrow0 = warp * WROWS;
@@ -101,6 +130,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks)
           ldmatrix_x4(qf[mt][ks], smem_addr(at(Qs, wrow0 + mt * 16 + lane % 16, ks * 2 + lane / 16)));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) to_operand<TF32>(qf[mt][ks]);
     }
     T* Kt = Ks + (t % STAGES) * BC * HEAD_DIM;
     T* Vt = Vs + (t % STAGES) * BC * HEAD_DIM;
@@ -118,17 +151,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
       const int kq = Q_REGS ? ks : 0;
       if constexpr (!Q_REGS) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt) {
           ldmatrix_x4(qf[mt][0], smem_addr(at(Qs, wrow0 + mt * 16 + lane % 16, ks * 2 + lane / 16)));
+          to_operand<TF32>(qf[mt][0]);
+        }
       }
 #pragma unroll
       for (int np = 0; np < NTILES / 2; ++np) {
         unsigned bf[4];
         ldmatrix_x4(bf, smem_addr(at(Kt, np * 16 + lane % 8 + (lane / 16) * 8, ks * 2 + (lane / 8) % 2)));
+        to_operand<TF32>(bf);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma16816<IN_DTYPE>(s[mt][2 * np], qf[mt][kq], bf[0], bf[1]);
-          mma16816<IN_DTYPE>(s[mt][2 * np + 1], qf[mt][kq], bf[2], bf[3]);
+          mma_k(s[mt][2 * np], qf[mt][kq], bf[0], bf[1]);
+          mma_k(s[mt][2 * np + 1], qf[mt][kq], bf[2], bf[3]);
         }
       }
     }
@@ -144,19 +180,38 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
     for (int mt = 0; mt < MT; ++mt) softmax_step(s[mt], o_acc[mt], m[mt], l[mt], scale_log2);
 
     // ---- O += P V, P repacked from accumulators into A fragments ----
+    if constexpr (TF32) {
+      const int g = lane / 4, c = lane % 4;
 #pragma unroll
-    for (int ps = 0; ps < PSTEPS; ++ps) {
-      unsigned pa[MT][4];
+      for (int ps = 0; ps < PSTEPS; ++ps) {   // k8 step ps is n8 tile ps of S
+        unsigned pa[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) p_fragment<IN_DTYPE>(pa[mt], s[mt], ps);
+        for (int mt = 0; mt < MT; ++mt) p_fragment_tf32(pa[mt], s[mt][ps], lane);
 #pragma unroll
-      for (int dp = 0; dp < DTILES / 2; ++dp) {
-        unsigned bf[4];
-        ldmatrix_x4_trans(bf, smem_addr(at(Vt, ps * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16)));
+        for (int dt = 0; dt < DTILES; ++dt) {
+          const int col = dt * 8 + g;
+          unsigned bv[2] = {__float_as_uint(at(Vt, ps * 8 + c, col / 4)[col % 4]),
+                            __float_as_uint(at(Vt, ps * 8 + c + 4, col / 4)[col % 4])};
+          to_operand<true>(bv);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          mma16816<IN_DTYPE>(o_acc[mt][2 * dp], pa[mt], bf[0], bf[1]);
-          mma16816<IN_DTYPE>(o_acc[mt][2 * dp + 1], pa[mt], bf[2], bf[3]);
+          for (int mt = 0; mt < MT; ++mt) mma_k(o_acc[mt][dt], pa[mt], bv[0], bv[1]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int ps = 0; ps < PSTEPS; ++ps) {
+        unsigned pa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) p_fragment<COMPUTE>(pa[mt], s[mt], ps);
+#pragma unroll
+        for (int dp = 0; dp < DTILES / 2; ++dp) {
+          unsigned bf[4];
+          ldmatrix_x4_trans(bf, smem_addr(at(Vt, ps * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16)));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_k(o_acc[mt][2 * dp], pa[mt], bf[0], bf[1]);
+            mma_k(o_acc[mt][2 * dp + 1], pa[mt], bf[2], bf[3]);
+          }
         }
       }
     }
@@ -164,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
   }
 
   // ---- epilogue: O = acc / l in the input precision, LSE per row ----
-  T* op = o + b * o_sb + h * o_sh;
+  In* op = o + b * o_sb + h * o_sh;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
     store_slab<IN_DTYPE>(op, o_sn, lse + static_cast<long long>(blockIdx.y) * nq, o_acc[mt], m[mt], l[mt], lane,

@@ -1,7 +1,10 @@
-"""flash_fwd_mma: the FlashAttention-2 class kernel on tensor cores (mma.sync), fp16/bf16.
+"""flash_fwd_mma: the FlashAttention-2 class kernel on tensor cores (mma.sync).
 
-Parameters: Br x Bc block tile, warps (splitting Br; each warp owns whole m16 tiles), and the
-depth of the cp.async K/V ring (`stages`). Q lives in registers; P never leaves them.
+Parameters: Br x Bc block tile, warps (splitting Br; each warp owns whole m16 tiles), the depth
+of the cp.async K/V ring (`stages`), whether Q's fragments stay in registers, and `compute`: fp16
+and bf16 inputs compute in their own type ("in"); fp32 inputs compute in "tf32" (mma m16n8k8) or
+"bf16" (converted while loaded), which the problem must allow: its error budget (`--max-error`)
+has to reach what that precision costs, so that the default fp32 budget keeps fp32 on CUDA cores.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ from tuner.family import KernelFamily, Launch, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.problem import Problem
 
-DTYPE_CODE = {"fp16": 1, "bf16": 2}
+DTYPE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "tf32": 3}
+# Error against float64 each compute precision needs allowed before the search may use it for fp32
+# inputs: a little above what it was measured to cost on random normal inputs (PERF_NOTES.md).
+COMPUTE_MIN_BUDGET = {"tf32": 1e-3, "bf16": 1e-2}
 _MAX_REGS = 255
 
 
@@ -19,7 +25,7 @@ class FlashFwdMma(KernelFamily):
     kernel_name = "flash_fwd_mma"
     source_file = "flash_fwd_mma.cu"
     min_cc = (8, 0)
-    dtypes = ("fp16", "bf16")
+    dtypes = ("fp32", "fp16", "bf16")
     head_dims = (64, 128)
     space = {
         "Br": (64, 128),
@@ -27,7 +33,19 @@ class FlashFwdMma(KernelFamily):
         "warps": (4, 8),
         "stages": (1, 2, 3),
         "q_regs": (0, 1),
+        "compute": ("in", "tf32", "bf16"),
     }
+
+    def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        if problem.dtype == "fp32" and problem.rel_budget < min(COMPUTE_MIN_BUDGET.values()):
+            return (f"{self.name} computes fp32 inputs in tf32 or bf16, whose error needs a budget of at least "
+                    f"{COMPUTE_MIN_BUDGET['tf32']:g} (tf32) or {COMPUTE_MIN_BUDGET['bf16']:g} (bf16); "
+                    f"this problem allows {problem.rel_budget:g} (raise it with --max-error)")
+        return super().supports(gpu, problem)
+
+    @staticmethod
+    def compute_dtype(params: dict, problem: Problem) -> str:
+        return problem.dtype if params["compute"] == "in" else params["compute"]
 
     @staticmethod
     def register_estimate(params: dict, problem: Problem) -> int:
@@ -36,10 +54,18 @@ class FlashFwdMma(KernelFamily):
         report of the compiled kernel, not this guess, is what the search sees."""
         mt = params["Br"] // params["warps"] // 16
         d = problem.head_dim
-        return mt * (params["Bc"] // 2 + d // 2 + (d // 4 if params["q_regs"] else 4)) + 48
+        q_words = d // 2 if params["compute"] == "tf32" else d // 4   # Q's fragments: one word per 1 or 2 elements
+        return mt * (params["Bc"] // 2 + d // 2 + (q_words if params["q_regs"] else 4)) + 48
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
-        br, bc, warps = params["Br"], params["Bc"], params["warps"]
+        br, bc, warps, compute = params["Br"], params["Bc"], params["warps"], params["compute"]
+        if problem.dtype == "fp32":
+            if compute == "in":
+                return "tensor cores take no fp32 operands: compute in tf32 or bf16"
+            if problem.rel_budget < COMPUTE_MIN_BUDGET[compute]:
+                return f"{compute} compute needs an error budget of {COMPUTE_MIN_BUDGET[compute]:g}, the problem allows {problem.rel_budget:g}"
+        elif compute != "in":
+            return f"{problem.dtype} inputs compute in {problem.dtype} (compute='in')"
         if br % (16 * warps):
             return f"Br={br} does not give each of {warps} warps whole 16-row mma tiles"
         regs = self.register_estimate(params, problem)
@@ -58,7 +84,15 @@ class FlashFwdMma(KernelFamily):
             cands = [(128, 64, 8, 2, 1), (128, 64, 4, 2, 0), (64, 64, 4, 2, 1), (128, 96, 8, 2, 1)]
         else:
             cands = [(128, 64, 8, 2, 1), (128, 64, 8, 2, 0), (64, 64, 4, 2, 0), (128, 32, 8, 2, 0)]
-        return [dict(Br=a, Bc=b, warps=c, stages=d, q_regs=e) for a, b, c, d, e in cands]
+        if problem.dtype != "fp32":
+            return [dict(Br=a, Bc=b, warps=c, stages=d, q_regs=e, compute="in") for a, b, c, d, e in cands]
+        # fp32 inputs: tf32 first (the more accurate), its fp32 tiles leave Q in shared memory at
+        # d=128; then bf16 where the budget allows it, on the 16-bit seeds
+        tf32 = [(128, 64, 8, 2, 1), (64, 64, 4, 2, 1), (128, 96, 8, 2, 0)] if problem.head_dim <= 64 else \
+            [(128, 64, 8, 2, 0), (64, 64, 4, 2, 0), (128, 32, 8, 2, 0)]
+        out = [dict(Br=a, Bc=b, warps=c, stages=d, q_regs=e, compute="tf32") for a, b, c, d, e in tf32]
+        out += [dict(Br=a, Bc=b, warps=c, stages=d, q_regs=e, compute="bf16") for a, b, c, d, e in cands]
+        return [p for p in out if problem.rel_budget >= COMPUTE_MIN_BUDGET[p["compute"]]]
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         return {
@@ -69,12 +103,14 @@ class FlashFwdMma(KernelFamily):
             "Q_REGS": params["q_regs"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": DTYPE_CODE[problem.dtype],
+            "COMPUTE": DTYPE_CODE[self.compute_dtype(params, problem)],
             "IS_CAUSAL": int(problem.causal),
         }
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
         d = problem.head_dim
-        return 2 * (params["Br"] * d + 2 * params["stages"] * params["Bc"] * d)
+        elem = 4 if params["compute"] == "tf32" else 2
+        return elem * (params["Br"] * d + 2 * params["stages"] * params["Bc"] * d)
 
     def launch(self, params: dict, problem: Problem) -> Launch:
         return Launch(

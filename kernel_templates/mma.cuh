@@ -30,4 +30,19 @@ template <int DT> FT_DEVICE void mma16816(float (&d)[4], const unsigned (&a)[4],
   }
 }
 
+// tf32 (sm_80+): D = A(16x8, row) * B(8x8, col) + D on fp32 bit patterns already rounded to tf32.
+FT_DEVICE void mma1688_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Fragment registers as an mma operand: fp32 words rounded to nearest tf32 where TF32, else as is.
+template <bool TF32, int N> FT_DEVICE void to_operand(unsigned (&r)[N]) {
+  if constexpr (TF32) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[i]) : "f"(__uint_as_float(r[i])));
+  }
+}
+
 template <int N> FT_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

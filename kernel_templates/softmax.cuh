@@ -83,6 +83,23 @@ FT_DEVICE void p_fragment(unsigned (&a)[4], const float (&s)[NTILES][4], int ps)
   a[3] = pack2<DT>(s[2 * ps + 1][2], s[2 * ps + 1][3]);
 }
 
+// The tf32 A fragment (m16k8) of P's n8 tile `st`: thread (g, c) needs columns c and c + 4,
+// which its quad holds in the accumulator layout (thread c/2 has columns c & ~1, c | 1): two
+// shuffles per needed value, the wanted one picked by c's parity.
+FT_DEVICE void p_fragment_tf32(unsigned (&a)[4], const float (&st)[4], int lane) {
+  const int src = (lane & ~3) | ((lane & 3) >> 1);
+  const bool odd = lane & 1;
+  float v[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {   // i: 0 (row g, col c), 1 (row g+8, col c), 2 (g, c+4), 3 (g+8, c+4)
+    const int from = src + (i >= 2 ? 2 : 0), e = (i & 1) ? 2 : 0;
+    const float x0 = __shfl_sync(0xffffffffu, st[e], from), x1 = __shfl_sync(0xffffffffu, st[e + 1], from);
+    v[i] = odd ? x1 : x0;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(a[i]) : "f"(v[i]));
+}
+
 // Epilogue for a 16-row slab: O / l in the input precision straight from the fragments, and
 // LSE = ln(sum exp(s * scale)) per row. `row0` is the slab's first absolute row.
 template <int DT, int DTILES>
@@ -96,8 +113,9 @@ FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* ls
     const float inv = row_l > 0.f ? 1.f / row_l : 0.f;
 #pragma unroll
     for (int dt = 0; dt < DTILES; ++dt) {
-      const unsigned packed = pack2<DT>(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
-      *reinterpret_cast<unsigned*>(op + row * o_sn + dt * 8 + 2 * (lane % 4)) = packed;
+      auto* dst = op + row * o_sn + dt * 8 + 2 * (lane % 4);
+      if constexpr (DT == FT_F32) *reinterpret_cast<float2*>(dst) = make_float2(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
+      else *reinterpret_cast<unsigned*>(dst) = pack2<DT>(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
     }
     if (lane % 4 == 0) lse_row[row] = (m[hh] * scale_log2 + __log2f(row_l)) * FT_LN2;
   }

@@ -96,6 +96,12 @@ def test_bench_without_gpu(cli):
     assert out.code == 1
 
 
+def test_max_error_out_of_range_is_one_line(cli):
+    out = cli("search", "--shape", "1,2,128,64", "--max-error", "2")
+    one_line_error(out, "--max-error must be in (0, 1)")
+    assert out.code != 0
+
+
 def test_bench_unknown_peer_is_refused_before_anything_runs(cli):
     out = cli("bench", "--shape", "1,2,128,64", "--peer", "sdpa_flash", "--peer", "flash3")
     assert out.code != 0

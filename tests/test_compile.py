@@ -22,8 +22,10 @@ from tuner.records import params_key
 
 FAM = get_family("flash_fwd_simt")
 GPUS = (A100_SXM, H100_SXM)
+# fp32 with a budget wide enough for tensor-core compute, so flash_fwd_mma's tf32/bf16 paths are swept
+WIDE = {"fp32": 2e-2, "fp16": 0.0, "bf16": 0.0}
 VARIANTS = [
-    Problem(2, 4, 256, 256, d, dtype, causal)
+    Problem(2, 4, 256, 256, d, dtype, causal, max_error=WIDE[dtype])
     for d, dtype, causal in itertools.product((64, 128, 256), ("fp32", "fp16", "bf16"), (False, True))
 ]
 
@@ -71,7 +73,7 @@ def test_sweep_covers_the_space(fam):
         swept = {params_key(c.values[2]) for c in cases}
         for d in fam.head_dims:
             for dtype in fam.dtypes:
-                want = {params_key(p) for p in fam.valid_points(gpu, Problem(1, 1, 128, 128, d, dtype))}
+                want = {params_key(p) for p in fam.valid_points(gpu, Problem(1, 1, 128, 128, d, dtype, max_error=WIDE[dtype]))}
                 assert want and want <= swept, (fam.name, gpu.arch, d, dtype)
         used = [c.values[3] for c in cases]
         for v in _variants(fam):  # many times each, or a fair share where few points fit (d=256)
@@ -124,6 +126,8 @@ def test_default_config_does_not_spill(gpu, problem):
 
 MMA = get_family("flash_fwd_mma")
 MMA_PROBLEMS = [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128) for dt in ("fp16", "bf16") for c in (False, True)]
+MMA_PROBLEMS += [Problem(4, 16, 2048, 2048, d, "fp32", c, max_error=e) for d in (64, 128) for c in (False, True)
+                 for e in (2e-3, 2e-2)]  # tf32 seeds only, then tf32 and bf16
 
 
 @pytest.mark.parametrize("gpu", GPUS, ids=lambda g: g.arch)
@@ -156,6 +160,36 @@ def test_default_sm90a_sass_is_ffma_without_local_memory(tmp_path):
     assert len(re.findall(r"\bFFMA\b", sass)) > 100  # the inner loops are fp32 FMAs
     assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), "local memory (spills) in SASS"
     assert re.search(r"\bLDS(\.\w+)*\b", sass)  # tiles are read from shared memory
+
+
+def test_mma_fp32_inputs_need_a_budget_for_tensor_cores():
+    default = Problem(4, 16, 2048, 2048, 64, "fp32", False)
+    assert "--max-error" in MMA.supports(H100_SXM, default)
+    tf32_only = Problem(4, 16, 2048, 2048, 64, "fp32", False, max_error=2e-3)
+    computes = {p["compute"] for p in MMA.valid_points(H100_SXM, tf32_only)}
+    assert computes == {"tf32"}
+    wide = Problem(4, 16, 2048, 2048, 64, "fp32", False, max_error=2e-2)
+    assert {p["compute"] for p in MMA.valid_points(H100_SXM, wide)} == {"tf32", "bf16"}
+    assert MMA.default(H100_SXM, wide)["compute"] == "tf32"
+    half = Problem(4, 16, 2048, 2048, 64, "bf16", False)
+    assert {p["compute"] for p in MMA.valid_points(H100_SXM, half)} == {"in"}
+
+
+@pytest.mark.parametrize("compute", ["tf32", "bf16"])
+def test_mma_fp32_sass_uses_the_chosen_tensor_core_precision(compute, tmp_path):
+    problem = Problem(4, 16, 2048, 2048, 64, "fp32", True, max_error=2e-2)
+    params = next(p for p in MMA.seeds(H100_SXM, problem) if p["compute"] == compute)
+    ck = compile_kernel(MMA, params, problem, H100_SXM.arch)
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(ck.cubin)
+    sass = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120).stdout
+    if compute == "tf32":
+        assert len(re.findall(r"\bHMMA\.1688\.F32\.TF32", sass)) >= 16
+        assert re.search(r"\bLDGSTS(\.\w+)*\b", sass)  # fp32 tiles by cp.async
+    else:
+        assert len(re.findall(r"\bHMMA\.16816\.F32\.BF16", sass)) >= 16
+        assert re.search(r"\bF2FP\.BF16", sass)  # converted while stored
+    assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), "local memory (spills) in SASS"
 
 
 def test_mma_sm90a_sass_uses_tensor_cores(tmp_path):

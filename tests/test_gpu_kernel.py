@@ -109,3 +109,29 @@ def _run_inputs(family, params, problem, q, k, v, with_lse=False):
     kernel(current_stream(), launch, *family.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
     torch.cuda.synchronize()
     return (o, lse) if with_lse else o
+
+
+@pytest.mark.parametrize("compute", ["tf32", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_mma_fp32_inputs_on_tensor_cores(compute, causal, d):
+    """fp32 inputs at tf32 or bf16 precision: within what the family claims each costs
+    (COMPUTE_MIN_BUDGET), on fresh ragged shapes, several configs, both layouts."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.kernel_templates.flash_fwd_mma import COMPUTE_MIN_BUDGET
+
+    fam = get_family("flash_fwd_mma")
+    gpu = detect()
+    rng = random.Random()
+    base = _random_problem(rng, "fp32", causal, d)
+    budget = COMPUTE_MIN_BUDGET[compute]
+    problem = Problem(base.batch, base.heads, base.seqlen_q, base.seqlen_k, d, "fp32", causal, base.kv_heads, budget)
+    valid = [p for p in fam.valid_points(gpu, problem) if p["compute"] == compute]
+    seeds = [p for p in fam.seeds(gpu, problem) if p["compute"] == compute and fam.check(p, gpu, problem) is None]
+    for params in seeds[:1] + rng.sample(valid, 3):
+        for layout in ("bhnd", "bnhd"):
+            err = _run(fam, params, problem, rng.randrange(2**31), layout)
+            assert err.finite, f"NaN/Inf for {problem.key} {params} {layout}"
+            assert err.rel <= budget, f"{problem.key} {params} {layout}: rel err {err.rel:.3g} over {budget:g}"
+            assert err.lse is not None and err.lse <= max(1e-3, budget), f"{problem.key} {params}: lse err {err.lse}"

@@ -157,3 +157,19 @@ def test_default_problems():
 def test_to_dict_round_trip():
     p = Problem(2, 16, 512, 2048, 128, "bf16", False, 4)
     assert Problem(**p.to_dict()) == p
+
+
+def test_error_budget_is_part_of_the_problem_and_its_bucket():
+    from tuner.problem import REL_BUDGET, Bucket
+
+    default = Problem(2, 4, 512, 512, 64, "fp32", True)
+    spelled = Problem(2, 4, 512, 512, 64, "fp32", True, max_error=REL_BUDGET["fp32"])
+    assert spelled == default and spelled.key == default.key and default.rel_budget == REL_BUDGET["fp32"]
+    wide = Problem(2, 4, 512, 512, 64, "fp32", True, max_error=2e-2)
+    assert wide.key == default.key + "-err0.02" and wide.rel_budget == 2e-2
+    assert wide.bucket().key == default.bucket().key + "/err0.02"
+    assert Bucket.from_key(wide.bucket().key) == wide.bucket()
+    assert Bucket.from_key(default.bucket().key) == default.bucket()
+    for bad in (-1e-3, 1.0, "0.1"):
+        with pytest.raises(ValueError, match="max_error"):
+            Problem(2, 4, 512, 512, 64, "fp32", True, max_error=bad)

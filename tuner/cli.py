@@ -34,14 +34,22 @@ def _db_url(db: Optional[str]) -> str:
     return db or os.environ.get("TUNER_DB") or default_url()
 
 
-def _problems(shapes: list[str], dtype: Optional[str]):
+MAX_ERROR_HELP = ("error allowed against float64 (relative, of O); default: the dtype's own, fp32 1e-4, "
+                  "fp16 2e-3, bf16 1.2e-2. Raising it for fp32 lets tf32 (>=1e-3) or bf16 (>=1e-2) tensor-core "
+                  "kernels compete")
+
+
+def _problems(shapes: list[str], dtype: Optional[str], max_error: Optional[float] = None):
+    from dataclasses import replace
+
     from .problem import DTYPES, Problem, default_problems
 
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if not shapes:
-        return default_problems(dtype)
-    return [Problem.parse(s, dtype or "fp32") for s in shapes]
+    if max_error is not None and not 0 < max_error < 1:
+        raise UserError(f"--max-error must be in (0, 1), got {max_error}")
+    problems = default_problems(dtype) if not shapes else [Problem.parse(s, dtype or "fp32") for s in shapes]
+    return [replace(p, max_error=max_error) for p in problems] if max_error is not None else problems
 
 
 @app.command()
@@ -106,6 +114,7 @@ def search(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' (the current device) or a GPU index"),
     shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable. Default: the standard set"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, fp16 or bf16 (default fp32)"),
+    max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="stop asking for trials after this many seconds"),
     db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: $TUNER_DB or the user data dir)"),
@@ -128,7 +137,7 @@ def search(
 
     if family != "auto":
         get_family(family)  # an unknown name fails before any GPU work
-    problems = _problems(shape, dtype)
+    problems = _problems(shape, dtype, max_error)
     url = _db_url(db)
     if replay:
         runner = ReplayRunner(replay if "://" in replay else f"sqlite:///{Path(replay).resolve()}")
@@ -182,6 +191,7 @@ def bench(
     db: Optional[str] = typer.Option(None, "--db"),
     family: str = typer.Option("auto", "--family", help="a kernel family, or auto: the best of all"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
+    max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     peer: list[str] = typer.Option([], "--peer", help="only these SDPA peers (e.g. sdpa_flash); repeatable"),
 ) -> None:
     """Re-time the tuned best of each problem beside the SDPA peers, in one run."""
@@ -199,7 +209,7 @@ def bench(
 
     if unknown := [x for x in peer if x not in SDPA_BACKENDS]:
         raise typer.BadParameter(f"unknown peer {unknown[0]!r}; known: {', '.join(SDPA_BACKENDS)}", param_hint="--peer")
-    problems = _problems(shape, dtype)
+    problems = _problems(shape, dtype, max_error)
     g = detect(gpu)
     url = _db_url(db)
     sessions = session_factory(make_engine(url))
@@ -257,6 +267,7 @@ def precompile(
     dtype: Optional[str] = typer.Option(None, "--dtype"),
     family: str = typer.Option("flash_fwd_simt", "--family"),
     jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", "-j", min=1),
+    max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
 ) -> None:
     """Fill the compile cache with every valid point, in parallel, before a search."""
     from concurrent.futures import ProcessPoolExecutor
@@ -276,7 +287,7 @@ def precompile(
         if arch not in known:
             raise UserError(f"--arch must be one of {', '.join(known)} without a GPU")
         g = known[arch]
-    work = [(fam.name, params, p, arch) for p in _problems(shape, dtype) for params in fam.valid_points(g, p)]
+    work = [(fam.name, params, p, arch) for p in _problems(shape, dtype, max_error) for params in fam.valid_points(g, p)]
     counts: dict[str, int] = {}
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
         for status, _ in track(pool.map(_compile_one, work), total=len(work), description=f"compiling for {arch}"):

@@ -41,7 +41,7 @@ def supported_head_dims() -> set[int]:
     return {d for f in FAMILIES.values() for d in f.head_dims}
 
 
-def problem_of(q, k, v, causal: bool) -> Problem:
+def problem_of(q, k, v, causal: bool, max_error: float | None = None) -> Problem:
     """Validate the inputs and describe them; every mistake is a ValueError naming it."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -68,7 +68,9 @@ def problem_of(q, k, v, causal: bool) -> Problem:
         raise ValueError(f"unsupported head dim {d}; supported: {sorted(supported_head_dims())}")
     if min(b, h, nq, k.shape[2]) == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    return Problem(b, h, nq, k.shape[2], d, dtype, bool(causal), k.shape[1])
+    if max_error is not None and not (isinstance(max_error, (int, float)) and 0 < max_error < 1):
+        raise ValueError(f"max_error must be a number in (0, 1), got {max_error!r}")
+    return Problem(b, h, nq, k.shape[2], d, dtype, bool(causal), k.shape[1], max_error or 0.0)
 
 
 def _kernel_ready(t, dtype: str) -> bool:
@@ -149,11 +151,12 @@ class Dispatcher:
         warnings.warn(f"flashtune: {message}; using torch scaled_dot_product_attention", stacklevel=3)
 
     # ---- hot path ----
-    def __call__(self, q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False):
-        key = (q.shape, k.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, bool(causal))
+    def __call__(self, q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False,
+                 max_error: float | None = None):
+        key = (q.shape, k.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, bool(causal), max_error)
         plan = self._plans.get(key)
         if plan is None:
-            problem = problem_of(q, k, v, causal)
+            problem = problem_of(q, k, v, causal, max_error)
             with self._lock:
                 plan = self._plans.get(key)
                 if plan is None:
@@ -182,11 +185,13 @@ _default: Dispatcher | None = None
 _default_lock = threading.Lock()
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None):
+def attention(q, k, v, causal: bool = False, scale: float | None = None, max_error: float | None = None):
     """Attention forward on CUDA tensors of shape (B, H, N, D) (K/V may have fewer heads).
 
     Returns O with q's shape and dtype, computed by the best tuned kernel for this GPU and shape
-    bucket, or by torch SDPA (with one warning) where nothing tuned fits.
+    bucket, or by torch SDPA (with one warning) where nothing tuned fits. `max_error` picks configs
+    tuned under that error budget (`tuner search --max-error`): for fp32 inputs, the tf32 or bf16
+    tensor-core kernels; None means the dtype's default budget.
     """
     global _default
     d = _default
@@ -195,7 +200,7 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
             if _default is None:
                 _default = Dispatcher()
             d = _default
-    return d(q, k, v, causal, scale)
+    return d(q, k, v, causal, scale, max_error=max_error)
 
 
 def reset(lookup_path: str | Path | None = None) -> Dispatcher:

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass
 
 DTYPES = ("fp32", "fp16", "bf16")
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+# Default error budgets by input precision: relative Frobenius error of O against float64. fp32
+# math lands near 1e-6; fp16/bf16 outputs carry their own rounding (2^-11, 2^-8).
+REL_BUDGET = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.2e-2}
 
 
 @dataclass(frozen=True, order=True)
@@ -19,10 +22,18 @@ class Problem:
     dtype: str = "fp32"
     causal: bool = False
     kv_heads: int = 0  # 0 means "same as heads"
+    # The error a kernel may have against float64 (relative, of O); 0 means the dtype's default
+    # (REL_BUDGET). A larger budget lets fp32 problems run at tf32 or bf16 precision on tensor cores.
+    max_error: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
+        if not isinstance(self.max_error, (int, float)) or not 0 <= self.max_error < 1:
+            raise ValueError(f"max_error must be a number in [0, 1), got {self.max_error!r}")
+        if self.dtype in REL_BUDGET and self.max_error == REL_BUDGET[self.dtype]:
+            object.__setattr__(self, "max_error", 0.0)  # the default, spelled out: one key for both
+        object.__setattr__(self, "max_error", float(self.max_error))
         for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "kv_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -33,7 +44,7 @@ class Problem:
             raise ValueError(f"kv_heads ({self.kv_heads}) must divide heads ({self.heads})")
 
     @classmethod
-    def parse(cls, text: str, dtype: str = "fp32") -> "Problem":
+    def parse(cls, text: str, dtype: str = "fp32", max_error: float = 0.0) -> "Problem":
         """Parse `B,H,N,D[,causal]` as the CLI's --shape takes it."""
         parts = [p.strip() for p in text.split(",") if p.strip()]
         if len(parts) not in (4, 5):
@@ -48,7 +59,7 @@ class Problem:
             if flag not in ("causal", "c", "1", "true", "0", "false", "noncausal"):
                 raise ValueError(f"shape {text!r}: the fifth field must be 'causal' (or 1/0)")
             causal = flag in ("causal", "c", "1", "true")
-        return cls(b, h, n, n, d, dtype, causal)
+        return cls(b, h, n, n, d, dtype, causal, max_error=max_error)
 
     def flops(self) -> float:
         """4·B·H·Nq·Nk·d (two matrix products), halved for causal, as BENCHMARKS.md counts."""
@@ -65,6 +76,10 @@ class Problem:
         k_v = 2 * self.batch * self.kv_heads * self.seqlen_k * self.head_dim
         return elt * (q_o + k_v)
 
+    @property
+    def rel_budget(self) -> float:
+        return self.max_error or REL_BUDGET[self.dtype]
+
     def bucket(self) -> "Bucket":
         return Bucket.of(self)
 
@@ -73,7 +88,8 @@ class Problem:
         kv = f"/kv{self.kv_heads}" if self.kv_heads != self.heads else ""
         mask = "causal" if self.causal else "full"
         nq = str(self.seqlen_q) if self.seqlen_q == self.seqlen_k else f"{self.seqlen_q}x{self.seqlen_k}"
-        return f"B{self.batch}-H{self.heads}{kv}-N{nq}-D{self.head_dim}-{self.dtype}-{mask}"
+        err = f"-err{self.max_error:g}" if self.max_error else ""
+        return f"B{self.batch}-H{self.heads}{kv}-N{nq}-D{self.head_dim}-{self.dtype}-{mask}{err}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,26 +113,32 @@ class Bucket:
     causal: bool
     seqlen: int
     work: str
+    max_error: float = 0.0  # as Problem.max_error: configs tuned under another budget serve other calls
 
     @classmethod
     def of(cls, p: Problem) -> "Bucket":
         n = max(128, _pow2_ceil(max(p.seqlen_q, p.seqlen_k)))
         bh = p.batch * p.heads
         work = "small" if bh < 32 else ("medium" if bh < 256 else "large")
-        return cls(p.dtype, p.head_dim, p.causal, n, work)
+        return cls(p.dtype, p.head_dim, p.causal, n, work, p.max_error)
 
     @property
     def key(self) -> str:
         mask = "causal" if self.causal else "full"
-        return f"{self.dtype}/d{self.head_dim}/{mask}/n{self.seqlen}/{self.work}"
+        err = f"/err{self.max_error:g}" if self.max_error else ""
+        return f"{self.dtype}/d{self.head_dim}/{mask}/n{self.seqlen}/{self.work}{err}"
 
     @classmethod
     def from_key(cls, key: str) -> "Bucket":
         try:
-            dtype, d, mask, n, work = key.split("/")
+            parts = key.split("/")
+            err = 0.0
+            if len(parts) == 6 and parts[5].startswith("err"):
+                err = float(parts.pop()[3:])
+            dtype, d, mask, n, work = parts
             if not (d.startswith("d") and n.startswith("n") and mask in ("causal", "full")):
                 raise ValueError
-            return cls(dtype, int(d[1:]), mask == "causal", int(n[1:]), work)
+            return cls(dtype, int(d[1:]), mask == "causal", int(n[1:]), work, err)
         except ValueError:
             raise ValueError(f"not a shape-bucket key: {key!r}") from None
 
