@@ -38,10 +38,10 @@ constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;    // 16-byte chunks per row
 
 static_assert(WROWS % 16 == 0, "each warp owns whole m16 tiles");
 static_assert(BC % 16 == 0, "BC must be a multiple of 16");
-static_assert(CHUNKS >= 8 && CHUNKS % 8 == 0, "swizzle needs rows of 8k 16-byte chunks");
+static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
 static_assert(IN_DTYPE == COMPUTE || (IN_DTYPE == FT_F32 && COMPUTE != FT_F32), "compute in the input type, or fp32 in lower");
 
-FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz(row, chunk) * CHUNK_ELEMS; }
+FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * CHUNK_ELEMS; }
 
 // rows [row0, row0 + ROWS) of a (N, HEAD_DIM) matrix into a swizzled tile; rows >= limit read as 0.
 template <int ROWS>

@@ -26,7 +26,7 @@ class FlashFwdMma(KernelFamily):
     source_file = "flash_fwd_mma.cu"
     min_cc = (8, 0)
     dtypes = ("fp32", "fp16", "bf16")
-    head_dims = (64, 128)
+    head_dims = (32, 64, 96, 128, 256)
     space = {
         "Br": (64, 128),
         "Bc": (32, 64, 96, 128),
@@ -62,6 +62,8 @@ class FlashFwdMma(KernelFamily):
         if problem.dtype == "fp32":
             if compute == "in":
                 return "tensor cores take no fp32 operands: compute in tf32 or bf16"
+            if compute == "tf32" and problem.head_dim > 128:
+                return "tf32 at d=256: fp32 tiles and their fragments spill (~1 KB per thread at compile time)"
             if problem.rel_budget < COMPUTE_MIN_BUDGET[compute]:
                 return f"{compute} compute needs an error budget of {COMPUTE_MIN_BUDGET[compute]:g}, the problem allows {problem.rel_budget:g}"
         elif compute != "in":
@@ -80,16 +82,20 @@ class FlashFwdMma(KernelFamily):
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
         # Near FlashAttention-2's own sm80 choices (BENCHMARKS.md), each seen compiling without
         # spills for sm_80 and sm_90a.
-        if problem.head_dim <= 64:
+        d = problem.head_dim
+        if d <= 64:
             cands = [(128, 64, 8, 2, 1), (128, 64, 4, 2, 0), (64, 64, 4, 2, 1), (128, 96, 8, 2, 1)]
-        else:
+        elif d <= 128:
             cands = [(128, 64, 8, 2, 1), (128, 64, 8, 2, 0), (64, 64, 4, 2, 0), (128, 32, 8, 2, 0)]
+        else:  # d=256: O alone takes 128 registers per m16 tile, so one tile per warp and Q re-read
+            cands = [(128, 64, 8, 2, 0), (64, 64, 4, 2, 0), (128, 32, 8, 2, 0), (64, 32, 4, 2, 0)]
         if problem.dtype != "fp32":
             return [dict(Br=a, Bc=b, warps=c, stages=d, q_regs=e, compute="in") for a, b, c, d, e in cands]
         # fp32 inputs: tf32 first (the more accurate), its fp32 tiles leave Q in shared memory at
         # d=128; then bf16 where the budget allows it, on the 16-bit seeds
-        tf32 = [(128, 64, 8, 2, 1), (64, 64, 4, 2, 1), (128, 96, 8, 2, 0)] if problem.head_dim <= 64 else \
-            [(128, 64, 8, 2, 0), (64, 64, 4, 2, 0), (128, 32, 8, 2, 0)]
+        tf32 = {64: [(128, 64, 8, 2, 1), (64, 64, 4, 2, 1), (128, 96, 8, 2, 0)],
+                128: [(128, 64, 8, 2, 0), (64, 64, 4, 2, 0), (128, 32, 8, 2, 0)],
+                256: []}[64 if d <= 64 else (128 if d <= 128 else 256)]
         out = [dict(Br=a, Bc=b, warps=c, stages=d, q_regs=e, compute="tf32") for a, b, c, d, e in tf32]
         out += [dict(Br=a, Bc=b, warps=c, stages=d, q_regs=e, compute="bf16") for a, b, c, d, e in cands]
         return [p for p in out if problem.rel_budget >= COMPUTE_MIN_BUDGET[p["compute"]]]

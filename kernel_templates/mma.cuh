@@ -2,9 +2,16 @@
 #pragma once
 #include "common.cuh"
 
-// 16-byte chunks of a row of 2-byte elements are XOR-swizzled by the row's low 3 bits, so the
-// 8 rows an ldmatrix phase touches land in 8 different bank groups.
-FT_DEVICE int swz(int row, int chunk) { return chunk ^ (row & 7); }
+// 16-byte chunks of a row are XOR-swizzled so that the 8 rows an ldmatrix phase touches (one chunk
+// column) land in 8 different bank groups. Rows of 8k chunks (>= 128 B): XOR with the row's low
+// 3 bits. Rows of 4 or 12 chunks (64 or 192 B: two rows share a 128-byte line, or straddle them):
+// the row's parity already picks the half line, so XOR with the next 2 bits, which keeps a chunk
+// inside its aligned group of 4.
+template <int CHUNKS> FT_DEVICE int swz(int row, int chunk) {
+  static_assert(CHUNKS % 4 == 0, "rows of 4k 16-byte chunks");
+  if constexpr (CHUNKS % 8 == 0) return chunk ^ (row & 7);
+  else return chunk ^ ((row >> 1) & 3);
+}
 
 FT_DEVICE unsigned smem_addr(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
 

@@ -26,7 +26,7 @@ GPUS = (A100_SXM, H100_SXM)
 WIDE = {"fp32": 2e-2, "fp16": 0.0, "bf16": 0.0}
 VARIANTS = [
     Problem(2, 4, 256, 256, d, dtype, causal, max_error=WIDE[dtype])
-    for d, dtype, causal in itertools.product((64, 128, 256), ("fp32", "fp16", "bf16"), (False, True))
+    for d, dtype, causal in itertools.product((32, 64, 96, 128, 256), ("fp32", "fp16", "bf16"), (False, True))
 ]
 
 
@@ -64,7 +64,7 @@ SWEEP = [case for fam in FAMILIES.values() for case in _sweep(fam)]
 
 @pytest.mark.parametrize("fam", FAMILIES.values(), ids=lambda f: f.name)
 def test_sweep_covers_the_space(fam):
-    """Every point valid for d=64 or only for d=128 is in the sweep, each variant many times."""
+    """Every point valid for some variant is in the sweep, each variant compiled several times."""
     for gpu in GPUS:
         cases = [c for c in SWEEP if c.values[0] is fam and c.values[1] == gpu]
         if fam.supports(gpu, _variants(fam)[0]):
@@ -76,8 +76,8 @@ def test_sweep_covers_the_space(fam):
                 want = {params_key(p) for p in fam.valid_points(gpu, Problem(1, 1, 128, 128, d, dtype, max_error=WIDE[dtype]))}
                 assert want and want <= swept, (fam.name, gpu.arch, d, dtype)
         used = [c.values[3] for c in cases]
-        for v in _variants(fam):  # many times each, or a fair share where few points fit (d=256)
-            want_n = min(5, max(1, len(fam.valid_points(gpu, v)) // 8))
+        for v in _variants(fam):  # several times each, or a fair share where few points fit (d=256)
+            want_n = min(3, max(1, len(fam.valid_points(gpu, v)) // 8))
             assert used.count(v) >= want_n, (fam.name, gpu.arch, v.key, used.count(v))
         assert len(used) == len(swept)  # each point once per arch
 

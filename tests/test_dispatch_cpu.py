@@ -86,7 +86,7 @@ def test_fake_cpu_tensor_is_refused_too(fake):
         (((2, 2, 16, 64), (1, 2, 16, 64), (1, 2, 16, 64)), None, r"does not match q \(.*\) in batch or head dim"),
         (((1, 2, 16, 64), (1, 2, 16, 128), (1, 2, 16, 128)), None, r"does not match q \(.*\) in batch or head dim"),
         (((1, 6, 16, 64), (1, 4, 16, 64), (1, 4, 16, 64)), None, r"k/v heads \(4\) must divide q heads \(6\)"),
-        (((1, 2, 16, 80),) * 3, None, r"unsupported head dim 80; supported: \[64, 128, 256\]"),
+        (((1, 2, 16, 80),) * 3, None, r"unsupported head dim 80; supported: \[32, 64, 96, 128, 256\]"),
         (((1, 2, 0, 64),) * 3, None, "empty input"),
     ],
     ids=["mixed-dtypes", "float64", "kv-mismatch", "batch-mismatch", "d-mismatch", "gqa-heads", "d80", "empty"],
@@ -109,7 +109,7 @@ def test_different_devices(fake):
 def test_supported_head_dims_come_from_the_families():
     from tuner.kernel_templates import FAMILIES
 
-    assert supported_head_dims() == set().union(*(f.head_dims for f in FAMILIES.values())) == {64, 128, 256}
+    assert supported_head_dims() == set().union(*(f.head_dims for f in FAMILIES.values())) == {32, 64, 96, 128, 256}
 
 
 # ---- Dispatcher.select ----

@@ -93,3 +93,34 @@ def test_attention_falls_back_and_rejects_bad_input(tuned):
     with pytest.raises(ValueError, match="head dim"):
         x = torch.randn(1, 2, 16, 80, device="cuda")
         disp(x, x, x)
+
+
+def test_fp32_on_tensor_cores_only_where_the_budget_allows(tmp_path):
+    """`--max-error` lets flash_fwd_mma's tf32/bf16 kernels tune fp32 problems; the dispatcher
+    serves them only to calls that allow that error, others fall back."""
+    import torch
+
+    from tuner.dispatch import Dispatcher
+    from tuner.reference import attention_fp64, compare
+
+    lookup = tmp_path / "best.json"
+    env = dict(os.environ, TUNER_DB=f"sqlite:///{tmp_path / 'r.db'}")
+    cmd = [sys.executable, "-m", "tuner.cli", "search", "--gpu", "auto", "--shape", "2,8,1000,64,causal",
+           "--dtype", "fp32", "--max-error", "2e-2", "--family", "flash_fwd_mma", "--trials", "6",
+           "--no-peers", "--lookup", str(lookup)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    assert "err0.02" in out.stdout and "flash_fwd_mma" in out.stdout
+
+    disp = Dispatcher(lookup)
+    q, k, v = (torch.randn(2, 8, 990, 64, device="cuda") for _ in range(3))  # same bucket, ragged
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o = disp(q, k, v, causal=True, max_error=2e-2)
+    plan = next(iter(disp._plans.values()))
+    assert plan.family == "flash_fwd_mma"
+    ref, _ = attention_fp64(q, k, v, True, 1.0 / math.sqrt(64))
+    err = compare(o, None, ref, None)
+    assert err.finite and 1e-6 < err.rel <= 2e-2, err  # tensor-core precision, inside the budget
+    with pytest.warns(UserWarning, match="scaled_dot_product_attention"):
+        disp(q, k, v, causal=True)  # the default fp32 budget: nothing tuned for it here

@@ -34,7 +34,7 @@ def _random_problem(rng: random.Random, dtype: str, causal: bool, d: int) -> Pro
 
 FAMILY_DTYPES_DIMS = (
     ("flash_fwd_simt", ("fp32", "fp16", "bf16"), (64, 128)),
-    ("flash_fwd_mma", ("fp16", "bf16"), (64, 128)),
+    ("flash_fwd_mma", ("fp16", "bf16"), (32, 64, 96, 128, 256)),
     ("flash_fwd_sm90", ("fp16", "bf16"), (64, 128, 256)),
 )
 CASES = [(f, dt, c, d) for f, dts, dims in FAMILY_DTYPES_DIMS for dt in dts for c in (False, True) for d in dims]
@@ -113,7 +113,7 @@ def _run_inputs(family, params, problem, q, k, v, with_lse=False):
 
 @pytest.mark.parametrize("compute", ["tf32", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
 def test_mma_fp32_inputs_on_tensor_cores(compute, causal, d):
     """fp32 inputs at tf32 or bf16 precision: within what the family claims each costs
     (COMPUTE_MIN_BUDGET), on fresh ragged shapes, several configs, both layouts."""
