@@ -12,8 +12,8 @@
 // Head dims are handled in panels of 64 columns (128 B, one swizzle atom wide): Q, K and V tiles
 // are PANELS boxes of [rows x 64] each, so one TMA box and one wgmma descriptor step per panel.
 //
-// Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG IN_DTYPE
-// IS_CAUSAL;
+// Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
+// PERSISTENT IN_DTYPE IS_CAUSAL;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "softmax.cuh"
@@ -36,11 +36,12 @@ static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "2-byte inputs only");
 static_assert(!PINGPONG || CWG == 2, "ping-pong takes turns between exactly two consumers");
 
 struct Barriers {
-  unsigned long long q_full;
+  unsigned long long q_full, q_empty;
   unsigned long long k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
 };
 
-extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const char* __restrict__ tmaps) {
+extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const char* __restrict__ tmaps,
+                                                                    int batch) {
   extern __shared__ unsigned char smem_raw[];
   // swizzle atoms repeat every 1024 bytes: the descriptors assume tiles start on that boundary
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -50,14 +51,31 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   Barriers& bar = *reinterpret_cast<Barriers*>(Vs + STAGES * BC * HEAD_DIM);
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
-  const int qblk = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
-  const int q0 = qblk * BR;
-  const int b = blockIdx.y / heads, h = blockIdx.y % heads, hk = h / kv_group;
-  const int kv_end = IS_CAUSAL ? min(nk, q0 + BR) : nk;
-  const int ntiles = (kv_end + BC - 1) / BC;
+  const int n_qblk = (nq + BR - 1) / BR, n_bh = batch * heads;
+
+  // The work tiles (a query block of one batch-head) this CTA runs: its own (grid = blocks x
+  // batch-heads) or, PERSISTENT, every gridDim.x-th of all of them (grid = one CTA per SM), so
+  // the next tile's Q and K/V stream in under the current one's last products and epilogue.
+  // Causal: heaviest query blocks first in both.
+  struct Work { int q0, b, h, hk, ntiles; };
+  auto work = [&](int tile) {
+    const int qrev = PERSISTENT ? tile / n_bh : blockIdx.x, bh = PERSISTENT ? tile % n_bh : blockIdx.y;
+    const int qblk = IS_CAUSAL ? n_qblk - 1 - qrev : qrev;
+    Work w;
+    w.q0 = qblk * BR;
+    w.b = bh / heads;
+    w.h = bh % heads;
+    w.hk = w.h / kv_group;
+    const int kv_end = IS_CAUSAL ? min(nk, w.q0 + BR) : nk;
+    w.ntiles = (kv_end + BC - 1) / BC;
+    return w;
+  };
+  const int first = PERSISTENT ? blockIdx.x : 0, step = PERSISTENT ? gridDim.x : 1;
+  const int total = PERSISTENT ? n_qblk * n_bh : 1;
 
   if (tid == 0) {
     mbar_init(&bar.q_full, 1);
+    mbar_init(&bar.q_empty, CWG * 128);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&bar.k_full[s], 1);
@@ -69,6 +87,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   }
   __syncthreads();
 
+  // K/V ring slots and phases follow a running count of K/V tiles over all of the CTA's work
+  // tiles (g), Q's buffer the count of work tiles (it).
   if (wg == 0) {
     // ---- producer ----
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
@@ -77,23 +97,30 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       tmap_acquire(tq);
       tmap_acquire(tk);
       tmap_acquire(tv);
-      mbar_expect_tx(&bar.q_full, Q_BYTES);
+      int g0 = 0, it = 0;
+      for (int tile = first; tile < total; tile += step, ++it) {
+        const Work w = work(tile);
+        if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);   // the consumers are done with the last Q
+        mbar_expect_tx(&bar.q_full, Q_BYTES);
 #pragma unroll
-      for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, q0, h, b);
-      // K and V have their own rings and their own releases (K is free once S is computed, V
-      // only after P V), and V runs one tile behind K, the order the consumers use them in.
-      auto load = [&](T* ring, const char* tmap, unsigned long long* full, unsigned long long* empty, int t) {
-        const int s = t % STAGES;
-        if (t >= STAGES) mbar_wait(&empty[s], ((t / STAGES) - 1) & 1);
-        mbar_expect_tx(&full[s], KV_BYTES);
+        for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, w.q0, w.h, w.b);
+        // K and V have their own rings and their own releases (K is free once S is computed, V
+        // only after P V), and V runs one tile behind K, the order the consumers use them in.
+        auto load = [&](T* ring, const char* tmap, unsigned long long* full, unsigned long long* empty, int t) {
+          const int g = g0 + t, s = g % STAGES;
+          if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
+          mbar_expect_tx(&full[s], KV_BYTES);
 #pragma unroll
-        for (int p = 0; p < PANELS; ++p) tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * 64, tmap, &full[s], p * 64, t * BC, hk, b);
-      };
-      for (int t = 0; t < ntiles; ++t) {
-        load(Ks, tk, bar.k_full, bar.k_empty, t);
-        if (t > 0) load(Vs, tv, bar.v_full, bar.v_empty, t - 1);
+          for (int p = 0; p < PANELS; ++p)
+            tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * 64, tmap, &full[s], p * 64, t * BC, w.hk, w.b);
+        };
+        for (int t = 0; t < w.ntiles; ++t) {
+          load(Ks, tk, bar.k_full, bar.k_empty, t);
+          if (t > 0) load(Vs, tv, bar.v_full, bar.v_empty, t - 1);
+        }
+        load(Vs, tv, bar.v_full, bar.v_empty, w.ntiles - 1);
+        g0 += w.ntiles;
       }
-      load(Vs, tv, bar.v_full, bar.v_empty, ntiles - 1);
     }
   } else {
     // ---- consumers ----
@@ -102,14 +129,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     const int wrow0 = cw * 64 + ((tid / 32) % 4) * 16;   // this warp's first row in the block
     const unsigned q_smem = smem_u32(Qs) + cw * 64 * 128;
 
-    float o_acc[DTILES][4], m[2], l[2];
-#pragma unroll
-    for (int dt = 0; dt < DTILES; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o_acc[dt][e] = 0.f;
-    m[0] = m[1] = FT_NEG_INF;
-    l[0] = l[1] = 0.f;
-
     // Ping-pong (PINGPONG, two consumers): the warpgroups take turns issuing their products, so
     // one's softmax runs under the other's matrix work. Named barrier 1 + c is consumer c's turn;
     // the other consumer opens it.
@@ -117,107 +136,124 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     auto turn_end = [&] { if constexpr (PINGPONG) named_arrive(2 - cw, 256); };
     if constexpr (PINGPONG) { if (cw == 1) named_arrive(1, 256); }   // consumer 0 goes first
 
-    // ---- S = Q K^T: A and B K-major; a k16 step is 32 bytes into the swizzled row ----
-    auto issue_s = [&](int t, float (&sacc)[NTILES][4]) {
-      const unsigned k_smem = smem_u32(Ks + (t % STAGES) * BC * HEAD_DIM);
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        const unsigned koff = (ks % 4) * 32;
-        const auto da = wgmma_desc(q_smem + (ks / 4) * BR * 128 + koff, 16, 1024);
-        const auto db = wgmma_desc(k_smem + (ks / 4) * BC * 128 + koff, 16, 1024);
-        Wgmma<BC>::ss(sacc, da, db, ks > 0);   // the first step overwrites
-      }
-      wgmma_commit();
-    };
-    // ---- O += P V: V N-major (its rows are the k dim); panels of 64 columns LBO apart ----
-    auto issue_pv = [&](int t, const unsigned (&pa)[PSTEPS][4]) {
-      const unsigned v_smem = smem_u32(Vs + (t % STAGES) * BC * HEAD_DIM);
-#pragma unroll
-      for (int ps = 0; ps < PSTEPS; ++ps) Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024), 1);
-      wgmma_commit();
-    };
-    auto mask = [&](int t, float (&sacc)[NTILES][4]) {
-      const int k0 = t * BC;
-      if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, q0 + wrow0, k0, nk);
-    };
-    auto parity = [](int t) { return static_cast<unsigned>((t / STAGES) & 1); };
-
+    float o_acc[DTILES][4], m[2], l[2];
     float sacc[NTILES][4], alpha[2];
     unsigned pa[PSTEPS][4];
-    mbar_wait(&bar.q_full, 0);
-    if constexpr (OVERLAP) {
-      // Software-pipelined: S of tile t is issued together with P V of tile t-1, and the softmax
-      // of tile t runs while P V is still in flight; O is rescaled only once that has landed.
-      mbar_wait(&bar.k_full[0], 0);
-      turn_begin();
-      wgmma_fence();
-      issue_s(0, sacc);
-      turn_end();
-      wgmma_wait<0>();
-      wgmma_pin(sacc);
-      mbar_arrive(&bar.k_empty[0]);
-      mask(0, sacc);
-      softmax_advance(sacc, m, l, alpha, scale_log2);
+    int g0 = 0, it = 0;
+    for (int tile = first; tile < total; tile += step, ++it) {
+      const Work w = work(tile);
 #pragma unroll
-      for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
-      for (int t = 1; t < ntiles; ++t) {
-        mbar_wait(&bar.k_full[t % STAGES], parity(t));
-        mbar_wait(&bar.v_full[(t - 1) % STAGES], parity(t - 1));
+      for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[dt][e] = 0.f;
+      m[0] = m[1] = FT_NEG_INF;
+      l[0] = l[1] = 0.f;
+
+      // ---- S = Q K^T: A and B K-major; a k16 step is 32 bytes into the swizzled row ----
+      auto issue_s = [&](int t) {
+        const unsigned k_smem = smem_u32(Ks + ((g0 + t) % STAGES) * BC * HEAD_DIM);
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+          const unsigned koff = (ks % 4) * 32;
+          const auto da = wgmma_desc(q_smem + (ks / 4) * BR * 128 + koff, 16, 1024);
+          const auto db = wgmma_desc(k_smem + (ks / 4) * BC * 128 + koff, 16, 1024);
+          Wgmma<BC>::ss(sacc, da, db, ks > 0);   // the first step overwrites
+        }
+        wgmma_commit();
+      };
+      // ---- O += P V: V N-major (its rows are the k dim); panels of 64 columns LBO apart ----
+      auto issue_pv = [&](int t) {
+        const unsigned v_smem = smem_u32(Vs + ((g0 + t) % STAGES) * BC * HEAD_DIM);
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps)
+          Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024), 1);
+        wgmma_commit();
+      };
+      auto mask = [&](int t) {
+        const int k0 = t * BC;
+        if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > w.q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, w.q0 + wrow0, k0, nk);
+      };
+      auto slot = [&](int t) { return (g0 + t) % STAGES; };
+      auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
+      auto make_p = [&] {
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
+      };
+
+      mbar_wait(&bar.q_full, it & 1);
+      if constexpr (OVERLAP) {
+        // Software-pipelined: S of tile t is issued together with P V of tile t-1, and the softmax
+        // of tile t runs while P V is still in flight; O is rescaled only once that has landed.
+        mbar_wait(&bar.k_full[slot(0)], parity(0));
         turn_begin();
-        wgmma_pin(o_acc);
         wgmma_fence();
-        issue_s(t, sacc);
-        issue_pv(t - 1, pa);
+        issue_s(0);
         turn_end();
-        wgmma_wait<1>();   // S of tile t has landed; P V of tile t-1 may still run
+        wgmma_wait<0>();
         wgmma_pin(sacc);
-        mbar_arrive(&bar.k_empty[t % STAGES]);
-        mask(t, sacc);
+        mbar_arrive(&bar.k_empty[slot(0)]);
+        mask(0);
         softmax_advance(sacc, m, l, alpha, scale_log2);
-        wgmma_wait<0>();
-        wgmma_pin(o_acc);
-        mbar_arrive(&bar.v_empty[(t - 1) % STAGES]);
-        rescale_rows(o_acc, alpha);
-#pragma unroll
-        for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
-      }
-      mbar_wait(&bar.v_full[(ntiles - 1) % STAGES], parity(ntiles - 1));
-      turn_begin();
-      wgmma_pin(o_acc);
-      wgmma_fence();
-      issue_pv(ntiles - 1, pa);
-      turn_end();
-      wgmma_wait<0>();
-      wgmma_pin(o_acc);
-      mbar_arrive(&bar.v_empty[(ntiles - 1) % STAGES]);
-    } else {
-      for (int t = 0; t < ntiles; ++t) {
-        mbar_wait(&bar.k_full[t % STAGES], parity(t));
-        turn_begin();
-        wgmma_fence();
-        issue_s(t, sacc);
-        turn_end();
-        wgmma_wait<0>();
-        wgmma_pin(sacc);
-        mbar_arrive(&bar.k_empty[t % STAGES]);
-        mask(t, sacc);
-        softmax_step(sacc, o_acc, m, l, scale_log2);
-#pragma unroll
-        for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
-        mbar_wait(&bar.v_full[t % STAGES], parity(t));
+        make_p();
+        for (int t = 1; t < w.ntiles; ++t) {
+          mbar_wait(&bar.k_full[slot(t)], parity(t));
+          mbar_wait(&bar.v_full[slot(t - 1)], parity(t - 1));
+          turn_begin();
+          wgmma_pin(o_acc);
+          wgmma_fence();
+          issue_s(t);
+          issue_pv(t - 1);
+          turn_end();
+          wgmma_wait<1>();   // S of tile t has landed; P V of tile t-1 may still run
+          wgmma_pin(sacc);
+          mbar_arrive(&bar.k_empty[slot(t)]);
+          mask(t);
+          softmax_advance(sacc, m, l, alpha, scale_log2);
+          wgmma_wait<0>();
+          wgmma_pin(o_acc);
+          mbar_arrive(&bar.v_empty[slot(t - 1)]);
+          rescale_rows(o_acc, alpha);
+          make_p();
+        }
+        mbar_wait(&bar.v_full[slot(w.ntiles - 1)], parity(w.ntiles - 1));
         turn_begin();
         wgmma_pin(o_acc);
         wgmma_fence();
-        issue_pv(t, pa);
+        issue_pv(w.ntiles - 1);
         turn_end();
         wgmma_wait<0>();
         wgmma_pin(o_acc);
-        mbar_arrive(&bar.v_empty[t % STAGES]);
+        mbar_arrive(&bar.v_empty[slot(w.ntiles - 1)]);
+      } else {
+        for (int t = 0; t < w.ntiles; ++t) {
+          mbar_wait(&bar.k_full[slot(t)], parity(t));
+          turn_begin();
+          wgmma_fence();
+          issue_s(t);
+          turn_end();
+          wgmma_wait<0>();
+          wgmma_pin(sacc);
+          mbar_arrive(&bar.k_empty[slot(t)]);
+          mask(t);
+          softmax_step(sacc, o_acc, m, l, scale_log2);
+          make_p();
+          mbar_wait(&bar.v_full[slot(t)], parity(t));
+          turn_begin();
+          wgmma_pin(o_acc);
+          wgmma_fence();
+          issue_pv(t);
+          turn_end();
+          wgmma_wait<0>();
+          wgmma_pin(o_acc);
+          mbar_arrive(&bar.v_empty[slot(t)]);
+        }
       }
+      mbar_arrive(&bar.q_empty);   // every product of this tile has completed: Q may be replaced
+
+      store_slab<IN_DTYPE>(o + w.b * o_sb + w.h * o_sh, o_sn, lse + static_cast<long long>(w.b * heads + w.h) * nq,
+                           o_acc, m, l, lane, w.q0 + wrow0, nq, scale_log2);
+      g0 += w.ntiles;
     }
     if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // consumer 1's last hand-over
-
-    store_slab<IN_DTYPE>(o + b * o_sb + h * o_sh, o_sn, lse + static_cast<long long>(blockIdx.y) * nq, o_acc, m, l,
-                         lane, q0 + wrow0, nq, scale_log2);
   }
 }

@@ -4,10 +4,13 @@ Parameters: Bc (the K/V tile, the n of the first wgmma), stages (depth of the TM
 (consumer warpgroups; Br = 64 per consumer), split (registers the producer warpgroup keeps
 after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone), overlap (a
 consumer issues S of tile t with P V of tile t-1 and runs the softmax under the latter) and
-pingpong (two consumers take turns at the tensor cores, one's softmax under the other's products).
+pingpong (two consumers take turns at the tensor cores, one's softmax under the other's products)
+and persistent (one CTA per SM walks the work tiles, loading the next under the current epilogue).
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import numpy as np
 
@@ -21,6 +24,23 @@ _REGS_PER_BLOCK = 65536
 _MAX_REGS = 255
 _BARRIER_SLACK = 1024 + 256  # alignment of the first tile to 1024 B, then the mbarriers
 _WGMMA_MARK = "// <wgmma wrappers>"
+
+
+_H100_SMS = 132
+
+
+@cache
+def sm_count() -> int:
+    """SMs of the current device, for the persistent grid; the H100's where none is visible (CPU
+    tests compare launches, nothing runs)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    except Exception:  # no usable CUDA runtime: only the geometry is asked for
+        pass
+    return _H100_SMS
 
 
 def entry_regs(threads: int) -> int:
@@ -51,6 +71,7 @@ class FlashFwdSm90(KernelFamily):
         "split": (0, 24, 40),
         "overlap": (0, 1),
         "pingpong": (0, 1),
+        "persistent": (0, 1),
     }
 
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -86,7 +107,8 @@ class FlashFwdSm90(KernelFamily):
         else:
             cands = [(80, 2, 2, 24, 1, 1), (64, 2, 2, 24, 1, 0), (64, 2, 1, 0, 0, 0)]
         keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong")
-        return [dict(zip(keys, c)) for c in cands]
+        seeds = [dict(zip(keys, c), persistent=0) for c in cands]
+        return seeds[:1] + [dict(seeds[0], persistent=1)] + seeds[1:]
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         split = params["split"]
@@ -98,6 +120,7 @@ class FlashFwdSm90(KernelFamily):
             "CONSUMER_REGS": consumer_regs(params["cwg"], split) if split else 0,
             "OVERLAP": params["overlap"],
             "PINGPONG": params["pingpong"],
+            "PERSISTENT": params["persistent"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": DTYPE_CODE[problem.dtype],
             "IS_CAUSAL": int(problem.causal),
@@ -108,8 +131,11 @@ class FlashFwdSm90(KernelFamily):
         return 2 * d * (64 * params["cwg"] + 2 * params["stages"] * params["Bc"]) + _BARRIER_SLACK
 
     def launch(self, params: dict, problem: Problem) -> Launch:
+        qblocks = ceil_div(problem.seqlen_q, 64 * params["cwg"])
+        bh = problem.batch * problem.heads
+        grid = (min(qblocks * bh, sm_count()), 1, 1) if params["persistent"] else (qblocks, bh, 1)
         return Launch(
-            grid=(ceil_div(problem.seqlen_q, 64 * params["cwg"]), problem.batch * problem.heads, 1),
+            grid=grid,
             block=(128 * (params["cwg"] + 1), 1, 1),
             smem_bytes=self.smem_bytes(params, problem),
         )
@@ -122,7 +148,7 @@ class FlashFwdSm90(KernelFamily):
         from tuner.tma import attention_maps
 
         maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"])
-        return super().kernel_args(params, q, k, v, o, lse, scale) + (np.uint64(maps.data_ptr()),)
+        return super().kernel_args(params, q, k, v, o, lse, scale) + (np.uint64(maps.data_ptr()), np.int32(q.shape[0]))
 
 
 FAMILY = FlashFwdSm90()
