@@ -167,6 +167,7 @@ def test_error_budget_is_part_of_the_problem_and_its_bucket():
     assert spelled == default and spelled.key == default.key and default.rel_budget == REL_BUDGET["fp32"]
     wide = Problem(2, 4, 512, 512, 64, "fp32", True, max_error=2e-2)
     assert wide.key == default.key + "-err0.02" and wide.rel_budget == 2e-2
+    assert default.lse_budget == 1e-3 and wide.lse_budget == 0.1
     assert wide.bucket().key == default.bucket().key + "/err0.02"
     assert Bucket.from_key(wide.bucket().key) == wide.bucket()
     assert Bucket.from_key(default.bucket().key) == default.bucket()

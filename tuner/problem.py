@@ -10,6 +10,10 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 # Default error budgets by input precision: relative Frobenius error of O against float64. fp32
 # math lands near 1e-6; fp16/bf16 outputs carry their own rounding (2^-11, 2^-8).
 REL_BUDGET = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.2e-2}
+# Absolute error of the per-row LSE. A widened budget widens it in proportion: lower-precision
+# products shift every score by up to |s| x their rounding (|s| reaches ~5 on normal inputs).
+LSE_BUDGET = 1e-3
+LSE_PER_REL = 5.0
 
 
 @dataclass(frozen=True, order=True)
@@ -79,6 +83,10 @@ class Problem:
     @property
     def rel_budget(self) -> float:
         return self.max_error or REL_BUDGET[self.dtype]
+
+    @property
+    def lse_budget(self) -> float:
+        return max(LSE_BUDGET, LSE_PER_REL * self.max_error)
 
     def bucket(self) -> "Bucket":
         return Bucket.of(self)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .problem import REL_BUDGET  # noqa: F401  (the default budgets by dtype; a problem may widen its own)
-
-LSE_BUDGET = 1e-3
+from .problem import LSE_BUDGET, REL_BUDGET  # noqa: F401  (the defaults; a problem may widen its own)
 _CHUNK_BYTES = 2 << 30  # bound the float64 score matrix a chunk may hold
 
 
