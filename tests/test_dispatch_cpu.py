@@ -164,6 +164,19 @@ def test_select_none_for_other_bucket(tmp_path, problem):
     assert d.select(problem, H100_SXM) is None
 
 
+def test_select_keeps_error_budgets_apart(tmp_path):
+    """A config tuned under a widened budget (fp32 at tf32/bf16 precision) serves only calls that
+    allow that error; the default-budget config serves the rest; the lookup file round-trips it."""
+    mma = FAMILIES["flash_fwd_mma"]
+    wide = replace(TUNED, max_error=2e-2)
+    fast = mma.default(H100_SXM, wide)
+    d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0), entry(fast, 120.0, problem=wide, family=mma.name, mid=2)]))
+    assert d.select(TUNED, H100_SXM)["params"] == FAST
+    e = d.select(replace(wide, seqlen_q=1000, seqlen_k=1000), H100_SXM)
+    assert e is not None and e["family"] == mma.name and e["params"]["compute"] in ("tf32", "bf16")
+    assert d.select(replace(TUNED, max_error=2e-3), H100_SXM) is None  # tuned under no such budget
+
+
 def test_bucketing_of_lengths(tmp_path):
     d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0, problem=replace(TUNED, seqlen_q=1000, seqlen_k=1000))]))
     for n in (513, 1000, 1024):
