@@ -389,3 +389,22 @@ def test_replay_never_writes_to_the_recording(tmp_path):
     assert m is not None and m.status == "ok" and m.tflops > 0
     assert hashlib.sha256(copy.read_bytes()).hexdigest() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recording.db"]  # no -wal / -shm either
+
+
+def test_retry_failed_measures_stored_failures_again(replay_db, tmp_path):
+    """A failure stored for a point answers for it (no re-measure) unless --retry-failed; then the
+    study queues the failed points again (after the seeds still waiting) and the new result counts."""
+    target = f"sqlite:///{tmp_path / 'retry.db'}"
+    s, runner, _ = _search(replay_db, target)
+    point = FAM.default(replay_db.gpu, replay_db.problem)
+    with s.sessions.begin() as db:  # a host-side failure recorded for the default point
+        queries.record_measurement(db, replay_db.gpu, replay_db.problem, FAM.name, point,
+                                   Measurement("launch_error", message="TypeError: host bug", versions=runner.versions()))
+    s.tune(FAM, replay_db.problem, trials=3)
+    assert params_key(point) not in {params_key(p) for p in runner.asked}  # the stored failure answered
+
+    s2, runner2, _ = _search(replay_db, target, retry_failed=True)
+    s2.tune(FAM, replay_db.problem, trials=10)
+    assert params_key(point) in {params_key(p) for p in runner2.asked}  # measured again this time
+    latest = [r for r in _rows(target, replay_db) if params_key(r["params"]) == params_key(point)]
+    assert [r["status"] for r in sorted(latest, key=lambda r: r["id"])][-1] == replay_db.answers[params_key(point)]["status"]

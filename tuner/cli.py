@@ -125,6 +125,7 @@ def search(
     sampler: str = typer.Option("tpe", "--sampler", help="tpe, random, or grid (every point once)"),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="measure the SDPA peers in the same run"),
     lookup: Optional[Path] = typer.Option(None, "--lookup", help="where to write the best-config lookup"),
+    retry_failed: bool = typer.Option(False, "--retry-failed", help="measure again points whose stored result is a failure"),
 ) -> None:
     """Tune the kernels for the detected GPU and store every measurement."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -162,7 +163,7 @@ def search(
             best = f"best {ev.best_tflops:.1f} TFLOP/s" if ev.best_tflops else ""
             bar.update(tasks[(ev.problem.key, current[0])], completed=min(ev.done, trials), best=best)
 
-        s = Search(runner, sessions, url, seed=seed, sampler=sampler, observer=observe)
+        s = Search(runner, sessions, url, seed=seed, sampler=sampler, observer=observe, retry_failed=retry_failed)
         try:
             for p in problems:
                 measured_peers = s.measure_peers(p) if peers else {}

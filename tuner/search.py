@@ -68,7 +68,8 @@ def new_run_id() -> str:
 
 class Search:
     def __init__(self, runner: Runner, sessions, storage_url: str, *, seed: int | None = None, sampler: str = "tpe",
-                 observer: Callable[[Progress], None] | None = None, run_id: str | None = None) -> None:
+                 observer: Callable[[Progress], None] | None = None, run_id: str | None = None,
+                 retry_failed: bool = False) -> None:
         self.runner, self.sessions = runner, sessions
         self.storage = optuna_storage(storage_url)
         if sampler not in SAMPLERS:
@@ -76,6 +77,9 @@ class Search:
         self.seed, self.sampler, self.observer = seed, sampler, observer or (lambda p: None)
         self.run_id = run_id or new_run_id()
         self.gpu = runner.gpu
+        # A stored failure (crash, timeout, launch or compile error, wrong result) normally answers
+        # for its point; after fixing its cause (a driver, a host-side bug) the user asks again.
+        self.retry_failed = retry_failed
 
     # ---- one problem ----
     def tune(self, family: KernelFamily, problem: Problem, trials: int, deadline: float | None = None) -> ProblemResult:
@@ -96,6 +100,12 @@ class Search:
         study.set_user_attr("problem", problem.to_dict())
         study.set_user_attr("gpu_key", self.gpu.key)
         finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("counted")]
+        finished = list({params_key(t.params): t for t in finished}.values())  # a point's latest trial speaks for it
+        if self.retry_failed:  # the failed points are queued again and no longer count as done
+            failed = [t for t in finished if t.user_attrs.get("status") not in ("ok", "invalid")]
+            for t in failed:
+                study.enqueue_trial(t.params)
+            finished = [t for t in finished if t not in failed]
         seen = {params_key(t.params) for t in finished}  # a point re-proposed in this study counts once
         if not study.trials:
             study.enqueue_trial(family.default(self.gpu, problem))
@@ -148,7 +158,7 @@ class Search:
                   name: str, number: int) -> tuple[Measurement | None, str]:
         gpu = self.gpu
         with self.sessions() as s:
-            known = queries.find_measurement(s, gpu.key, problem.key, family.name, params, vkey)
+            known = self._reusable(queries.find_measurement(s, gpu.key, problem.key, family.name, params, vkey))
         if known is not None:
             return known, "invalid" if known.status == "invalid" else "database"
         why = family.check(params, gpu, problem)
@@ -165,7 +175,7 @@ class Search:
             # Another search on this DB may have stored the point meanwhile. On SQLite the write
             # transaction starts with BEGIN IMMEDIATE (one writer at a time), so this check and the
             # insert are atomic: a point gets one row per versions however many searches race for it.
-            again = queries.find_measurement(s, gpu.key, problem.key, family.name, params, vkey)
+            again = self._reusable(queries.find_measurement(s, gpu.key, problem.key, family.name, params, vkey))
             if again is not None:
                 return again, "invalid" if again.status == "invalid" else "database"
             queries.record_measurement(s, gpu, problem, family.name, params, m, study_name=name,
@@ -173,6 +183,12 @@ class Search:
             if m.ok:
                 queries.update_best(s, gpu.key, problem.key, family.name)
         return m, source
+
+    def _reusable(self, m: Measurement | None) -> Measurement | None:
+        """A stored measurement that answers for its point, or None where it must be measured again."""
+        if m is not None and self.retry_failed and m.status not in ("ok", "invalid"):
+            return None
+        return m
 
     def _best_entry(self, family: KernelFamily, problem: Problem) -> queries.BestEntry | None:
         with self.sessions() as s:
