@@ -80,6 +80,13 @@ template <int DT> FT_DEVICE unsigned pack2(float lo, float hi) {
   return r;
 }
 
+// fp32 rounded to nearest tf32, as the 32-bit operand register of a tf32 mma (sm_80+).
+FT_DEVICE unsigned to_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
 // N consecutive floats in shared memory -> registers, as one vector access where N allows.
 template <int N> FT_DEVICE void lds(float* dst, const float* p) {
   if constexpr (N == 4) {

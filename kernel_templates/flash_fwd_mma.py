@@ -9,11 +9,10 @@ has to reach what that precision costs, so that the default fp32 budget keeps fp
 
 from __future__ import annotations
 
-from tuner.family import KernelFamily, Launch, ceil_div
+from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.problem import Problem
 
-DTYPE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "tf32": 3}
 # Error against float64 each compute precision needs allowed before the search may use it for fp32
 # inputs: a little above what it was measured to cost on random normal inputs (PERF_NOTES.md).
 COMPUTE_MIN_BUDGET = {"tf32": 1e-3, "bf16": 1e-2}
@@ -108,8 +107,8 @@ class FlashFwdMma(KernelFamily):
             "STAGES": params["stages"],
             "Q_REGS": params["q_regs"],
             "HEAD_DIM": problem.head_dim,
-            "IN_DTYPE": DTYPE_CODE[problem.dtype],
-            "COMPUTE": DTYPE_CODE[self.compute_dtype(params, problem)],
+            "IN_DTYPE": ELEM_CODE[problem.dtype],
+            "COMPUTE": ELEM_CODE[self.compute_dtype(params, problem)],
             "IS_CAUSAL": int(problem.causal),
         }
 

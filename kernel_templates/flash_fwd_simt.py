@@ -6,11 +6,10 @@ Parameters: Br x Bc block tile, TM x TN per-thread patch of S, and K/V `stages` 
 
 from __future__ import annotations
 
-from tuner.family import KernelFamily, Launch, ceil_div, is_pow2
+from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div, is_pow2
 from tuner.gpu import GpuSpec
 from tuner.problem import Problem
 
-DTYPE_CODE = {"fp32": 0, "fp16": 1, "bf16": 2}
 _MAX_REGS = 255  # per thread, what the hardware can address
 
 
@@ -84,7 +83,7 @@ class FlashFwdSimt(KernelFamily):
             "STAGES": params["stages"],
             "MIN_BLOCKS": params["min_blocks"],
             "HEAD_DIM": problem.head_dim,
-            "IN_DTYPE": DTYPE_CODE[problem.dtype],
+            "IN_DTYPE": ELEM_CODE[problem.dtype],
             "IS_CAUSAL": int(problem.causal),
         }
 

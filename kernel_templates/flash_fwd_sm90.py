@@ -14,12 +14,11 @@ from functools import cache
 
 import numpy as np
 
-from tuner.family import KernelFamily, Launch, ceil_div
+from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.problem import Problem
 from tuner.kernel_templates.wgmma_gen import wrappers
 
-DTYPE_CODE = {"fp16": 1, "bf16": 2}
 _REGS_PER_BLOCK = 65536
 _MAX_REGS = 255
 _BARRIER_SLACK = 1024 + 256  # alignment of the first tile to 1024 B, then the mbarriers
@@ -124,7 +123,7 @@ class FlashFwdSm90(KernelFamily):
             "PINGPONG": params["pingpong"],
             "PERSISTENT": params["persistent"],
             "HEAD_DIM": problem.head_dim,
-            "IN_DTYPE": DTYPE_CODE[problem.dtype],
+            "IN_DTYPE": ELEM_CODE[problem.dtype],
             "IS_CAUSAL": int(problem.causal),
         }
 

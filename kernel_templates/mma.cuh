@@ -48,7 +48,7 @@ FT_DEVICE void mma1688_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, 
 template <bool TF32, int N> FT_DEVICE void to_operand(unsigned (&r)[N]) {
   if constexpr (TF32) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r[i]) : "f"(__uint_as_float(r[i])));
+    for (int i = 0; i < N; ++i) r[i] = to_tf32(__uint_as_float(r[i]));
   }
 }
 

@@ -97,7 +97,7 @@ FT_DEVICE void p_fragment_tf32(unsigned (&a)[4], const float (&st)[4], int lane)
     v[i] = odd ? x1 : x0;
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(a[i]) : "f"(v[i]));
+  for (int i = 0; i < 4; ++i) a[i] = to_tf32(v[i]);
 }
 
 // Epilogue for a 16-row slab: O / l in the input precision straight from the fragments, and

@@ -44,7 +44,7 @@ CASES = [(f, dt, c, d) for f, dts, dims in FAMILY_DTYPES_DIMS for dt in dts for 
 def test_family_matches_reference(family, dtype, causal, d):
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
-    from tuner.reference import REL_BUDGET
+    from tuner.problem import REL_BUDGET
 
     fam = get_family(family)
     gpu = detect()
@@ -78,8 +78,8 @@ def test_tensor_core_error_no_worse_than_sdpa_flash(family, dtype, causal):
 
     gpu = detect()
     fam = get_family(family)
-    if fam.supports(gpu, Problem(1, 1, 1, 1, 64, dtype)):
-        pytest.skip(fam.supports(gpu, Problem(1, 1, 1, 1, 64, dtype)))
+    if reason := fam.supports(gpu, Problem(1, 1, 1, 1, 64, dtype)):
+        pytest.skip(reason)
     dt = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype])
     for d in (64, 128):
         p = Problem(2, 8, 1000, 1000, d, dtype, causal)

@@ -21,6 +21,11 @@ from .problem import Problem
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
+# The element-type codes of kernel_templates/common.cuh (FT_F32, FT_F16, FT_BF16, FT_TF32), as the
+# families pass them to their templates (IN_DTYPE, COMPUTE).
+ELEM_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "tf32": 3}
+
+
 @dataclass(frozen=True)
 class Launch:
     grid: tuple[int, int, int]

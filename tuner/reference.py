@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .problem import LSE_BUDGET, REL_BUDGET  # noqa: F401  (the defaults; a problem may widen its own)
+from .problem import LSE_BUDGET
 _CHUNK_BYTES = 2 << 30  # bound the float64 score matrix a chunk may hold
 
 
