@@ -17,6 +17,7 @@
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
 // <wgmma wrappers>
 
 using T = unsigned short;
@@ -38,10 +39,11 @@ static_assert(!PINGPONG || CWG == 2, "ping-pong takes turns between exactly two 
 struct Barriers {
   unsigned long long q_full, q_empty;
   unsigned long long k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+  TileRing ring;   // PERSISTENT: the producer's fetched tiles, handed to the consumers
 };
 
 extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const char* __restrict__ tmaps,
-                                                                    int batch) {
+                                                                    int batch, int* __restrict__ tile_counter) {
   extern __shared__ unsigned char smem_raw[];
   // swizzle atoms repeat every 1024 bytes: the descriptors assume tiles start on that boundary
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -53,31 +55,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   const int n_qblk = (nq + BR - 1) / BR, n_bh = batch * heads;
 
-  // The work tiles (a query block of one batch-head) this CTA runs: its own (grid = blocks x
-  // batch-heads) or, PERSISTENT, every gridDim.x-th of all of them (grid = one CTA per SM), so
-  // the next tile's Q and K/V stream in under the current one's last products and epilogue.
-  // Causal: heaviest query blocks first (within each batch-head when persistent).
-  struct Work { int q0, b, h, hk, ntiles; };
-  auto work = [&](int tile) {
-    // persistent tiles run query blocks fastest, so the CTAs running at once share a few heads' K/V
-    // in L2 (heads fastest made every CTA stream its own K/V from memory: 10-33% slower)
-    const int qrev = PERSISTENT ? tile % n_qblk : blockIdx.x, bh = PERSISTENT ? tile / n_qblk : blockIdx.y;
-    const int qblk = IS_CAUSAL ? n_qblk - 1 - qrev : qrev;
-    Work w;
-    w.q0 = qblk * BR;
-    w.b = bh / heads;
-    w.h = bh % heads;
-    w.hk = w.h / kv_group;
-    const int kv_end = IS_CAUSAL ? min(nk, w.q0 + BR) : nk;
-    w.ntiles = (kv_end + BC - 1) / BC;
-    return w;
-  };
-  const int first = PERSISTENT ? blockIdx.x : 0, step = PERSISTENT ? gridDim.x : 1;
+  // PERSISTENT: one CTA per SM takes work tiles from the dynamic scheduler (tile_scheduler.cuh)
+  // until it runs out; otherwise the grid has one CTA per work tile and this loop runs once.
   const int total = PERSISTENT ? n_qblk * n_bh : 1;
+  auto work = [&](int tile) {
+    return work_tile<BR, BC, IS_CAUSAL>(PERSISTENT ? tile % n_qblk : blockIdx.x, PERSISTENT ? tile / n_qblk : blockIdx.y,
+                                        heads, kv_group, nq, nk);
+  };
 
   if (tid == 0) {
     mbar_init(&bar.q_full, 1);
     mbar_init(&bar.q_empty, CWG * 128);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(&bar.ring.full[s], 1);
+      mbar_init(&bar.ring.empty[s], CWG * 128);
+    }
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&bar.k_full[s], 1);
@@ -99,9 +91,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       tmap_acquire(tq);
       tmap_acquire(tk);
       tmap_acquire(tv);
-      int g0 = 0, it = 0;
-      for (int tile = first; tile < total; tile += step, ++it) {
-        const Work w = work(tile);
+      int g0 = 0;
+      for (int it = 0;; ++it) {
+        int tile = it;
+        if constexpr (PERSISTENT) {
+          const int s = it & 1;
+          if (it >= 2) mbar_wait(&bar.ring.empty[s], ((it >> 1) - 1) & 1);
+          tile = next_tile_dynamic(tile_counter, it, total);
+          bar.ring.tile[s] = tile;
+          mbar_arrive(&bar.ring.full[s]);
+        }
+        if (tile >= total) break;
+        const WorkTile w = work(tile);
         if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);   // the consumers are done with the last Q
         mbar_expect_tx(&bar.q_full, Q_BYTES);
 #pragma unroll
@@ -141,9 +142,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     float o_acc[DTILES][4], m[2], l[2];
     float sacc[NTILES][4], alpha[2];
     unsigned pa[PSTEPS][4];
-    int g0 = 0, it = 0;
-    for (int tile = first; tile < total; tile += step, ++it) {
-      const Work w = work(tile);
+    int g0 = 0;
+    for (int it = 0;; ++it) {
+      int tile = it;
+      if constexpr (PERSISTENT) {
+        const int s = it & 1;
+        mbar_wait(&bar.ring.full[s], (it >> 1) & 1);
+        tile = bar.ring.tile[s];
+        mbar_arrive(&bar.ring.empty[s]);
+      }
+      if (tile >= total) break;
+      const WorkTile w = work(tile);
 #pragma unroll
       for (int dt = 0; dt < DTILES; ++dt)
 #pragma unroll

@@ -5,7 +5,8 @@ Parameters: Bc (the K/V tile, the n of the first wgmma), stages (depth of the TM
 after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone), overlap (a
 consumer issues S of tile t with P V of tile t-1 and runs the softmax under the latter) and
 pingpong (two consumers take turns at the tensor cores, one's softmax under the other's products)
-and persistent (one CTA per SM walks the work tiles, loading the next under the current epilogue).
+and persistent (one CTA per SM takes work tiles from a dynamic scheduler as it finishes the last,
+loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class FlashFwdSm90(KernelFamily):
         cwg, split = params["cwg"], params["split"]
         if cwg == 1 and split:
             return "with one consumer warpgroup every thread already has 255 registers: no split"
+        if params["persistent"] and split == 24:
+            return "the persistent producer's scheduler state does not fit in 24 registers (ptxas spills): split 0 or 40"
         if params["pingpong"] and cwg != 2:
             return "ping-pong takes turns between exactly two consumer warpgroups"
         need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
@@ -109,7 +112,7 @@ class FlashFwdSm90(KernelFamily):
         seeds = [dict(zip(keys, c), persistent=0) for c in cands]
         if d > 128:  # the persistent loop's extra state spills a few bytes at d=256
             return seeds
-        return seeds[:1] + [dict(seeds[0], persistent=1)] + seeds[1:]
+        return seeds[:1] + [dict(seeds[0], persistent=1, split=40)] + seeds[1:]
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         split = params["split"]
@@ -146,10 +149,13 @@ class FlashFwdSm90(KernelFamily):
         return text.replace(_WGMMA_MARK, wrappers((params["Bc"], problem.head_dim), problem.dtype), 1)
 
     def kernel_args(self, params: dict, q, k, v, o, lse, scale: float | None) -> tuple:
+        from tuner.tile_counter import tile_counter
         from tuner.tma import attention_maps
 
         maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"])
-        return super().kernel_args(params, q, k, v, o, lse, scale) + (np.uint64(maps.data_ptr()), np.int32(q.shape[0]))
+        counter = tile_counter(q.device).data_ptr() if params["persistent"] else 0
+        return super().kernel_args(params, q, k, v, o, lse, scale) + (
+            np.uint64(maps.data_ptr()), np.int32(q.shape[0]), np.uint64(counter))
 
 
 FAMILY = FlashFwdSm90()

@@ -92,8 +92,9 @@ def test_tensor_core_error_no_worse_than_sdpa_flash(family, dtype, causal):
         assert e_ours.finite and e_ours.rel <= 1.1 * e_fa2.rel, (d, e_ours, e_fa2)
 
 
-def _run_inputs(family, params, problem, q, k, v, with_lse=False):
-    """Compile, load and launch one point on NaN-poisoned outputs; O (and the LSE)."""
+def _run_inputs(family, params, problem, q, k, v, with_lse=False, sync=True):
+    """Compile, load and launch one point on NaN-poisoned outputs (on torch's current stream,
+    synchronized unless `sync` is off); O (and the LSE)."""
     import torch
 
     from tuner.compile import compile_kernel
@@ -107,7 +108,8 @@ def _run_inputs(family, params, problem, q, k, v, with_lse=False):
     o = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:3], float("nan"), device="cuda")
     kernel(current_stream(), launch, *family.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
-    torch.cuda.synchronize()
+    if sync:
+        torch.cuda.synchronize()
     return (o, lse) if with_lse else o
 
 
@@ -135,3 +137,46 @@ def test_mma_fp32_inputs_on_tensor_cores(compute, causal, d):
             assert err.finite, f"NaN/Inf for {problem.key} {params} {layout}"
             assert err.rel <= budget, f"{problem.key} {params} {layout}: rel err {err.rel:.3g} over {budget:g}"
             assert err.lse is not None and err.lse <= problem.lse_budget, f"{problem.key} {params}: lse err {err.lse}"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_persistent_scheduler_repeats_and_streams(causal):
+    """The dynamic tile scheduler's counter resets itself: back-to-back launches on one stream and
+    launches on two streams at once (each with its own counter) all cover every tile."""
+    import torch
+
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.problem import REL_BUDGET
+    from tuner.reference import attention_fp64, compare
+    from tuner.tile_counter import tile_counter
+
+    fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
+    # more work tiles than SMs, so most of them come from the counter
+    n = rng.randint(1500, 2500)
+    problem = Problem(rng.randint(2, 4), 8, n, n, rng.choice([64, 128]), "bf16", causal)
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    persistent = [p for p in fam.valid_points(gpu, problem) if p["persistent"]]
+    params = rng.choice(persistent)
+    q, k, v = (torch.randn(problem.batch, problem.heads, problem.seqlen_q, problem.head_dim, device="cuda",
+                           dtype=torch.bfloat16) for _ in range(3))
+    ref, _ = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
+
+    def check(o, what):
+        err = compare(o, None, ref, None)
+        assert err.finite and err.rel <= REL_BUDGET["bf16"], f"{what}: {problem.key} {params}: {err}"
+
+    for i in range(3):
+        check(_run_inputs(fam, params, problem, q, k, v), f"launch {i} on one stream")
+    assert tile_counter(q.device).tolist() == [0, 0], "the counter did not reset after the launches"
+
+    side = [torch.cuda.Stream() for _ in range(2)]
+    outs = []
+    for s in side:
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            outs.append(_run_inputs(fam, params, problem, q, k, v, sync=False))
+    torch.cuda.synchronize()
+    for i, o in enumerate(outs):
+        check(o, f"stream {i} of 2 at once")

@@ -1,0 +1,50 @@
+// flashtune: which work tiles (one query block of one batch-head) a CTA runs, in which order.
+//
+// Order: batch-heads one after another, query blocks fastest within each, so the CTAs running at
+// once share a few heads' K/V in L2 (heads fastest made every CTA stream its own K/V: 10-33%
+// slower). Causal runs each head's heaviest query blocks (the most K/V tiles) first.
+//
+// Two schedules. Grid: one CTA per work tile, the hardware hands them out as SMs free up.
+// Dynamic persistent: one CTA per SM; a CTA's first tile is its blockIdx.x, later ones come from
+// a global counter as it finishes the last, so causal's uneven tiles balance as on the grid, while
+// the producer already loads the next tile's Q and K/V under the current tile's last products and
+// epilogue. The counter is two ints per stream (tuner/tile_counter.py); it resets itself: the last
+// CTA to run out of work zeroes it for the stream's next launch.
+#pragma once
+#include "common.cuh"
+
+struct WorkTile {
+  int q0, b, h, hk, ntiles;   // first query row, batch, head, K/V head, K/V tiles to run
+};
+
+// ROWS x COLS: the query block and the K/V tile (the kernels' BR and BC, which are macros)
+template <int ROWS, int COLS, bool CAUSAL>
+FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, int nk) {
+  const int n_qblk = (nq + ROWS - 1) / ROWS;
+  WorkTile w;
+  w.q0 = (CAUSAL ? n_qblk - 1 - qidx : qidx) * ROWS;
+  w.b = bh / heads;
+  w.h = bh % heads;
+  w.hk = w.h / kv_group;
+  const int kv_end = CAUSAL ? min(nk, w.q0 + ROWS) : nk;
+  w.ntiles = (kv_end + COLS - 1) / COLS;
+  return w;
+}
+
+// The producer thread asks for the CTA's tiles in turn (it = 0, 1, ...); a tile >= total means
+// the CTA is done, and it has then signed off on the counter.
+FT_DEVICE int next_tile_dynamic(int* counter, int it, int total) {
+  const int tile = it == 0 ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
+  if (tile >= total && atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+    // every CTA has made its last fetch: no atomicAdd on counter[0] is left in this launch
+    atomicExch(counter, 0);
+    atomicExch(counter + 1, 0);
+  }
+  return tile;
+}
+
+// The producer publishes each tile to the consumers through a two-slot ring in shared memory.
+struct TileRing {
+  int tile[2];
+  unsigned long long full[2], empty[2];
+};

@@ -1,0 +1,25 @@
+"""Work counters for the persistent kernels' dynamic tile scheduler, one per device and stream.
+
+Launches on one stream run in order, so a counter that the kernel resets as it finishes
+(kernel_templates/tile_scheduler.cuh) is ready for the next launch with no memset in between;
+launches on different streams may overlap, so each stream has its own.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_counters: dict[tuple[int, int], object] = {}
+_lock = threading.Lock()
+
+
+def tile_counter(device):
+    """Two zeroed int32 words on `device` for torch's current stream there (made on first use)."""
+    import torch
+
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    with _lock:
+        buf = _counters.get(key)
+        if buf is None:
+            buf = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return buf
