@@ -1,5 +1,5 @@
 """Time chosen configs of one family on one shape, side by side: for perf-notes ablations
-(does overlap help? which Bc?) without a search. Same timer and launch path as the search; the
+(does overlap help? which Bc?) without a search, with SDPA flash and cuDNN timed in the same run. Same timer and launch path as the search; the
 output is checked against SDPA's flash backend once per config (a wrong kernel is not timed).
 
     python3 benchmarks/ablate.py flash_fwd_sm90 4,16,4096,128 bf16 \
@@ -44,7 +44,10 @@ def main(argv: list[str]) -> None:
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal).float()
         t_ref = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal))
-    print(f"{problem.key} on {gpu.name}: sdpa_flash {problem.tflops(t_ref.median_ms):.1f} TFLOP/s")
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        t_cudnn = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal))
+    print(f"{problem.key} on {gpu.name}: sdpa_flash {problem.tflops(t_ref.median_ms):.1f} TFLOP/s, "
+          f"sdpa_cudnn {problem.tflops(t_cudnn.median_ms):.1f} TFLOP/s")
     for params in configs:
         why = fam.check(params, gpu, problem)
         if why:
