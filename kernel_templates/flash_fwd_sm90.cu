@@ -103,10 +103,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         }
         if (tile >= total) break;
         const WorkTile w = work(tile);
-        if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);   // the consumers are done with the last Q
-        mbar_expect_tx(&bar.q_full, Q_BYTES);
-#pragma unroll
-        for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, w.q0, w.h, w.b);
         // K and V have their own rings and their own releases (K is free once S is computed, V
         // only after P V), and V runs one tile behind K, the order the consumers use them in.
         auto load = [&](T* ring, const char* tmap, unsigned long long* full, unsigned long long* empty, int t) {
@@ -117,9 +113,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           for (int p = 0; p < PANELS; ++p)
             tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * 64, tmap, &full[s], p * 64, t * BC, w.hk, w.b);
         };
-        for (int t = 0; t < w.ntiles; ++t) {
+        // The first K goes ahead of Q: it only needs a free ring slot, while Q waits for the last
+        // work tile's final S.
+        load(Ks, tk, bar.k_full, bar.k_empty, 0);
+        if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);
+        mbar_expect_tx(&bar.q_full, Q_BYTES);
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, w.q0, w.h, w.b);
+        for (int t = 1; t < w.ntiles; ++t) {
           load(Ks, tk, bar.k_full, bar.k_empty, t);
-          if (t > 0) load(Vs, tv, bar.v_full, bar.v_empty, t - 1);
+          load(Vs, tv, bar.v_full, bar.v_empty, t - 1);
         }
         load(Vs, tv, bar.v_full, bar.v_empty, w.ntiles - 1);
         g0 += w.ntiles;
@@ -186,6 +189,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       };
       auto slot = [&](int t) { return (g0 + t) % STAGES; };
       auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
+      // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the
+      // next work tile's Q streams in under this one's last softmax, P V and epilogue.
+      auto release_k = [&](int t) {
+        mbar_arrive(&bar.k_empty[slot(t)]);
+        if (t == w.ntiles - 1) mbar_arrive(&bar.q_empty);
+      };
       auto make_p = [&] {
 #pragma unroll
         for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
@@ -202,7 +211,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         turn_end();
         wgmma_wait<0>();
         wgmma_pin(sacc);
-        mbar_arrive(&bar.k_empty[slot(0)]);
+        release_k(0);
         mask(0);
         softmax_advance(sacc, m, l, alpha, scale_log2);
         make_p();
@@ -217,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           turn_end();
           wgmma_wait<1>();   // S of tile t has landed; P V of tile t-1 may still run
           wgmma_pin(sacc);
-          mbar_arrive(&bar.k_empty[slot(t)]);
+          release_k(t);
           mask(t);
           softmax_advance(sacc, m, l, alpha, scale_log2);
           wgmma_wait<0>();
@@ -244,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           turn_end();
           wgmma_wait<0>();
           wgmma_pin(sacc);
-          mbar_arrive(&bar.k_empty[slot(t)]);
+          release_k(t);
           mask(t);
           softmax_step(sacc, o_acc, m, l, scale_log2);
           make_p();
@@ -259,7 +268,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           mbar_arrive(&bar.v_empty[slot(t)]);
         }
       }
-      mbar_arrive(&bar.q_empty);   // every product of this tile has completed: Q may be replaced
 
       store_slab<IN_DTYPE>(o + w.b * o_sb + w.h * o_sh, o_sn, lse + static_cast<long long>(w.b * heads + w.h) * nq,
                            o_acc, m, l, lane, w.q0 + wrow0, nq, scale_log2);
