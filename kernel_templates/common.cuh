@@ -136,19 +136,6 @@ FT_DEVICE float fast_exp2(float x) {
   return y;
 }
 
-// 2^x for x <= 0 on the FMA pipe, for kernels whose softmax saturates the SFU (16 ex2 per clock
-// per SM against 128 FMAs): x = j + f with j = round(x) read from the mantissa of x + 1.5 * 2^23,
-// 2^f by a degree-3 minimax polynomial on [-0.5, 0.5] (relative error 7.5e-5, far inside bf16's
-// and fp16's rounding of P), 2^j added to the exponent bits. x is clamped at -125, where 2^x
-// (about 2e-38) is as good as the SFU's 0 beside a row sum of at least 1.
-FT_DEVICE float exp2_fma(float x) {
-  x = fmaxf(x, -125.f);
-  const float t = x + 12582912.f;
-  const float f = x - (t - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.0551716685f, f, 0.242611155f), f, 0.693260968f), f, 0.999928057f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 // The argument list every attention family shares, in the order tuner/launch.py's attention_args
 // builds it: (B, H, N, D) views with a contiguous last dim, any other strides (in elements), K/V
 // heads shared by `kv_group` query heads, and softmax_scale * log2(e).

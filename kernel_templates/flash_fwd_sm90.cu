@@ -13,7 +13,7 @@
 // are PANELS boxes of [rows x 64] each, so one TMA box and one wgmma descriptor step per panel.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT EMU IN_DTYPE IS_CAUSAL;
+// PERSISTENT IN_DTYPE IS_CAUSAL;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "softmax.cuh"
@@ -213,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         wgmma_pin(sacc);
         release_k(0);
         mask(0);
-        softmax_advance<EMU>(sacc, m, l, alpha, scale_log2);
+        softmax_advance(sacc, m, l, alpha, scale_log2);
         make_p();
         for (int t = 1; t < w.ntiles; ++t) {
           mbar_wait(&bar.k_full[slot(t)], parity(t));
@@ -228,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           wgmma_pin(sacc);
           release_k(t);
           mask(t);
-          softmax_advance<EMU>(sacc, m, l, alpha, scale_log2);
+          softmax_advance(sacc, m, l, alpha, scale_log2);
           wgmma_wait<0>();
           wgmma_pin(o_acc);
           mbar_arrive(&bar.v_empty[slot(t - 1)]);
@@ -255,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           wgmma_pin(sacc);
           release_k(t);
           mask(t);
-          softmax_step<EMU>(sacc, o_acc, m, l, scale_log2);
+          softmax_step(sacc, o_acc, m, l, scale_log2);
           make_p();
           mbar_wait(&bar.v_full[slot(t)], parity(t));
           turn_begin();

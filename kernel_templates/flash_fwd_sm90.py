@@ -6,9 +6,7 @@ after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone), 
 consumer issues S of tile t with P V of tile t-1 and runs the softmax under the latter) and
 pingpong (two consumers take turns at the tensor cores, one's softmax under the other's products)
 and persistent (one CTA per SM takes work tiles from a dynamic scheduler as it finishes the last,
-loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh) and emu (1 or 2
-of every 4 columns of P take their exponential on the FMA pipe, for shapes where the softmax
-saturates the SFU: d=64).
+loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh).
 """
 
 from __future__ import annotations
@@ -74,7 +72,6 @@ class FlashFwdSm90(KernelFamily):
         "overlap": (0, 1),
         "pingpong": (0, 1),
         "persistent": (0, 1),
-        "emu": (0, 1, 2),
     }
 
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -95,8 +92,6 @@ class FlashFwdSm90(KernelFamily):
             return "with one consumer warpgroup every thread already has 255 registers: no split"
         if params["persistent"] and split == 24:
             return "the persistent producer's scheduler state does not fit in 24 registers (ptxas spills): split 0 or 40"
-        if params["emu"] and problem.head_dim > 64:
-            return "exp2 on the FMA pipe only pays where the softmax saturates the SFU (d=64)"
         if params["pingpong"] and cwg != 2:
             return "ping-pong takes turns between exactly two consumer warpgroups"
         need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
@@ -115,7 +110,7 @@ class FlashFwdSm90(KernelFamily):
         else:
             cands = [(80, 2, 2, 24, 1, 1), (64, 2, 2, 24, 1, 0), (64, 2, 1, 0, 0, 0)]
         keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong")
-        seeds = [dict(zip(keys, c), persistent=0, emu=0) for c in cands]
+        seeds = [dict(zip(keys, c), persistent=0) for c in cands]
         if d > 128:  # the persistent loop's extra state spills a few bytes at d=256
             return seeds
         return seeds[:1] + [dict(seeds[0], persistent=1, split=40)] + seeds[1:]
@@ -131,7 +126,6 @@ class FlashFwdSm90(KernelFamily):
             "OVERLAP": params["overlap"],
             "PINGPONG": params["pingpong"],
             "PERSISTENT": params["persistent"],
-            "EMU": params["emu"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "IS_CAUSAL": int(problem.causal),

@@ -30,8 +30,7 @@ FT_DEVICE void mask_slab(float (&s)[NTILES][4], int lane, int row0, int col0, in
 // One tile of the online softmax for a 16-row slab, O untouched: S becomes P in place (fp32),
 // m and l advance, and alpha[hh] = exp2((m_old - m_new) * c) is what O's rows must be scaled by.
 // Kept apart from the rescale so that a kernel can run it while O is still being accumulated.
-// FMA_EXP of every 4 n8 tiles take their exponentials on the FMA pipe (exp2_fma), the rest on the SFU.
-template <int FMA_EXP = 0, int NTILES>
+template <int NTILES>
 FT_DEVICE void softmax_advance(float (&s)[NTILES][4], float (&m)[2], float (&l)[2], float (&alpha)[2], float scale_log2) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -48,8 +47,7 @@ FT_DEVICE void softmax_advance(float (&s)[NTILES][4], float (&m)[2], float (&l)[
     for (int nt = 0; nt < NTILES; ++nt)
 #pragma unroll
       for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-        const float x = fmaf(s[nt][e], scale_log2, -m_use);
-        s[nt][e] = nt % 4 < FMA_EXP ? exp2_fma(x) : fast_exp2(x);
+        s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -m_use));
         sum += s[nt][e];
       }
     l[hh] = l[hh] * alpha[hh] + sum;
@@ -67,11 +65,11 @@ template <int DTILES> FT_DEVICE void rescale_rows(float (&o)[DTILES][4], const f
 }
 
 // Both at once, for kernels whose O is idle during the softmax.
-template <int FMA_EXP = 0, int NTILES, int DTILES>
+template <int NTILES, int DTILES>
 FT_DEVICE void softmax_step(float (&s)[NTILES][4], float (&o)[DTILES][4], float (&m)[2], float (&l)[2],
                             float scale_log2) {
   float alpha[2];
-  softmax_advance<FMA_EXP>(s, m, l, alpha, scale_log2);
+  softmax_advance(s, m, l, alpha, scale_log2);
   rescale_rows(o, alpha);
 }
 
