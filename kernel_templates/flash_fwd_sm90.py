@@ -100,20 +100,20 @@ class FlashFwdSm90(KernelFamily):
         return None
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
-        # From the H100 ablations in PERF_NOTES.md (bf16, N=2048-4096): at d=128 two consumers with
-        # overlap, Bc=176 with ping-pong first; at d=64 three consumers without either.
+        # From the H100 ablations in PERF_NOTES.md (bf16): at d=128 two consumers with overlap,
+        # Bc=176 with ping-pong first, persistent for short sequences; at d=64 three consumers of
+        # Bc=96 for long sequences, two of Bc=128 with ping-pong, persistent, for short ones.
         d = problem.head_dim
+        keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent")
         if d <= 64:
-            cands = [(96, 2, 3, 24, 0, 0), (176, 2, 2, 24, 1, 1), (64, 2, 3, 24, 0, 0), (128, 2, 2, 24, 1, 1)]
+            cands = [(96, 2, 3, 24, 1, 0, 0), (128, 2, 2, 40, 1, 1, 1), (96, 2, 3, 40, 0, 0, 1),
+                     (128, 3, 2, 40, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0), (64, 2, 3, 24, 0, 0, 0)]
         elif d <= 128:
-            cands = [(176, 2, 2, 24, 1, 1), (128, 2, 2, 24, 1, 0), (128, 3, 2, 24, 1, 0), (96, 3, 2, 24, 1, 1)]
-        else:
-            cands = [(80, 2, 2, 24, 1, 1), (64, 2, 2, 24, 1, 0), (64, 2, 1, 0, 0, 0)]
-        keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong")
-        seeds = [dict(zip(keys, c), persistent=0) for c in cands]
-        if d > 128:  # the persistent loop's extra state spills a few bytes at d=256
-            return seeds
-        return seeds[:1] + [dict(seeds[0], persistent=1, split=40)] + seeds[1:]
+            cands = [(176, 2, 2, 24, 1, 1, 0), (176, 2, 2, 40, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1),
+                     (128, 2, 2, 24, 1, 0, 0), (128, 3, 2, 24, 1, 0, 0), (96, 3, 2, 24, 1, 1, 0)]
+        else:  # no persistent seed: its extra state spills a few bytes at d=256
+            cands = [(80, 2, 2, 24, 1, 1, 0), (64, 2, 2, 24, 1, 0, 0), (64, 2, 1, 0, 0, 0, 0)]
+        return [dict(zip(keys, c)) for c in cands]
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         split = params["split"]
