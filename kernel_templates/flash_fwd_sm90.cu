@@ -34,7 +34,7 @@ constexpr unsigned KV_BYTES = BC * HEAD_DIM * 2;
 static_assert(HEAD_DIM % 64 == 0, "head dim in whole 64-column panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "2-byte inputs only");
-static_assert(!PINGPONG || CWG == 2, "ping-pong takes turns between exactly two consumers");
+static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 
 struct Barriers {
   unsigned long long q_full, q_empty;
@@ -135,12 +135,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     const int wrow0 = cw * 64 + ((tid / 32) % 4) * 16;   // this warp's first row in the block
     const unsigned q_smem = smem_u32(Qs) + cw * 64 * 128;
 
-    // Ping-pong (PINGPONG, two consumers): the warpgroups take turns issuing their products, so
-    // one's softmax runs under the other's matrix work. Named barrier 1 + c is consumer c's turn;
-    // the other consumer opens it.
+    // Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their products, in the order
+    // 0, 1, .., CWG-1, so each one's softmax runs under the others' matrix work. Named barrier
+    // 1 + c is consumer c's turn, opened by the consumer before it (256 threads: the two of them).
     auto turn_begin = [&] { if constexpr (PINGPONG) named_sync(1 + cw, 256); };
-    auto turn_end = [&] { if constexpr (PINGPONG) named_arrive(2 - cw, 256); };
-    if constexpr (PINGPONG) { if (cw == 1) named_arrive(1, 256); }   // consumer 0 goes first
+    auto turn_end = [&] { if constexpr (PINGPONG) named_arrive(1 + (cw + 1) % CWG, 256); };
+    if constexpr (PINGPONG) { if (cw == CWG - 1) named_arrive(1, 256); }   // consumer 0 goes first
 
     float o_acc[DTILES][4], m[2], l[2];
     float sacc[NTILES][4], alpha[2];
@@ -273,6 +273,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
                            o_acc, m, l, lane, w.q0 + wrow0, nq, scale_log2);
       g0 += w.ntiles;
     }
-    if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // consumer 1's last hand-over
+    if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // the last consumer's final hand-over
   }
 }

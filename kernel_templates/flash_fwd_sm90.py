@@ -4,7 +4,7 @@ Parameters: Bc (the K/V tile, the n of the first wgmma), stages (depth of the TM
 (consumer warpgroups; Br = 64 per consumer), split (registers the producer warpgroup keeps
 after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone), overlap (a
 consumer issues S of tile t with P V of tile t-1 and runs the softmax under the latter) and
-pingpong (two consumers take turns at the tensor cores, one's softmax under the other's products)
+pingpong (the consumers take turns at the tensor cores, one's softmax under the others' products)
 and persistent (one CTA per SM takes work tiles from a dynamic scheduler as it finishes the last,
 loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh).
 """
@@ -92,8 +92,8 @@ class FlashFwdSm90(KernelFamily):
             return "with one consumer warpgroup every thread already has 255 registers: no split"
         if params["persistent"] and split == 24:
             return "the persistent producer's scheduler state does not fit in 24 registers (ptxas spills): split 0 or 40"
-        if params["pingpong"] and cwg != 2:
-            return "ping-pong takes turns between exactly two consumer warpgroups"
+        if params["pingpong"] and cwg < 2:
+            return "ping-pong takes turns between two or three consumer warpgroups"
         need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
         if need > have:
             return f"consumers need about {need} registers, {cwg} warpgroup(s) with split={split} give {have}"
