@@ -81,10 +81,11 @@ class FlashFwdSm90(KernelFamily):
 
     @staticmethod
     def register_estimate(params: dict, problem: Problem) -> int:
-        """Per consumer thread: S (Bc/2), O (d/2), P packed (Bc/4), and ~36 for addresses, softmax
-        state and descriptors (ptxas: Bc=176 at d=128, the largest tile FA3 uses there, fits the
-        232 registers of split=40 with no spill, causal or not, persistent or not)."""
-        return params["Bc"] // 2 + problem.head_dim // 2 + params["Bc"] // 4 + 36
+        """Per consumer thread: S (Bc/2), O (d/2), P packed (Bc/4), and ~32 for addresses, softmax
+        state and descriptors, 4 more without a split. From ptxas: Bc=176 at d=128 fits split=40's
+        232 and Bc=128 at d=64 fits three consumers' 160 with no spill (FA3's tiles there); Bc=96
+        at d=128 spills 8-48 B in the 168 of no split."""
+        return params["Bc"] // 2 + problem.head_dim // 2 + params["Bc"] // 4 + 32 + (0 if params["split"] else 4)
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         cwg, split = params["cwg"], params["split"]
