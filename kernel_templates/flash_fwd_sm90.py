@@ -102,13 +102,14 @@ class FlashFwdSm90(KernelFamily):
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
         # From the H100 ablations in PERF_NOTES.md (bf16): at d=128 two consumers with overlap,
-        # Bc=176 with ping-pong first, persistent for short sequences; at d=64 three consumers of
-        # Bc=96 taking turns for long sequences, two of Bc=128 with ping-pong, persistent, for short.
+        # Bc=176 with ping-pong first, persistent for short sequences; at d=64 FA3's 192 x 128
+        # (three consumers of Bc=128 taking turns) for long sequences, two consumers with
+        # ping-pong, persistent, for short ones.
         d = problem.head_dim
         keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent")
         if d <= 64:
-            cands = [(96, 2, 3, 24, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1), (96, 2, 3, 40, 1, 1, 1),
-                     (96, 2, 3, 24, 1, 0, 0), (128, 3, 2, 40, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0)]
+            cands = [(128, 2, 3, 24, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0),
+                     (96, 2, 3, 40, 1, 1, 1), (128, 3, 2, 40, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0)]
         elif d <= 128:
             cands = [(176, 2, 2, 24, 1, 1, 0), (176, 2, 2, 40, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1),
                      (128, 2, 2, 24, 1, 0, 0), (128, 3, 2, 24, 1, 0, 0), (96, 3, 2, 24, 1, 1, 0)]
