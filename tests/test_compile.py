@@ -211,7 +211,8 @@ SM90_PROBLEMS = [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128, 256) fo
 @pytest.mark.parametrize("problem", SM90_PROBLEMS, ids=lambda p: p.key)
 def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
     """The seeded Hopper configs: both products on wgmma (HGMMA), tiles by TMA (UTMALDG), the
-    register split honoured (no C7508 warning), no spills, no local memory in the SASS."""
+    register split honoured (no C7508 warning), no spills, no local memory in the SASS, and the
+    tile scheduler's atomic exactly in the persistent ones."""
     seeds = [s for s in SM90.seeds(H100_SXM, problem) if SM90.check(s, H100_SXM, problem) is None]
     assert seeds and seeds[0] == SM90.default(H100_SXM, problem)
     assert SM90.supports(A100_SXM, problem) is not None  # Hopper only
@@ -228,6 +229,8 @@ def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
         assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), f"local memory (spills) in SASS: {params}"
         if params["split"]:
             assert len(re.findall(r"\bUSETMAXREG(\.\w+)*\b", sass)) == 2, params
+        # the dynamic tile scheduler: one global atomic for the next tile, in persistent kernels only
+        assert bool(re.search(r"\bATOMG(\.\w+)*\b", sass)) == bool(params["persistent"]), params
 
 
 # ---- the compile cache ----

@@ -1,0 +1,68 @@
+"""flash_fwd_sm90's spec on the CPU: what `check` rejects and why, FA3's tiles admitted, launch geometry."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner.family import ceil_div
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.kernel_templates import get_family
+from tuner.kernel_templates.flash_fwd_sm90 import sm_count
+
+SM90 = get_family("flash_fwd_sm90")
+BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0)
+
+
+def problem(d: int = 128, causal: bool = False, n: int = 4096):
+    from tuner.problem import Problem
+
+    return Problem(4, 16, n, n, d, "bf16", causal)
+
+
+def pt(**kw) -> dict:
+    return {**BASE, **kw}
+
+
+@pytest.mark.parametrize(
+    "params,d,words",
+    [
+        (pt(persistent=1, split=24), 128, "24 registers"),      # the producer's scheduler state spills
+        (pt(cwg=1, split=24, pingpong=0), 128, "no split"),
+        (pt(cwg=1, split=0, pingpong=1), 128, "ping-pong"),
+        (pt(Bc=176, split=0), 128, "registers"),                 # 232 needed, 168 without a split
+        (pt(Bc=176, stages=3, split=40), 128, "shared memory"),
+        (pt(Bc=128, cwg=3, split=40, persistent=1), 64, "registers"),  # 152 of split 40 are too few
+    ],
+)
+def test_check_names_what_does_not_fit(params, d, words):
+    why = SM90.check(params, H100_SXM, problem(d))
+    assert why is not None and words in why, why
+
+
+@pytest.mark.parametrize(
+    "params,d",
+    [
+        (pt(Bc=128, cwg=3, split=24, pingpong=1), 64),                 # FA3's 192 x 128 at d=64
+        (pt(Bc=176, cwg=2, split=40, pingpong=1, persistent=1), 128),  # FA3's 128 x 176 at d=128, persistent
+        (pt(Bc=96, cwg=3, split=40, pingpong=1, persistent=1), 64),    # three-way ping-pong, persistent
+        (pt(Bc=80, cwg=2, split=24, pingpong=1), 256),                 # FA3's 128 x 80 at d=256
+    ],
+)
+def test_check_admits_the_hand_tuned_tiles(params, d):
+    assert SM90.check(params, H100_SXM, problem(d)) is None
+
+
+def test_hopper_only():
+    assert SM90.supports(A100_SXM, problem()) is not None
+    assert SM90.supports(H100_SXM, problem()) is None
+
+
+@pytest.mark.parametrize("cwg", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 1000, 4096, 16384])
+def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
+    p = problem(64, n=n)
+    tiles = ceil_div(n, 64 * cwg)
+    grid = SM90.launch(pt(cwg=cwg, persistent=0), p)
+    assert grid.grid == (tiles, p.batch * p.heads, 1) and grid.block == (128 * (cwg + 1), 1, 1)
+    persistent = SM90.launch(pt(cwg=cwg, persistent=1), p)
+    assert persistent.grid == (min(tiles * p.batch * p.heads, sm_count()), 1, 1)
