@@ -9,6 +9,11 @@
 // consumer frees a K stage once S is computed and a V stage once P V is, by arriving on its
 // `empty` barrier, so the next K streams in while the current P V still reads V.
 //
+// PINGPONG: the consumers take turns issuing their products, one's softmax under the others'.
+// PERSISTENT: one CTA per SM runs work tiles from the dynamic scheduler (tile_scheduler.cuh); the
+// producer publishes each tile to the consumers and loads its first K, then its Q (released once
+// the last S of the previous tile has landed) under the previous tile's last products and epilogue.
+//
 // Head dims are handled in panels of 64 columns (128 B, one swizzle atom wide): Q, K and V tiles
 // are PANELS boxes of [rows x 64] each, so one TMA box and one wgmma descriptor step per panel.
 //
