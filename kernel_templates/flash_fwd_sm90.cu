@@ -168,9 +168,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       m[0] = m[1] = FT_NEG_INF;
       l[0] = l[1] = 0.f;
 
+      // K/V ring slot and phase of this work tile's K/V tile t
+      auto slot = [&](int t) { return (g0 + t) % STAGES; };
+      auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
       // ---- S = Q K^T: A and B K-major; a k16 step is 32 bytes into the swizzled row ----
       auto issue_s = [&](int t) {
-        const unsigned k_smem = smem_u32(Ks + ((g0 + t) % STAGES) * BC * HEAD_DIM);
+        const unsigned k_smem = smem_u32(Ks + slot(t) * BC * HEAD_DIM);
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
           const unsigned koff = (ks % 4) * 32;
@@ -182,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       };
       // ---- O += P V: V N-major (its rows are the k dim); panels of 64 columns LBO apart ----
       auto issue_pv = [&](int t) {
-        const unsigned v_smem = smem_u32(Vs + ((g0 + t) % STAGES) * BC * HEAD_DIM);
+        const unsigned v_smem = smem_u32(Vs + slot(t) * BC * HEAD_DIM);
 #pragma unroll
         for (int ps = 0; ps < PSTEPS; ++ps)
           Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024), 1);
@@ -192,8 +195,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         const int k0 = t * BC;
         if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > w.q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, w.q0 + wrow0, k0, nk);
       };
-      auto slot = [&](int t) { return (g0 + t) % STAGES; };
-      auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
       // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the
       // next work tile's Q streams in under this one's last softmax, P V and epilogue.
       auto release_k = [&](int t) {

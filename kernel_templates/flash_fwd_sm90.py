@@ -16,7 +16,7 @@ from functools import cache
 import numpy as np
 
 from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div
-from tuner.gpu import GpuSpec
+from tuner.gpu import H100_SXM, GpuSpec, detect
 from tuner.problem import Problem
 from tuner.kernel_templates.wgmma_gen import wrappers
 
@@ -26,21 +26,14 @@ _BARRIER_SLACK = 1024 + 256  # alignment of the first tile to 1024 B, then the m
 _WGMMA_MARK = "// <wgmma wrappers>"
 
 
-_H100_SMS = 132
-
-
 @cache
 def sm_count() -> int:
     """SMs of the current device, for the persistent grid; the H100's where none is visible (CPU
     tests compare launches, nothing runs)."""
     try:
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    except Exception:  # no usable CUDA runtime: only the geometry is asked for
-        pass
-    return _H100_SMS
+        return detect().sm_count
+    except Exception:  # no GPU or no usable CUDA runtime: only the geometry is asked for
+        return H100_SXM.sm_count
 
 
 def entry_regs(threads: int) -> int:
