@@ -9,11 +9,13 @@
 #define FT_F16 1
 #define FT_BF16 2
 #define FT_TF32 3  // a compute precision only: fp32 storage, tf32 tensor-core products
+#define FT_E4M3 4  // 1-byte e4m3 inputs (storage unsigned char); the output is bf16
 
 template <int DT> struct Elem;
 template <> struct Elem<FT_F32> { using type = float; };
 template <> struct Elem<FT_F16> { using type = unsigned short; };
 template <> struct Elem<FT_BF16> { using type = unsigned short; };
+template <> struct Elem<FT_E4M3> { using type = unsigned char; };
 
 template <int DT> FT_DEVICE float to_f32(typename Elem<DT>::type x);
 template <> FT_DEVICE float to_f32<FT_F32>(float x) { return x; }
@@ -78,6 +80,36 @@ template <int DT> FT_DEVICE unsigned pack2(float lo, float hi) {
   if constexpr (DT == FT_BF16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   else asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+}
+
+// Special registers read afresh (asm volatile), so that values derived from them are recomputed
+// where used rather than kept live (or spilled) across a loop with no register to spare.
+FT_DEVICE int thread_x() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+FT_DEVICE int lane_id() {
+  int t;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(t));
+  return t;
+}
+FT_DEVICE int grid_x() {
+  int t;
+  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(t));
+  return t;
+}
+
+// A store under a predicate rather than a branch: ragged-edge guards in an epilogue otherwise split
+// it into blocks, and ptxas then keeps more registers live around them.
+FT_DEVICE void st_global_if(unsigned* p, unsigned v, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p st.global.b32 [%0], %1;\n}\n" ::"l"(p), "r"(v), "r"(int(pred))
+               : "memory");
+}
+FT_DEVICE void st_global_if(float2* p, float2 v, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n@p st.global.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(p), "f"(v.x),
+               "f"(v.y), "r"(int(pred))
+               : "memory");
 }
 
 // fp32 rounded to nearest tf32, as the 32-bit operand register of a tf32 mma (sm_80+).

@@ -84,8 +84,6 @@ class FlashFwdSm90(KernelFamily):
         cwg, split = params["cwg"], params["split"]
         if cwg == 1 and split:
             return "with one consumer warpgroup every thread already has 255 registers: no split"
-        if params["persistent"] and split == 24:
-            return "the persistent producer's scheduler state does not fit in 24 registers (ptxas spills): split 0 or 40"
         if params["pingpong"] and cwg < 2:
             return "ping-pong takes turns between two or three consumer warpgroups"
         need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
@@ -101,10 +99,10 @@ class FlashFwdSm90(KernelFamily):
         d = problem.head_dim
         keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent")
         if d <= 64:
-            cands = [(128, 2, 3, 24, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0),
-                     (96, 2, 3, 40, 1, 1, 1), (128, 3, 2, 40, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0)]
+            cands = [(128, 2, 3, 24, 1, 1, 0), (128, 2, 2, 24, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0),
+                     (96, 2, 3, 24, 1, 1, 1), (128, 3, 2, 24, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0)]
         elif d <= 128:
-            cands = [(176, 2, 2, 24, 1, 1, 0), (176, 2, 2, 40, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1),
+            cands = [(176, 2, 2, 24, 1, 1, 0), (176, 2, 2, 24, 1, 1, 1), (128, 2, 2, 24, 1, 0, 1),
                      (128, 2, 2, 24, 1, 0, 0), (128, 3, 2, 24, 1, 0, 0), (96, 3, 2, 24, 1, 1, 0)]
         else:  # no persistent seed: its extra state spills a few bytes at d=256
             cands = [(80, 2, 2, 24, 1, 1, 0), (64, 2, 2, 24, 1, 0, 0), (64, 2, 1, 0, 0, 0, 0)]
