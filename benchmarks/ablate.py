@@ -24,7 +24,7 @@ def main(argv: list[str]) -> None:
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.launch import LoadedKernel, current_stream
-    from tuner.measure import random_inputs
+    from tuner.measure import peer_dtype, poisoned_outputs, random_inputs, torch_dtype
     from tuner.problem import Problem
     from tuner.timing import Timer
 
@@ -41,11 +41,12 @@ def main(argv: list[str]) -> None:
     gpu = detect()
     timer = Timer(gpu.l2_bytes)
     q, k, v = random_inputs(problem, 0)
+    qp, kp, vp = (t.to(torch_dtype(peer_dtype(problem))) for t in (q, k, v))  # SDPA takes no fp8: bf16 copies
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal).float()
-        t_ref = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal))
+        ref = F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal).float()
+        t_ref = timer(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        t_cudnn = timer(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=problem.causal))
+        t_cudnn = timer(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal))
     print(f"{problem.key} on {gpu.name}: sdpa_flash {problem.tflops(t_ref.median_ms):.1f} TFLOP/s, "
           f"sdpa_cudnn {problem.tflops(t_cudnn.median_ms):.1f} TFLOP/s")
     for params in configs:
@@ -56,8 +57,7 @@ def main(argv: list[str]) -> None:
         ck = compile_kernel(fam, params, problem, gpu.arch)
         launch = fam.launch(params, problem)
         kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
-        o = torch.full_like(q, float("nan"))
-        lse = torch.empty(q.shape[:3], device="cuda")
+        o, lse = poisoned_outputs(problem, q)
         args = fam.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim))
         stream = current_stream()
         kernel(stream, launch, *args)

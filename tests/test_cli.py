@@ -122,8 +122,23 @@ def test_malformed_shape(cli, shape, words):
 
 
 def test_bad_dtype(cli):
-    out = cli("search", "--dtype", "fp8", "--shape", "1,2,128,64")
-    one_line_error(out, "--dtype must be one of fp32, fp16, bf16", "'fp8'")
+    out = cli("search", "--dtype", "int8", "--shape", "1,2,128,64")
+    one_line_error(out, "--dtype must be one of fp32, fp16, bf16, fp8", "'int8'")
+    assert out.code == 2
+
+
+def test_fp8_search_without_gpu(cli, tmp_path):
+    out = cli("search", "--gpu", "auto", "--dtype", "fp8", "--trials", "2")
+    line = one_line_error(out, "no CUDA GPU")
+    assert out.code == 1 and line.startswith("error:")
+    assert not (tmp_path / "best.json").exists()
+
+
+def test_fp8_help_and_a_family_that_takes_no_fp8(cli, replay_url):
+    assert "fp8 = e4m3 inputs, bf16 output" in cli("search", "--help").stdout
+    out = cli("search", "--replay", replay_url, "--shape", "1,2,128,64", "--dtype", "fp8", "--family", "flash_fwd_mma",
+              "--no-peers")
+    one_line_error(out, "B1-H2-N128-D64-fp8-full", "flash_fwd_mma takes fp32/fp16/bf16 inputs, not fp8")
     assert out.code == 2
 
 

@@ -118,7 +118,7 @@ def _entry_with(drop: str | None = None, **changes) -> dict:
         (_entry_with(head_dim=True), "'head_dim' has type bool"),
         (_entry_with(causal=1), "'causal' has type int"),
         (_entry_with(bucket="nonsense"), "not a shape-bucket key"),
-        (_entry_with(dtype="fp8"), "unknown dtype"),
+        (_entry_with(dtype="int8"), "unknown dtype"),
         (_entry_with(problem={"batch": 1}), "entry 0"),
         (_entry_with(head_dim=256), "disagrees"),
     ],

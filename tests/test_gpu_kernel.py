@@ -100,13 +100,13 @@ def _run_inputs(family, params, problem, q, k, v, with_lse=False, sync=True):
     from tuner.compile import compile_kernel
     from tuner.gpu import detect
     from tuner.launch import LoadedKernel, current_stream
+    from tuner.measure import poisoned_outputs
 
     gpu = detect()
     ck = compile_kernel(family, params, problem, gpu.arch)
     launch = family.launch(params, problem)
     kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
-    o = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    o, lse = poisoned_outputs(problem, q)
     kernel(current_stream(), launch, *family.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
     if sync:
         torch.cuda.synchronize()

@@ -34,9 +34,10 @@ def _db_url(db: Optional[str]) -> str:
     return db or os.environ.get("TUNER_DB") or default_url()
 
 
+DTYPE_HELP = "fp32, fp16, bf16 or fp8 (fp8 = e4m3 inputs, bf16 output); default fp32"
 MAX_ERROR_HELP = ("error allowed against float64 (relative, of O); default: the dtype's own, fp32 1e-4, "
-                  "fp16 2e-3, bf16 1.2e-2. Raising it for fp32 lets tf32 (>=1e-3) or bf16 (>=1e-2) tensor-core "
-                  "kernels compete")
+                  "fp16 2e-3, bf16 1.2e-2, fp8 5e-2. Raising it for fp32 lets tf32 (>=1e-3) or bf16 (>=1e-2) "
+                  "tensor-core kernels compete")
 
 
 def _problems(shapes: list[str], dtype: Optional[str], max_error: Optional[float] = None):
@@ -87,6 +88,7 @@ def _families(name: str, gpu, problem):
 
 
 def _summary_table(results, title: str) -> Table:
+    from .measure import peer_dtype
     from .search import ratio
 
     t = Table(title=title)
@@ -97,13 +99,17 @@ def _summary_table(results, title: str) -> Table:
         best_peer = max(peers.values(), default=None)
         tf = r.best.tflops if r.best else None
         ratio_v = ratio(tf, best_peer)
+        peer_text = ", ".join(f"{k.removeprefix('sdpa_')} {v:.1f}"
+                              for k, v in sorted(peers.items(), key=lambda kv: -kv[1]))
+        if peer_text and peer_dtype(r.problem) != r.problem.dtype:  # fp8: SDPA ran on bf16 copies
+            peer_text += f" ({peer_dtype(r.problem)} inputs)"
         t.add_row(
             r.problem.key,
             r.family,
             json.dumps(r.best_params, separators=(",", ":")) if r.best_params else "-",
             f"{r.best.median_ms:.3f}" if r.best else "-",
             f"{tf:.1f}" if tf else "-",
-            ", ".join(f"{k.removeprefix('sdpa_')} {v:.1f}" for k, v in sorted(peers.items(), key=lambda kv: -kv[1])) or "-",
+            peer_text or "-",
             f"{ratio_v:.2f}x" if ratio_v else "-",
         )
     return t
@@ -113,7 +119,7 @@ def _summary_table(results, title: str) -> Table:
 def search(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' (the current device) or a GPU index"),
     shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable. Default: the standard set"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, fp16 or bf16 (default fp32)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="stop asking for trials after this many seconds"),
@@ -188,7 +194,7 @@ def search(
 def bench(
     gpu: str = typer.Option("auto", "--gpu"),
     shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable"),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     db: Optional[str] = typer.Option(None, "--db"),
     family: str = typer.Option("auto", "--family", help="a kernel family, or auto: the best of all"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
@@ -206,7 +212,7 @@ def bench(
 
     if family != "auto":
         get_family(family)
-    from .measure import SDPA_BACKENDS
+    from .measure import SDPA_BACKENDS, peer_dtype
 
     if unknown := [x for x in peer if x not in SDPA_BACKENDS]:
         raise typer.BadParameter(f"unknown peer {unknown[0]!r}; known: {', '.join(SDPA_BACKENDS)}", param_hint="--peer")
@@ -241,7 +247,7 @@ def bench(
     console.print(_summary_table(results, f"bench: tuned best vs torch SDPA on {g.name} ({time.strftime('%Y-%m-%d')})"))
     if json_out:
         rows = [{**r.problem.to_dict(), "family": r.family, "config": r.best_params,
-                 "tuned_tflops": r.best.tflops if r.best else None,
+                 "tuned_tflops": r.best.tflops if r.best else None, "peer_dtype": peer_dtype(r.problem),
                  **{f"{k}_tflops": m.tflops for k, m in r.peers.items()}} for r in results]
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({"gpu": g.name, "gpu_key": g.key, "date": time.strftime("%Y-%m-%d"),
@@ -265,7 +271,7 @@ def precompile(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' or an index; without a GPU give --arch"),
     arch: Optional[str] = typer.Option(None, "--arch", help="sm_80 or sm_90a: compile for this target with no GPU"),
     shape: list[str] = typer.Option([], "--shape"),
-    dtype: Optional[str] = typer.Option(None, "--dtype"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     family: str = typer.Option("flash_fwd_simt", "--family"),
     jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", "-j", min=1),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),

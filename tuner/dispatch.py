@@ -18,9 +18,10 @@ import torch
 
 from .family import Launch
 from .launch import current_stream
-from .problem import DTYPES, Problem
+from .measure import TORCH_DTYPES, torch_dtype
+from .problem import DTYPE_BYTES, Problem
 
-TORCH_TO_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Plan:
     reason: str = ""
     dtype: str = ""
     make_args: Callable[..., tuple] | None = None  # (q, k, v, o, lse, scale) -> launch arguments
+    out: torch.dtype | None = None  # O's dtype (Problem.out_dtype: bf16 for fp8 inputs)
 
 
 def supported_head_dims() -> set[int]:
@@ -56,7 +58,7 @@ def problem_of(q, k, v, causal: bool, max_error: float | None = None) -> Problem
         raise ValueError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
     dtype = TORCH_TO_DTYPE.get(str(q.dtype).removeprefix("torch."))
     if dtype is None:
-        raise ValueError(f"unsupported dtype {q.dtype}; use one of {', '.join(DTYPES)}")
+        raise ValueError(f"unsupported dtype {q.dtype}; use one of {', '.join(TORCH_TO_DTYPE)}")
     b, h, nq, d = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
@@ -75,8 +77,7 @@ def problem_of(q, k, v, causal: bool, max_error: float | None = None) -> Problem
 
 def _kernel_ready(t, dtype: str) -> bool:
     """Our kernels read 16-byte chunks: the last dim contiguous, pointers and row strides aligned."""
-    elt = 4 if dtype == "fp32" else 2
-    chunk = 16 // elt
+    chunk = 16 // DTYPE_BYTES[dtype]
     return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % chunk == 0 for s in t.stride()[:3])
 
 
@@ -135,13 +136,14 @@ class Dispatcher:
 
         gpu = self._gpu(device_index)
         entry = self.select(problem, gpu)
+        out = torch_dtype(problem.out_dtype)
         if entry is None:
-            return Plan(None, None, None, f"no tuned config for {problem.bucket().key} on {gpu.key}")
+            return Plan(None, None, None, f"no tuned config for {problem.bucket().key} on {gpu.key}", out=out)
         fam = FAMILIES[entry["family"]]
         ck = compile_kernel(fam, entry["params"], problem, gpu.arch)
         launch = fam.launch(entry["params"], problem)
         return Plan(LoadedKernel.load(ck, launch.smem_bytes, device_index), launch, fam.name, dtype=problem.dtype,
-                    make_args=partial(fam.kernel_args, entry["params"]))
+                    make_args=partial(fam.kernel_args, entry["params"]), out=out)
 
     def _warn(self, message: str) -> None:
         with self._warn_lock:  # once per message, even with threads falling back at the same time
@@ -162,22 +164,25 @@ class Dispatcher:
                 if plan is None:
                     plan = self._plans[key] = self._plan(problem, q.device.index or 0)
         if plan.kernel is None:
-            return self._fallback(q, k, v, causal, scale, plan.reason, return_lse)
+            return self._fallback(q, k, v, causal, scale, plan, return_lse)
         q, k, v = (t if _kernel_ready(t, plan.dtype) else t.contiguous() for t in (q, k, v))
         with torch.cuda.device(q.device):
-            o = torch.empty_like(q, memory_format=torch.contiguous_format)
+            o = torch.empty(q.shape, device=q.device, dtype=plan.out)
             lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
             plan.kernel(current_stream(), plan.launch, *plan.make_args(q, k, v, o, lse, scale))
         return (o, lse) if return_lse else o
 
-    def _fallback(self, q, k, v, causal, scale, reason, return_lse):
+    def _fallback(self, q, k, v, causal, scale, plan: Plan, return_lse):
+        """torch SDPA, on inputs in O's dtype: it takes no fp8, so e4m3 inputs go up to bf16 (exactly)."""
         import torch.nn.functional as F
 
-        self._warn(reason)
+        self._warn(plan.reason)
+        if q.dtype != plan.out:
+            q, k, v = (t.to(plan.out) for t in (q, k, v))
         gqa = k.shape[1] != q.shape[1]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **({"enable_gqa": True} if gqa else {}))
         if return_lse:
-            raise ValueError(f"return_lse needs a tuned kernel ({reason})")
+            raise ValueError(f"return_lse needs a tuned kernel ({plan.reason})")
         return o
 
 
@@ -188,10 +193,11 @@ _default_lock = threading.Lock()
 def attention(q, k, v, causal: bool = False, scale: float | None = None, max_error: float | None = None):
     """Attention forward on CUDA tensors of shape (B, H, N, D) (K/V may have fewer heads).
 
-    Returns O with q's shape and dtype, computed by the best tuned kernel for this GPU and shape
-    bucket, or by torch SDPA (with one warning) where nothing tuned fits. `max_error` picks configs
-    tuned under that error budget (`tuner search --max-error`): for fp32 inputs, the tf32 or bf16
-    tensor-core kernels; None means the dtype's default budget.
+    Returns O with q's shape and dtype (bf16 for float8_e4m3fn inputs), computed by the best tuned
+    kernel for this GPU and shape bucket, or by torch SDPA (with one warning; on bf16 copies of
+    fp8 inputs) where nothing tuned fits. `max_error` picks configs tuned under that error budget
+    (`tuner search --max-error`): for fp32 inputs, the tf32 or bf16 tensor-core kernels; None
+    means the dtype's default budget.
     """
     global _default
     d = _default

@@ -21,9 +21,9 @@ from .problem import Problem
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
-# The element-type codes of kernel_templates/common.cuh (FT_F32, FT_F16, FT_BF16, FT_TF32), as the
-# families pass them to their templates (IN_DTYPE, COMPUTE).
-ELEM_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "tf32": 3}
+# The element-type codes of kernel_templates/common.cuh (FT_F32, FT_F16, FT_BF16, FT_TF32, FT_E4M3),
+# as the families pass them to their templates (IN_DTYPE, COMPUTE).
+ELEM_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "tf32": 3, "fp8": 4}
 
 
 @dataclass(frozen=True)

@@ -85,9 +85,10 @@ def current_stream():
 
 
 def attention_args(q, k, v, o, lse, scale: float | None) -> tuple:
-    """The argument list every attention family shares: pointers, shape, strides (in elements),
-    and the softmax scale already multiplied by log2(e). Tensors are (B, H, N, D) views whose last
-    dimension is contiguous; any B/H/N strides work, so (B, N, H, D) storage needs no copy."""
+    """The argument list every attention family shares: pointers, shape, strides (each tensor's
+    in its own elements: O is bf16 where q, k, v are e4m3), and the softmax scale already
+    multiplied by log2(e). Tensors are (B, H, N, D) views whose last dimension is contiguous; any
+    B/H/N strides work, so (B, N, H, D) storage needs no copy."""
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale

@@ -11,7 +11,8 @@ from .records import CompiledKernel, Measurement
 from .reference import attention_fp64, compare
 from .timing import Timer
 
-TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# Problem dtype -> torch dtype name; the dispatcher reads it backwards.
+TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 SDPA_BACKENDS = {
     "sdpa_flash": "FLASH_ATTENTION",
     "sdpa_cudnn": "CUDNN_ATTENTION",
@@ -24,17 +25,44 @@ class DeviceFault(RuntimeError):
     """The CUDA context is poisoned (illegal address, ...): the worker must exit after reporting."""
 
 
-def random_inputs(problem: Problem, seed: int):
-    """Fresh normal inputs, never zeros; (B, H, N, D), K/V with kv_heads."""
+def torch_dtype(dtype: str):
+    """The torch dtype of a problem dtype name ("fp8" -> torch.float8_e4m3fn)."""
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    dt = getattr(torch, TORCH_DTYPES[problem.dtype])
+    return getattr(torch, TORCH_DTYPES[dtype])
+
+
+def peer_dtype(problem: Problem) -> str:
+    """The dtype the SDPA peers run in. SDPA takes no fp8: for fp8 problems they run on bf16 copies
+    of the same inputs (e4m3 values are exact in bf16), which is what a user without an fp8 kernel
+    would run."""
+    return "bf16" if problem.dtype == "fp8" else problem.dtype
+
+
+def random_inputs(problem: Problem, seed: int, device: str = "cuda"):
+    """Fresh normal inputs, never zeros (in fp8 the ~0.1% with |x| < 2^-10 round to 0); (B, H, N, D),
+    K/V with kv_heads."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = torch_dtype(problem.dtype)
+    # randn makes no float8: draw in float32 and round (|x| < 448, so every value is in range)
+    draw = torch.float32 if problem.dtype == "fp8" else dt
     p = problem
-    q = torch.randn(p.batch, p.heads, p.seqlen_q, p.head_dim, generator=g, device="cuda", dtype=dt)
-    k = torch.randn(p.batch, p.kv_heads, p.seqlen_k, p.head_dim, generator=g, device="cuda", dtype=dt)
-    v = torch.randn(p.batch, p.kv_heads, p.seqlen_k, p.head_dim, generator=g, device="cuda", dtype=dt)
-    return q, k, v
+    q = torch.randn(p.batch, p.heads, p.seqlen_q, p.head_dim, generator=g, device=device, dtype=draw)
+    k = torch.randn(p.batch, p.kv_heads, p.seqlen_k, p.head_dim, generator=g, device=device, dtype=draw)
+    v = torch.randn(p.batch, p.kv_heads, p.seqlen_k, p.head_dim, generator=g, device=device, dtype=draw)
+    return tuple(t.to(dt) for t in (q, k, v))
+
+
+def poisoned_outputs(problem: Problem, q):
+    """O (in the problem's output dtype, bf16 for fp8) and the fp32 LSE for q, filled with NaN:
+    every element must be written."""
+    import torch
+
+    o = torch.full(q.shape, float("nan"), device=q.device, dtype=torch_dtype(problem.out_dtype))
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device, dtype=torch.float32)
+    return o, lse
 
 
 def _sync_or_fault() -> None:
@@ -60,8 +88,7 @@ def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
         return Measurement("launch_error", message=f"cannot load the cubin: {exc}", **base)
 
     q, k, v = random_inputs(problem, seed)
-    o = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda", dtype=torch.float32)
+    o, lse = poisoned_outputs(problem, q)
     scale = 1.0 / math.sqrt(problem.head_dim)
     stream = current_stream()
     try:
@@ -86,11 +113,11 @@ def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
 
 
 def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Measurement:
-    """One torch SDPA backend, pinned, on the same kind of inputs, with the same timer."""
+    """One torch SDPA backend, pinned, on the same kind of inputs (in peer_dtype), with the same timer."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    q, k, v = random_inputs(problem, seed)
+    q, k, v = (t.to(torch_dtype(peer_dtype(problem))) for t in random_inputs(problem, seed))
     gqa = problem.kv_heads != problem.heads
     kw = dict(is_causal=problem.causal, enable_gqa=True) if gqa else dict(is_causal=problem.causal)
     run = lambda: F.scaled_dot_product_attention(q, k, v, **kw)  # noqa: E731

@@ -28,6 +28,9 @@ PEERS_BY_DTYPE = {
     "fp16": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"),
     "bf16": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"),
 }
+# SDPA takes no fp8: an fp8 problem's peers are the bf16 backends on bf16 copies of the same inputs
+# (measure.peer_dtype), what a user without an fp8 kernel would run. They keep their names.
+PEERS_BY_DTYPE["fp8"] = PEERS_BY_DTYPE["bf16"]
 SAMPLERS = ("tpe", "random", "grid")
 ASK_LIMIT_FACTOR = 20  # asks per wanted trial before giving up on a space that is mostly invalid
 

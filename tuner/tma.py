@@ -21,14 +21,28 @@ _lock = threading.Lock()
 
 
 class TmaError(ValueError):
-    """The tensor cannot be described by a tensor map (alignment, strides)."""
+    """The tensor cannot be described by a tensor map (dtype, alignment, strides)."""
+
+
+def _data_type(dtype):
+    """The tensor map's element type for a torch dtype. e4m3 goes as UINT8: the map only moves
+    bytes (and fills out-of-bounds rows with zeros, which is 0.0 in e4m3 too)."""
+    import torch
+    from cuda.bindings import driver
+
+    kinds = {torch.bfloat16: "BFLOAT16", torch.float16: "FLOAT16", torch.float8_e4m3fn: "UINT8"}
+    if dtype not in kinds:
+        raise TmaError(f"no tensor map for {dtype} inputs; TMA families take {', '.join(map(str, kinds))}")
+    return getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{kinds[dtype]}")
 
 
 def _encode(t, box_rows: int, box_cols: int) -> bytes:
     """One map over a (B, H, N, D) view: dims (D, N, H, B) innermost first, a box of
-    [box_rows x box_cols] elements, 128-byte swizzle, rows past N read as zeros."""
+    [box_rows x box_cols] elements (box_cols x element size <= 128 bytes: 64 for 16-bit, 128 for
+    e4m3), 128-byte swizzle, rows past N read as zeros."""
     from cuda.bindings import driver
 
+    kind = _data_type(t.dtype)
     b, h, n, d = t.shape
     esize = t.element_size()
     if t.stride(3) != 1:
@@ -36,10 +50,6 @@ def _encode(t, box_rows: int, box_cols: int) -> bytes:
     strides = [t.stride(2) * esize, t.stride(1) * esize, t.stride(0) * esize]
     if t.data_ptr() % 16 or any(s % 16 for s in strides):
         raise TmaError(f"TMA needs 16-byte aligned data and strides, got {t.data_ptr() % 16} / {strides}")
-    import torch
-
-    kind = (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if t.dtype == torch.bfloat16
-            else driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     err, tmap = driver.cuTensorMapEncodeTiled(
         kind, 4, t.data_ptr(), [u64(x) for x in (d, n, h, b)], [u64(x) for x in strides],
