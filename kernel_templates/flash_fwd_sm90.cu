@@ -12,15 +12,16 @@
 // PINGPONG: the consumers take turns issuing their products, one's softmax under the others'.
 // PERSISTENT: one CTA per SM runs work tiles from the dynamic scheduler (tile_scheduler.cuh); the
 // producer publishes each tile to the consumers and loads its first K, then its Q (released once
-// the last S of the previous tile has landed) under the previous tile's last products. With
-// OVERLAP the consumers chain work tiles too: the next tile's first S is issued with this one's
-// last P V, its softmax runs under that P V, and this tile's O is written after it.
+// the last S of the previous tile has landed) under the previous tile's last products.
+// CHAIN (persistent, OVERLAP): the consumers chain work tiles too: the next tile's first S is
+// issued with this one's last P V, its softmax runs under that P V, and this tile's O is written
+// after it; the next Q then has only the last softmax to arrive in.
 //
 // Head dims are handled in panels of 64 columns (128 B, one swizzle atom wide): Q, K and V tiles
 // are PANELS boxes of [rows x 64] each, so one TMA box and one wgmma descriptor step per panel.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT IN_DTYPE IS_CAUSAL;
+// PERSISTENT CHAIN IN_DTYPE IS_CAUSAL;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "softmax.cuh"
@@ -42,6 +43,7 @@ static_assert(HEAD_DIM % 64 == 0, "head dim in whole 64-column panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "2-byte inputs only");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
+static_assert(!CHAIN || (OVERLAP && PERSISTENT), "chaining work tiles needs the overlapped, persistent consumer");
 
 struct Barriers {
   unsigned long long q_full, q_empty;
@@ -220,9 +222,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       store_slab<IN_DTYPE>(o + w.b * o_sb + w.h * o_sh, o_sn, lse + static_cast<long long>(w.b * heads + w.h) * nq,
                            o_acc, m, l, lane_id(), w.q0 + wrow0(), nq, scale_log2);
     };
-    auto write = [&](const WorkTile& w, const SlabOut<IN_DTYPE, DTILES>& out) {
-      write_slab<IN_DTYPE>(o + w.b * o_sb + w.h * o_sh, o_sn, out, lane_id(), w.q0 + wrow0(), nq);
-    };
     // The it-th work tile from the producer (PERSISTENT), or this CTA's one; >= total: none left.
     auto fetch = [&](int it) {
       if constexpr (PERSISTENT) {
@@ -238,8 +237,40 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     if constexpr (OVERLAP) {
       // Software-pipelined: S of K/V tile g is issued together with P V of tile g-1, and the
       // softmax of g runs while P V is still in flight; O is rescaled only once that has landed.
-      // Work tiles chain the same way: the next one's first S goes with this one's last P V, and
-      // this one's O is written after the next one's first softmax.
+      // CHAIN (persistent): work tiles chain the same way, the next one's first S with this one's
+      // last P V, and this one's O is written after the next one's first softmax. Otherwise a
+      // work tile starts with its first S alone and ends with its last P V alone.
+      auto head = [&](const WorkTile& w, int g, int it) {   // the first S of work tile `it`
+        mbar_wait(&bar.q_full, it & 1);
+        mbar_wait(&bar.k_full[slot(g)], parity(g));
+        turn_begin();
+        wgmma_fence();
+        issue_s(g);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_pin(sacc);
+        release_k(w, g, 0);
+        mask(w, 0);
+        softmax_advance(sacc, m, l, alpha, scale_log2);
+        make_p();
+      };
+      auto tail = [&](int g) {   // the last P V of a work tile
+        mbar_wait(&bar.v_full[slot(g)], parity(g));
+        turn_begin();
+        wgmma_pin(o_acc);
+        wgmma_fence();
+        issue_pv(g);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_pin(o_acc);
+        mbar_arrive(&bar.v_empty[slot(g)]);
+      };
+      auto write = [&](int tile, const float (&inv)[2]) {
+        const WorkTile w = work(tile);
+        SlabOut<IN_DTYPE, DTILES> out;
+        pack_slab<IN_DTYPE>(out, o_acc, inv);
+        write_slab<IN_DTYPE>(o + w.b * o_sb + w.h * o_sh, o_sn, out, lane_id(), w.q0 + wrow0(), nq);
+      };
       int it = 0, tile = fetch(0);
       if (tile < total) {
         WorkTile w = work(tile);   // the work tile of the S being computed
@@ -247,26 +278,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         int t = 0, g = 0;          // K/V tile t of w, the CTA's g-th
         float inv[2];              // 1/l of out_tile's rows, once its softmax is done
         start_tile();
-        mbar_wait(&bar.q_full, 0);
-        mbar_wait(&bar.k_full[slot(0)], parity(0));
-        turn_begin();
-        wgmma_fence();
-        issue_s(0);
-        turn_end();
-        wgmma_wait<0>();
-        wgmma_pin(sacc);
-        release_k(w, 0, 0);
-        mask(w, 0);
-        softmax_advance(sacc, m, l, alpha, scale_log2);
-        make_p();
+        head(w, 0, 0);
         for (;;) {
           if (++t == w.ntiles) {
             // w's softmax is done: write its LSE, keep 1/l, and move on to the next work tile
-            finish_rows(inv, lse + static_cast<long long>(w.b * heads + w.h) * nq, m, l, lane_id(), w.q0 + wrow0(), nq, scale_log2);
+            finish_rows(inv, lse + static_cast<long long>(w.b * heads + w.h) * nq, m, l, lane_id(), w.q0 + wrow0(), nq,
+                        scale_log2);
             tile = fetch(++it);
             if (tile >= total) break;
             w = work(tile);
             t = 0;
+            if constexpr (!CHAIN) {
+              tail(g);
+              write(out_tile, inv);
+              out_tile = tile;
+              start_tile();
+              head(w, ++g, it);
+              continue;
+            }
             m[0] = m[1] = FT_NEG_INF;
             l[0] = l[1] = 0.f;
             mbar_wait(&bar.q_full, it & 1);
@@ -288,12 +317,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           wgmma_wait<0>();
           wgmma_pin(o_acc);
           mbar_arrive(&bar.v_empty[slot(g - 1)]);
-          if (t == 0) {
+          if (CHAIN && t == 0) {
             // out_tile's O is complete: packed first, so that its accumulators start the new tile
-            SlabOut<IN_DTYPE, DTILES> out;
-            pack_slab<IN_DTYPE>(out, o_acc, inv);
             make_p();
-            write(work(out_tile), out);
+            write(out_tile, inv);
             zero_o();
             out_tile = tile;
           } else {
@@ -301,18 +328,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
             make_p();
           }
         }
-        mbar_wait(&bar.v_full[slot(g)], parity(g));
-        turn_begin();
-        wgmma_pin(o_acc);
-        wgmma_fence();
-        issue_pv(g);
-        turn_end();
-        wgmma_wait<0>();
-        wgmma_pin(o_acc);
-        mbar_arrive(&bar.v_empty[slot(g)]);
-        SlabOut<IN_DTYPE, DTILES> out;
-        pack_slab<IN_DTYPE>(out, o_acc, inv);
-        write(work(out_tile), out);
+        tail(g);
+        write(out_tile, inv);
       }
     } else {
       int g0 = 0;

@@ -10,7 +10,7 @@ from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90 import sm_count
 
 SM90 = get_family("flash_fwd_sm90")
-BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0)
+BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0, chain=0)
 
 
 def problem(d: int = 128, causal: bool = False, n: int = 4096):
