@@ -106,17 +106,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         tmap_acquire(tv);
       }
       int g0 = 0;
+      // PERSISTENT: work tiles go to the consumers through the ring, each asked for from the
+      // scheduler one tile ahead (as the previous one's first loads are out), so the global atomic
+      // is off the path from a tile's last load to the next tile's publication.
+      auto publish = [&](int it) {
+        const int s = it & 1;
+        if (it >= 2) mbar_wait(&bar.ring.empty[s], ((it >> 1) - 1) & 1);
+        bar.ring.tile[s] = next_tile_dynamic(tile_counter, it, total);
+        mbar_arrive(&bar.ring.full[s]);
+      };
+      if constexpr (PERSISTENT) { if (leader) publish(0); }
       for (int it = 0;; ++it) {
         int tile = it;
-        if constexpr (PERSISTENT) {
-          const int s = it & 1;
-          if (it >= 2) mbar_wait(&bar.ring.empty[s], ((it >> 1) - 1) & 1);
-          if (leader) {
-            tile = next_tile_dynamic(tile_counter, it, total);
-            bar.ring.tile[s] = tile;
-            mbar_arrive(&bar.ring.full[s]);
-          }
-          tile = __shfl_sync(0xffffffffu, tile, 0);
+        if constexpr (PERSISTENT) {   // read back (volatile), not kept in a register across the loads
+          tile = __shfl_sync(0xffffffffu, leader ? *reinterpret_cast<volatile int*>(&bar.ring.tile[it & 1]) : 0, 0);
         }
         if (tile >= total) break;
         const WorkTile w = work(tile);
@@ -140,6 +143,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           mbar_expect_tx(&bar.q_full, Q_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, w.q0, w.h, w.b);
+          if constexpr (PERSISTENT) publish(it + 1);
         }
         for (int t = 1; t < w.ntiles; ++t) {
           load(Ks, tk, bar.k_full, bar.k_empty, t);
@@ -284,18 +288,22 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
             // w's softmax is done: write its LSE, keep 1/l, and move on to the next work tile
             finish_rows(inv, lse + static_cast<long long>(w.b * heads + w.h) * nq, m, l, lane_id(), w.q0 + wrow0(), nq,
                         scale_log2);
-            tile = fetch(++it);
-            if (tile >= total) break;
-            w = work(tile);
-            t = 0;
             if constexpr (!CHAIN) {
               tail(g);
               write(out_tile, inv);
+              tile = fetch(++it);
+              if (tile >= total) break;
+              w = work(tile);
+              t = 0;
               out_tile = tile;
               start_tile();
               head(w, ++g, it);
               continue;
             }
+            tile = fetch(++it);
+            if (tile >= total) break;
+            w = work(tile);
+            t = 0;
             m[0] = m[1] = FT_NEG_INF;
             l[0] = l[1] = 0.f;
             mbar_wait(&bar.q_full, it & 1);
@@ -328,8 +336,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
             make_p();
           }
         }
-        tail(g);
-        write(out_tile, inv);
+        if constexpr (CHAIN) {
+          tail(g);
+          write(out_tile, inv);
+        }
       }
     } else {
       int g0 = 0;
