@@ -82,36 +82,6 @@ template <int DT> FT_DEVICE unsigned pack2(float lo, float hi) {
   return r;
 }
 
-// Special registers read afresh (asm volatile), so that values derived from them are recomputed
-// where used rather than kept live (or spilled) across a loop with no register to spare.
-FT_DEVICE int thread_x() {
-  int t;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
-  return t;
-}
-FT_DEVICE int lane_id() {
-  int t;
-  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(t));
-  return t;
-}
-FT_DEVICE int grid_x() {
-  int t;
-  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(t));
-  return t;
-}
-
-// A store under a predicate rather than a branch: ragged-edge guards in an epilogue otherwise split
-// it into blocks, and ptxas then keeps more registers live around them.
-FT_DEVICE void st_global_if(unsigned* p, unsigned v, bool pred) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p st.global.b32 [%0], %1;\n}\n" ::"l"(p), "r"(v), "r"(int(pred))
-               : "memory");
-}
-FT_DEVICE void st_global_if(float2* p, float2 v, bool pred) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %3, 0;\n@p st.global.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(p), "f"(v.x),
-               "f"(v.y), "r"(int(pred))
-               : "memory");
-}
-
 // fp32 rounded to nearest tf32, as the 32-bit operand register of a tf32 mma (sm_80+).
 FT_DEVICE unsigned to_tf32(float x) {
   unsigned r;

@@ -12,16 +12,13 @@
 // PINGPONG: the consumers take turns issuing their products, one's softmax under the others'.
 // PERSISTENT: one CTA per SM runs work tiles from the dynamic scheduler (tile_scheduler.cuh); the
 // producer publishes each tile to the consumers and loads its first K, then its Q (released once
-// the last S of the previous tile has landed) under the previous tile's last products.
-// CHAIN (persistent, OVERLAP): the consumers chain work tiles too: the next tile's first S is
-// issued with this one's last P V, its softmax runs under that P V, and this tile's O is written
-// after it; the next Q then has only the last softmax to arrive in.
+// the last S of the previous tile has landed) under the previous tile's last products and epilogue.
 //
 // Head dims are handled in panels of 64 columns (128 B, one swizzle atom wide): Q, K and V tiles
 // are PANELS boxes of [rows x 64] each, so one TMA box and one wgmma descriptor step per panel.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT CHAIN IN_DTYPE IS_CAUSAL;
+// PERSISTENT IN_DTYPE IS_CAUSAL;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "softmax.cuh"
@@ -43,7 +40,6 @@ static_assert(HEAD_DIM % 64 == 0, "head dim in whole 64-column panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "2-byte inputs only");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
-static_assert(!CHAIN || (OVERLAP && PERSISTENT), "chaining work tiles needs the overlapped, persistent consumer");
 
 struct Barriers {
   unsigned long long q_full, q_empty;
@@ -61,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   T* Vs = Ks + STAGES * BC * HEAD_DIM;
   Barriers& bar = *reinterpret_cast<Barriers*>(Vs + STAGES * BC * HEAD_DIM);
 
-  const int tid = threadIdx.x, wg = tid / 128;
+  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   const int n_qblk = (nq + BR - 1) / BR, n_bh = batch * heads;
 
   // PERSISTENT: one CTA per SM takes work tiles from the dynamic scheduler (tile_scheduler.cuh)
@@ -95,31 +91,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   if (wg == 0) {
     // ---- producer ----
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
-    if (tid < 32) {
-      // The whole producer warp runs the loop, so its values are warp-uniform and ptxas keeps them
-      // in uniform registers (a persistent producer then fits the 24 of FA3's split); lane 0 issues.
-      const bool leader = lane_id() == 0;
+    if (tid == 0) {
       const char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256;
-      if (leader) {
-        tmap_acquire(tq);
-        tmap_acquire(tk);
-        tmap_acquire(tv);
-      }
+      tmap_acquire(tq);
+      tmap_acquire(tk);
+      tmap_acquire(tv);
       int g0 = 0;
-      // PERSISTENT: work tiles go to the consumers through the ring, each asked for from the
-      // scheduler one tile ahead (as the previous one's first loads are out), so the global atomic
-      // is off the path from a tile's last load to the next tile's publication.
-      auto publish = [&](int it) {
-        const int s = it & 1;
-        if (it >= 2) mbar_wait(&bar.ring.empty[s], ((it >> 1) - 1) & 1);
-        bar.ring.tile[s] = next_tile_dynamic(tile_counter, it, total);
-        mbar_arrive(&bar.ring.full[s]);
-      };
-      if constexpr (PERSISTENT) { if (leader) publish(0); }
       for (int it = 0;; ++it) {
         int tile = it;
-        if constexpr (PERSISTENT) {   // read back (volatile), not kept in a register across the loads
-          tile = __shfl_sync(0xffffffffu, leader ? *reinterpret_cast<volatile int*>(&bar.ring.tile[it & 1]) : 0, 0);
+        if constexpr (PERSISTENT) {
+          const int s = it & 1;
+          if (it >= 2) mbar_wait(&bar.ring.empty[s], ((it >> 1) - 1) & 1);
+          tile = next_tile_dynamic(tile_counter, it, total);
+          bar.ring.tile[s] = tile;
+          mbar_arrive(&bar.ring.full[s]);
         }
         if (tile >= total) break;
         const WorkTile w = work(tile);
@@ -128,23 +113,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         auto load = [&](T* ring, const char* tmap, unsigned long long* full, unsigned long long* empty, int t) {
           const int g = g0 + t, s = g % STAGES;
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
-          if (leader) {
-            mbar_expect_tx(&full[s], KV_BYTES);
+          mbar_expect_tx(&full[s], KV_BYTES);
 #pragma unroll
-            for (int p = 0; p < PANELS; ++p)
-              tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * 64, tmap, &full[s], p * 64, t * BC, w.hk, w.b);
-          }
+          for (int p = 0; p < PANELS; ++p)
+            tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * 64, tmap, &full[s], p * 64, t * BC, w.hk, w.b);
         };
         // The first K goes ahead of Q: it only needs a free ring slot, while Q waits for the last
         // work tile's final S.
         load(Ks, tk, bar.k_full, bar.k_empty, 0);
         if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);
-        if (leader) {
-          mbar_expect_tx(&bar.q_full, Q_BYTES);
+        mbar_expect_tx(&bar.q_full, Q_BYTES);
 #pragma unroll
-          for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, w.q0, w.h, w.b);
-          if constexpr (PERSISTENT) publish(it + 1);
-        }
+        for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, w.q0, w.h, w.b);
         for (int t = 1; t < w.ntiles; ++t) {
           load(Ks, tk, bar.k_full, bar.k_empty, t);
           load(Vs, tv, bar.v_full, bar.v_empty, t - 1);
@@ -157,10 +137,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     // ---- consumers ----
     if constexpr (CONSUMER_REGS > 0) regs_grow<CONSUMER_REGS>();
     const int cw = wg - 1;
-    // This warp's first row in the block, and the lane (lane_id()), are re-read from special
-    // registers at each use: ptxas would rather spill them than recompute them in the persistent
-    // loop, which has no register to spare.
-    auto wrow0 = [] { return (thread_x() / 32 - 4) * 16; };
+    const int wrow0 = cw * 64 + ((tid / 32) % 4) * 16;   // this warp's first row in the block
     const unsigned q_smem = smem_u32(Qs) + cw * 64 * 128;
 
     // Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their products, in the order
@@ -173,208 +150,134 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     float o_acc[DTILES][4], m[2], l[2];
     float sacc[NTILES][4], alpha[2];
     unsigned pa[PSTEPS][4];
-
-    // K/V ring slot and phase of the CTA's g-th K/V tile
-    auto slot = [](int g) { return g % STAGES; };
-    auto parity = [](int g) { return static_cast<unsigned>((g / STAGES) & 1); };
-    // ---- S = Q K^T: A and B K-major; a k16 step is 32 bytes into the swizzled row ----
-    auto issue_s = [&](int g) {
-      const unsigned k_smem = smem_u32(Ks + slot(g) * BC * HEAD_DIM);
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        const unsigned koff = (ks % 4) * 32;
-        const auto da = wgmma_desc(q_smem + (ks / 4) * BR * 128 + koff, 16, 1024);
-        const auto db = wgmma_desc(k_smem + (ks / 4) * BC * 128 + koff, 16, 1024);
-        Wgmma<BC>::ss(sacc, da, db, ks > 0);   // the first step overwrites
+    int g0 = 0;
+    for (int it = 0;; ++it) {
+      int tile = it;
+      if constexpr (PERSISTENT) {
+        const int s = it & 1;
+        mbar_wait(&bar.ring.full[s], (it >> 1) & 1);
+        tile = bar.ring.tile[s];
+        mbar_arrive(&bar.ring.empty[s]);
       }
-      wgmma_commit();
-    };
-    // ---- O += P V: V N-major (its rows are the k dim); panels of 64 columns LBO apart ----
-    auto issue_pv = [&](int g) {
-      const unsigned v_smem = smem_u32(Vs + slot(g) * BC * HEAD_DIM);
-#pragma unroll
-      for (int ps = 0; ps < PSTEPS; ++ps)
-        Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024), 1);
-      wgmma_commit();
-    };
-    auto mask = [&](const WorkTile& w, int t) {
-      const int k0 = t * BC;
-      if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > w.q0 + wrow0())) mask_slab<NTILES, IS_CAUSAL>(sacc, lane_id(), w.q0 + wrow0(), k0, nk);
-    };
-    // S of K/V tile t (ring index g) has landed: its K stage may be refilled and, after the last
-    // S, Q too, so the next work tile's Q streams in under this one's last softmax and P V.
-    auto release_k = [&](const WorkTile& w, int g, int t) {
-      mbar_arrive(&bar.k_empty[slot(g)]);
-      if (t == w.ntiles - 1) mbar_arrive(&bar.q_empty);
-    };
-    auto make_p = [&] {
-#pragma unroll
-      for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
-    };
-    auto zero_o = [&] {
+      if (tile >= total) break;
+      const WorkTile w = work(tile);
 #pragma unroll
       for (int dt = 0; dt < DTILES; ++dt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o_acc[dt][e] = 0.f;
-    };
-    auto start_tile = [&] {
-      zero_o();
       m[0] = m[1] = FT_NEG_INF;
       l[0] = l[1] = 0.f;
-    };
-    auto store = [&](const WorkTile& w) {
-      store_slab<IN_DTYPE>(o + w.b * o_sb + w.h * o_sh, o_sn, lse + static_cast<long long>(w.b * heads + w.h) * nq,
-                           o_acc, m, l, lane_id(), w.q0 + wrow0(), nq, scale_log2);
-    };
-    // The it-th work tile from the producer (PERSISTENT), or this CTA's one; >= total: none left.
-    auto fetch = [&](int it) {
-      if constexpr (PERSISTENT) {
-        const int s = it & 1;
-        mbar_wait(&bar.ring.full[s], (it >> 1) & 1);
-        const int tile = bar.ring.tile[s];
-        mbar_arrive(&bar.ring.empty[s]);
-        return tile;
-      }
-      return it == 0 ? 0 : total;
-    };
 
-    if constexpr (OVERLAP) {
-      // Software-pipelined: S of K/V tile g is issued together with P V of tile g-1, and the
-      // softmax of g runs while P V is still in flight; O is rescaled only once that has landed.
-      // CHAIN (persistent): work tiles chain the same way, the next one's first S with this one's
-      // last P V, and this one's O is written after the next one's first softmax. Otherwise a
-      // work tile starts with its first S alone and ends with its last P V alone.
-      auto head = [&](const WorkTile& w, int g, int it) {   // the first S of work tile `it`
-        mbar_wait(&bar.q_full, it & 1);
-        mbar_wait(&bar.k_full[slot(g)], parity(g));
+      // K/V ring slot and phase of this work tile's K/V tile t
+      auto slot = [&](int t) { return (g0 + t) % STAGES; };
+      auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
+      // ---- S = Q K^T: A and B K-major; a k16 step is 32 bytes into the swizzled row ----
+      auto issue_s = [&](int t) {
+        const unsigned k_smem = smem_u32(Ks + slot(t) * BC * HEAD_DIM);
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS; ++ks) {
+          const unsigned koff = (ks % 4) * 32;
+          const auto da = wgmma_desc(q_smem + (ks / 4) * BR * 128 + koff, 16, 1024);
+          const auto db = wgmma_desc(k_smem + (ks / 4) * BC * 128 + koff, 16, 1024);
+          Wgmma<BC>::ss(sacc, da, db, ks > 0);   // the first step overwrites
+        }
+        wgmma_commit();
+      };
+      // ---- O += P V: V N-major (its rows are the k dim); panels of 64 columns LBO apart ----
+      auto issue_pv = [&](int t) {
+        const unsigned v_smem = smem_u32(Vs + slot(t) * BC * HEAD_DIM);
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps)
+          Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024), 1);
+        wgmma_commit();
+      };
+      auto mask = [&](int t) {
+        const int k0 = t * BC;
+        if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > w.q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, w.q0 + wrow0, k0, nk);
+      };
+      // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the
+      // next work tile's Q streams in under this one's last softmax, P V and epilogue.
+      auto release_k = [&](int t) {
+        mbar_arrive(&bar.k_empty[slot(t)]);
+        if (t == w.ntiles - 1) mbar_arrive(&bar.q_empty);
+      };
+      auto make_p = [&] {
+#pragma unroll
+        for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
+      };
+
+      mbar_wait(&bar.q_full, it & 1);
+      if constexpr (OVERLAP) {
+        // Software-pipelined: S of tile t is issued together with P V of tile t-1, and the softmax
+        // of tile t runs while P V is still in flight; O is rescaled only once that has landed.
+        mbar_wait(&bar.k_full[slot(0)], parity(0));
         turn_begin();
         wgmma_fence();
-        issue_s(g);
+        issue_s(0);
         turn_end();
         wgmma_wait<0>();
         wgmma_pin(sacc);
-        release_k(w, g, 0);
-        mask(w, 0);
+        release_k(0);
+        mask(0);
         softmax_advance(sacc, m, l, alpha, scale_log2);
         make_p();
-      };
-      auto tail = [&](int g) {   // the last P V of a work tile
-        mbar_wait(&bar.v_full[slot(g)], parity(g));
-        turn_begin();
-        wgmma_pin(o_acc);
-        wgmma_fence();
-        issue_pv(g);
-        turn_end();
-        wgmma_wait<0>();
-        wgmma_pin(o_acc);
-        mbar_arrive(&bar.v_empty[slot(g)]);
-      };
-      auto write = [&](int tile, const float (&inv)[2]) {
-        const WorkTile w = work(tile);
-        SlabOut<IN_DTYPE, DTILES> out;
-        pack_slab<IN_DTYPE>(out, o_acc, inv);
-        write_slab<IN_DTYPE>(o + w.b * o_sb + w.h * o_sh, o_sn, out, lane_id(), w.q0 + wrow0(), nq);
-      };
-      int it = 0, tile = fetch(0);
-      if (tile < total) {
-        WorkTile w = work(tile);   // the work tile of the S being computed
-        int out_tile = tile;       // the work tile O accumulates for
-        int t = 0, g = 0;          // K/V tile t of w, the CTA's g-th
-        float inv[2];              // 1/l of out_tile's rows, once its softmax is done
-        start_tile();
-        head(w, 0, 0);
-        for (;;) {
-          if (++t == w.ntiles) {
-            // w's softmax is done: write its LSE, keep 1/l, and move on to the next work tile
-            finish_rows(inv, lse + static_cast<long long>(w.b * heads + w.h) * nq, m, l, lane_id(), w.q0 + wrow0(), nq,
-                        scale_log2);
-            if constexpr (!CHAIN) {
-              tail(g);
-              write(out_tile, inv);
-              tile = fetch(++it);
-              if (tile >= total) break;
-              w = work(tile);
-              t = 0;
-              out_tile = tile;
-              start_tile();
-              head(w, ++g, it);
-              continue;
-            }
-            tile = fetch(++it);
-            if (tile >= total) break;
-            w = work(tile);
-            t = 0;
-            m[0] = m[1] = FT_NEG_INF;
-            l[0] = l[1] = 0.f;
-            mbar_wait(&bar.q_full, it & 1);
-          }
-          ++g;
-          mbar_wait(&bar.k_full[slot(g)], parity(g));
-          mbar_wait(&bar.v_full[slot(g - 1)], parity(g - 1));
+        for (int t = 1; t < w.ntiles; ++t) {
+          mbar_wait(&bar.k_full[slot(t)], parity(t));
+          mbar_wait(&bar.v_full[slot(t - 1)], parity(t - 1));
           turn_begin();
           wgmma_pin(o_acc);
           wgmma_fence();
-          issue_s(g);
-          issue_pv(g - 1);
+          issue_s(t);
+          issue_pv(t - 1);
           turn_end();
-          wgmma_wait<1>();   // S of tile g has landed; P V of tile g-1 may still run
+          wgmma_wait<1>();   // S of tile t has landed; P V of tile t-1 may still run
           wgmma_pin(sacc);
-          release_k(w, g, t);
-          mask(w, t);
+          release_k(t);
+          mask(t);
           softmax_advance(sacc, m, l, alpha, scale_log2);
           wgmma_wait<0>();
           wgmma_pin(o_acc);
-          mbar_arrive(&bar.v_empty[slot(g - 1)]);
-          if (CHAIN && t == 0) {
-            // out_tile's O is complete: packed first, so that its accumulators start the new tile
-            make_p();
-            write(out_tile, inv);
-            zero_o();
-            out_tile = tile;
-          } else {
-            rescale_rows(o_acc, alpha);
-            make_p();
-          }
+          mbar_arrive(&bar.v_empty[slot(t - 1)]);
+          rescale_rows(o_acc, alpha);
+          make_p();
         }
-        if constexpr (CHAIN) {
-          tail(g);
-          write(out_tile, inv);
-        }
-      }
-    } else {
-      int g0 = 0;
-      for (int it = 0;; ++it) {
-        const int tile = fetch(it);
-        if (tile >= total) break;
-        const WorkTile w = work(tile);
-        start_tile();
-        mbar_wait(&bar.q_full, it & 1);
+        mbar_wait(&bar.v_full[slot(w.ntiles - 1)], parity(w.ntiles - 1));
+        turn_begin();
+        wgmma_pin(o_acc);
+        wgmma_fence();
+        issue_pv(w.ntiles - 1);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_pin(o_acc);
+        mbar_arrive(&bar.v_empty[slot(w.ntiles - 1)]);
+      } else {
         for (int t = 0; t < w.ntiles; ++t) {
-          const int g = g0 + t;
-          mbar_wait(&bar.k_full[slot(g)], parity(g));
+          mbar_wait(&bar.k_full[slot(t)], parity(t));
           turn_begin();
           wgmma_fence();
-          issue_s(g);
+          issue_s(t);
           turn_end();
           wgmma_wait<0>();
           wgmma_pin(sacc);
-          release_k(w, g, t);
-          mask(w, t);
+          release_k(t);
+          mask(t);
           softmax_step(sacc, o_acc, m, l, scale_log2);
           make_p();
-          mbar_wait(&bar.v_full[slot(g)], parity(g));
+          mbar_wait(&bar.v_full[slot(t)], parity(t));
           turn_begin();
           wgmma_pin(o_acc);
           wgmma_fence();
-          issue_pv(g);
+          issue_pv(t);
           turn_end();
           wgmma_wait<0>();
           wgmma_pin(o_acc);
-          mbar_arrive(&bar.v_empty[slot(g)]);
+          mbar_arrive(&bar.v_empty[slot(t)]);
         }
-        store(w);
-        g0 += w.ntiles;
       }
+
+      store_slab<IN_DTYPE>(o + w.b * o_sb + w.h * o_sh, o_sn, lse + static_cast<long long>(w.b * heads + w.h) * nq,
+                           o_acc, m, l, lane, w.q0 + wrow0, nq, scale_log2);
+      g0 += w.ntiles;
     }
     if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // the last consumer's final hand-over
   }

@@ -6,8 +6,7 @@ after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone), 
 consumer issues S of tile t with P V of tile t-1 and runs the softmax under the latter) and
 pingpong (the consumers take turns at the tensor cores, one's softmax under the others' products)
 and persistent (one CTA per SM takes work tiles from a dynamic scheduler as it finishes the last,
-loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh), and chain (a
-persistent, overlapped consumer issues the next work tile's first S with this one's last P V).
+loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh).
 """
 
 from __future__ import annotations
@@ -66,7 +65,6 @@ class FlashFwdSm90(KernelFamily):
         "overlap": (0, 1),
         "pingpong": (0, 1),
         "persistent": (0, 1),
-        "chain": (0, 1),
     }
 
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -86,8 +84,8 @@ class FlashFwdSm90(KernelFamily):
         cwg, split = params["cwg"], params["split"]
         if cwg == 1 and split:
             return "with one consumer warpgroup every thread already has 255 registers: no split"
-        if params["chain"] and not (params["persistent"] and params["overlap"]):
-            return "chaining work tiles needs persistent=1 and overlap=1"
+        if params["persistent"] and split == 24:
+            return "the persistent producer's scheduler state does not fit in 24 registers (ptxas spills): split 0 or 40"
         if params["pingpong"] and cwg < 2:
             return "ping-pong takes turns between two or three consumer warpgroups"
         need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
@@ -101,15 +99,15 @@ class FlashFwdSm90(KernelFamily):
         # (three consumers of Bc=128 taking turns) for long sequences, two consumers with
         # ping-pong, persistent, for short ones.
         d = problem.head_dim
-        keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent", "chain")
+        keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent")
         if d <= 64:
-            cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 1, 1, 0), (96, 2, 3, 24, 1, 1, 0, 0),
-                     (96, 2, 3, 24, 1, 1, 1, 0), (128, 3, 2, 24, 1, 1, 1, 0), (176, 2, 2, 24, 1, 1, 0, 0)]
+            cands = [(128, 2, 3, 24, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0),
+                     (96, 2, 3, 40, 1, 1, 1), (128, 3, 2, 40, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0)]
         elif d <= 128:
-            cands = [(176, 2, 2, 24, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 1, 0), (128, 2, 2, 24, 1, 0, 1, 0),
-                     (128, 2, 2, 24, 1, 0, 0, 0), (128, 3, 2, 24, 1, 0, 0, 0), (96, 3, 2, 24, 1, 1, 0, 0)]
+            cands = [(176, 2, 2, 24, 1, 1, 0), (176, 2, 2, 40, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1),
+                     (128, 2, 2, 24, 1, 0, 0), (128, 3, 2, 24, 1, 0, 0), (96, 3, 2, 24, 1, 1, 0)]
         else:  # no persistent seed: its extra state spills a few bytes at d=256
-            cands = [(80, 2, 2, 24, 1, 1, 0, 0), (64, 2, 2, 24, 1, 0, 0, 0), (64, 2, 1, 0, 0, 0, 0, 0)]
+            cands = [(80, 2, 2, 24, 1, 1, 0), (64, 2, 2, 24, 1, 0, 0), (64, 2, 1, 0, 0, 0, 0)]
         return [dict(zip(keys, c)) for c in cands]
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
@@ -123,7 +121,6 @@ class FlashFwdSm90(KernelFamily):
             "OVERLAP": params["overlap"],
             "PINGPONG": params["pingpong"],
             "PERSISTENT": params["persistent"],
-            "CHAIN": params["chain"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "IS_CAUSAL": int(problem.causal),

@@ -100,56 +100,23 @@ FT_DEVICE void p_fragment_tf32(unsigned (&a)[4], const float (&st)[4], int lane)
   for (int i = 0; i < 4; ++i) a[i] = to_tf32(v[i]);
 }
 
-// Epilogue for a 16-row slab, in steps so that a kernel can retire the softmax state and O's
-// accumulators as early as each allows: finish_rows writes LSE = ln(sum exp(s * scale)) and gives
-// 1/l per row once the last softmax step is done, pack_slab turns O / l into the output precision
-// (one word per n8 tile and row half) once the last P V is, write_slab stores it. `row0` is the
-// slab's first absolute row.
-FT_DEVICE void finish_rows(float (&inv)[2], float* lse_row, const float (&m)[2], const float (&l)[2], int lane, int row0,
-                           int nq, float scale_log2) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const float row_l = group_sum<4>(l[hh]);
-    inv[hh] = row_l > 0.f ? 1.f / row_l : 0.f;
-    const int row = row0 + lane / 4 + hh * 8;
-    if (lane % 4 == 0 && row < nq) lse_row[row] = (m[hh] * scale_log2 + __log2f(row_l)) * FT_LN2;
-  }
-}
-
-template <int DT> struct PairOf { using type = unsigned; };   // two adjacent outputs in one word
-template <> struct PairOf<FT_F32> { using type = float2; };
-template <int DT, int DTILES> using SlabOut = typename PairOf<DT>::type[DTILES][2];
-
-template <int DT, int DTILES>
-FT_DEVICE void pack_slab(SlabOut<DT, DTILES>& out, const float (&o)[DTILES][4], const float (&inv)[2]) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-    for (int dt = 0; dt < DTILES; ++dt) {
-      if constexpr (DT == FT_F32) out[dt][hh] = make_float2(o[dt][2 * hh] * inv[hh], o[dt][2 * hh + 1] * inv[hh]);
-      else out[dt][hh] = pack2<DT>(o[dt][2 * hh] * inv[hh], o[dt][2 * hh + 1] * inv[hh]);
-    }
-}
-
-template <int DT, int DTILES>
-FT_DEVICE void write_slab(typename Elem<DT>::type* op, long long o_sn, const SlabOut<DT, DTILES>& out, int lane, int row0,
-                          int nq) {
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int row = row0 + lane / 4 + hh * 8;
-    const bool in = row < nq;
-    auto* dst = reinterpret_cast<typename PairOf<DT>::type*>(op + (in ? row : 0) * o_sn + 2 * (lane % 4));
-#pragma unroll
-    for (int dt = 0; dt < DTILES; ++dt) st_global_if(dst + dt * 4, out[dt][hh], in);   // n8 tiles: 4 pairs apart
-  }
-}
-
+// Epilogue for a 16-row slab: O / l in the input precision straight from the fragments, and
+// LSE = ln(sum exp(s * scale)) per row. `row0` is the slab's first absolute row.
 template <int DT, int DTILES>
 FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* lse_row, const float (&o)[DTILES][4],
                           const float (&m)[2], const float (&l)[2], int lane, int row0, int nq, float scale_log2) {
-  float inv[2];
-  finish_rows(inv, lse_row, m, l, lane, row0, nq, scale_log2);
-  SlabOut<DT, DTILES> out;
-  pack_slab<DT>(out, o, inv);
-  write_slab<DT>(op, o_sn, out, lane, row0, nq);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float row_l = group_sum<4>(l[hh]);
+    const int row = row0 + lane / 4 + hh * 8;
+    if (row >= nq) continue;
+    const float inv = row_l > 0.f ? 1.f / row_l : 0.f;
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt) {
+      auto* dst = op + row * o_sn + dt * 8 + 2 * (lane % 4);
+      if constexpr (DT == FT_F32) *reinterpret_cast<float2*>(dst) = make_float2(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
+      else *reinterpret_cast<unsigned*>(dst) = pack2<DT>(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
+    }
+    if (lane % 4 == 0) lse_row[row] = (m[hh] * scale_log2 + __log2f(row_l)) * FT_LN2;
+  }
 }

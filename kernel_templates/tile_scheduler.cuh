@@ -34,8 +34,8 @@ FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, 
 // The producer thread asks for the CTA's tiles in turn (it = 0, 1, ...); a tile >= total means
 // the CTA is done, and it has then signed off on the counter.
 FT_DEVICE int next_tile_dynamic(int* counter, int it, int total) {
-  const int tile = it == 0 ? static_cast<int>(blockIdx.x) : grid_x() + atomicAdd(counter, 1);
-  if (tile >= total && atomicAdd(counter + 1, 1) == grid_x() - 1) {
+  const int tile = it == 0 ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
+  if (tile >= total && atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
     // every CTA has made its last fetch: no atomicAdd on counter[0] is left in this launch
     atomicExch(counter, 0);
     atomicExch(counter + 1, 0);

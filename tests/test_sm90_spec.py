@@ -10,7 +10,7 @@ from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90 import sm_count
 
 SM90 = get_family("flash_fwd_sm90")
-BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0, chain=0)
+BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0)
 
 
 def problem(d: int = 128, causal: bool = False, n: int = 4096):
@@ -26,6 +26,7 @@ def pt(**kw) -> dict:
 @pytest.mark.parametrize(
     "params,d,words",
     [
+        (pt(persistent=1, split=24), 128, "24 registers"),      # the producer's scheduler state spills
         (pt(cwg=1, split=24, pingpong=0), 128, "no split"),
         (pt(cwg=1, split=0, pingpong=1), 128, "ping-pong"),
         (pt(Bc=176, split=0), 128, "registers"),                 # 232 needed, 168 without a split
@@ -42,8 +43,7 @@ def test_check_names_what_does_not_fit(params, d, words):
     "params,d",
     [
         (pt(Bc=128, cwg=3, split=24, pingpong=1), 64),                 # FA3's 192 x 128 at d=64
-        (pt(Bc=176, cwg=2, split=24, pingpong=1, persistent=1), 128),  # FA3's 128 x 176 and 24/240 split, persistent
-        (pt(Bc=128, cwg=3, split=24, pingpong=1, persistent=1), 64),   # FA3's 192 x 128, persistent
+        (pt(Bc=176, cwg=2, split=40, pingpong=1, persistent=1), 128),  # FA3's 128 x 176 at d=128, persistent
         (pt(Bc=96, cwg=3, split=40, pingpong=1, persistent=1), 64),    # three-way ping-pong, persistent
         (pt(Bc=80, cwg=2, split=24, pingpong=1), 256),                 # FA3's 128 x 80 at d=256
     ],
