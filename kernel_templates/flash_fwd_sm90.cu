@@ -14,37 +14,52 @@
 // producer publishes each tile to the consumers and loads its first K, then its Q (released once
 // the last S of the previous tile has landed) under the previous tile's last products and epilogue.
 //
-// Head dims are handled in panels of 64 columns (128 B, one swizzle atom wide): Q, K and V tiles
-// are PANELS boxes of [rows x 64] each, so one TMA box and one wgmma descriptor step per panel.
+// Head dims are handled in panels of 128 bytes (one swizzle atom wide: 64 columns of fp16/bf16, 128
+// of e4m3): Q, K and V tiles are PANELS boxes of [rows x PANEL_COLS] each, so one TMA box and one
+// wgmma descriptor step per panel.
+//
+// e4m3 (IN_DTYPE == FT_E4M3, grid launch only): the products are k32 QGMMA, O is bf16. fp8 wgmma
+// takes only K-major operands, so warps 1-3 of the producer warpgroup transpose each V tile into
+// V^T (sm90_fp8.cuh) with the keys permuted so that P packs straight from S's registers; V's
+// stage is freed once transposed, V^T's once P V has read it.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT IN_DTYPE IS_CAUSAL;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
+#include "sm90_fp8.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 // <wgmma wrappers>
 
-using T = unsigned short;
+constexpr bool FP8 = IN_DTYPE == FT_E4M3;
+using T = typename Elem<IN_DTYPE>::type;
+constexpr int OUT_DTYPE = FP8 ? FT_BF16 : IN_DTYPE;   // e4m3 inputs give a bf16 O
+using TO = typename Elem<OUT_DTYPE>::type;
 constexpr int BR = 64 * CWG;                 // query rows per block
 constexpr int NT = 128 * (CWG + 1);          // threads: producer warpgroup + consumers
-constexpr int PANELS = HEAD_DIM / 64;
+constexpr int PANEL_COLS = 128 / sizeof(T);  // columns per 128-byte panel
+constexpr int PANELS = HEAD_DIM / PANEL_COLS;
 constexpr int NTILES = BC / 8;               // n8 column groups of S
 constexpr int DTILES = HEAD_DIM / 8;         // n8 column groups of O
-constexpr int KSTEPS = HEAD_DIM / 16;        // k16 steps of Q K^T
-constexpr int PSTEPS = BC / 16;              // k16 steps of P V
-constexpr unsigned Q_BYTES = BR * HEAD_DIM * 2;
-constexpr unsigned KV_BYTES = BC * HEAD_DIM * 2;
+constexpr int KSTEP = 32 / sizeof(T);        // k of one wgmma: 32 bytes of a row
+constexpr int KSTEPS = HEAD_DIM / KSTEP;     // k steps of Q K^T
+constexpr int PSTEPS = BC / KSTEP;           // k steps of P V
+constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
+constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
+constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
 
-static_assert(HEAD_DIM % 64 == 0, "head dim in whole 64-column panels");
+static_assert(HEAD_DIM % PANEL_COLS == 0, "head dim in whole 128-byte panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
-static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "2-byte inputs only");
+static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, "fp16, bf16 or e4m3 inputs");
+static_assert(!FP8 || (BC % 128 == 0 && !PERSISTENT), "e4m3: V^T in whole 128-key panels, grid launch");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 
 struct Barriers {
   unsigned long long q_full, q_empty;
   unsigned long long k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
   TileRing ring;   // PERSISTENT: the producer's fetched tiles, handed to the consumers
+  unsigned long long vt_full[STAGES], vt_empty[STAGES];   // e4m3: V^T transposed / read by P V
 };
 
 extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const char* __restrict__ tmaps,
@@ -55,7 +70,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   T* Qs = reinterpret_cast<T*>(base);
   T* Ks = Qs + BR * HEAD_DIM;
   T* Vs = Ks + STAGES * BC * HEAD_DIM;
-  Barriers& bar = *reinterpret_cast<Barriers*>(Vs + STAGES * BC * HEAD_DIM);
+  T* Vts = Vs + STAGES * BC * HEAD_DIM;   // e4m3 only: V^T, [HEAD_DIM x BC] per stage
+  Barriers& bar = *reinterpret_cast<Barriers*>(FP8 ? Vts + STAGES * BC * HEAD_DIM : Vts);
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   const int n_qblk = (nq + BR - 1) / BR, n_bh = batch * heads;
@@ -80,7 +96,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       mbar_init(&bar.k_full[s], 1);
       mbar_init(&bar.v_full[s], 1);
       mbar_init(&bar.k_empty[s], CWG * 128);
-      mbar_init(&bar.v_empty[s], CWG * 128);
+      mbar_init(&bar.v_empty[s], FP8 ? TRANSPOSERS : CWG * 128);
+      if constexpr (FP8) {
+        mbar_init(&bar.vt_full[s], TRANSPOSERS);
+        mbar_init(&bar.vt_empty[s], CWG * 128);
+      }
     }
     mbar_fence_init();
   }
@@ -116,7 +136,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           mbar_expect_tx(&full[s], KV_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
-            tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * 64, tmap, &full[s], p * 64, t * BC, w.hk, w.b);
+            tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * PANEL_COLS, tmap, &full[s], p * PANEL_COLS, t * BC, w.hk, w.b);
         };
         // The first K goes ahead of Q: it only needs a free ring slot, while Q waits for the last
         // work tile's final S.
@@ -124,13 +144,28 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);
         mbar_expect_tx(&bar.q_full, Q_BYTES);
 #pragma unroll
-        for (int p = 0; p < PANELS; ++p) tma_load_4d(Qs + p * BR * 64, tq, &bar.q_full, p * 64, w.q0, w.h, w.b);
+        for (int p = 0; p < PANELS; ++p)
+          tma_load_4d(Qs + p * BR * PANEL_COLS, tq, &bar.q_full, p * PANEL_COLS, w.q0, w.h, w.b);
         for (int t = 1; t < w.ntiles; ++t) {
           load(Ks, tk, bar.k_full, bar.k_empty, t);
           load(Vs, tv, bar.v_full, bar.v_empty, t - 1);
         }
         load(Vs, tv, bar.v_full, bar.v_empty, w.ntiles - 1);
         g0 += w.ntiles;
+      }
+    } else if (FP8 && tid >= 128 - TRANSPOSERS) {
+      // e4m3: each landed V tile -> V^T, once P V has freed V^T's stage (the grid's one work tile)
+      const WorkTile w = work(0);
+      for (int g = 0; g < w.ntiles; ++g) {
+        const int s = g % STAGES;
+        mbar_wait(&bar.v_full[s], (g / STAGES) & 1);
+        if (g >= STAGES) mbar_wait(&bar.vt_empty[s], ((g / STAGES) - 1) & 1);
+        transpose_v_e4m3<BC, HEAD_DIM>(reinterpret_cast<unsigned char*>(Vts + s * BC * HEAD_DIM),
+                                       reinterpret_cast<const unsigned char*>(Vs + s * BC * HEAD_DIM),
+                                       tid - (128 - TRANSPOSERS), TRANSPOSERS);
+        fence_proxy_async_smem();
+        mbar_arrive(&bar.vt_full[s]);
+        mbar_arrive(&bar.v_empty[s]);
       }
     }
   } else {
@@ -150,6 +185,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     float o_acc[DTILES][4], m[2], l[2];
     float sacc[NTILES][4], alpha[2];
     unsigned pa[PSTEPS][4];
+    // P V's operand B and its barriers: V itself (N-major), or for e4m3 the transposed V^T
+    unsigned long long* pv_full = FP8 ? bar.vt_full : bar.v_full;
+    unsigned long long* pv_empty = FP8 ? bar.vt_empty : bar.v_empty;
     int g0 = 0;
     for (int it = 0;; ++it) {
       int tile = it;
@@ -183,12 +221,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         }
         wgmma_commit();
       };
-      // ---- O += P V: V N-major (its rows are the k dim); panels of 64 columns LBO apart ----
+      // ---- O += P V: V N-major (its rows are the k dim), panels of 64 columns LBO apart; or
+      // e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart ----
       auto issue_pv = [&](int t) {
-        const unsigned v_smem = smem_u32(Vs + slot(t) * BC * HEAD_DIM);
+        if constexpr (FP8) {
+          const unsigned vt_smem = smem_u32(Vts + slot(t) * BC * HEAD_DIM);
 #pragma unroll
-        for (int ps = 0; ps < PSTEPS; ++ps)
-          Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024), 1);
+          for (int ps = 0; ps < PSTEPS; ++ps)
+            Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(vt_smem + (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32, 16, 1024), 1);
+        } else {
+          const unsigned v_smem = smem_u32(Vs + slot(t) * BC * HEAD_DIM);
+#pragma unroll
+          for (int ps = 0; ps < PSTEPS; ++ps)
+            Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024), 1);
+        }
         wgmma_commit();
       };
       auto mask = [&](int t) {
@@ -203,7 +249,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       };
       auto make_p = [&] {
 #pragma unroll
-        for (int ps = 0; ps < PSTEPS; ++ps) p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
+        for (int ps = 0; ps < PSTEPS; ++ps) {
+          if constexpr (FP8) p_fragment_e4m3(pa[ps], sacc, ps);
+          else p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
+        }
       };
 
       mbar_wait(&bar.q_full, it & 1);
@@ -223,7 +272,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         make_p();
         for (int t = 1; t < w.ntiles; ++t) {
           mbar_wait(&bar.k_full[slot(t)], parity(t));
-          mbar_wait(&bar.v_full[slot(t - 1)], parity(t - 1));
+          mbar_wait(&pv_full[slot(t - 1)], parity(t - 1));
           turn_begin();
           wgmma_pin(o_acc);
           wgmma_fence();
@@ -237,11 +286,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           softmax_advance(sacc, m, l, alpha, scale_log2);
           wgmma_wait<0>();
           wgmma_pin(o_acc);
-          mbar_arrive(&bar.v_empty[slot(t - 1)]);
+          mbar_arrive(&pv_empty[slot(t - 1)]);
           rescale_rows(o_acc, alpha);
           make_p();
         }
-        mbar_wait(&bar.v_full[slot(w.ntiles - 1)], parity(w.ntiles - 1));
+        mbar_wait(&pv_full[slot(w.ntiles - 1)], parity(w.ntiles - 1));
         turn_begin();
         wgmma_pin(o_acc);
         wgmma_fence();
@@ -249,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         turn_end();
         wgmma_wait<0>();
         wgmma_pin(o_acc);
-        mbar_arrive(&bar.v_empty[slot(w.ntiles - 1)]);
+        mbar_arrive(&pv_empty[slot(w.ntiles - 1)]);
       } else {
         for (int t = 0; t < w.ntiles; ++t) {
           mbar_wait(&bar.k_full[slot(t)], parity(t));
@@ -263,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           mask(t);
           softmax_step(sacc, o_acc, m, l, scale_log2);
           make_p();
-          mbar_wait(&bar.v_full[slot(t)], parity(t));
+          mbar_wait(&pv_full[slot(t)], parity(t));
           turn_begin();
           wgmma_pin(o_acc);
           wgmma_fence();
@@ -271,11 +320,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           turn_end();
           wgmma_wait<0>();
           wgmma_pin(o_acc);
-          mbar_arrive(&bar.v_empty[slot(t)]);
+          mbar_arrive(&pv_empty[slot(t)]);
         }
       }
 
-      store_slab<IN_DTYPE>(o + w.b * o_sb + w.h * o_sh, o_sn, lse + static_cast<long long>(w.b * heads + w.h) * nq,
+      store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + w.b * o_sb + w.h * o_sh, o_sn, lse + static_cast<long long>(w.b * heads + w.h) * nq,
                            o_acc, m, l, lane, w.q0 + wrow0, nq, scale_log2);
       g0 += w.ntiles;
     }

@@ -1,4 +1,4 @@
-"""flash_fwd_sm90: the Hopper kernel (TMA + wgmma + warp specialization), fp16/bf16, sm_90a only.
+"""flash_fwd_sm90: the Hopper kernel (TMA + wgmma + warp specialization), fp16/bf16/e4m3, sm_90a only.
 
 Parameters: Bc (the K/V tile, the n of the first wgmma), stages (depth of the TMA ring), cwg
 (consumer warpgroups; Br = 64 per consumer), split (registers the producer warpgroup keeps
@@ -7,6 +7,11 @@ consumer issues S of tile t with P V of tile t-1 and runs the softmax under the 
 pingpong (the consumers take turns at the tensor cores, one's softmax under the others' products)
 and persistent (one CTA per SM takes work tiles from a dynamic scheduler as it finishes the last,
 loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh).
+
+fp8 (e4m3 inputs, bf16 O): the producer warpgroup's warps 1-3 transpose each V tile for the K-major
+P V (kernel_templates/sm90_fp8.cuh), so the V^T buffer costs a third K/V-sized ring, the transposers
+need split 0 or 40, and Bc is a whole 128-key panel; d >= 128 (one 128-byte swizzle row is 128
+e4m3 columns) and grid launch only, for now.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import numpy as np
 
 from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div
 from tuner.gpu import H100_SXM, GpuSpec, detect
-from tuner.problem import Problem
+from tuner.problem import DTYPE_BYTES, Problem
 from tuner.kernel_templates.wgmma_gen import wrappers
 
 _REGS_PER_BLOCK = 65536
@@ -55,7 +60,7 @@ class FlashFwdSm90(KernelFamily):
     kernel_name = "flash_fwd_sm90"
     source_file = "flash_fwd_sm90.cu"
     min_cc = (9, 0)
-    dtypes = ("fp16", "bf16")
+    dtypes = ("fp16", "bf16", "fp8")
     head_dims = (64, 128, 256)
     space = {
         "Bc": (64, 80, 96, 128, 176),
@@ -70,15 +75,18 @@ class FlashFwdSm90(KernelFamily):
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
         if (gpu.major, gpu.minor) != (9, 0):
             return f"{self.name} uses sm_90a instructions (wgmma, setmaxnreg): Hopper only, {gpu.name} is {gpu.cc}"
+        if problem.dtype == "fp8" and problem.head_dim < 128:
+            return f"{self.name} takes fp8 at head dim 128 or 256 (its 128-byte panels are 128 e4m3 columns), not {problem.head_dim}"
         return super().supports(gpu, problem)
 
     @staticmethod
     def register_estimate(params: dict, problem: Problem) -> int:
-        """Per consumer thread: S (Bc/2), O (d/2), P packed (Bc/4), and ~32 for addresses, softmax
+        """Per consumer thread: S (Bc/2), O (d/2), P packed (Bc/4, Bc/8 in e4m3), and ~32 for addresses, softmax
         state and descriptors, 4 more without a split. From ptxas: Bc=176 at d=128 fits split=40's
         232 and Bc=128 at d=64 fits three consumers' 160 with no spill (FA3's tiles there); Bc=96
         at d=128 spills 8-48 B in the 168 of no split."""
-        return params["Bc"] // 2 + problem.head_dim // 2 + params["Bc"] // 4 + 32 + (0 if params["split"] else 4)
+        packed = params["Bc"] // (8 if problem.dtype == "fp8" else 4)
+        return params["Bc"] // 2 + problem.head_dim // 2 + packed + 32 + (0 if params["split"] else 4)
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         cwg, split = params["cwg"], params["split"]
@@ -86,6 +94,13 @@ class FlashFwdSm90(KernelFamily):
             return "with one consumer warpgroup every thread already has 255 registers: no split"
         if params["persistent"] and split == 24:
             return "the persistent producer's scheduler state does not fit in 24 registers (ptxas spills): split 0 or 40"
+        if problem.dtype == "fp8":
+            if params["Bc"] % 128:
+                return "fp8 P V reads V^T in whole panels of 128 keys: Bc must be 128"
+            if params["persistent"]:
+                return "fp8 runs on the grid launch only (the V transposers follow one work tile)"
+            if split == 24:
+                return "the fp8 V transposers need more than the producer's 24 registers: split 0 or 40"
         if params["pingpong"] and cwg < 2:
             return "ping-pong takes turns between two or three consumer warpgroups"
         need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
@@ -100,6 +115,10 @@ class FlashFwdSm90(KernelFamily):
         # ping-pong, persistent, for short ones.
         d = problem.head_dim
         keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent")
+        if problem.dtype == "fp8":   # FA3's fp8 tiles are wider; Bc=128 is what V^T's panels allow
+            cands = [(128, 2, 2, 40, 1, 1, 0), (128, 2, 2, 40, 1, 0, 0), (128, 3, 2, 40, 1, 1, 0)] if d <= 128 else \
+                    [(128, 2, 1, 0, 1, 0, 0), (128, 2, 1, 0, 0, 0, 0)]
+            return [dict(zip(keys, c)) for c in cands]
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0),
                      (96, 2, 3, 40, 1, 1, 1), (128, 3, 2, 40, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0)]
@@ -127,8 +146,9 @@ class FlashFwdSm90(KernelFamily):
         }
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
-        d = problem.head_dim
-        return 2 * d * (64 * params["cwg"] + 2 * params["stages"] * params["Bc"]) + _BARRIER_SLACK
+        d, esize = problem.head_dim, DTYPE_BYTES[problem.dtype]
+        rings = 3 if problem.dtype == "fp8" else 2   # K, V (and V^T)
+        return esize * d * (64 * params["cwg"] + rings * params["stages"] * params["Bc"]) + _BARRIER_SLACK
 
     def launch(self, params: dict, problem: Problem) -> Launch:
         qblocks = ceil_div(problem.seqlen_q, 64 * params["cwg"])
@@ -148,7 +168,7 @@ class FlashFwdSm90(KernelFamily):
         from tuner.tile_counter import tile_counter
         from tuner.tma import attention_maps
 
-        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"])
+        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"], box_cols=128 // q.element_size())
         counter = tile_counter(q.device).data_ptr() if params["persistent"] else 0
         return super().kernel_args(params, q, k, v, o, lse, scale) + (
             np.uint64(maps.data_ptr()), np.int32(q.shape[0]), np.uint64(counter))

@@ -23,10 +23,10 @@ from tuner.records import params_key
 FAM = get_family("flash_fwd_simt")
 GPUS = (A100_SXM, H100_SXM)
 # fp32 with a budget wide enough for tensor-core compute, so flash_fwd_mma's tf32/bf16 paths are swept
-WIDE = {"fp32": 2e-2, "fp16": 0.0, "bf16": 0.0}
+WIDE = {"fp32": 2e-2, "fp16": 0.0, "bf16": 0.0, "fp8": 0.0}
 VARIANTS = [
     Problem(2, 4, 256, 256, d, dtype, causal, max_error=WIDE[dtype])
-    for d, dtype, causal in itertools.product((32, 64, 96, 128, 256), ("fp32", "fp16", "bf16"), (False, True))
+    for d, dtype, causal in itertools.product((32, 64, 96, 128, 256), ("fp32", "fp16", "bf16", "fp8"), (False, True))
 ]
 
 
@@ -205,12 +205,13 @@ def test_mma_sm90a_sass_uses_tensor_cores(tmp_path):
 
 
 SM90 = get_family("flash_fwd_sm90")
-SM90_PROBLEMS = [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16") for c in (False, True)]
+SM90_PROBLEMS = [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16", "fp8")
+                 for c in (False, True) if dt != "fp8" or d >= 128]
 
 
 @pytest.mark.parametrize("problem", SM90_PROBLEMS, ids=lambda p: p.key)
 def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
-    """The seeded Hopper configs: both products on wgmma (HGMMA), tiles by TMA (UTMALDG), the
+    """The seeded Hopper configs: both products on wgmma (HGMMA, QGMMA for e4m3), tiles by TMA (UTMALDG), the
     register split honoured (no C7508 warning), no spills, no local memory in the SASS, and the
     tile scheduler's atomic exactly in the persistent ones."""
     seeds = [s for s in SM90.seeds(H100_SXM, problem) if SM90.check(s, H100_SXM, problem) is None]
@@ -223,8 +224,8 @@ def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
         cubin = tmp_path / "k.cubin"
         cubin.write_bytes(ck.cubin)
         sass = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120).stdout
-        ksteps, psteps = problem.head_dim // 16, params["Bc"] // 16
-        assert len(re.findall(r"\bHGMMA\.64x\d+x16\.F32", sass)) >= ksteps + psteps, params
+        op, k = ("QGMMA", 32) if problem.dtype == "fp8" else ("HGMMA", 16)
+        assert len(re.findall(rf"\b{op}\.64x\d+x{k}\.F32", sass)) >= (problem.head_dim + params["Bc"]) // k, params
         assert re.search(r"\bUTMALDG(\.\w+)*\b", sass), params
         assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), f"local memory (spills) in SASS: {params}"
         if params["split"]:

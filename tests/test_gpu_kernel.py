@@ -36,6 +36,7 @@ FAMILY_DTYPES_DIMS = (
     ("flash_fwd_simt", ("fp32", "fp16", "bf16"), (64, 128)),
     ("flash_fwd_mma", ("fp16", "bf16"), (32, 64, 96, 128, 256)),
     ("flash_fwd_sm90", ("fp16", "bf16"), (64, 128, 256)),
+    ("flash_fwd_sm90", ("fp8",), (128, 256)),   # e4m3 inputs, bf16 O
 )
 CASES = [(f, dt, c, d) for f, dts, dims in FAMILY_DTYPES_DIMS for dt in dts for c in (False, True) for d in dims]
 

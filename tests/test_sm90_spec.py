@@ -13,10 +13,10 @@ SM90 = get_family("flash_fwd_sm90")
 BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0)
 
 
-def problem(d: int = 128, causal: bool = False, n: int = 4096):
+def problem(d: int = 128, causal: bool = False, n: int = 4096, dtype: str = "bf16"):
     from tuner.problem import Problem
 
-    return Problem(4, 16, n, n, d, "bf16", causal)
+    return Problem(4, 16, n, n, d, dtype, causal)
 
 
 def pt(**kw) -> dict:
@@ -50,6 +50,34 @@ def test_check_names_what_does_not_fit(params, d, words):
 )
 def test_check_admits_the_hand_tuned_tiles(params, d):
     assert SM90.check(params, H100_SXM, problem(d)) is None
+
+
+@pytest.mark.parametrize(
+    "params,words",
+    [
+        (pt(Bc=96, split=40), "128 keys"),          # V^T is read in whole 128-key panels
+        (pt(split=40, persistent=1), "grid launch"),  # the transposers follow one work tile
+        (pt(split=24), "24 registers"),              # the transposers do not fit the 24-register producer
+    ],
+)
+def test_check_names_what_fp8_does_not_take(params, words):
+    why = SM90.check(params, H100_SXM, problem(dtype="fp8"))
+    assert why is not None and words in why, why
+
+
+def test_fp8_takes_d128_and_d256_with_a_bf16_output_and_a_vt_ring():
+    assert "head dim" in SM90.supports(H100_SXM, problem(64, dtype="fp8"))
+    for d in (128, 256):
+        p = problem(d, dtype="fp8")
+        assert SM90.supports(H100_SXM, p) is None and p.out_dtype == "bf16"
+        seeds = SM90.seeds(H100_SXM, p)
+        assert seeds and all(SM90.check(s, H100_SXM, p) is None for s in seeds)
+        # one byte per element, and a third ring (V^T) beside K and V
+        s = seeds[0]
+        assert SM90.smem_bytes(s, p) == d * (64 * s["cwg"] + 3 * s["stages"] * 128) + 1280
+    # the same config in bf16 takes two bytes per element and two rings
+    s = pt(split=40)
+    assert SM90.smem_bytes(s, problem(128)) == 2 * 128 * (64 * 2 + 2 * 2 * 128) + 1280
 
 
 def test_hopper_only():
