@@ -162,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         if (g >= STAGES) mbar_wait(&bar.vt_empty[s], ((g / STAGES) - 1) & 1);
         transpose_v_e4m3<BC, HEAD_DIM>(reinterpret_cast<unsigned char*>(Vts + s * BC * HEAD_DIM),
                                        reinterpret_cast<const unsigned char*>(Vs + s * BC * HEAD_DIM),
-                                       tid - (128 - TRANSPOSERS), TRANSPOSERS);
+                                       tid / 32 - (4 - TRANSPOSERS / 32), TRANSPOSERS / 32);
         fence_proxy_async_smem();
         mbar_arrive(&bar.vt_full[s]);
         mbar_arrive(&bar.v_empty[s]);

@@ -61,6 +61,13 @@ template <int R, int C> FT_DEVICE void wgmma_pin(float (&acc)[R][C]) {
 template <int N> FT_DEVICE void regs_grow() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N> FT_DEVICE void regs_shrink() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
+// Four 8 x 8 matrices of 16-bit elements to shared memory (sm_90): lanes 8m..8m+7 give the row
+// addresses of matrix m, and each thread's register r_m holds its (row t/4, columns 2(t%4), +1).
+FT_DEVICE void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1), "r"(r2),
+               "r"(r3) : "memory");
+}
+
 // Named barrier among `count` threads (a multiple of 32); id 0 is __syncthreads'.
 FT_DEVICE void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 FT_DEVICE void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }

@@ -8,7 +8,8 @@
 // 16 + 4c..). Logical k = 16h + 4c + i is therefore made to stand for key 16h + 2c + (i & 1) +
 // 8 (i >> 1): both P's packing and V^T's rows use that order, and the sum over keys is unchanged.
 #pragma once
-#include "common.cuh"
+#include "mma.cuh"
+#include "sm90.cuh"
 
 // Four floats -> one register of four e4m3 (saturating, round to nearest), x0 in the low byte.
 FT_DEVICE unsigned pack4_e4m3(float x0, float x1, float x2, float x3) {
@@ -39,31 +40,28 @@ FT_DEVICE unsigned swz128(int row, int col) {
 }
 
 // V (ROWS keys x D columns, panels of 128 columns ROWS * 128 bytes apart) -> V^T (D rows x ROWS
-// keys, panels of 128 keys D * 128 bytes apart), keys permuted as above; by `nthreads` threads,
-// `rank` being this one's. A unit is 4 keys x 4 columns: four 32-bit loads, a 4 x 4 byte
-// transpose (8 byte permutes), four 32-bit stores. Consecutive threads take consecutive columns,
-// so a warp's loads read whole 128-byte rows.
+// keys, panels of 128 keys D * 128 bytes apart), keys permuted as above; by `nwarps` whole warps,
+// `warp` being this one's rank. A step moves 32 keys x 16 columns (512 bytes) with one ldmatrix
+// .x4.trans, four byte permutes and one stmatrix .x4: the transposing load gives thread (j, c)
+// keys {2c, 2c+1} (+8, +16, +24) of columns 2j and 2j+1, as 16-bit pairs, which are exactly the
+// key pairs of the permuted order, so each output word is one permute of two of them.
 template <int ROWS, int D>
-FT_DEVICE void transpose_v_e4m3(unsigned char* vt, const unsigned char* v, int rank, int nthreads) {
-  constexpr int COL4 = D / 4, UNITS = COL4 * (ROWS / 4);
-  for (int u = rank; u < UNITS; u += nthreads) {
-    const int n = 4 * (u % COL4), k0 = 4 * (u / COL4);   // first column; first logical key
-    const int q = (k0 % 32) / 4;                          // 4c + ... : c = q % 4, h = q / 4
-    const int key = (k0 / 32) * 32 + (q / 4) * 16 + 2 * (q % 4);   // keys key, +1, +8, +9
-    const unsigned char* vp = v + (n / 128) * (ROWS * 128);
-    unsigned w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = key + (i & 1) + 8 * (i >> 1);
-      w[i] = *reinterpret_cast<const unsigned*>(vp + swz128(r, n % 128));
-    }
-    const unsigned x0 = __byte_perm(w[0], w[1], 0x5140), y0 = __byte_perm(w[2], w[3], 0x5140);
-    const unsigned x1 = __byte_perm(w[0], w[1], 0x7362), y1 = __byte_perm(w[2], w[3], 0x7362);
-    const unsigned o[4] = {__byte_perm(x0, y0, 0x5410), __byte_perm(x0, y0, 0x7632), __byte_perm(x1, y1, 0x5410),
-                           __byte_perm(x1, y1, 0x7632)};
-    unsigned char* tp = vt + (k0 / 128) * (D * 128);
-#pragma unroll
-    for (int t = 0; t < 4; ++t) *reinterpret_cast<unsigned*>(tp + swz128(n + t, k0 % 128)) = o[t];
+FT_DEVICE void transpose_v_e4m3(unsigned char* vt, const unsigned char* v, int warp, int nwarps) {
+  constexpr int COL16 = D / 16, STEPS = COL16 * (ROWS / 32);
+  const int lane = threadIdx.x % 32, mi = lane / 8, r = lane % 8;   // this lane's matrix and row
+#pragma unroll 1
+  for (int u = warp; u < STEPS; u += nwarps) {
+    const int col = 16 * (u % COL16), k32 = 32 * (u / COL16);   // first column; first key
+    const unsigned src = smem_u32(v + (col / 128) * (ROWS * 128) + swz128(k32 + 8 * mi + r, col % 128));
+    unsigned a[4];
+    ldmatrix_x4_trans(a, src);
+    // a[m] = keys 8m + {2c, 2c+1} at columns col + 2j, col + 2j + 1: [k n0, k n1, k+1 n0, k+1 n1]
+    const unsigned o0 = __byte_perm(a[0], a[1], 0x6420), o1 = __byte_perm(a[0], a[1], 0x7531);
+    const unsigned o2 = __byte_perm(a[2], a[3], 0x6420), o3 = __byte_perm(a[2], a[3], 0x7531);
+    // matrix m of the store: V^T rows col + 2 r + (m & 1), logical keys k32 + 16 (m >> 1) ... + 15
+    const int n = col + 2 * r + (mi & 1), kl = k32 + 16 * (mi >> 1);
+    const unsigned dst = smem_u32(vt + (kl / 128) * (D * 128) + swz128(n, kl % 128));
+    stmatrix_x4(dst, o0, o1, o2, o3);
   }
 }
 

@@ -54,13 +54,13 @@ def test_family_matches_reference(family, dtype, causal, d):
     if reason := fam.supports(gpu, problem):
         pytest.skip(reason)
     valid = fam.valid_points(gpu, problem)
-    configs = [fam.default(gpu, problem)] + rng.sample(valid, 3)
+    configs = [fam.default(gpu, problem)] + rng.sample(valid, min(3, len(valid)))
     for params in configs:
         for layout in ("bhnd", "bnhd"):
             err = _run(fam, params, problem, rng.randrange(2**31), layout)
             assert err.finite, f"NaN/Inf (unwritten output?) for {problem.key} {params} {layout}"
             assert err.rel <= REL_BUDGET[dtype], f"{problem.key} {params} {layout}: rel err {err.rel:.3g}"
-            assert err.lse is not None and err.lse <= 1e-3, f"{problem.key} {params}: lse err {err.lse}"
+            assert err.lse is not None and err.lse <= problem.lse_budget, f"{problem.key} {params}: lse err {err.lse}"
 
 
 @pytest.mark.parametrize("family", ["flash_fwd_mma", "flash_fwd_sm90"])

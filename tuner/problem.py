@@ -20,6 +20,10 @@ REL_BUDGET = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.2e-2, "fp8": 5e-2}
 # products shift every score by up to |s| x their rounding (|s| reaches ~5 on normal inputs).
 LSE_BUDGET = 1e-3
 LSE_PER_REL = 5.0
+# fp8: the H100's e4m3 wgmma accumulates Q K^T in less than fp32 (its products are exact, the
+# running sum keeps fewer bits), so scores, and with them the LSE, carry ~1e-3 of error: 1.6e-3 at
+# most over 40 launches of d=128/256 shapes against float64 from the same e4m3 values.
+LSE_BUDGET_BY_DTYPE = {"fp8": 5e-3}
 
 
 @dataclass(frozen=True, order=True)
@@ -96,7 +100,7 @@ class Problem:
 
     @property
     def lse_budget(self) -> float:
-        return max(LSE_BUDGET, LSE_PER_REL * self.max_error)
+        return max(LSE_BUDGET_BY_DTYPE.get(self.dtype, LSE_BUDGET), LSE_PER_REL * self.max_error)
 
     def bucket(self) -> "Bucket":
         return Bucket.of(self)
