@@ -18,7 +18,7 @@
 // of e4m3): Q, K and V tiles are PANELS boxes of [rows x PANEL_COLS] each, so one TMA box and one
 // wgmma descriptor step per panel.
 //
-// e4m3 (IN_DTYPE == FT_E4M3, grid launch only): the products are k32 QGMMA, O is bf16. fp8 wgmma
+// e4m3 (IN_DTYPE == FT_E4M3): the products are k32 QGMMA, O is bf16. fp8 wgmma
 // takes only K-major operands, so warps 1-3 of the producer warpgroup transpose each V tile into
 // V^T (sm90_fp8.cuh) with the keys permuted so that P packs straight from S's registers; V's
 // stage is freed once transposed, V^T's once P V has read it.
@@ -52,7 +52,7 @@ constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpo
 static_assert(HEAD_DIM % PANEL_COLS == 0, "head dim in whole 128-byte panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, "fp16, bf16 or e4m3 inputs");
-static_assert(!FP8 || (BC % 128 == 0 && !PERSISTENT), "e4m3: V^T in whole 128-key panels, grid launch");
+static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 
 struct Barriers {
@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     mbar_init(&bar.q_empty, CWG * 128);
     for (int s = 0; s < 2; ++s) {
       mbar_init(&bar.ring.full[s], 1);
-      mbar_init(&bar.ring.empty[s], CWG * 128);
+      mbar_init(&bar.ring.empty[s], CWG * 128 + (FP8 ? TRANSPOSERS : 0));
     }
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
@@ -154,18 +154,29 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         g0 += w.ntiles;
       }
     } else if (FP8 && tid >= 128 - TRANSPOSERS) {
-      // e4m3: each landed V tile -> V^T, once P V has freed V^T's stage (the grid's one work tile)
-      const WorkTile w = work(0);
-      for (int g = 0; g < w.ntiles; ++g) {
-        const int s = g % STAGES;
-        mbar_wait(&bar.v_full[s], (g / STAGES) & 1);
-        if (g >= STAGES) mbar_wait(&bar.vt_empty[s], ((g / STAGES) - 1) & 1);
-        transpose_v_e4m3<BC, HEAD_DIM>(reinterpret_cast<unsigned char*>(Vts + s * BC * HEAD_DIM),
-                                       reinterpret_cast<const unsigned char*>(Vs + s * BC * HEAD_DIM),
-                                       tid / 32 - (4 - TRANSPOSERS / 32), TRANSPOSERS / 32);
-        fence_proxy_async_smem();
-        mbar_arrive(&bar.vt_full[s]);
-        mbar_arrive(&bar.v_empty[s]);
+      // e4m3: each landed V tile -> V^T, once P V has freed V^T's stage; the work tiles come as
+      // the consumers get them (from the producer's ring when PERSISTENT)
+      int g = 0;
+      for (int it = 0;; ++it) {
+        int tile = it == 0 ? 0 : total;
+        if constexpr (PERSISTENT) {
+          const int s = it & 1;
+          mbar_wait(&bar.ring.full[s], (it >> 1) & 1);
+          tile = bar.ring.tile[s];
+          mbar_arrive(&bar.ring.empty[s]);
+        }
+        if (tile >= total) break;
+        for (const int end = g + work(tile).ntiles; g < end; ++g) {
+          const int s = g % STAGES;
+          mbar_wait(&bar.v_full[s], (g / STAGES) & 1);
+          if (g >= STAGES) mbar_wait(&bar.vt_empty[s], ((g / STAGES) - 1) & 1);
+          transpose_v_e4m3<BC, HEAD_DIM>(reinterpret_cast<unsigned char*>(Vts + s * BC * HEAD_DIM),
+                                         reinterpret_cast<const unsigned char*>(Vs + s * BC * HEAD_DIM),
+                                         tid / 32 - (4 - TRANSPOSERS / 32), TRANSPOSERS / 32);
+          fence_proxy_async_smem();
+          mbar_arrive(&bar.vt_full[s]);
+          mbar_arrive(&bar.v_empty[s]);
+        }
       }
     }
   } else {

@@ -140,33 +140,35 @@ def test_mma_fp32_inputs_on_tensor_cores(compute, causal, d):
             assert err.lse is not None and err.lse <= problem.lse_budget, f"{problem.key} {params}: lse err {err.lse}"
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_persistent_scheduler_repeats_and_streams(causal):
+def test_sm90_persistent_scheduler_repeats_and_streams(causal, dtype):
     """The dynamic tile scheduler's counter resets itself: back-to-back launches on one stream and
-    launches on two streams at once (each with its own counter) all cover every tile."""
+    launches on two streams at once (each with its own counter) all cover every tile. In fp8 the
+    V transposers follow the same tiles through the producer's ring."""
     import torch
 
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
-    from tuner.problem import REL_BUDGET
+    from tuner.measure import random_inputs
     from tuner.reference import attention_fp64, compare
     from tuner.tile_counter import tile_counter
 
     fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
     # more work tiles than SMs, so most of them come from the counter
     n = rng.randint(1500, 2500)
-    problem = Problem(rng.randint(2, 4), 8, n, n, rng.choice([64, 128]), "bf16", causal)
+    d = rng.choice([64, 128]) if dtype == "bf16" else 128
+    problem = Problem(rng.randint(2, 4), 8, n, n, d, dtype, causal)
     if reason := fam.supports(gpu, problem):
         pytest.skip(reason)
     persistent = [p for p in fam.valid_points(gpu, problem) if p["persistent"]]
     params = rng.choice(persistent)
-    q, k, v = (torch.randn(problem.batch, problem.heads, problem.seqlen_q, problem.head_dim, device="cuda",
-                           dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = random_inputs(problem, rng.randrange(2**31))
     ref, _ = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
 
     def check(o, what):
         err = compare(o, None, ref, None)
-        assert err.finite and err.rel <= REL_BUDGET["bf16"], f"{what}: {problem.key} {params}: {err}"
+        assert err.finite and err.rel <= problem.rel_budget, f"{what}: {problem.key} {params}: {err}"
 
     for i in range(3):
         check(_run_inputs(fam, params, problem, q, k, v), f"launch {i} on one stream")

@@ -56,7 +56,6 @@ def test_check_admits_the_hand_tuned_tiles(params, d):
     "params,words",
     [
         (pt(Bc=96, split=40), "128 keys"),          # V^T is read in whole 128-key panels
-        (pt(split=40, persistent=1), "grid launch"),  # the transposers follow one work tile
         (pt(split=24), "24 registers"),              # the transposers do not fit the 24-register producer
     ],
 )
