@@ -38,8 +38,10 @@ constexpr int OUT_DTYPE = FP8 ? FT_BF16 : IN_DTYPE;   // e4m3 inputs give a bf16
 using TO = typename Elem<OUT_DTYPE>::type;
 constexpr int BR = 64 * CWG;                 // query rows per block
 constexpr int NT = 128 * (CWG + 1);          // threads: producer warpgroup + consumers
-constexpr int PANEL_COLS = 128 / sizeof(T);  // columns per 128-byte panel
+constexpr int ROW_BYTES = HEAD_DIM * sizeof(T) < 128 ? HEAD_DIM * sizeof(T) : 128;   // swizzle width
+constexpr int PANEL_COLS = ROW_BYTES / sizeof(T);   // columns per panel (one swizzled row)
 constexpr int PANELS = HEAD_DIM / PANEL_COLS;
+constexpr int PANEL_KSTEPS = ROW_BYTES / 32;        // k steps per panel
 constexpr int NTILES = BC / 8;               // n8 column groups of S
 constexpr int DTILES = HEAD_DIM / 8;         // n8 column groups of O
 constexpr int KSTEP = 32 / sizeof(T);        // k of one wgmma: 32 bytes of a row
@@ -49,7 +51,8 @@ constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
 constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
 
-static_assert(HEAD_DIM % PANEL_COLS == 0, "head dim in whole 128-byte panels");
+static_assert(HEAD_DIM % PANEL_COLS == 0 && ROW_BYTES % 64 == 0, "head dim in whole 64- or 128-byte panels");
+static_assert(FP8 || ROW_BYTES == 128, "fp16/bf16: 128-byte panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, "fp16, bf16 or e4m3 inputs");
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
@@ -170,7 +173,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           const int s = g % STAGES;
           mbar_wait(&bar.v_full[s], (g / STAGES) & 1);
           if (g >= STAGES) mbar_wait(&bar.vt_empty[s], ((g / STAGES) - 1) & 1);
-          transpose_v_e4m3<BC, HEAD_DIM>(reinterpret_cast<unsigned char*>(Vts + s * BC * HEAD_DIM),
+          transpose_v_e4m3<BC, HEAD_DIM, ROW_BYTES>(reinterpret_cast<unsigned char*>(Vts + s * BC * HEAD_DIM),
                                          reinterpret_cast<const unsigned char*>(Vs + s * BC * HEAD_DIM),
                                          tid / 32 - (4 - TRANSPOSERS / 32), TRANSPOSERS / 32);
           fence_proxy_async_smem();
@@ -184,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     if constexpr (CONSUMER_REGS > 0) regs_grow<CONSUMER_REGS>();
     const int cw = wg - 1;
     const int wrow0 = cw * 64 + ((tid / 32) % 4) * 16;   // this warp's first row in the block
-    const unsigned q_smem = smem_u32(Qs) + cw * 64 * 128;
+    const unsigned q_smem = smem_u32(Qs) + cw * 64 * ROW_BYTES;
 
     // Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their products, in the order
     // 0, 1, .., CWG-1, so each one's softmax runs under the others' matrix work. Named barrier
@@ -220,14 +223,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       // K/V ring slot and phase of this work tile's K/V tile t
       auto slot = [&](int t) { return (g0 + t) % STAGES; };
       auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
-      // ---- S = Q K^T: A and B K-major; a k16 step is 32 bytes into the swizzled row ----
+      // ---- S = Q K^T: A and B K-major; a k step is 32 bytes into the swizzled row ----
       auto issue_s = [&](int t) {
         const unsigned k_smem = smem_u32(Ks + slot(t) * BC * HEAD_DIM);
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
-          const unsigned koff = (ks % 4) * 32;
-          const auto da = wgmma_desc(q_smem + (ks / 4) * BR * 128 + koff, 16, 1024);
-          const auto db = wgmma_desc(k_smem + (ks / 4) * BC * 128 + koff, 16, 1024);
+          const unsigned koff = (ks % PANEL_KSTEPS) * 32, panel = ks / PANEL_KSTEPS;
+          const auto da = wgmma_desc<ROW_BYTES>(q_smem + panel * BR * ROW_BYTES + koff, 16, 8 * ROW_BYTES);
+          const auto db = wgmma_desc<ROW_BYTES>(k_smem + panel * BC * ROW_BYTES + koff, 16, 8 * ROW_BYTES);
           Wgmma<BC>::ss(sacc, da, db, ks > 0);   // the first step overwrites
         }
         wgmma_commit();

@@ -10,8 +10,8 @@ loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh
 
 fp8 (e4m3 inputs, bf16 O): the producer warpgroup's warps 1-3 transpose each V tile for the K-major
 P V (kernel_templates/sm90_fp8.cuh), so the V^T buffer costs a third K/V-sized ring, the transposers
-need split 0 or 40, and Bc is a whole 128-key panel; d >= 128 (one 128-byte swizzle row is 128
-e4m3 columns).
+need split 0 or 40, and Bc is a whole 128-key panel. At d=64 an e4m3 row is 64 bytes: Q, K and V
+use the 64-byte swizzle.
 """
 
 from __future__ import annotations
@@ -75,8 +75,6 @@ class FlashFwdSm90(KernelFamily):
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
         if (gpu.major, gpu.minor) != (9, 0):
             return f"{self.name} uses sm_90a instructions (wgmma, setmaxnreg): Hopper only, {gpu.name} is {gpu.cc}"
-        if problem.dtype == "fp8" and problem.head_dim < 128:
-            return f"{self.name} takes fp8 at head dim 128 or 256 (its 128-byte panels are 128 e4m3 columns), not {problem.head_dim}"
         return super().supports(gpu, problem)
 
     @staticmethod
@@ -115,8 +113,14 @@ class FlashFwdSm90(KernelFamily):
         keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent")
         if problem.dtype == "fp8":   # FA3's fp8 tiles are wider; Bc=128 is what V^T's panels allow
             # H100, 8 trials per shape at d=128: three stages without ping-pong won 5 of 6 shapes
-            cands = [(128, 3, 2, 40, 1, 0, 0), (128, 3, 2, 40, 1, 0, 1), (128, 2, 2, 40, 1, 1, 0),
-                     (128, 3, 2, 40, 1, 1, 1)] if d <= 128 else [(128, 2, 1, 0, 1, 0, 0), (128, 2, 1, 0, 1, 0, 1)]
+            if d <= 64:   # 64-byte rows: room for three consumers (192 x 128, FA3's 192 x 160 in spirit)
+                cands = [(128, 3, 2, 40, 1, 0, 1), (128, 2, 3, 40, 1, 1, 1), (128, 2, 3, 40, 1, 1, 0),
+                         (128, 3, 2, 40, 1, 0, 0)]
+            elif d <= 128:
+                cands = [(128, 3, 2, 40, 1, 0, 0), (128, 3, 2, 40, 1, 0, 1), (128, 2, 2, 40, 1, 1, 0),
+                         (128, 3, 2, 40, 1, 1, 1)]
+            else:
+                cands = [(128, 2, 1, 0, 1, 0, 0), (128, 2, 1, 0, 1, 0, 1)]
             return [dict(zip(keys, c)) for c in cands]
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0),
@@ -167,7 +171,8 @@ class FlashFwdSm90(KernelFamily):
         from tuner.tile_counter import tile_counter
         from tuner.tma import attention_maps
 
-        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"], box_cols=128 // q.element_size())
+        cols = min(128 // q.element_size(), q.shape[-1])   # a box row: one swizzle width, 128 or 64 bytes
+        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"], box_cols=cols)
         counter = tile_counter(q.device).data_ptr() if params["persistent"] else 0
         return super().kernel_args(params, q, k, v, o, lse, scale) + (
             np.uint64(maps.data_ptr()), np.int32(q.shape[0]), np.uint64(counter))

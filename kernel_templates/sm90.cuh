@@ -39,12 +39,16 @@ FT_DEVICE void tma_load_4d(void* dst, const void* tmap, unsigned long long* bar,
 
 // ---- wgmma ----
 // Shared-memory matrix descriptor for a 128-byte-swizzled operand (atoms of 8 rows x 128 B,
-// 1024-byte aligned). K-major: `sbo` is the step between 8-row groups (1024), `lbo` unused.
-// MN-major: `lbo` is the step between 64-element column panels, `sbo` the step between 8-row groups.
+// 1024-byte aligned), or a 64-byte-swizzled one (SWIZZLE = 64: 8 rows x 64 B). K-major: `sbo` is
+// the step between 8-row groups (8 rows x the swizzle width), `lbo` unused. MN-major: `lbo` is the
+// step between 64-element column panels, `sbo` the step between 8-row groups.
+template <int SWIZZLE = 128>
 FT_DEVICE unsigned long long wgmma_desc(unsigned saddr, unsigned lbo, unsigned sbo) {
+  static_assert(SWIZZLE == 128 || SWIZZLE == 64, "128- or 64-byte swizzle");
+  constexpr unsigned long long layout = SWIZZLE == 128 ? 1 : 2;
   return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) |
          (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+         (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (layout << 62);
 }
 FT_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 FT_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

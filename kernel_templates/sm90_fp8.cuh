@@ -33,26 +33,28 @@ FT_DEVICE void p_fragment_e4m3(unsigned (&a)[4], const float (&s)[NTILES][4], in
   a[3] = pack4_e4m3(s[t + 2][2], s[t + 2][3], s[t + 3][2], s[t + 3][3]);
 }
 
-// Byte offset of (row, col) in a 128-byte-swizzled tile of 128-byte rows (the TMA/wgmma layout):
-// the 16-byte chunk index is XORed with the row's position in its 8-row atom.
-FT_DEVICE unsigned swz128(int row, int col) {
-  return row * 128 + ((((col >> 4) ^ row) & 7) << 4) + (col & 15);
+// Byte offset of (row, col) in a swizzled tile of WIDTH-byte rows, the layout TMA writes and
+// wgmma reads for 128- and 64-byte swizzles: mma.cuh's chunk swizzle is the same XOR pattern.
+template <int WIDTH> FT_DEVICE unsigned swizzled(int row, int col) {
+  static_assert(WIDTH == 128 || WIDTH == 64, "128- or 64-byte swizzle");
+  return row * WIDTH + swz<WIDTH / 16>(row, col >> 4) * 16 + (col & 15);
 }
 
-// V (ROWS keys x D columns, panels of 128 columns ROWS * 128 bytes apart) -> V^T (D rows x ROWS
-// keys, panels of 128 keys D * 128 bytes apart), keys permuted as above; by `nwarps` whole warps,
+// V (ROWS keys x D columns, panels of VROW columns ROWS * VROW bytes apart, VROW-byte swizzled)
+// -> V^T (D rows x ROWS keys, panels of 128 keys D * 128 bytes apart, 128-byte swizzled), keys
+// permuted as above; by `nwarps` whole warps,
 // `warp` being this one's rank. A step moves 32 keys x 16 columns (512 bytes) with one ldmatrix
 // .x4.trans, four byte permutes and one stmatrix .x4: the transposing load gives thread (j, c)
 // keys {2c, 2c+1} (+8, +16, +24) of columns 2j and 2j+1, as 16-bit pairs, which are exactly the
 // key pairs of the permuted order, so each output word is one permute of two of them.
-template <int ROWS, int D>
+template <int ROWS, int D, int VROW>
 FT_DEVICE void transpose_v_e4m3(unsigned char* vt, const unsigned char* v, int warp, int nwarps) {
   constexpr int COL16 = D / 16, STEPS = COL16 * (ROWS / 32);
   const int lane = threadIdx.x % 32, mi = lane / 8, r = lane % 8;   // this lane's matrix and row
 #pragma unroll 1
   for (int u = warp; u < STEPS; u += nwarps) {
     const int col = 16 * (u % COL16), k32 = 32 * (u / COL16);   // first column; first key
-    const unsigned src = smem_u32(v + (col / 128) * (ROWS * 128) + swz128(k32 + 8 * mi + r, col % 128));
+    const unsigned src = smem_u32(v + (col / VROW) * (ROWS * VROW) + swizzled<VROW>(k32 + 8 * mi + r, col % VROW));
     unsigned a[4];
     ldmatrix_x4_trans(a, src);
     // a[m] = keys 8m + {2c, 2c+1} at columns col + 2j, col + 2j + 1: [k n0, k n1, k+1 n0, k+1 n1]
@@ -60,7 +62,7 @@ FT_DEVICE void transpose_v_e4m3(unsigned char* vt, const unsigned char* v, int w
     const unsigned o2 = __byte_perm(a[2], a[3], 0x6420), o3 = __byte_perm(a[2], a[3], 0x7531);
     // matrix m of the store: V^T rows col + 2 r + (m & 1), logical keys k32 + 16 (m >> 1) ... + 15
     const int n = col + 2 * r + (mi & 1), kl = k32 + 16 * (mi >> 1);
-    const unsigned dst = smem_u32(vt + (kl / 128) * (D * 128) + swz128(n, kl % 128));
+    const unsigned dst = smem_u32(vt + (kl / 128) * (D * 128) + swizzled<128>(n, kl % 128));
     stmatrix_x4(dst, o0, o1, o2, o3);
   }
 }

@@ -38,13 +38,17 @@ def _data_type(dtype):
 
 def _encode(t, box_rows: int, box_cols: int) -> bytes:
     """One map over a (B, H, N, D) view: dims (D, N, H, B) innermost first, a box of
-    [box_rows x box_cols] elements (box_cols x element size <= 128 bytes: 64 for 16-bit, 128 for
-    e4m3), 128-byte swizzle, rows past N read as zeros."""
+    [box_rows x box_cols] elements, swizzled as wide as a box row (128 bytes: 64 16-bit or 128 e4m3
+    columns; 64 bytes: e4m3 at d=64), rows past N read as zeros."""
     from cuda.bindings import driver
 
     kind = _data_type(t.dtype)
     b, h, n, d = t.shape
     esize = t.element_size()
+    swizzle = {128: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+               64: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}.get(box_cols * esize)
+    if swizzle is None:
+        raise TmaError(f"a box row must be 64 or 128 bytes, not {box_cols} x {esize}")
     if t.stride(3) != 1:
         raise TmaError("the last dimension must be contiguous")
     strides = [t.stride(2) * esize, t.stride(1) * esize, t.stride(0) * esize]
@@ -55,7 +59,7 @@ def _encode(t, box_rows: int, box_cols: int) -> bytes:
         kind, 4, t.data_ptr(), [u64(x) for x in (d, n, h, b)], [u64(x) for x in strides],
         [u32(x) for x in (box_cols, box_rows, 1, 1)], [u32(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        swizzle,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
