@@ -16,12 +16,13 @@
 //
 // Head dims are handled in panels of 128 bytes (one swizzle atom wide: 64 columns of fp16/bf16, 128
 // of e4m3): Q, K and V tiles are PANELS boxes of [rows x PANEL_COLS] each, so one TMA box and one
-// wgmma descriptor step per panel.
+// wgmma descriptor step per panel. e4m3 at d=64 has 64-byte rows, in the 64-byte swizzle.
 //
-// e4m3 (IN_DTYPE == FT_E4M3): the products are k32 QGMMA, O is bf16. fp8 wgmma
-// takes only K-major operands, so warps 1-3 of the producer warpgroup transpose each V tile into
-// V^T (sm90_fp8.cuh) with the keys permuted so that P packs straight from S's registers; V's
-// stage is freed once transposed, V^T's once P V has read it.
+// e4m3 (IN_DTYPE == FT_E4M3): the products are k32 QGMMA, O is bf16. fp8 wgmma takes only
+// K-major operands, so warps 1-3 of the producer warpgroup transpose each V tile into a V^T ring
+// (sm90_fp8.cuh), following the work tiles through the same ring as the consumers, with the keys
+// permuted so that P packs straight from S's registers; V's stage is freed once transposed, V^T's
+// once P V has read it.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT IN_DTYPE IS_CAUSAL;
