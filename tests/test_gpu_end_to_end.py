@@ -124,3 +124,38 @@ def test_fp32_on_tensor_cores_only_where_the_budget_allows(tmp_path):
     assert err.finite and 1e-6 < err.rel <= 2e-2, err  # tensor-core precision, inside the budget
     with pytest.warns(UserWarning, match="scaled_dot_product_attention"):
         disp(q, k, v, causal=True)  # the default fp32 budget: nothing tuned for it here
+
+
+def test_fp8_search_then_attention_serves_it(tmp_path):
+    """fp8 end to end on Hopper: a short search of flash_fwd_sm90 on e4m3 inputs, then the
+    dispatcher runs the winner on float8 tensors (a ragged length of the same bucket) and returns
+    bf16 within the fp8 budget, with no fallback."""
+    import torch
+
+    from tuner.dispatch import Dispatcher
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.problem import Problem
+    from tuner.reference import attention_fp64, compare
+
+    problem = Problem(2, 8, 1000, 1000, 128, "fp8", True)
+    if reason := get_family("flash_fwd_sm90").supports(detect(), problem):
+        pytest.skip(reason)
+    lookup = tmp_path / "best.json"
+    env = dict(os.environ, TUNER_DB=f"sqlite:///{tmp_path / 'r.db'}")
+    cmd = [sys.executable, "-m", "tuner.cli", "search", "--gpu", "auto", "--shape", "2,8,1000,128,causal",
+           "--dtype", "fp8", "--family", "flash_fwd_sm90", "--trials", "4", "--no-peers", "--lookup", str(lookup)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr
+    assert "fp8" in out.stdout and "flash_fwd_sm90" in out.stdout
+
+    disp = Dispatcher(lookup)
+    q, k, v = (torch.randn(2, 8, 990, 128, device="cuda").to(torch.float8_e4m3fn) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o = disp(q, k, v, causal=True)
+    assert next(iter(disp._plans.values())).family == "flash_fwd_sm90"
+    assert o.dtype == torch.bfloat16 and o.shape == q.shape
+    ref, _ = attention_fp64(q, k, v, True, 1.0 / math.sqrt(128))
+    err = compare(o, None, ref, None)
+    assert err.finite and 1e-3 < err.rel <= problem.rel_budget, err  # e4m3 P: a real error, inside the budget
