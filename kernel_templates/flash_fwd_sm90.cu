@@ -88,19 +88,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
                                         heads, kv_group, nq, nk);
   };
 
-  // The it-th work tile of this CTA, for the consumers (and e4m3's V transposers): PERSISTENT, the
-  // one the producer published in the ring, whose slot is then freed; otherwise the grid's one.
-  auto take_tile = [&](int it) {
-    if constexpr (PERSISTENT) {
-      const int s = it & 1;
-      mbar_wait(&bar.ring.full[s], (it >> 1) & 1);
-      const int tile = bar.ring.tile[s];
-      mbar_arrive(&bar.ring.empty[s]);
-      return tile;
-    }
-    return it;
-  };
-
   if (tid == 0) {
     mbar_init(&bar.q_full, 1);
     mbar_init(&bar.q_empty, CWG * 128);
@@ -175,7 +162,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       // the consumers get them (from the producer's ring when PERSISTENT)
       int g = 0;
       for (int it = 0;; ++it) {
-        const int tile = take_tile(it);
+        int tile = it == 0 ? 0 : total;
+        if constexpr (PERSISTENT) {
+          const int s = it & 1;
+          mbar_wait(&bar.ring.full[s], (it >> 1) & 1);
+          tile = bar.ring.tile[s];
+          mbar_arrive(&bar.ring.empty[s]);
+        }
         if (tile >= total) break;
         for (const int end = g + work(tile).ntiles; g < end; ++g) {
           const int s = g % STAGES;
@@ -212,7 +205,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     unsigned long long* pv_empty = FP8 ? bar.vt_empty : bar.v_empty;
     int g0 = 0;
     for (int it = 0;; ++it) {
-      const int tile = take_tile(it);
+      int tile = it;
+      if constexpr (PERSISTENT) {
+        const int s = it & 1;
+        mbar_wait(&bar.ring.full[s], (it >> 1) & 1);
+        tile = bar.ring.tile[s];
+        mbar_arrive(&bar.ring.empty[s]);
+      }
       if (tile >= total) break;
       const WorkTile w = work(tile);
 #pragma unroll
