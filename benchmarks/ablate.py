@@ -1,6 +1,7 @@
 """Time chosen configs of one family on one shape, side by side: for perf-notes ablations
-(does overlap help? which Bc?) without a search, with SDPA flash and cuDNN timed in the same run. Same timer and launch path as the search; the
-output is checked against SDPA's flash backend once per config (a wrong kernel is not timed).
+(does overlap help? which Bc?) without a search, with SDPA flash and cuDNN timed in the same run.
+Same timer and launch path as the search; the output is checked against SDPA's flash backend once
+per config (a wrong kernel is not timed).
 
     python3 benchmarks/ablate.py flash_fwd_sm90 4,16,4096,128 bf16 \
         '{"Bc":128,"stages":2,"cwg":2,"split":24,"overlap":1,"pingpong":1}' ...

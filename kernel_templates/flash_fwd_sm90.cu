@@ -161,6 +161,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       // e4m3: each landed V tile -> V^T, once P V has freed V^T's stage; the work tiles come as
       // the consumers get them (from the producer's ring when PERSISTENT)
       int g = 0;
+      // The ring read below is the consumers' too, written twice on purpose: as one shared
+      // function or lambda, ptxas spills 8-16 B in 176 x 128 persistent at d=128 (fp16/bf16).
       for (int it = 0;; ++it) {
         int tile = it == 0 ? 0 : total;
         if constexpr (PERSISTENT) {

@@ -79,8 +79,8 @@ class FlashFwdSm90(KernelFamily):
 
     @staticmethod
     def register_estimate(params: dict, problem: Problem) -> int:
-        """Per consumer thread: S (Bc/2), O (d/2), P packed (Bc/4, Bc/8 in e4m3), and ~32 for addresses, softmax
-        state and descriptors, 4 more without a split. From ptxas: Bc=176 at d=128 fits split=40's
+        """Per consumer thread: S (Bc/2), O (d/2), P packed (Bc/4, Bc/8 in e4m3), and ~32 for
+        addresses, softmax state and descriptors, 4 more without a split. From ptxas: Bc=176 at d=128 fits split=40's
         232 and Bc=128 at d=64 fits three consumers' 160 with no spill (FA3's tiles there); Bc=96
         at d=128 spills 8-48 B in the 168 of no split."""
         packed = params["Bc"] // (8 if problem.dtype == "fp8" else 4)

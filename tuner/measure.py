@@ -35,8 +35,8 @@ def torch_dtype(dtype: str):
 def peer_dtype(problem: Problem) -> str:
     """The dtype the SDPA peers run in. SDPA takes no fp8: for fp8 problems they run on bf16 copies
     of the same inputs (e4m3 values are exact in bf16), which is what a user without an fp8 kernel
-    would run."""
-    return "bf16" if problem.dtype == "fp8" else problem.dtype
+    would run. That is O's dtype: the one place that knows it is Problem.out_dtype."""
+    return problem.out_dtype
 
 
 def random_inputs(problem: Problem, seed: int, device: str = "cuda"):
