@@ -6,6 +6,9 @@ per config (a wrong kernel is not timed).
     python3 benchmarks/ablate.py flash_fwd_sm90 4,16,4096,128 bf16 \
         '{"Bc":128,"stages":2,"cwg":2,"split":24,"overlap":1,"pingpong":1}' ...
     python3 benchmarks/ablate.py flash_fwd_sm90 4,16,4096,128 bf16 --vary overlap,pingpong '{...base...}'
+
+--launch-only (first argument): launch each config and each peer twice, untimed and unchecked, for a
+profiler to read (`ncu --clock-control none -k regex:'flash_fwd_sm90|sdpa|fmha|flash_fwd' ...`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ def main(argv: list[str]) -> None:
     from tuner.problem import Problem
     from tuner.timing import Timer
 
+    launch_only = argv[0] == "--launch-only"
+    if launch_only:
+        argv = argv[1:]
     fam = get_family(argv[0])
     problem = Problem.parse(argv[1], argv[2])
     rest = argv[3:]
@@ -43,13 +49,20 @@ def main(argv: list[str]) -> None:
     timer = Timer(gpu.l2_bytes)
     q, k, v = random_inputs(problem, 0)
     qp, kp, vp = (t.to(torch_dtype(peer_dtype(problem))) for t in (q, k, v))  # SDPA takes no fp8: bf16 copies
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal).float()
-        t_ref = timer(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        t_cudnn = timer(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal))
-    print(f"{problem.key} on {gpu.name}: sdpa_flash {problem.tflops(t_ref.median_ms):.1f} TFLOP/s, "
-          f"sdpa_cudnn {problem.tflops(t_cudnn.median_ms):.1f} TFLOP/s")
+    if launch_only:
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            with sdpa_kernel(backend):
+                for _ in range(2):
+                    F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal)
+        torch.cuda.synchronize()
+    else:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref = F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal).float()
+            t_ref = timer(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            t_cudnn = timer(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal))
+        print(f"{problem.key} on {gpu.name}: sdpa_flash {problem.tflops(t_ref.median_ms):.1f} TFLOP/s, "
+              f"sdpa_cudnn {problem.tflops(t_cudnn.median_ms):.1f} TFLOP/s")
     for params in configs:
         why = fam.check(params, gpu, problem)
         if why:
@@ -63,6 +76,11 @@ def main(argv: list[str]) -> None:
         stream = current_stream()
         kernel(stream, launch, *args)
         torch.cuda.synchronize()
+        if launch_only:
+            kernel(stream, launch, *args)
+            torch.cuda.synchronize()
+            print(f"{json.dumps(params, sort_keys=True)}  launched twice  regs {ck.resources.registers}")
+            continue
         err = ((o.float() - ref).abs().max() / ref.abs().max()).item()
         if not math.isfinite(err) or err > 0.05:
             print(f"{json.dumps(params, sort_keys=True)}  WRONG: rel {err:.3g}")
