@@ -202,6 +202,7 @@ def test_mma_sm90a_sass_uses_tensor_cores(tmp_path):
     assert len(re.findall(r"\bHMMA\.16816\.F32", sass)) >= 16  # both products on tensor cores
     assert re.search(r"\bLDSM(\.\w+)*\b", sass)  # ldmatrix
     assert re.search(r"\bLDGSTS(\.\w+)*\b", sass)  # cp.async
+    assert re.search(r"\bSTG\.E\.128\b", sass)  # O in 16-byte stores (store_slab's quad transpose)
     assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), "local memory (spills) in SASS"
 
 
