@@ -13,6 +13,9 @@
 // PERSISTENT: one CTA per SM runs work tiles from the dynamic scheduler (tile_scheduler.cuh); the
 // producer publishes each tile to the consumers and loads its first K, then its Q (released once
 // the last S of the previous tile has landed) under the previous tile's last products and epilogue.
+// TMA_STORE: each consumer warp stages its 16 rows of O in shared memory and one lane stores them
+// by TMA (sm90_epilogue.cuh), so the warp starts its next work tile without waiting on the stores;
+// otherwise O goes from registers in 16-byte stores (store_slab).
 //
 // Head dims are handled in panels of 128 bytes (one swizzle atom wide: 64 columns of fp16/bf16, 128
 // of e4m3): Q, K and V tiles are PANELS boxes of [rows x PANEL_COLS] each, so one TMA box and one
@@ -25,9 +28,10 @@
 // once P V has read it.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT IN_DTYPE IS_CAUSAL;
+// PERSISTENT TMA_STORE IN_DTYPE IS_CAUSAL;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
+#include "sm90_epilogue.cuh"
 #include "sm90_fp8.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
@@ -51,12 +55,14 @@ constexpr int PSTEPS = BC / KSTEP;           // k steps of P V
 constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
 constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
+constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a 16-row slab per consumer warp
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && ROW_BYTES % 64 == 0, "head dim in whole 64- or 128-byte panels");
 static_assert(FP8 || ROW_BYTES == 128, "fp16/bf16: 128-byte panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, "fp16, bf16 or e4m3 inputs");
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
+static_assert(!TMA_STORE || (Q_BYTES + (FP8 ? 3 : 2) * STAGES * KV_BYTES) % 1024 == 0, "O slabs on the swizzle's 1024 B");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 
 struct Barriers {
@@ -75,7 +81,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   T* Ks = Qs + BR * HEAD_DIM;
   T* Vs = Ks + STAGES * BC * HEAD_DIM;
   T* Vts = Vs + STAGES * BC * HEAD_DIM;   // e4m3 only: V^T, [HEAD_DIM x BC] per stage
-  Barriers& bar = *reinterpret_cast<Barriers*>(FP8 ? Vts + STAGES * BC * HEAD_DIM : Vts);
+  unsigned char* Os = reinterpret_cast<unsigned char*>(FP8 ? Vts + STAGES * BC * HEAD_DIM : Vts);   // TMA_STORE: O slabs
+  Barriers& bar = *reinterpret_cast<Barriers*>(Os + (TMA_STORE ? O_STAGE_BYTES : 0));
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   const int n_qblk = (nq + BR - 1) / BR, n_bh = batch * heads;
@@ -191,6 +198,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     const int cw = wg - 1;
     const int wrow0 = cw * 64 + ((tid / 32) % 4) * 16;   // this warp's first row in the block
     const unsigned q_smem = smem_u32(Qs) + cw * 64 * ROW_BYTES;
+    const char* tmap_o = tmaps + 384;   // TMA_STORE: this warp's slab goes out through O's tensor map
+    const unsigned o_slab = smem_u32(Os) + (wrow0 / 16) * 16 * HEAD_DIM * sizeof(TO);
+    if (TMA_STORE && lane == 0) tmap_acquire(tmap_o);
 
     // Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their products, in the order
     // 0, 1, .., CWG-1, so each one's softmax runs under the others' matrix work. Named barrier
@@ -341,10 +351,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         }
       }
 
-      store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + w.b * o_sb + w.h * o_sh, o_sn, lse + static_cast<long long>(w.b * heads + w.h) * nq,
-                           o_acc, m, l, lane, w.q0 + wrow0, nq, scale_log2);
+      float* lse_bh = lse + static_cast<long long>(w.b * heads + w.h) * nq;
+      if constexpr (TMA_STORE) {
+        store_slab_tma<OUT_DTYPE, DTILES>(o_slab, tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
+      } else {
+        store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + w.b * o_sb + w.h * o_sh, o_sn, lse_bh, o_acc, m, l, lane,
+                              w.q0 + wrow0, nq, scale_log2);
+      }
       g0 += w.ntiles;
     }
     if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // the last consumer's final hand-over
+    if (TMA_STORE && lane == 0) bulk_wait<0>();   // the slab stays until its last store is done
   }
 }

@@ -5,8 +5,9 @@ Parameters: Bc (the K/V tile, the n of the first wgmma), stages (depth of the TM
 after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone), overlap (a
 consumer issues S of tile t with P V of tile t-1 and runs the softmax under the latter) and
 pingpong (the consumers take turns at the tensor cores, one's softmax under the others' products)
-and persistent (one CTA per SM takes work tiles from a dynamic scheduler as it finishes the last,
-loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh).
+persistent (one CTA per SM takes work tiles from a dynamic scheduler as it finishes the last,
+loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh) and tma_store
+(O staged in shared memory, Br x d more of it, and stored by TMA: kernel_templates/sm90_epilogue.cuh).
 
 fp8 (e4m3 inputs, bf16 O): the producer warpgroup's warps 1-3 transpose each V tile for the K-major
 P V (kernel_templates/sm90_fp8.cuh), so the V^T buffer costs a third K/V-sized ring, the transposers
@@ -70,6 +71,7 @@ class FlashFwdSm90(KernelFamily):
         "overlap": (0, 1),
         "pingpong": (0, 1),
         "persistent": (0, 1),
+        "tma_store": (0, 1),
     }
 
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -106,30 +108,31 @@ class FlashFwdSm90(KernelFamily):
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
         # From the H100 ablations in PERF_NOTES.md (bf16): at d=128 two consumers with overlap,
-        # Bc=176 with ping-pong first, persistent for short sequences; at d=64 FA3's 192 x 128
-        # (three consumers of Bc=128 taking turns) for long sequences, two consumers with
-        # ping-pong, persistent, for short ones.
+        # Bc=176 with ping-pong first, persistent Bc=128 for short sequences (TMA-stored O for
+        # causal ones); at d=64 FA3's 192 x 128 (three consumers of Bc=128 taking turns) for long
+        # sequences, two consumers with ping-pong, persistent, TMA-stored O, for short ones.
         d = problem.head_dim
-        keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent")
+        keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent", "tma_store")
         if problem.dtype == "fp8":   # FA3's fp8 tiles are wider; Bc=128 is what V^T's panels allow
             # H100, 8 trials per shape at d=128: three stages without ping-pong won 5 of 6 shapes
             if d <= 64:   # 64-byte rows: room for three consumers (192 x 128, FA3's 192 x 160 in spirit)
-                cands = [(128, 3, 2, 40, 1, 0, 1), (128, 2, 3, 40, 1, 1, 1), (128, 2, 3, 40, 1, 1, 0),
-                         (128, 3, 2, 40, 1, 0, 0)]
+                cands = [(128, 3, 2, 40, 1, 0, 1, 0), (128, 2, 3, 40, 1, 1, 1, 0), (128, 2, 3, 40, 1, 1, 0, 0),
+                         (128, 3, 2, 40, 1, 0, 0, 0)]
             elif d <= 128:
-                cands = [(128, 3, 2, 40, 1, 0, 0), (128, 3, 2, 40, 1, 0, 1), (128, 2, 2, 40, 1, 1, 0),
-                         (128, 3, 2, 40, 1, 1, 1)]
+                cands = [(128, 3, 2, 40, 1, 0, 0, 0), (128, 3, 2, 40, 1, 0, 1, 0), (128, 2, 2, 40, 1, 1, 0, 0),
+                         (128, 3, 2, 40, 1, 1, 1, 0)]
             else:
-                cands = [(128, 2, 1, 0, 1, 0, 0), (128, 2, 1, 0, 1, 0, 1)]
+                cands = [(128, 2, 1, 0, 1, 0, 0, 0), (128, 2, 1, 0, 1, 0, 1, 0)]
             return [dict(zip(keys, c)) for c in cands]
         if d <= 64:
-            cands = [(128, 2, 3, 24, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0),
-                     (96, 2, 3, 40, 1, 1, 1), (128, 3, 2, 40, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0)]
+            cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
+                     (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
         elif d <= 128:
-            cands = [(176, 2, 2, 24, 1, 1, 0), (176, 2, 2, 40, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1),
-                     (128, 2, 2, 24, 1, 0, 0), (128, 3, 2, 24, 1, 0, 0), (96, 3, 2, 24, 1, 1, 0)]
+            cands = [(176, 2, 2, 24, 1, 1, 0, 0), (176, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 0),
+                     (128, 2, 2, 40, 1, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1, 0), (128, 2, 2, 24, 1, 0, 0, 0),
+                     (128, 3, 2, 24, 1, 0, 0, 0)]
         else:  # no persistent seed: its extra state spills a few bytes at d=256
-            cands = [(80, 2, 2, 24, 1, 1, 0), (64, 2, 2, 24, 1, 0, 0), (64, 2, 1, 0, 0, 0, 0)]
+            cands = [(80, 2, 2, 24, 1, 1, 0, 0), (64, 2, 2, 24, 1, 0, 0, 0), (64, 2, 1, 0, 0, 0, 0, 0)]
         return [dict(zip(keys, c)) for c in cands]
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
@@ -143,6 +146,7 @@ class FlashFwdSm90(KernelFamily):
             "OVERLAP": params["overlap"],
             "PINGPONG": params["pingpong"],
             "PERSISTENT": params["persistent"],
+            "TMA_STORE": params["tma_store"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "IS_CAUSAL": int(problem.causal),
@@ -151,7 +155,8 @@ class FlashFwdSm90(KernelFamily):
     def smem_bytes(self, params: dict, problem: Problem) -> int:
         d, esize = problem.head_dim, DTYPE_BYTES[problem.dtype]
         rings = 3 if problem.dtype == "fp8" else 2   # K, V (and V^T)
-        return esize * d * (64 * params["cwg"] + rings * params["stages"] * params["Bc"]) + _BARRIER_SLACK
+        o_stage = 2 * d * 64 * params["cwg"] if params["tma_store"] else 0   # 16-bit O, Br x d
+        return esize * d * (64 * params["cwg"] + rings * params["stages"] * params["Bc"]) + o_stage + _BARRIER_SLACK
 
     def launch(self, params: dict, problem: Problem) -> Launch:
         qblocks = ceil_div(problem.seqlen_q, 64 * params["cwg"])
@@ -172,7 +177,7 @@ class FlashFwdSm90(KernelFamily):
         from tuner.tma import attention_maps
 
         cols = min(128 // q.element_size(), q.shape[-1])   # a box row: one swizzle width, 128 or 64 bytes
-        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"], box_cols=cols)
+        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"], box_cols=cols, o=o if params["tma_store"] else None)
         counter = tile_counter(q.device).data_ptr() if params["persistent"] else 0
         return super().kernel_args(params, q, k, v, o, lse, scale) + (
             np.uint64(maps.data_ptr()), np.int32(q.shape[0]), np.uint64(counter))

@@ -36,6 +36,19 @@ FT_DEVICE void tma_load_4d(void* dst, const void* tmap, unsigned long long* bar,
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
       ::"r"(smem_u32(dst)), "l"(tmap), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// Bulk tensor store of a shared-memory box to global memory (rows past the map's bounds are not
+// written); completion is tracked per thread in bulk groups.
+FT_DEVICE void tma_store_4d(const void* tmap, unsigned src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+               ::"l"(tmap), "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+FT_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most N of this thread's bulk groups are still reading their shared memory source.
+template <int N> FT_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
+// Until at most N of this thread's bulk groups are still incomplete (writes done).
+template <int N> FT_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Generic-proxy writes to shared memory made visible to the async proxy (wgmma, TMA stores).
+FT_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // ---- wgmma ----
 // Shared-memory matrix descriptor for a 128-byte-swizzled operand (atoms of 8 rows x 128 B,

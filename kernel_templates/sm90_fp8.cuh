@@ -67,5 +67,3 @@ FT_DEVICE void transpose_v_e4m3(unsigned char* vt, const unsigned char* v, int w
   }
 }
 
-// Generic-proxy writes to shared memory (the transpose) made visible to the async proxy (wgmma).
-FT_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -214,8 +214,8 @@ SM90_PROBLEMS = [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128, 256) fo
 @pytest.mark.parametrize("problem", SM90_PROBLEMS, ids=lambda p: p.key)
 def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
     """The seeded Hopper configs: both products on wgmma (HGMMA, QGMMA for e4m3), tiles by TMA (UTMALDG), the
-    register split honoured (no C7508 warning), no spills, no local memory in the SASS, and the
-    tile scheduler's atomic exactly in the persistent ones."""
+    register split honoured (no C7508 warning), no spills, no local memory in the SASS, the
+    tile scheduler's atomic exactly in the persistent ones, and O stored by TMA exactly where asked."""
     seeds = [s for s in SM90.seeds(H100_SXM, problem) if SM90.check(s, H100_SXM, problem) is None]
     assert seeds and seeds[0] == SM90.default(H100_SXM, problem)
     assert SM90.supports(A100_SXM, problem) is not None  # Hopper only
@@ -234,6 +234,11 @@ def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
             assert len(re.findall(r"\bUSETMAXREG(\.\w+)*\b", sass)) == 2, params
         # the dynamic tile scheduler: one global atomic for the next tile, in persistent kernels only
         assert bool(re.search(r"\bATOMG(\.\w+)*\b", sass)) == bool(params["persistent"]), params
+        # O: TMA-stored from stmatrix-staged slabs, or 16-byte stores from registers
+        if params["tma_store"]:
+            assert re.search(r"\bUTMASTG(\.\w+)*\b", sass) and re.search(r"\bSTSM(\.\w+)*\b", sass), params
+        else:
+            assert not re.search(r"\bUTMASTG", sass) and re.search(r"\bSTG\.E\.128\b", sass), params
 
 
 # ---- the compile cache ----

@@ -93,9 +93,9 @@ def test_tensor_core_error_no_worse_than_sdpa_flash(family, dtype, causal):
         assert e_ours.finite and e_ours.rel <= 1.1 * e_fa2.rel, (d, e_ours, e_fa2)
 
 
-def _run_inputs(family, params, problem, q, k, v, with_lse=False, sync=True):
-    """Compile, load and launch one point on NaN-poisoned outputs (on torch's current stream,
-    synchronized unless `sync` is off); O (and the LSE)."""
+def _run_inputs(family, params, problem, q, k, v, with_lse=False, sync=True, out=None):
+    """Compile, load and launch one point on NaN-poisoned outputs (`out`: (O, LSE) of the caller's
+    own layout) on torch's current stream, synchronized unless `sync` is off; O (and the LSE)."""
     import torch
 
     from tuner.compile import compile_kernel
@@ -107,7 +107,7 @@ def _run_inputs(family, params, problem, q, k, v, with_lse=False, sync=True):
     ck = compile_kernel(family, params, problem, gpu.arch)
     launch = family.launch(params, problem)
     kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
-    o, lse = poisoned_outputs(problem, q)
+    o, lse = out if out is not None else poisoned_outputs(problem, q)
     kernel(current_stream(), launch, *family.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
     if sync:
         torch.cuda.synchronize()
@@ -183,3 +183,35 @@ def test_sm90_persistent_scheduler_repeats_and_streams(causal, dtype):
     torch.cuda.synchronize()
     for i, o in enumerate(outs):
         check(o, f"stream {i} of 2 at once")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_tma_store_epilogue(dtype, causal):
+    """O staged per warp in shared memory and stored by TMA: rows past N are clipped by the map
+    (ragged N), the map follows O's own strides (a (B, N, H, D) O too), grid and persistent, and
+    every element is written (O poisoned with NaN)."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import poisoned_outputs, random_inputs
+    from tuner.reference import attention_fp64, compare
+
+    fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
+    problem = _random_problem(rng, dtype, causal, rng.choice([64, 128]))
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    valid = [p for p in fam.valid_points(gpu, problem) if p["tma_store"]]
+    q, k, v = random_inputs(problem, rng.randrange(2**31))
+    ref_o, ref_lse = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
+    for persistent in (0, 1):
+        params = rng.choice([p for p in valid if p["persistent"] == persistent])
+        for o_layout in ("bhnd", "bnhd"):
+            o, lse = poisoned_outputs(problem, q)
+            if o_layout == "bnhd":   # O's rows H * D apart
+                o = o.transpose(1, 2).contiguous().transpose(1, 2)
+            o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True, out=(o, lse))
+            err = compare(o, lse, ref_o, ref_lse)
+            what = f"{problem.key} {params} O {o_layout}"
+            assert err.finite, f"NaN/Inf (unwritten output?) for {what}"
+            assert err.rel <= problem.rel_budget, f"{what}: rel err {err.rel:.3g}"
+            assert err.lse is not None and err.lse <= problem.lse_budget, f"{what}: lse err {err.lse}"

@@ -10,7 +10,7 @@ from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90 import sm_count
 
 SM90 = get_family("flash_fwd_sm90")
-BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0)
+BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0, tma_store=0)
 
 
 def problem(d: int = 128, causal: bool = False, n: int = 4096, dtype: str = "bf16"):
@@ -32,6 +32,7 @@ def pt(**kw) -> dict:
         (pt(Bc=176, split=0), 128, "registers"),                 # 232 needed, 168 without a split
         (pt(Bc=176, stages=3, split=40), 128, "shared memory"),
         (pt(Bc=128, cwg=3, split=40, persistent=1), 64, "registers"),  # 152 of split 40 are too few
+        (pt(Bc=176, split=40, tma_store=1), 128, "shared memory"),    # O's 32 KB slabs beside 2 x 176 K/V
     ],
 )
 def test_check_names_what_does_not_fit(params, d, words):
@@ -46,6 +47,8 @@ def test_check_names_what_does_not_fit(params, d, words):
         (pt(Bc=176, cwg=2, split=40, pingpong=1, persistent=1), 128),  # FA3's 128 x 176 at d=128, persistent
         (pt(Bc=96, cwg=3, split=40, pingpong=1, persistent=1), 64),    # three-way ping-pong, persistent
         (pt(Bc=80, cwg=2, split=24, pingpong=1), 256),                 # FA3's 128 x 80 at d=256
+        (pt(Bc=128, split=40, persistent=1, tma_store=1), 128),        # TMA-stored O beside 2 x 128 K/V
+        (pt(Bc=128, cwg=3, split=24, tma_store=1), 64),                # and beside FA3's 192 x 128
     ],
 )
 def test_check_admits_the_hand_tuned_tiles(params, d):
@@ -76,6 +79,10 @@ def test_fp8_takes_every_head_dim_with_a_bf16_output_and_a_vt_ring():
     # the same config in bf16 takes two bytes per element and two rings
     s = pt(split=40)
     assert SM90.smem_bytes(s, problem(128)) == 2 * 128 * (64 * 2 + 2 * 2 * 128) + 1280
+    # a TMA-stored O adds its Br x d slabs, 16-bit whatever the inputs
+    for dtype in ("bf16", "fp8"):
+        p = problem(128, dtype=dtype)
+        assert SM90.smem_bytes(pt(split=40, tma_store=1), p) - SM90.smem_bytes(s, p) == 2 * 128 * 128
 
 
 def test_hopper_only():

@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict
 
 TMAP_BYTES = 128
+O_BOX_ROWS = 16   # a TMA-stored O box: one consumer warp's rows
 # Eviction frees a buffer through torch's allocator, which is ordered on the stream it was made
 # on: a kernel on another stream still reading an evicted map is not protected. 256 entries keep
 # that to workloads cycling through more live shapes and tensors than that.
@@ -73,9 +74,11 @@ def _key(t, rows: int) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, rows)
 
 
-def attention_maps(q, k, v, q_rows: int, kv_rows: int, box_cols: int = 64):
-    """A device buffer holding the maps of q, k and v back to back (3 x 128 bytes)."""
-    key = (_key(q, q_rows), _key(k, kv_rows), _key(v, kv_rows), box_cols, q.device.index)
+def attention_maps(q, k, v, q_rows: int, kv_rows: int, box_cols: int = 64, o=None):
+    """A device buffer holding the maps of q, k and v back to back (3 x 128 bytes), then O's where
+    given: boxes of 16 rows x 64 columns (one consumer warp's slab of a 16-bit O, TMA-stored)."""
+    key = (_key(q, q_rows), _key(k, kv_rows), _key(v, kv_rows), box_cols, q.device.index,
+           None if o is None else _key(o, O_BOX_ROWS))
     with _lock:
         buf = _cache.get(key)
         if buf is not None:
@@ -84,6 +87,8 @@ def attention_maps(q, k, v, q_rows: int, kv_rows: int, box_cols: int = 64):
     import torch
 
     raw = _encode(q, q_rows, box_cols) + _encode(k, kv_rows, box_cols) + _encode(v, kv_rows, box_cols)
+    if o is not None:
+        raw += _encode(o, O_BOX_ROWS, min(128 // o.element_size(), o.shape[-1]))
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(q.device)
     with _lock:
         _cache[key] = buf
