@@ -55,6 +55,8 @@ constexpr int PSTEPS = BC / KSTEP;           // k steps of P V
 constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
 constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
+constexpr bool WARP_PRODUCER = PERSISTENT && PRODUCER_REGS == 32;   // see the producer
+constexpr bool SKIP_IDLE = CWG == 3;         // 192-row tiles leave whole consumers idle in ragged last blocks
 constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a 16-row slab per consumer warp
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && ROW_BYTES % 64 == 0, "head dim in whole 64- or 128-byte panels");
@@ -122,20 +124,29 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   if (wg == 0) {
     // ---- producer ----
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
-    if (tid == 0) {
+    if (WARP_PRODUCER ? tid < 32 : tid == 0) {
+      // WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps
+      // them in uniform registers (the persistent loop then fits the 24 registers of FA3's split);
+      // lane 0 issues. Otherwise one thread does it all.
+      const bool leader = !WARP_PRODUCER || tid == 0;
       const char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256;
-      tmap_acquire(tq);
-      tmap_acquire(tk);
-      tmap_acquire(tv);
+      if (leader) {
+        tmap_acquire(tq);
+        tmap_acquire(tk);
+        tmap_acquire(tv);
+      }
       int g0 = 0;
       for (int it = 0;; ++it) {
         int tile = it;
         if constexpr (PERSISTENT) {
           const int s = it & 1;
           if (it >= 2) mbar_wait(&bar.ring.empty[s], ((it >> 1) - 1) & 1);
-          tile = next_tile_dynamic(tile_counter, it, total);
-          bar.ring.tile[s] = tile;
-          mbar_arrive(&bar.ring.full[s]);
+          if (leader) {
+            tile = next_tile_dynamic(tile_counter, it, total);
+            bar.ring.tile[s] = tile;
+            mbar_arrive(&bar.ring.full[s]);
+          }
+          if constexpr (WARP_PRODUCER) tile = __shfl_sync(0xffffffffu, tile, 0);
         }
         if (tile >= total) break;
         const WorkTile w = work(tile);
@@ -144,6 +155,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         auto load = [&](T* ring, const char* tmap, unsigned long long* full, unsigned long long* empty, int t) {
           const int g = g0 + t, s = g % STAGES;
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
+          if (!leader) return;
           mbar_expect_tx(&full[s], KV_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
@@ -153,10 +165,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         // work tile's final S.
         load(Ks, tk, bar.k_full, bar.k_empty, 0);
         if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);
-        mbar_expect_tx(&bar.q_full, Q_BYTES);
+        if (leader) {
+          mbar_expect_tx(&bar.q_full, Q_BYTES);
 #pragma unroll
-        for (int p = 0; p < PANELS; ++p)
-          tma_load_4d(Qs + p * BR * PANEL_COLS, tq, &bar.q_full, p * PANEL_COLS, w.q0, w.h, w.b);
+          for (int p = 0; p < PANELS; ++p)
+            tma_load_4d(Qs + p * BR * PANEL_COLS, tq, &bar.q_full, p * PANEL_COLS, w.q0, w.h, w.b);
+        }
         for (int t = 1; t < w.ntiles; ++t) {
           load(Ks, tk, bar.k_full, bar.k_empty, t);
           load(Vs, tv, bar.v_full, bar.v_empty, t - 1);
@@ -283,6 +297,27 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       };
 
       mbar_wait(&bar.q_full, it & 1);
+      if (SKIP_IDLE && w.q0 + cw * 64 >= nq) {
+        // SKIP_IDLE: all 64 of this consumer's rows lie past N (the ragged last block of a 192-row
+        // tile). It issues nothing and writes nothing, but waits, arrives and takes its ping-pong
+        // turns in the order of the loops below, so the others' barriers and turns still meet.
+        for (int t = 0; t < w.ntiles; ++t) {
+          mbar_wait(&bar.k_full[slot(t)], parity(t));
+          if (OVERLAP && t > 0) mbar_wait(&pv_full[slot(t - 1)], parity(t - 1));
+          turn_begin();
+          turn_end();
+          release_k(t);
+          if (OVERLAP && t > 0) mbar_arrive(&pv_empty[slot(t - 1)]);
+          if (!OVERLAP || t == w.ntiles - 1) {   // OVERLAP: P V of tile t went with S of tile t + 1
+            mbar_wait(&pv_full[slot(t)], parity(t));
+            turn_begin();
+            turn_end();
+            mbar_arrive(&pv_empty[slot(t)]);
+          }
+        }
+        g0 += w.ntiles;
+        continue;
+      }
       if constexpr (OVERLAP) {
         // Software-pipelined: S of tile t is issued together with P V of tile t-1, and the softmax
         // of tile t runs while P V is still in flight; O is rescaled only once that has landed.

@@ -2,7 +2,8 @@
 
 Parameters: Bc (the K/V tile, the n of the first wgmma), stages (depth of the TMA ring), cwg
 (consumer warpgroups; Br = 64 per consumer), split (registers the producer warpgroup keeps
-after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone), overlap (a
+after setmaxnreg; the consumers share the rest; 0 leaves the allocation alone; 32 runs the
+persistent producer warp-wide, so FA3's 192 x 128 fits at d=64), overlap (a
 consumer issues S of tile t with P V of tile t-1 and runs the softmax under the latter) and
 pingpong (the consumers take turns at the tensor cores, one's softmax under the others' products)
 persistent (one CTA per SM takes work tiles from a dynamic scheduler as it finishes the last,
@@ -67,7 +68,7 @@ class FlashFwdSm90(KernelFamily):
         "Bc": (64, 80, 96, 128, 176),
         "stages": (2, 3),
         "cwg": (1, 2, 3),
-        "split": (0, 24, 40),
+        "split": (0, 24, 32, 40),
         "overlap": (0, 1),
         "pingpong": (0, 1),
         "persistent": (0, 1),
@@ -93,7 +94,14 @@ class FlashFwdSm90(KernelFamily):
         if cwg == 1 and split:
             return "with one consumer warpgroup every thread already has 255 registers: no split"
         if params["persistent"] and split == 24:
-            return "the persistent producer's scheduler state does not fit in 24 registers (ptxas spills): split 0 or 40"
+            return "the persistent producer's scheduler state does not fit in 24 registers (ptxas spills): split 0, 32 or 40"
+        if split == 32 and not (params["persistent"] and cwg == 3 and problem.head_dim == 64):
+            return ("split=32 is for FA3's 192-row tile at d=64, persistent (a warp-wide producer in 32 registers); "
+                    "elsewhere 24 or 40 give the consumers as much, or ptxas spills")
+        if params["tma_store"] and not params["persistent"]:
+            return "a TMA-stored O pays where the warp has a next work tile to start: persistent only"
+        if params["tma_store"] and cwg == 3:
+            return "three persistent consumers have no registers left for the TMA epilogue (ptxas spills)"
         if problem.dtype == "fp8":
             if params["Bc"] % 128:
                 return "fp8 P V reads V^T in whole panels of 128 keys: Bc must be 128"
@@ -109,8 +117,9 @@ class FlashFwdSm90(KernelFamily):
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
         # From the H100 ablations in PERF_NOTES.md (bf16): at d=128 two consumers with overlap,
         # Bc=176 with ping-pong first, persistent Bc=128 for short sequences (TMA-stored O for
-        # causal ones); at d=64 FA3's 192 x 128 (three consumers of Bc=128 taking turns) for long
-        # sequences, two consumers with ping-pong, persistent, TMA-stored O, for short ones.
+        # causal ones); at d=64 FA3's 192 x 128 (three consumers of Bc=128 taking turns), on the
+        # grid for long sequences and persistent (split=32) for short ones, and two persistent
+        # consumers with a TMA-stored O for short causal ones.
         d = problem.head_dim
         keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent", "tma_store")
         if problem.dtype == "fp8":   # FA3's fp8 tiles are wider; Bc=128 is what V^T's panels allow
@@ -125,7 +134,7 @@ class FlashFwdSm90(KernelFamily):
                 cands = [(128, 2, 1, 0, 1, 0, 0, 0), (128, 2, 1, 0, 1, 0, 1, 0)]
             return [dict(zip(keys, c)) for c in cands]
         if d <= 64:
-            cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
+            cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
         elif d <= 128:
             cands = [(176, 2, 2, 24, 1, 1, 0, 0), (176, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 0),

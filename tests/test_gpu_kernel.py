@@ -189,8 +189,8 @@ def test_sm90_persistent_scheduler_repeats_and_streams(causal, dtype):
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_tma_store_epilogue(dtype, causal):
     """O staged per warp in shared memory and stored by TMA: rows past N are clipped by the map
-    (ragged N), the map follows O's own strides (a (B, N, H, D) O too), grid and persistent, and
-    every element is written (O poisoned with NaN)."""
+    (ragged N), the map follows O's own strides (a (B, N, H, D) O too), over several work tiles
+    per CTA, and every element is written (O poisoned with NaN)."""
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.measure import poisoned_outputs, random_inputs
@@ -203,8 +203,7 @@ def test_sm90_tma_store_epilogue(dtype, causal):
     valid = [p for p in fam.valid_points(gpu, problem) if p["tma_store"]]
     q, k, v = random_inputs(problem, rng.randrange(2**31))
     ref_o, ref_lse = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
-    for persistent in (0, 1):
-        params = rng.choice([p for p in valid if p["persistent"] == persistent])
+    for params in rng.sample(valid, 2):
         for o_layout in ("bhnd", "bnhd"):
             o, lse = poisoned_outputs(problem, q)
             if o_layout == "bnhd":   # O's rows H * D apart
@@ -212,6 +211,35 @@ def test_sm90_tma_store_epilogue(dtype, causal):
             o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True, out=(o, lse))
             err = compare(o, lse, ref_o, ref_lse)
             what = f"{problem.key} {params} O {o_layout}"
+            assert err.finite, f"NaN/Inf (unwritten output?) for {what}"
+            assert err.rel <= problem.rel_budget, f"{what}: rel err {err.rel:.3g}"
+            assert err.lse is not None and err.lse <= problem.lse_budget, f"{what}: lse err {err.lse}"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_idle_consumers_in_ragged_192_row_blocks(dtype, causal):
+    """Three consumers (192 query rows) where N leaves 1-64 rows in the last block: the consumers
+    with no rows there skip their products but keep every barrier and ping-pong turn, on the grid
+    and persistent (the warp-wide producer of split=32)."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import random_inputs
+    from tuner.reference import attention_fp64, compare
+
+    fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
+    n = 192 * rng.randint(1, 8) + rng.randint(1, 64)
+    problem = Problem(rng.randint(1, 3), 4, n, n, 64, dtype, causal, rng.choice([1, 2, 4]))
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    q, k, v = random_inputs(problem, rng.randrange(2**31))
+    ref_o, ref_lse = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
+    three = [p for p in fam.valid_points(gpu, problem) if p["cwg"] == 3]
+    for persistent in (0, 1):
+        for params in rng.sample([p for p in three if p["persistent"] == persistent], 2):
+            o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True)
+            err = compare(o, lse, ref_o, ref_lse)
+            what = f"{problem.key} {params}"
             assert err.finite, f"NaN/Inf (unwritten output?) for {what}"
             assert err.rel <= problem.rel_budget, f"{what}: rel err {err.rel:.3g}"
             assert err.lse is not None and err.lse <= problem.lse_budget, f"{what}: lse err {err.lse}"

@@ -32,7 +32,11 @@ def pt(**kw) -> dict:
         (pt(Bc=176, split=0), 128, "registers"),                 # 232 needed, 168 without a split
         (pt(Bc=176, stages=3, split=40), 128, "shared memory"),
         (pt(Bc=128, cwg=3, split=40, persistent=1), 64, "registers"),  # 152 of split 40 are too few
-        (pt(Bc=176, split=40, tma_store=1), 128, "shared memory"),    # O's 32 KB slabs beside 2 x 176 K/V
+        (pt(Bc=176, split=40, persistent=1, tma_store=1), 128, "shared memory"),    # O's 32 KB slabs beside 2 x 176 K/V
+        (pt(split=40, tma_store=1), 64, "persistent only"),           # nothing to overlap the store with
+        (pt(cwg=3, split=32, persistent=1, tma_store=1), 64, "TMA epilogue"),
+        (pt(cwg=2, split=32, persistent=1), 64, "split=32"),          # two consumers: 40 gives as much
+        (pt(cwg=3, split=32, persistent=1, Bc=64), 128, "split=32"),  # d=64 only
     ],
 )
 def test_check_names_what_does_not_fit(params, d, words):
@@ -48,7 +52,7 @@ def test_check_names_what_does_not_fit(params, d, words):
         (pt(Bc=96, cwg=3, split=40, pingpong=1, persistent=1), 64),    # three-way ping-pong, persistent
         (pt(Bc=80, cwg=2, split=24, pingpong=1), 256),                 # FA3's 128 x 80 at d=256
         (pt(Bc=128, split=40, persistent=1, tma_store=1), 128),        # TMA-stored O beside 2 x 128 K/V
-        (pt(Bc=128, cwg=3, split=24, tma_store=1), 64),                # and beside FA3's 192 x 128
+        (pt(Bc=128, cwg=3, split=32, pingpong=1, persistent=1), 64),   # FA3's 192 x 128 persistent, warp-wide producer
     ],
 )
 def test_check_admits_the_hand_tuned_tiles(params, d):
