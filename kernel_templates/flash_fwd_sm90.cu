@@ -126,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
     if (WARP_PRODUCER ? tid < 32 : tid == 0) {
       // WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps
-      // them in uniform registers (the persistent loop then fits the 24 registers of FA3's split);
+      // them in uniform registers (the persistent loop then fits split=32; one thread needs 40);
       // lane 0 issues. Otherwise one thread does it all.
       const bool leader = !WARP_PRODUCER || tid == 0;
       const char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256;

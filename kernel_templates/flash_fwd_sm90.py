@@ -185,8 +185,7 @@ class FlashFwdSm90(KernelFamily):
         from tuner.tile_counter import tile_counter
         from tuner.tma import attention_maps
 
-        cols = min(128 // q.element_size(), q.shape[-1])   # a box row: one swizzle width, 128 or 64 bytes
-        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"], box_cols=cols, o=o if params["tma_store"] else None)
+        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"], o=o if params["tma_store"] else None)
         counter = tile_counter(q.device).data_ptr() if params["persistent"] else 0
         return super().kernel_args(params, q, k, v, o, lse, scale) + (
             np.uint64(maps.data_ptr()), np.int32(q.shape[0]), np.uint64(counter))

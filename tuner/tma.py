@@ -74,10 +74,16 @@ def _key(t, rows: int) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, rows)
 
 
-def attention_maps(q, k, v, q_rows: int, kv_rows: int, box_cols: int = 64, o=None):
+def box_cols(t) -> int:
+    """Columns of a box row: one swizzle width (128 bytes), or the whole row where it is narrower
+    (64 bytes: e4m3 at d=64)."""
+    return min(128 // t.element_size(), t.shape[-1])
+
+
+def attention_maps(q, k, v, q_rows: int, kv_rows: int, o=None):
     """A device buffer holding the maps of q, k and v back to back (3 x 128 bytes), then O's where
     given: boxes of 16 rows x 64 columns (one consumer warp's slab of a 16-bit O, TMA-stored)."""
-    key = (_key(q, q_rows), _key(k, kv_rows), _key(v, kv_rows), box_cols, q.device.index,
+    key = (_key(q, q_rows), _key(k, kv_rows), _key(v, kv_rows), q.device.index,
            None if o is None else _key(o, O_BOX_ROWS))
     with _lock:
         buf = _cache.get(key)
@@ -86,9 +92,10 @@ def attention_maps(q, k, v, q_rows: int, kv_rows: int, box_cols: int = 64, o=Non
             return buf
     import torch
 
-    raw = _encode(q, q_rows, box_cols) + _encode(k, kv_rows, box_cols) + _encode(v, kv_rows, box_cols)
+    cols = box_cols(q)
+    raw = _encode(q, q_rows, cols) + _encode(k, kv_rows, cols) + _encode(v, kv_rows, cols)
     if o is not None:
-        raw += _encode(o, O_BOX_ROWS, min(128 // o.element_size(), o.shape[-1]))
+        raw += _encode(o, O_BOX_ROWS, box_cols(o))
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(q.device)
     with _lock:
         _cache[key] = buf
