@@ -88,9 +88,10 @@ def serialize_sqlite_writers(engine: Engine) -> None:
 
 
 def sqlite_init_lock(url: str):
-    """An inter-process lock for one SQLite file's first-time setup by a library that does not
-    serialize it itself (Optuna creates its tables and stamps its version check-then-act). A file
-    lock in the temp dir, keyed by the database path; a no-op for other backends and on Windows."""
+    """An inter-process lock for one SQLite file's first-time setup: our own (WAL, migrations) and a
+    library's that does not serialize it itself (Optuna creates its tables and stamps its version
+    check-then-act). A file lock in the temp dir, keyed by the database path; a no-op for other
+    backends and on Windows. Not re-entrant: make no engine while holding it."""
     import contextlib
     import hashlib
     import tempfile
@@ -202,7 +203,11 @@ def make_engine(url: str | None = None, *, readonly: bool = False) -> Engine:
     if is_sqlite:
         _install_sqlite_pragmas(engine, mode)
     try:
-        migrate(engine)
+        # one process at a time: switching a new file to WAL and migrating it can fail at once with
+        # "database is locked" when several searches open the same file together (busy_timeout
+        # does not cover the journal-mode change)
+        with sqlite_init_lock(text):
+            migrate(engine)
     except SQLDatabaseError as e:  # OperationalError (cannot open, locked), "file is not a database", ...
         engine.dispose()
         where = str(path) if path is not None else parsed.render_as_string(hide_password=True)
