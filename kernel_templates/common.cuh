@@ -131,6 +131,11 @@ FT_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
 FT_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 FT_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// 1 / l for the epilogue, 0 for a row with nothing in it (fully masked). l >= 1 otherwise (the
+// row's max contributes exp2(0)), where the approximate reciprocal is within 2 ulp and has no
+// slow path: IEEE division's branches cost 2-3% of a short tile's time.
+FT_DEVICE float inv_row_sum(float l) { return l > 0.f ? __fdividef(1.f, l) : 0.f; }
+
 // 2^x on the SFU (ex2.approx, ~2 ulp, -inf -> 0): the softmax needs nothing more exact.
 FT_DEVICE float fast_exp2(float x) {
   float y;

@@ -248,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(FT_A
     const float row_l = group_sum<TX>(l[i]);
     const int row = q0 + row_of(i, ty);
     if (row >= nq) continue;
-    const float inv = row_l > 0.f ? 1.f / row_l : 0.f;
+    const float inv = inv_row_sum(row_l);
 #pragma unroll
     for (int j = 0; j < DN; j += VD) {
       float out[VD];

@@ -211,7 +211,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     if constexpr (CONSUMER_REGS > 0) regs_grow<CONSUMER_REGS>();
     const int cw = wg - 1;
     const int wrow0 = cw * 64 + ((tid / 32) % 4) * 16;   // this warp's first row in the block
-    const unsigned q_smem = smem_u32(Qs) + cw * 64 * ROW_BYTES;
+    // wgmma descriptors of this consumer's Q and of each ring's stage 0; a k step, panel or stage
+    // is a desc_advance from these
+    const auto desc_q = wgmma_desc<ROW_BYTES>(smem_u32(Qs) + cw * 64 * ROW_BYTES, 16, 8 * ROW_BYTES);
+    const auto desc_k = wgmma_desc<ROW_BYTES>(smem_u32(Ks), 16, 8 * ROW_BYTES);
+    const auto desc_v = FP8 ? wgmma_desc(smem_u32(Vts), 16, 1024) : wgmma_desc(smem_u32(Vs), BC * 128, 1024);
     const char* tmap_o = tmaps + 384;   // TMA_STORE: this warp's slab goes out through O's tensor map
     const unsigned o_slab = smem_u32(Os) + (wrow0 / 16) * 16 * HEAD_DIM * sizeof(TO);
     if (TMA_STORE && lane == 0) tmap_acquire(tmap_o);
@@ -252,30 +256,22 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
       // ---- S = Q K^T: A and B K-major; a k step is 32 bytes into the swizzled row ----
       auto issue_s = [&](int t) {
-        const unsigned k_smem = smem_u32(Ks + slot(t) * BC * HEAD_DIM);
+        const auto dk = desc_advance(desc_k, slot(t) * KV_BYTES);
 #pragma unroll
         for (int ks = 0; ks < KSTEPS; ++ks) {
           const unsigned koff = (ks % PANEL_KSTEPS) * 32, panel = ks / PANEL_KSTEPS;
-          const auto da = wgmma_desc<ROW_BYTES>(q_smem + panel * BR * ROW_BYTES + koff, 16, 8 * ROW_BYTES);
-          const auto db = wgmma_desc<ROW_BYTES>(k_smem + panel * BC * ROW_BYTES + koff, 16, 8 * ROW_BYTES);
-          Wgmma<BC>::ss(sacc, da, db, ks > 0);   // the first step overwrites
+          Wgmma<BC>::ss(sacc, desc_advance(desc_q, panel * BR * ROW_BYTES + koff), desc_advance(dk, panel * BC * ROW_BYTES + koff),
+                        ks > 0);   // the first step overwrites
         }
         wgmma_commit();
       };
       // ---- O += P V: V N-major (its rows are the k dim), panels of 64 columns LBO apart; or
       // e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart ----
       auto issue_pv = [&](int t) {
-        if constexpr (FP8) {
-          const unsigned vt_smem = smem_u32(Vts + slot(t) * BC * HEAD_DIM);
+        const auto dv = desc_advance(desc_v, slot(t) * KV_BYTES);
 #pragma unroll
-          for (int ps = 0; ps < PSTEPS; ++ps)
-            Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(vt_smem + (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32, 16, 1024), 1);
-        } else {
-          const unsigned v_smem = smem_u32(Vs + slot(t) * BC * HEAD_DIM);
-#pragma unroll
-          for (int ps = 0; ps < PSTEPS; ++ps)
-            Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], wgmma_desc(v_smem + ps * 16 * 128, BC * 128, 1024), 1);
-        }
+        for (int ps = 0; ps < PSTEPS; ++ps)
+          Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * 128), 1);
         wgmma_commit();
       };
       auto mask = [&](int t) {

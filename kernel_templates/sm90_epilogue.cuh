@@ -20,7 +20,7 @@ FT_DEVICE void store_slab_tma(unsigned slab, const void* tmap_o, float* lse_row,
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     row_l[hh] = group_sum<4>(l[hh]);
-    inv[hh] = row_l[hh] > 0.f ? 1.f / row_l[hh] : 0.f;
+    inv[hh] = inv_row_sum(row_l[hh]);
   }
   if (lane == 0) bulk_wait_read<0>();   // the last tile's store has read the slab
   __syncwarp();

@@ -15,16 +15,42 @@ FT_DEVICE int frag_row(int lane, int e) { return lane / 4 + (e >= 2 ? 8 : 0); }
 FT_DEVICE int frag_col(int lane, int nt, int e) { return nt * 8 + 2 * (lane % 4) + (e & 1); }
 
 // -inf where the key column is past nk or (causal) after the query row; rows and columns are
-// absolute indices of the slab's first row and of the tile's first column.
+// absolute indices of the slab's first row and of the tile's first column. Both bounds fold into
+// one limit per row, against which each element's column offset is a constant: one compare and one
+// select per element.
 template <int NTILES, bool CAUSAL>
 FT_DEVICE void mask_slab(float (&s)[NTILES][4], int lane, int row0, int col0, int nk) {
+  const int c0 = col0 + frag_col(lane, 0, 0);   // the thread's first column
+  int lim[2];                                   // last column kept, less c0, per row half
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    lim[hh] = nk - 1 - c0;
+    if constexpr (CAUSAL) lim[hh] = min(lim[hh], row0 + frag_row(lane, 2 * hh) - c0);
+  }
 #pragma unroll
   for (int nt = 0; nt < NTILES; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = row0 + frag_row(lane, e), col = col0 + frag_col(lane, nt, e);
-      if (col >= nk || (CAUSAL && col > row)) s[nt][e] = FT_NEG_INF;
-    }
+    for (int e = 0; e < 4; ++e)
+      if (nt * 8 + (e & 1) > lim[e / 2]) s[nt][e] = FT_NEG_INF;
+}
+
+// t[0] <- max(t), pairs STRIDE apart at each level (a template, so every index is a constant).
+template <int N, int STRIDE = 1> FT_DEVICE void max_tree(float (&t)[N]) {
+  if constexpr (STRIDE < N) {
+#pragma unroll
+    for (int i = 0; i + STRIDE < N; i += 2 * STRIDE) t[i] = fmaxf(t[i], t[i + STRIDE]);
+    max_tree<N, 2 * STRIDE>(t);
+  }
+}
+
+// The max of this thread's part of row half `hh` of the slab, as a tree: a running max is a chain
+// of 2 * NTILES dependent FMNMX (ncu: 11% of a d=64 consumer's time), the tree log2 of that deep.
+template <int NTILES> FT_DEVICE float row_max(const float (&s)[NTILES][4], int hh) {
+  float t[NTILES];
+#pragma unroll
+  for (int nt = 0; nt < NTILES; ++nt) t[nt] = fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]);
+  max_tree(t);
+  return t[0];
 }
 
 // One tile of the online softmax for a 16-row slab, O untouched: S becomes P in place (fp32),
@@ -34,10 +60,7 @@ template <int NTILES>
 FT_DEVICE void softmax_advance(float (&s)[NTILES][4], float (&m)[2], float (&l)[2], float (&alpha)[2], float scale_log2) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    float mx = FT_NEG_INF;
-#pragma unroll
-    for (int nt = 0; nt < NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * hh], s[nt][2 * hh + 1]));
-    mx = group_max<4>(mx);
+    const float mx = group_max<4>(row_max(s, hh));
     const float m_new = fmaxf(m[hh], mx);
     const float m_use = m_new == FT_NEG_INF ? 0.f : m_new * scale_log2;  // a fully masked row so far
     alpha[hh] = fast_exp2(m[hh] * scale_log2 - m_use);
@@ -123,7 +146,7 @@ FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* ls
   for (int hh = 0; hh < 2; ++hh) {
     row_l[hh] = group_sum<4>(l[hh]);
     const int row = row0 + lane / 4 + hh * 8;
-    const float inv = row_l[hh] > 0.f ? 1.f / row_l[hh] : 0.f;
+    const float inv = inv_row_sum(row_l[hh]);
     if constexpr (DT != FT_F32 && DTILES % 4 == 0) {
       // The quad's 4 x 4 block of packed pairs (lane q: column pair q of n8 groups 4k..4k+3) is
       // transposed in two shuffle stages, so that lane q holds all of group 4k+q: one 16-byte
