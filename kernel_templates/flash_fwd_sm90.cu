@@ -13,6 +13,9 @@
 // PERSISTENT: one CTA per SM runs work tiles from the dynamic scheduler (tile_scheduler.cuh); the
 // producer publishes each tile to the consumers and loads its first K, then its Q (released once
 // the last S of the previous tile has landed) under the previous tile's last products and epilogue.
+// CHAIN (persistent, two consumers, overlap): Q is double-buffered and a consumer issues the next
+// work tile's first S together with this tile's last P V, in the same ping-pong turn, so the tensor
+// cores run that S while the consumer writes this tile's O; its softmax follows the epilogue.
 // TMA_STORE: each consumer warp stages its 16 rows of O in shared memory and one lane stores them
 // by TMA (sm90_epilogue.cuh), so the warp starts its next work tile without waiting on the stores;
 // otherwise O goes from registers in 16-byte stores (store_slab).
@@ -28,7 +31,7 @@
 // once P V has read it.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT TMA_STORE IN_DTYPE IS_CAUSAL;
+// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
@@ -53,6 +56,7 @@ constexpr int KSTEP = 32 / sizeof(T);        // k of one wgmma: 32 bytes of a ro
 constexpr int KSTEPS = HEAD_DIM / KSTEP;     // k steps of Q K^T
 constexpr int PSTEPS = BC / KSTEP;           // k steps of P V
 constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
+constexpr int QBUF = CHAIN ? 2 : 1;          // Q buffers: CHAIN loads the next tile's Q under this one
 constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
 constexpr bool WARP_PRODUCER = PERSISTENT && PRODUCER_REGS == 32;   // see the producer
@@ -64,11 +68,12 @@ static_assert(FP8 || ROW_BYTES == 128, "fp16/bf16: 128-byte panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, "fp16, bf16 or e4m3 inputs");
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
-static_assert(!TMA_STORE || (Q_BYTES + (FP8 ? 3 : 2) * STAGES * KV_BYTES) % 1024 == 0, "O slabs on the swizzle's 1024 B");
+static_assert(!TMA_STORE || (QBUF * Q_BYTES + (FP8 ? 3 : 2) * STAGES * KV_BYTES) % 1024 == 0, "O slabs on the swizzle's 1024 B");
+static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tiles: persistent, overlapped, two consumers");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 
 struct Barriers {
-  unsigned long long q_full, q_empty;
+  unsigned long long q_full[QBUF], q_empty[QBUF];
   unsigned long long k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
   TileRing ring;   // PERSISTENT: the producer's fetched tiles, handed to the consumers
   unsigned long long vt_full[STAGES], vt_empty[STAGES];   // e4m3: V^T transposed / read by P V
@@ -80,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   // swizzle atoms repeat every 1024 bytes: the descriptors assume tiles start on that boundary
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   T* Qs = reinterpret_cast<T*>(base);
-  T* Ks = Qs + BR * HEAD_DIM;
+  T* Ks = Qs + QBUF * BR * HEAD_DIM;
   T* Vs = Ks + STAGES * BC * HEAD_DIM;
   T* Vts = Vs + STAGES * BC * HEAD_DIM;   // e4m3 only: V^T, [HEAD_DIM x BC] per stage
   unsigned char* Os = reinterpret_cast<unsigned char*>(FP8 ? Vts + STAGES * BC * HEAD_DIM : Vts);   // TMA_STORE: O slabs
@@ -98,8 +103,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   };
 
   if (tid == 0) {
-    mbar_init(&bar.q_full, 1);
-    mbar_init(&bar.q_empty, CWG * 128);
+    for (int s = 0; s < QBUF; ++s) {
+      mbar_init(&bar.q_full[s], 1);
+      mbar_init(&bar.q_empty[s], CWG * 128);
+    }
     for (int s = 0; s < 2; ++s) {
       mbar_init(&bar.ring.full[s], 1);
       mbar_init(&bar.ring.empty[s], CWG * 128 + (FP8 ? TRANSPOSERS : 0));
@@ -164,12 +171,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         // The first K goes ahead of Q: it only needs a free ring slot, while Q waits for the last
         // work tile's final S.
         load(Ks, tk, bar.k_full, bar.k_empty, 0);
-        if (it > 0) mbar_wait(&bar.q_empty, (it - 1) & 1);
+        const int qs = it % QBUF;
+        if (it >= QBUF) mbar_wait(&bar.q_empty[qs], ((it / QBUF) - 1) & 1);
         if (leader) {
-          mbar_expect_tx(&bar.q_full, Q_BYTES);
+          mbar_expect_tx(&bar.q_full[qs], Q_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
-            tma_load_4d(Qs + p * BR * PANEL_COLS, tq, &bar.q_full, p * PANEL_COLS, w.q0, w.h, w.b);
+            tma_load_4d(Qs + qs * BR * HEAD_DIM + p * BR * PANEL_COLS, tq, &bar.q_full[qs], p * PANEL_COLS, w.q0, w.h, w.b);
         }
         for (int t = 1; t < w.ntiles; ++t) {
           load(Ks, tk, bar.k_full, bar.k_empty, t);
@@ -233,8 +241,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     // P V's operand B and its barriers: V itself (N-major), or for e4m3 the transposed V^T
     unsigned long long* pv_full = FP8 ? bar.vt_full : bar.v_full;
     unsigned long long* pv_empty = FP8 ? bar.vt_empty : bar.v_empty;
-    int g0 = 0;
-    for (int it = 0;; ++it) {
+    // The CTA's work tiles in turn: `it` counts them, `tile` is the current one (>= total: none
+    // left), `qs` its Q buffer; K/V ring slots and phases follow a running count of K/V tiles (g0
+    // at this tile's first).
+    auto fetch = [&](int it) {
       int tile = it;
       if constexpr (PERSISTENT) {
         const int s = it & 1;
@@ -242,57 +252,92 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         tile = bar.ring.tile[s];
         mbar_arrive(&bar.ring.empty[s]);
       }
-      if (tile >= total) break;
-      const WorkTile w = work(tile);
+      return tile;
+    };
+    int g0 = 0, qs = 0, tile = fetch(0);
+    WorkTile w = work(tile);
+    auto reset = [&] {
 #pragma unroll
       for (int dt = 0; dt < DTILES; ++dt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o_acc[dt][e] = 0.f;
       m[0] = m[1] = FT_NEG_INF;
       l[0] = l[1] = 0.f;
+    };
 
-      // K/V ring slot and phase of this work tile's K/V tile t
-      auto slot = [&](int t) { return (g0 + t) % STAGES; };
-      auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
-      // ---- S = Q K^T: A and B K-major; a k step is 32 bytes into the swizzled row ----
-      auto issue_s = [&](int t) {
-        const auto dk = desc_advance(desc_k, slot(t) * KV_BYTES);
+    // K/V ring slot and phase of K/V tile t of this work tile (t = ntiles: the next one's first)
+    auto slot = [&](int t) { return (g0 + t) % STAGES; };
+    auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
+    auto q_desc = [&](int buf) { return desc_advance(desc_q, buf * Q_BYTES); };
+    // ---- S = Q K^T: A and B K-major; a k step is 32 bytes into the swizzled row ----
+    auto issue_s = [&](int t, unsigned long long dq) {
+      const auto dk = desc_advance(desc_k, slot(t) * KV_BYTES);
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS; ++ks) {
-          const unsigned koff = (ks % PANEL_KSTEPS) * 32, panel = ks / PANEL_KSTEPS;
-          Wgmma<BC>::ss(sacc, desc_advance(desc_q, panel * BR * ROW_BYTES + koff), desc_advance(dk, panel * BC * ROW_BYTES + koff),
-                        ks > 0);   // the first step overwrites
-        }
-        wgmma_commit();
-      };
-      // ---- O += P V: V N-major (its rows are the k dim), panels of 64 columns LBO apart; or
-      // e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart ----
-      auto issue_pv = [&](int t) {
-        const auto dv = desc_advance(desc_v, slot(t) * KV_BYTES);
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        const unsigned koff = (ks % PANEL_KSTEPS) * 32, panel = ks / PANEL_KSTEPS;
+        Wgmma<BC>::ss(sacc, desc_advance(dq, panel * BR * ROW_BYTES + koff), desc_advance(dk, panel * BC * ROW_BYTES + koff),
+                      ks > 0);   // the first step overwrites
+      }
+      wgmma_commit();
+    };
+    // ---- O += P V: V N-major (its rows are the k dim), panels of 64 columns LBO apart; or
+    // e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart ----
+    auto issue_pv = [&](int t) {
+      const auto dv = desc_advance(desc_v, slot(t) * KV_BYTES);
 #pragma unroll
-        for (int ps = 0; ps < PSTEPS; ++ps)
-          Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * 128), 1);
-        wgmma_commit();
-      };
-      auto mask = [&](int t) {
-        const int k0 = t * BC;
-        if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > w.q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, w.q0 + wrow0, k0, nk);
-      };
-      // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the
-      // next work tile's Q streams in under this one's last softmax, P V and epilogue.
-      auto release_k = [&](int t) {
-        mbar_arrive(&bar.k_empty[slot(t)]);
-        if (t == w.ntiles - 1) mbar_arrive(&bar.q_empty);
-      };
-      auto make_p = [&] {
+      for (int ps = 0; ps < PSTEPS; ++ps)
+        Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * 128), 1);
+      wgmma_commit();
+    };
+    auto mask = [&](int t) {
+      const int k0 = t * BC;
+      if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > w.q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, w.q0 + wrow0, k0, nk);
+    };
+    // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the
+    // next work tile's Q streams in under this one's last softmax, P V and epilogue.
+    auto release_k = [&](int t) {
+      mbar_arrive(&bar.k_empty[slot(t)]);
+      if (t == w.ntiles - 1) mbar_arrive(&bar.q_empty[qs]);
+    };
+    auto make_p = [&] {
 #pragma unroll
-        for (int ps = 0; ps < PSTEPS; ++ps) {
-          if constexpr (FP8) p_fragment_e4m3(pa[ps], sacc, ps);
-          else p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
-        }
-      };
+      for (int ps = 0; ps < PSTEPS; ++ps) {
+        if constexpr (FP8) p_fragment_e4m3(pa[ps], sacc, ps);
+        else p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
+      }
+    };
+    // the first S of a work tile has landed: its softmax starts the tile's O
+    auto first_softmax = [&] {
+      wgmma_pin(sacc);
+      release_k(0);
+      mask(0);
+      softmax_advance(sacc, m, l, alpha, scale_log2);
+      make_p();
+    };
+    auto write_o = [&] {
+      float* lse_bh = lse + static_cast<long long>(w.b * heads + w.h) * nq;
+      if constexpr (TMA_STORE) {
+        store_slab_tma<OUT_DTYPE, DTILES>(o_slab, tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
+      } else {
+        store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + w.b * o_sb + w.h * o_sh, o_sn, lse_bh, o_acc, m, l, lane,
+                              w.q0 + wrow0, nq, scale_log2);
+      }
+    };
 
-      mbar_wait(&bar.q_full, it & 1);
+    // on to work tile it + 1, this one's K/V tiles done
+    auto advance = [&](int it) {
+      g0 += w.ntiles;
+      tile = fetch(it + 1);
+      w = work(tile);
+      qs = (it + 1) % QBUF;
+    };
+
+    for (int it = 0; tile < total; ++it) {
+      const bool chained = CHAIN && it > 0;   // this tile's first S and softmax ran at the last one's end
+      if (!chained) {
+        reset();
+        mbar_wait(&bar.q_full[qs], (it / QBUF) & 1);
+      }
       if (SKIP_IDLE && w.q0 + cw * 64 >= nq) {
         // SKIP_IDLE: all 64 of this consumer's rows lie past N (the ragged last block of a 192-row
         // tile). It issues nothing and writes nothing, but waits, arrives and takes its ping-pong
@@ -311,30 +356,28 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
             mbar_arrive(&pv_empty[slot(t)]);
           }
         }
-        g0 += w.ntiles;
+        advance(it);
         continue;
       }
       if constexpr (OVERLAP) {
         // Software-pipelined: S of tile t is issued together with P V of tile t-1, and the softmax
         // of tile t runs while P V is still in flight; O is rescaled only once that has landed.
-        mbar_wait(&bar.k_full[slot(0)], parity(0));
-        turn_begin();
-        wgmma_fence();
-        issue_s(0);
-        turn_end();
-        wgmma_wait<0>();
-        wgmma_pin(sacc);
-        release_k(0);
-        mask(0);
-        softmax_advance(sacc, m, l, alpha, scale_log2);
-        make_p();
+        if (!chained) {
+          mbar_wait(&bar.k_full[slot(0)], parity(0));
+          turn_begin();
+          wgmma_fence();
+          issue_s(0, q_desc(qs));
+          turn_end();
+          wgmma_wait<0>();
+          first_softmax();
+        }
         for (int t = 1; t < w.ntiles; ++t) {
           mbar_wait(&bar.k_full[slot(t)], parity(t));
           mbar_wait(&pv_full[slot(t - 1)], parity(t - 1));
           turn_begin();
           wgmma_pin(o_acc);
           wgmma_fence();
-          issue_s(t);
+          issue_s(t, q_desc(qs));
           issue_pv(t - 1);
           turn_end();
           wgmma_wait<1>();   // S of tile t has landed; P V of tile t-1 may still run
@@ -348,21 +391,42 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           rescale_rows(o_acc, alpha);
           make_p();
         }
-        mbar_wait(&pv_full[slot(w.ntiles - 1)], parity(w.ntiles - 1));
+        // CHAIN: the next work tile's first S goes with this one's last P V. After the CTA's last
+        // tile it is issued all the same, on whatever the buffers hold, and dropped: a test between
+        // the wgmma instructions would make ptxas serialize them (C7519).
+        const int n = w.ntiles, next = CHAIN ? fetch(it + 1) : total;
+        if (CHAIN && next < total) {
+          mbar_wait(&bar.q_full[(it + 1) % QBUF], ((it + 1) / QBUF) & 1);
+          mbar_wait(&bar.k_full[slot(n)], parity(n));
+        }
+        mbar_wait(&pv_full[slot(n - 1)], parity(n - 1));
         turn_begin();
         wgmma_pin(o_acc);
         wgmma_fence();
-        issue_pv(w.ntiles - 1);
+        issue_pv(n - 1);
+        if constexpr (CHAIN) issue_s(n, q_desc((it + 1) % QBUF));
         turn_end();
-        wgmma_wait<0>();
+        wgmma_wait<CHAIN ? 1 : 0>();   // this tile's last P V has landed
         wgmma_pin(o_acc);
-        mbar_arrive(&pv_empty[slot(w.ntiles - 1)]);
+        mbar_arrive(&pv_empty[slot(n - 1)]);
+        if constexpr (CHAIN) {
+          write_o();
+          wgmma_wait<0>();
+          g0 += n;
+          tile = next;
+          if (tile >= total) break;
+          w = work(tile);
+          qs = (it + 1) % QBUF;
+          reset();
+          first_softmax();
+          continue;
+        }
       } else {
         for (int t = 0; t < w.ntiles; ++t) {
           mbar_wait(&bar.k_full[slot(t)], parity(t));
           turn_begin();
           wgmma_fence();
-          issue_s(t);
+          issue_s(t, q_desc(qs));
           turn_end();
           wgmma_wait<0>();
           wgmma_pin(sacc);
@@ -381,15 +445,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           mbar_arrive(&pv_empty[slot(t)]);
         }
       }
-
-      float* lse_bh = lse + static_cast<long long>(w.b * heads + w.h) * nq;
-      if constexpr (TMA_STORE) {
-        store_slab_tma<OUT_DTYPE, DTILES>(o_slab, tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
-      } else {
-        store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + w.b * o_sb + w.h * o_sh, o_sn, lse_bh, o_acc, m, l, lane,
-                              w.q0 + wrow0, nq, scale_log2);
-      }
-      g0 += w.ntiles;
+      write_o();
+      advance(it);
     }
     if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // the last consumer's final hand-over
     if (TMA_STORE && lane == 0) bulk_wait<0>();   // the slab stays until its last store is done

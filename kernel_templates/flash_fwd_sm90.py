@@ -8,7 +8,9 @@ consumer issues S of tile t with P V of tile t-1 and runs the softmax under the 
 pingpong (the consumers take turns at the tensor cores, one's softmax under the others' products)
 persistent (one CTA per SM takes work tiles from a dynamic scheduler as it finishes the last,
 loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh) and tma_store
-(O staged in shared memory, Br x d more of it, and stored by TMA: kernel_templates/sm90_epilogue.cuh).
+(O staged in shared memory, Br x d more of it, and stored by TMA: kernel_templates/sm90_epilogue.cuh)
+and chain (two persistent overlapped consumers: a second Q buffer, and the next work tile's first S
+issued with this one's last P V, so it runs under this tile's epilogue).
 
 fp8 (e4m3 inputs, bf16 O): the producer warpgroup's warps 1-3 transpose each V tile for the K-major
 P V (kernel_templates/sm90_fp8.cuh), so the V^T buffer costs a third K/V-sized ring, the transposers
@@ -73,6 +75,7 @@ class FlashFwdSm90(KernelFamily):
         "pingpong": (0, 1),
         "persistent": (0, 1),
         "tma_store": (0, 1),
+        "chain": (0, 1),
     }
 
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -107,6 +110,10 @@ class FlashFwdSm90(KernelFamily):
                 return "fp8 P V reads V^T in whole panels of 128 keys: Bc must be 128"
             if split == 24:
                 return "the fp8 V transposers need more than the producer's 24 registers: split 0 or 40"
+        if params["chain"] and not (params["persistent"] and params["overlap"] and cwg == 2):
+            return "chaining work tiles (the next one's first S with this one's last P V) is for two persistent, overlapped consumers"
+        if params["chain"] and not split:
+            return "a chained tile's epilogue runs beside the next tile's S: without a register split ptxas spills"
         if params["pingpong"] and cwg < 2:
             return "ping-pong takes turns between two or three consumer warpgroups"
         need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
@@ -119,7 +126,7 @@ class FlashFwdSm90(KernelFamily):
         # Bc=176 with ping-pong first, persistent Bc=128 for short sequences (TMA-stored O for
         # causal ones); at d=64 FA3's 192 x 128 (three consumers of Bc=128 taking turns), on the
         # grid for long sequences and persistent (split=32) for short ones, and two persistent
-        # consumers with a TMA-stored O for short causal ones.
+        # consumers with a TMA-stored O for short causal ones, chaining their work tiles.
         d = problem.head_dim
         keys = ("Bc", "stages", "cwg", "split", "overlap", "pingpong", "persistent", "tma_store")
         if problem.dtype == "fp8":   # FA3's fp8 tiles are wider; Bc=128 is what V^T's panels allow
@@ -132,7 +139,7 @@ class FlashFwdSm90(KernelFamily):
                          (128, 3, 2, 40, 1, 1, 1, 0)]
             else:
                 cands = [(128, 2, 1, 0, 1, 0, 0, 0), (128, 2, 1, 0, 1, 0, 1, 0)]
-            return [dict(zip(keys, c)) for c in cands]
+            return [dict(zip(keys, c), chain=0) for c in cands]
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
@@ -142,7 +149,10 @@ class FlashFwdSm90(KernelFamily):
                      (128, 3, 2, 24, 1, 0, 0, 0)]
         else:  # no persistent seed: its extra state spills a few bytes at d=256
             cands = [(80, 2, 2, 24, 1, 1, 0, 0), (64, 2, 2, 24, 1, 0, 0, 0), (64, 2, 1, 0, 0, 0, 0, 0)]
-        return [dict(zip(keys, c)) for c in cands]
+        seeds = [dict(zip(keys, c), chain=0) for c in cands]
+        if d <= 64 and problem.causal:   # chained work tiles: short causal ones (h16)
+            seeds.append(dict(zip(keys, (128, 3, 2, 40, 1, 1, 1, 1)), chain=1))
+        return seeds
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         split = params["split"]
@@ -156,6 +166,7 @@ class FlashFwdSm90(KernelFamily):
             "PINGPONG": params["pingpong"],
             "PERSISTENT": params["persistent"],
             "TMA_STORE": params["tma_store"],
+            "CHAIN": params["chain"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "IS_CAUSAL": int(problem.causal),
@@ -165,7 +176,8 @@ class FlashFwdSm90(KernelFamily):
         d, esize = problem.head_dim, DTYPE_BYTES[problem.dtype]
         rings = 3 if problem.dtype == "fp8" else 2   # K, V (and V^T)
         o_stage = 2 * d * 64 * params["cwg"] if params["tma_store"] else 0   # 16-bit O, Br x d
-        return esize * d * (64 * params["cwg"] + rings * params["stages"] * params["Bc"]) + o_stage + _BARRIER_SLACK
+        q_bufs = 2 if params["chain"] else 1   # chaining loads the next tile's Q under this one
+        return esize * d * (q_bufs * 64 * params["cwg"] + rings * params["stages"] * params["Bc"]) + o_stage + _BARRIER_SLACK
 
     def launch(self, params: dict, problem: Problem) -> Launch:
         qblocks = ceil_div(problem.seqlen_q, 64 * params["cwg"])

@@ -223,9 +223,9 @@ def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
         ck = compile_kernel(SM90, params, problem, H100_SXM.arch)
         assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (params, ck.resources)
         assert "C7508" not in ck.log and "warning" not in ck.log.lower(), ck.log
-        # C7510/C7519: ptxas serialized the wgmma pipeline (a branch between wgmma instructions did
-        # that to the tried diagonal-half tile, h13: 25-45% slower)
-        assert "C7510" not in ck.log and "C7519" not in ck.log, ck.log
+        # C7510/C7511/C7519: ptxas serialized the wgmma pipeline (a branch between wgmma instructions
+        # did that to the tried diagonal-half tile, h13: 25-45% slower; too few registers, C7511, h15)
+        assert not re.search(r"C751[019]", ck.log), ck.log
         cubin = tmp_path / "k.cubin"
         cubin.write_bytes(ck.cubin)
         sass = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120).stdout

@@ -243,3 +243,36 @@ def test_sm90_idle_consumers_in_ragged_192_row_blocks(dtype, causal):
             assert err.finite, f"NaN/Inf (unwritten output?) for {what}"
             assert err.rel <= problem.rel_budget, f"{what}: rel err {err.rel:.3g}"
             assert err.lse is not None and err.lse <= problem.lse_budget, f"{what}: lse err {err.lse}"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_chained_work_tiles(dtype, causal):
+    """chain=1: each consumer issues the next work tile's first S with this tile's last P V, from a
+    second Q buffer, and writes O after. Over many work tiles per CTA (the causal ones 1-16 K/V
+    tiles long), ragged N, GQA, every element written (O poisoned with NaN), the LSE too, and the
+    tile counter reset for a second launch."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import random_inputs
+    from tuner.reference import attention_fp64, compare
+    from tuner.tile_counter import tile_counter
+
+    fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
+    kvh = rng.choice([2, 4])
+    n = rng.randint(1100, 2100)   # 9-17 query blocks per head, the last one ragged
+    problem = Problem(rng.randint(2, 3), kvh * rng.choice([2, 4]), n, n, rng.choice([64, 128]), dtype, causal, kvh)
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    chained = [p for p in fam.valid_points(gpu, problem) if p["chain"]]
+    q, k, v = random_inputs(problem, rng.randrange(2**31))
+    ref_o, ref_lse = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
+    for params in rng.sample(chained, 2):
+        for launch in range(2):
+            o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True)
+            err = compare(o, lse, ref_o, ref_lse)
+            what = f"{problem.key} {params} launch {launch}"
+            assert err.finite, f"NaN/Inf (unwritten output?) for {what}"
+            assert err.rel <= problem.rel_budget, f"{what}: rel err {err.rel:.3g}"
+            assert err.lse is not None and err.lse <= problem.lse_budget, f"{what}: lse err {err.lse}"
+        assert tile_counter(q.device).tolist() == [0, 0], "the counter did not reset after the launches"

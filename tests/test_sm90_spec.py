@@ -10,7 +10,7 @@ from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90 import sm_count
 
 SM90 = get_family("flash_fwd_sm90")
-BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0, tma_store=0)
+BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0, tma_store=0, chain=0)
 
 
 def problem(d: int = 128, causal: bool = False, n: int = 4096, dtype: str = "bf16"):
@@ -37,6 +37,11 @@ def pt(**kw) -> dict:
         (pt(cwg=3, split=32, persistent=1, tma_store=1), 64, "TMA epilogue"),
         (pt(cwg=2, split=32, persistent=1), 64, "split=32"),          # two consumers: 40 gives as much
         (pt(cwg=3, split=32, persistent=1, Bc=64), 128, "split=32"),  # d=64 only
+        (pt(split=40, chain=1), 64, "persistent, overlapped"),         # a grid CTA has no next tile
+        (pt(split=40, persistent=1, overlap=0, chain=1), 64, "persistent, overlapped"),
+        (pt(cwg=3, split=32, persistent=1, chain=1), 64, "two persistent"),
+        (pt(split=0, persistent=1, tma_store=1, chain=1), 64, "register split"),
+        (pt(Bc=176, split=40, persistent=1, chain=1), 128, "shared memory"),  # a second 32 KB Q beside 2 x 176 K/V
     ],
 )
 def test_check_names_what_does_not_fit(params, d, words):
@@ -53,6 +58,8 @@ def test_check_names_what_does_not_fit(params, d, words):
         (pt(Bc=80, cwg=2, split=24, pingpong=1), 256),                 # FA3's 128 x 80 at d=256
         (pt(Bc=128, split=40, persistent=1, tma_store=1), 128),        # TMA-stored O beside 2 x 128 K/V
         (pt(Bc=128, cwg=3, split=32, pingpong=1, persistent=1), 64),   # FA3's 192 x 128 persistent, warp-wide producer
+        (pt(Bc=128, split=40, persistent=1, chain=1), 128),            # chained work tiles: a second Q beside 2 x 128 K/V
+        (pt(Bc=128, split=40, persistent=1, tma_store=1, chain=1), 64),
     ],
 )
 def test_check_admits_the_hand_tuned_tiles(params, d):
@@ -87,6 +94,10 @@ def test_fp8_takes_every_head_dim_with_a_bf16_output_and_a_vt_ring():
     for dtype in ("bf16", "fp8"):
         p = problem(128, dtype=dtype)
         assert SM90.smem_bytes(pt(split=40, tma_store=1), p) - SM90.smem_bytes(s, p) == 2 * 128 * 128
+    # chaining work tiles adds a second Q buffer (Br x d in the input precision)
+    for dtype, esize in (("bf16", 2), ("fp8", 1)):
+        p, base = problem(128, dtype=dtype), pt(split=40, persistent=1)
+        assert SM90.smem_bytes({**base, "chain": 1}, p) - SM90.smem_bytes(base, p) == esize * 128 * 128
 
 
 def test_hopper_only():
