@@ -12,6 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -117,3 +118,25 @@ def test_kill_at_random_moments_then_resume(tmp_path):
 def _study_name(tmp: Path) -> str:
     (name,) = optuna.get_all_study_names(f"sqlite:///{tmp / 'r.db'}")
     return name
+
+
+def test_a_signal_after_the_command_ended_is_ignored():
+    """Once the CLI's command has returned, SIGINT and SIGTERM until the process exits are ignored:
+    one arriving during the teardown (worker pool, interpreter) once made a finished search die of
+    SIGINT (exit -2) in CI."""
+    code = textwrap.dedent("""
+        import os, signal, sys
+        from tuner import cli
+        sys.argv = ["tuner", "--help"]
+        try:
+            cli.main()
+        except SystemExit as exc:
+            assert not exc.code, exc.code
+        print(all(signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGINT, signal.SIGTERM)))
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("still here")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.splitlines()[-2:] == ["True", "still here"], r.stdout

@@ -375,10 +375,21 @@ def _interrupted(exc: BaseException | None) -> int:
 def main() -> None:
     """Entry point: user errors become one red line and exit code 2."""
     from . import interrupts
+
+    interrupts.install()  # SIGINT and SIGTERM both arrive as interrupts.Interrupted (a KeyboardInterrupt)
+    try:
+        _run_app()
+    except KeyboardInterrupt as exc:   # arrived after the command's own handling, before finish()
+        sys.exit(_interrupted(exc))
+    finally:
+        interrupts.finish()
+
+
+def _run_app() -> None:
+    from . import interrupts
     from .db.engine import DatabaseError
     from .gpu import NoGpuError
 
-    interrupts.install()  # SIGINT and SIGTERM both arrive as interrupts.Interrupted (a KeyboardInterrupt)
     try:
         code = app(standalone_mode=False)  # typer.Exit(n) comes back as the return value here
     except NoGpuError as exc:

@@ -72,6 +72,16 @@ def install() -> bool:
     return True
 
 
+def finish() -> None:
+    """The command has ended, its results stored or its error reported: SIGINT and SIGTERM are
+    ignored from here to the process's exit. A signal during that teardown (the worker pool's
+    shutdown, the interpreter's) would otherwise escape as a KeyboardInterrupt outside the CLI's
+    handling, and Python then dies of SIGINT (exit -2) after a run that had finished."""
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
 def uninstall() -> None:
     global _installed
     if threading.current_thread() is threading.main_thread():
