@@ -26,6 +26,23 @@ def _run(family, params, problem, seed, layout="bhnd"):
     return compare(o, lse, ref_o, ref_lse)
 
 
+def _assert_within_budget(err, problem: Problem, what: str) -> None:
+    """Every element written (outputs are NaN-poisoned), O and the LSE within the problem's budgets."""
+    assert err.finite, f"NaN/Inf (unwritten output?) for {what}"
+    assert err.rel <= problem.rel_budget, f"{what}: rel err {err.rel:.3g}"
+    assert err.lse is not None and err.lse <= problem.lse_budget, f"{what}: lse err {err.lse}"
+
+
+def _inputs_and_reference(rng: random.Random, problem: Problem):
+    """Fresh random q, k, v for `problem` and the float64 reference O and LSE on them."""
+    from tuner.measure import random_inputs
+    from tuner.reference import attention_fp64
+
+    q, k, v = random_inputs(problem, rng.randrange(2**31))
+    ref_o, ref_lse = attention_fp64(q, k, v, problem.causal, 1.0 / math.sqrt(problem.head_dim))
+    return q, k, v, ref_o, ref_lse
+
+
 def _random_problem(rng: random.Random, dtype: str, causal: bool, d: int) -> Problem:
     n = rng.choice([1, 7, 63, 65, 127, 129, 200, 333, 1000, 1031])
     kvh = rng.choice([1, 2, 4])
@@ -45,7 +62,6 @@ CASES = [(f, dt, c, d) for f, dts, dims in FAMILY_DTYPES_DIMS for dt in dts for 
 def test_family_matches_reference(family, dtype, causal, d):
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
-    from tuner.problem import REL_BUDGET
 
     fam = get_family(family)
     gpu = detect()
@@ -58,9 +74,7 @@ def test_family_matches_reference(family, dtype, causal, d):
     for params in configs:
         for layout in ("bhnd", "bnhd"):
             err = _run(fam, params, problem, rng.randrange(2**31), layout)
-            assert err.finite, f"NaN/Inf (unwritten output?) for {problem.key} {params} {layout}"
-            assert err.rel <= REL_BUDGET[dtype], f"{problem.key} {params} {layout}: rel err {err.rel:.3g}"
-            assert err.lse is not None and err.lse <= problem.lse_budget, f"{problem.key} {params}: lse err {err.lse}"
+            _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
 
 
 @pytest.mark.parametrize("family", ["flash_fwd_mma", "flash_fwd_sm90"])
@@ -150,8 +164,7 @@ def test_sm90_persistent_scheduler_repeats_and_streams(causal, dtype):
 
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
-    from tuner.measure import random_inputs
-    from tuner.reference import attention_fp64, compare
+    from tuner.reference import compare
     from tuner.tile_counter import tile_counter
 
     fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
@@ -163,8 +176,7 @@ def test_sm90_persistent_scheduler_repeats_and_streams(causal, dtype):
         pytest.skip(reason)
     persistent = [p for p in fam.valid_points(gpu, problem) if p["persistent"]]
     params = rng.choice(persistent)
-    q, k, v = random_inputs(problem, rng.randrange(2**31))
-    ref, _ = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
+    q, k, v, ref, _ = _inputs_and_reference(rng, problem)
 
     def check(o, what):
         err = compare(o, None, ref, None)
@@ -193,27 +205,22 @@ def test_sm90_tma_store_epilogue(dtype, causal):
     per CTA, and every element is written (O poisoned with NaN)."""
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
-    from tuner.measure import poisoned_outputs, random_inputs
-    from tuner.reference import attention_fp64, compare
+    from tuner.measure import poisoned_outputs
+    from tuner.reference import compare
 
     fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
     problem = _random_problem(rng, dtype, causal, rng.choice([64, 128]))
     if reason := fam.supports(gpu, problem):
         pytest.skip(reason)
     valid = [p for p in fam.valid_points(gpu, problem) if p["tma_store"]]
-    q, k, v = random_inputs(problem, rng.randrange(2**31))
-    ref_o, ref_lse = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
+    q, k, v, ref_o, ref_lse = _inputs_and_reference(rng, problem)
     for params in rng.sample(valid, 2):
         for o_layout in ("bhnd", "bnhd"):
             o, lse = poisoned_outputs(problem, q)
             if o_layout == "bnhd":   # O's rows H * D apart
                 o = o.transpose(1, 2).contiguous().transpose(1, 2)
             o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True, out=(o, lse))
-            err = compare(o, lse, ref_o, ref_lse)
-            what = f"{problem.key} {params} O {o_layout}"
-            assert err.finite, f"NaN/Inf (unwritten output?) for {what}"
-            assert err.rel <= problem.rel_budget, f"{what}: rel err {err.rel:.3g}"
-            assert err.lse is not None and err.lse <= problem.lse_budget, f"{what}: lse err {err.lse}"
+            _assert_within_budget(compare(o, lse, ref_o, ref_lse), problem, f"{problem.key} {params} O {o_layout}")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
@@ -224,25 +231,19 @@ def test_sm90_idle_consumers_in_ragged_192_row_blocks(dtype, causal):
     and persistent (the warp-wide producer of split=32)."""
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
-    from tuner.measure import random_inputs
-    from tuner.reference import attention_fp64, compare
+    from tuner.reference import compare
 
     fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
     n = 192 * rng.randint(1, 8) + rng.randint(1, 64)
     problem = Problem(rng.randint(1, 3), 4, n, n, 64, dtype, causal, rng.choice([1, 2, 4]))
     if reason := fam.supports(gpu, problem):
         pytest.skip(reason)
-    q, k, v = random_inputs(problem, rng.randrange(2**31))
-    ref_o, ref_lse = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
+    q, k, v, ref_o, ref_lse = _inputs_and_reference(rng, problem)
     three = [p for p in fam.valid_points(gpu, problem) if p["cwg"] == 3]
     for persistent in (0, 1):
         for params in rng.sample([p for p in three if p["persistent"] == persistent], 2):
             o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True)
-            err = compare(o, lse, ref_o, ref_lse)
-            what = f"{problem.key} {params}"
-            assert err.finite, f"NaN/Inf (unwritten output?) for {what}"
-            assert err.rel <= problem.rel_budget, f"{what}: rel err {err.rel:.3g}"
-            assert err.lse is not None and err.lse <= problem.lse_budget, f"{what}: lse err {err.lse}"
+            _assert_within_budget(compare(o, lse, ref_o, ref_lse), problem, f"{problem.key} {params}")
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8"])
@@ -254,8 +255,7 @@ def test_sm90_chained_work_tiles(dtype, causal):
     tile counter reset for a second launch."""
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
-    from tuner.measure import random_inputs
-    from tuner.reference import attention_fp64, compare
+    from tuner.reference import compare
     from tuner.tile_counter import tile_counter
 
     fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
@@ -265,14 +265,9 @@ def test_sm90_chained_work_tiles(dtype, causal):
     if reason := fam.supports(gpu, problem):
         pytest.skip(reason)
     chained = [p for p in fam.valid_points(gpu, problem) if p["chain"]]
-    q, k, v = random_inputs(problem, rng.randrange(2**31))
-    ref_o, ref_lse = attention_fp64(q, k, v, causal, 1.0 / math.sqrt(problem.head_dim))
+    q, k, v, ref_o, ref_lse = _inputs_and_reference(rng, problem)
     for params in rng.sample(chained, 2):
         for launch in range(2):
             o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True)
-            err = compare(o, lse, ref_o, ref_lse)
-            what = f"{problem.key} {params} launch {launch}"
-            assert err.finite, f"NaN/Inf (unwritten output?) for {what}"
-            assert err.rel <= problem.rel_budget, f"{what}: rel err {err.rel:.3g}"
-            assert err.lse is not None and err.lse <= problem.lse_budget, f"{what}: lse err {err.lse}"
+            _assert_within_budget(compare(o, lse, ref_o, ref_lse), problem, f"{problem.key} {params} launch {launch}")
         assert tile_counter(q.device).tolist() == [0, 0], "the counter did not reset after the launches"
