@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import signal
 import threading
-from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -103,28 +102,44 @@ def checkpoint() -> None:
         _raise_pending()
 
 
-@contextmanager
-def deferred():
-    """Hold signals until the block ends; nests."""
-    _state.depth += 1
-    try:
-        yield
-    finally:
-        _state.depth -= 1
-        if _state.depth == 0 and _state.pending is not None:
+class deferred:
+    """Hold signals until the block ends; nests.
+
+    The context managers here are classes, not @contextmanager generators: a signal landing
+    between a generator's yield and the `with` body leaves the generator suspended, and the
+    interpreter finalizes it at exit, after this module's globals are gone, printing a traceback
+    (seen once in CI). `__exit__` also puts back the depth it found instead of counting down, so a
+    signal that escaped an inner `allowed()` before its `__exit__` was registered cannot leave the
+    count wrong for the bookkeeping that follows."""
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> None:
+        self._saved = _state.depth
+        _state.depth = self._saved + 1
+
+    def __exit__(self, *exc) -> None:
+        _state.depth = self._saved
+        if self._saved == 0 and _state.pending is not None:
             _raise_pending()
 
 
-@contextmanager
-def allowed():
+class allowed:
     """Inside a deferred() block: let signals through (a held one is raised on entry)."""
-    saved = _state.depth
-    _state.depth = 0
-    try:
-        _raise_pending()
-        yield
-    finally:
-        _state.depth = saved
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self) -> None:
+        self._saved = _state.depth
+        _state.depth = 0
+        try:
+            _raise_pending()
+        except BaseException:
+            _state.depth = self._saved
+            raise
+
+    def __exit__(self, *exc) -> None:
+        _state.depth = self._saved
 
 
 def pending() -> int | None:
