@@ -44,9 +44,13 @@ def _inputs_and_reference(rng: random.Random, problem: Problem):
 
 
 def _random_problem(rng: random.Random, dtype: str, causal: bool, d: int) -> Problem:
-    n = rng.choice([1, 7, 63, 65, 127, 129, 200, 333, 1000, 1031])
+    """Half the time the keys are as many as the queries; otherwise fewer or more (a cache of
+    past keys, cross-attention), with the causal mask's diagonal at the top left as in SDPA."""
+    lengths = [1, 7, 63, 65, 127, 129, 200, 333, 1000, 1031]
+    nq = rng.choice(lengths)
+    nk = nq if rng.random() < 0.5 else rng.choice(lengths)
     kvh = rng.choice([1, 2, 4])
-    return Problem(rng.randint(1, 3), kvh * rng.choice([1, 2]), n, n, d, dtype, causal, kvh)
+    return Problem(rng.randint(1, 3), kvh * rng.choice([1, 2]), nq, nk, d, dtype, causal, kvh)
 
 
 FAMILY_DTYPES_DIMS = (
