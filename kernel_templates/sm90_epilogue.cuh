@@ -4,7 +4,8 @@
 // columns (the O tensor map's box: 64 columns x 16 rows). The warp writes its normalized
 // fragments there with stmatrix, and one lane hands the slab to the TMA unit and moves on: the
 // warp starts its next work tile while the copy drains, rather than waiting on its global stores.
-// The TMA clips rows past N, so ragged tiles need no guard.
+// The TMA clips rows past N and before row 0 (causal blocks aligned to the end, tile_scheduler.cuh),
+// so ragged tiles need no guard; a slab wholly before row 0 is not stored at all.
 #pragma once
 #include "sm90.cuh"
 #include "softmax.cuh"
@@ -37,7 +38,7 @@ FT_DEVICE void store_slab_tma(unsigned slab, const void* tmap_o, float* lse_row,
   }
   fence_proxy_async_smem();
   __syncwarp();
-  if (lane == 0) {
+  if (lane == 0 && row0 + 16 > 0) {
 #pragma unroll
     for (int p = 0; p < DTILES / 8; ++p) tma_store_4d(tmap_o, slab + p * 2048, p * 64, row0, h, b);
     bulk_commit();
