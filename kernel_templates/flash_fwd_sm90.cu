@@ -336,25 +336,31 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       if (r1 <= 0 || r0 >= nq) return 0;
       return IS_CAUSAL ? min(w.ntiles, (r1 - 1) / BC + 1) : w.ntiles;
     };
-    // OWN_TILES: tiles [from, ntiles) are not this consumer's. It computes nothing for them but
-    // waits, arrives and takes its ping-pong turns in the order of the loops below (n + 1 turns a
-    // work tile with OVERLAP, two a K/V tile without), so the others' barriers and turns still meet.
+    // OWN_TILES: tiles [from, ntiles) are not this consumer's. It computes nothing for them, but
+    // before each of its ping-pong turns it waits on the same K/V tiles a consumer running them
+    // would (so the others' barriers and turns meet as they do on the full path, and no new wait
+    // can deadlock), and frees each one as soon as it has landed, since it never reads them.
     auto pass = [&](int from) {
+      auto skip = [&](unsigned long long* full, unsigned long long* empty, int t) {
+        mbar_wait(&full[slot(t)], parity(t));
+        mbar_arrive(&empty[slot(t)]);
+      };
+      auto turn = [&] { turn_begin(); turn_end(); };
       if (from == 0) mbar_arrive(&bar.q_empty[qs]);   // Q unread: free it at once
-      for (int t = from; t < w.ntiles; ++t) {
-        mbar_wait(&bar.k_full[slot(t)], parity(t));
-        if (OVERLAP && t > from) mbar_wait(&pv_full[slot(t - 1)], parity(t - 1));
-        turn_begin();
-        turn_end();
-        mbar_arrive(&bar.k_empty[slot(t)]);
-        if (OVERLAP && t > from) mbar_arrive(&pv_empty[slot(t - 1)]);
-        if (!OVERLAP || t == w.ntiles - 1) {   // OVERLAP: P V of tile t went with S of tile t + 1
-          mbar_wait(&pv_full[slot(t)], parity(t));
-          if (!OVERLAP || from == 0) {
-            turn_begin();
-            turn_end();
-          }
-          mbar_arrive(&pv_empty[slot(t)]);
+      if constexpr (OVERLAP) {
+        // a full consumer's turn t issues S of tile t and P V of tile t - 1 (t = ntiles: the last
+        // P V alone); turns before `from`, and P V of from - 1, were this consumer's own
+        for (int t = from; t <= w.ntiles; ++t) {
+          if (t < w.ntiles) skip(bar.k_full, bar.k_empty, t);
+          if (t > from) skip(pv_full, pv_empty, t - 1);
+          if (t > from || from == 0) turn();
+        }
+      } else {
+        for (int t = from; t < w.ntiles; ++t) {   // turns: S of tile t, then P V of tile t
+          skip(bar.k_full, bar.k_empty, t);
+          turn();
+          skip(pv_full, pv_empty, t);
+          turn();
         }
       }
     };

@@ -270,7 +270,10 @@ def test_sm90_causal_blocks_from_the_end_and_consumers_at_their_own_diagonal(dty
         pytest.skip(reason)
     several = [p for p in fam.valid_points(gpu, problem) if p["cwg"] >= 2]
     picks = []
-    for group in ({"cwg": cwg, "persistent": persistent} for cwg in (2, 3) for persistent in (0, 1)):
+    # each consumer count with and without the intra-warpgroup overlap (the two ways of passing
+    # tiles), each of those on the grid and persistent
+    for cwg, overlap, persistent in ((2, 0, 0), (2, 1, 1), (3, 0, 1), (3, 1, 0)):
+        group = {"cwg": cwg, "overlap": overlap, "persistent": persistent}
         points = [p for p in several if group.items() <= p.items()]
         trimmed = [p for p in points if not p["chain"] and 64 * p["cwg"] > p["Bc"]]   # rows past a K/V tile
         if points:
