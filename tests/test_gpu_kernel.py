@@ -256,16 +256,18 @@ def test_sm90_causal_blocks_from_the_end_and_consumers_at_their_own_diagonal(dty
     block at the first rows, starting before row 0 (Q filled with zeros by the TMA, no O or LSE
     written there); and each consumer running only the K/V tiles up to its own rows' diagonal,
     passing the rest (three consumers, or two with K/V tiles narrower than their 128 rows). N is
-    not a multiple of 64, so some consumers have no rows at all and some only part of theirs; O is
-    NaN-poisoned, stored by TMA and from registers, on the grid and persistent."""
+    not a multiple of 64, so some consumers have no rows at all and some only part of theirs; half
+    the time there are fewer or more keys than queries. O is NaN-poisoned, stored by TMA and from
+    registers, on the grid and persistent."""
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.reference import compare
 
     fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
     n = 64 * rng.randint(8, 20) + rng.randint(1, 63)
+    nk = n if rng.random() < 0.5 else rng.randint(n // 2, 2 * n)   # top-left diagonal, as SDPA
     kvh = rng.choice([1, 2])
-    problem = Problem(rng.randint(1, 3), kvh * rng.choice([2, 4]), n, n, rng.choice([64, 128]), dtype, True, kvh)
+    problem = Problem(rng.randint(1, 3), kvh * rng.choice([2, 4]), n, nk, rng.choice([64, 128]), dtype, True, kvh)
     if reason := fam.supports(gpu, problem):
         pytest.skip(reason)
     several = [p for p in fam.valid_points(gpu, problem) if p["cwg"] >= 2]
