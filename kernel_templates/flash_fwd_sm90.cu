@@ -321,9 +321,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     };
     auto write_o = [&] {
       float* lse_bh = lse + static_cast<long long>(w.b * heads + w.h) * nq;
-      if constexpr (TMA_STORE) {
+      if (TMA_STORE && (!IS_CAUSAL || w.q0 + wrow0 >= 0)) {
         store_slab_tma<OUT_DTYPE, DTILES>(o_slab, tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
-      } else {
+      } else {   // a slab before row 0 (sm90_epilogue.cuh) takes the direct stores
         store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + w.b * o_sb + w.h * o_sh, o_sn, lse_bh, o_acc, m, l, lane,
                               w.q0 + wrow0, nq, scale_log2);
       }

@@ -4,14 +4,16 @@
 // columns (the O tensor map's box: 64 columns x 16 rows). The warp writes its normalized
 // fragments there with stmatrix, and one lane hands the slab to the TMA unit and moves on: the
 // warp starts its next work tile while the copy drains, rather than waiting on its global stores.
-// The TMA clips rows past N and before row 0 (causal blocks aligned to the end, tile_scheduler.cuh),
-// so ragged tiles need no guard; a slab wholly before row 0 is not stored at all.
+// The TMA clips rows past N, so ragged tiles need no guard. It does not take a box that starts
+// before row 0 (an illegal instruction on H100, though loads from there are zero-filled): the
+// slabs of a causal block aligned to the end (tile_scheduler.cuh) that start there go through
+// store_slab instead.
 #pragma once
 #include "sm90.cuh"
 #include "softmax.cuh"
 
 // The 16 x (DTILES * 8) slab at `slab` (1024-byte aligned, panels of 16 x 128 B) <- O / l, and
-// one TMA store per panel at (row0, h, b); the LSE as in store_slab.
+// one TMA store per panel at (row0 >= 0, h, b); the LSE as in store_slab.
 template <int DT, int DTILES>
 FT_DEVICE void store_slab_tma(unsigned slab, const void* tmap_o, float* lse_row, const float (&o)[DTILES][4],
                               const float (&m)[2], const float (&l)[2], int lane, int row0, int nq, int h, int b,
@@ -38,7 +40,7 @@ FT_DEVICE void store_slab_tma(unsigned slab, const void* tmap_o, float* lse_row,
   }
   fence_proxy_async_smem();
   __syncwarp();
-  if (lane == 0 && row0 + 16 > 0) {
+  if (lane == 0) {
 #pragma unroll
     for (int p = 0; p < DTILES / 8; ++p) tma_store_4d(tmap_o, slab + p * 2048, p * 64, row0, h, b);
     bulk_commit();
