@@ -65,6 +65,9 @@ constexpr bool WARP_PRODUCER = PERSISTENT && PRODUCER_REGS == 32;   // see the p
 // ragged block of 192 rows, a causal block that starts before row 0). Not with CHAIN, whose next
 // S goes out with the last P V whatever the rows.
 constexpr bool OWN_TILES = !CHAIN && CWG >= 2 && (IS_CAUSAL || CWG == 3);
+// Causal blocks aligned to the end (tile_scheduler.cuh), but not where O goes out by TMA, whose
+// store box cannot start before row 0 (sm90_epilogue.cuh)
+constexpr bool FROM_END = IS_CAUSAL && !TMA_STORE;
 constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a 16-row slab per consumer warp
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && ROW_BYTES % 64 == 0, "head dim in whole 64- or 128-byte panels");
@@ -102,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   // until it runs out; otherwise the grid has one CTA per work tile and this loop runs once.
   const int total = PERSISTENT ? n_qblk * n_bh : 1;
   auto work = [&](int tile) {
-    return work_tile<BR, BC, IS_CAUSAL>(PERSISTENT ? tile % n_qblk : blockIdx.x, PERSISTENT ? tile / n_qblk : blockIdx.y,
+    return work_tile<BR, BC, IS_CAUSAL, FROM_END>(PERSISTENT ? tile % n_qblk : blockIdx.x, PERSISTENT ? tile / n_qblk : blockIdx.y,
                                         heads, kv_group, nq, nk);
   };
 
@@ -321,9 +324,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     };
     auto write_o = [&] {
       float* lse_bh = lse + static_cast<long long>(w.b * heads + w.h) * nq;
-      if (TMA_STORE && (!IS_CAUSAL || w.q0 + wrow0 >= 0)) {
+      if constexpr (TMA_STORE) {
         store_slab_tma<OUT_DTYPE, DTILES>(o_slab, tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
-      } else {   // a slab before row 0 (sm90_epilogue.cuh) takes the direct stores
+      } else {
         store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + w.b * o_sb + w.h * o_sh, o_sn, lse_bh, o_acc, m, l, lane,
                               w.q0 + wrow0, nq, scale_log2);
       }

@@ -257,8 +257,9 @@ def test_sm90_causal_blocks_from_the_end_and_consumers_at_their_own_diagonal(dty
     written there); and each consumer running only the K/V tiles up to its own rows' diagonal,
     passing the rest (three consumers, or two with K/V tiles narrower than their 128 rows). N is
     not a multiple of 64, so some consumers have no rows at all and some only part of theirs; half
-    the time there are fewer or more keys than queries. O is NaN-poisoned, stored by TMA and from
-    registers, on the grid and persistent."""
+    the time there are fewer or more keys than queries. O is NaN-poisoned, stored from registers
+    and by TMA (whose kernels keep causal blocks aligned to the start: a TMA store box cannot begin
+    before row 0), on the grid and persistent."""
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.reference import compare
