@@ -136,6 +136,9 @@ FT_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" :::
 // slow path: IEEE division's branches cost 2-3% of a short tile's time.
 FT_DEVICE float inv_row_sum(float l) { return l > 0.f ? __fdividef(1.f, l) : 0.f; }
 
+// 0 <= row < nq in one unsigned compare: flash_fwd_sm90's causal blocks may start before row 0
+FT_DEVICE bool in_rows(int row, int nq) { return static_cast<unsigned>(row) < static_cast<unsigned>(nq); }
+
 // 2^x on the SFU (ex2.approx, ~2 ulp, -inf -> 0): the softmax needs nothing more exact.
 FT_DEVICE float fast_exp2(float x) {
   float y;

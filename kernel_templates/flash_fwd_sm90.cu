@@ -60,7 +60,14 @@ constexpr int QBUF = CHAIN ? 2 : 1;          // Q buffers: CHAIN loads the next 
 constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
 constexpr bool WARP_PRODUCER = PERSISTENT && PRODUCER_REGS == 32;   // see the producer
-constexpr bool SKIP_IDLE = CWG == 3;         // 192-row tiles leave whole consumers idle in ragged last blocks
+// A consumer runs only the K/V tiles its own 64 rows need: causal ones stop at its own diagonal
+// (192 x 128: 72 of 80 consumer-tiles at N=1024), and rows wholly outside [0, N) need none (a
+// ragged block of 192 rows, a causal block that starts before row 0). Not with CHAIN, whose next
+// S goes out with the last P V whatever the rows.
+constexpr bool OWN_TILES = !CHAIN && CWG >= 2 && (IS_CAUSAL || CWG == 3);
+// Causal blocks aligned to the end (tile_scheduler.cuh), but not where O goes out by TMA, whose
+// store box cannot start before row 0 (sm90_epilogue.cuh)
+constexpr bool FROM_END = IS_CAUSAL && !TMA_STORE;
 constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a 16-row slab per consumer warp
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && ROW_BYTES % 64 == 0, "head dim in whole 64- or 128-byte panels");
@@ -98,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   // until it runs out; otherwise the grid has one CTA per work tile and this loop runs once.
   const int total = PERSISTENT ? n_qblk * n_bh : 1;
   auto work = [&](int tile) {
-    return work_tile<BR, BC, IS_CAUSAL>(PERSISTENT ? tile % n_qblk : blockIdx.x, PERSISTENT ? tile / n_qblk : blockIdx.y,
+    return work_tile<BR, BC, IS_CAUSAL, FROM_END>(PERSISTENT ? tile % n_qblk : blockIdx.x, PERSISTENT ? tile / n_qblk : blockIdx.y,
                                         heads, kv_group, nq, nk);
   };
 
@@ -256,6 +263,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     };
     int g0 = 0, qs = 0, tile = fetch(0);
     WorkTile w = work(tile);
+    int own = w.ntiles;   // of them this consumer's (OWN_TILES, below)
     auto reset = [&] {
 #pragma unroll
       for (int dt = 0; dt < DTILES; ++dt)
@@ -297,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     // next work tile's Q streams in under this one's last softmax, P V and epilogue.
     auto release_k = [&](int t) {
       mbar_arrive(&bar.k_empty[slot(t)]);
-      if (t == w.ntiles - 1) mbar_arrive(&bar.q_empty[qs]);
+      if (t == own - 1) mbar_arrive(&bar.q_empty[qs]);
     };
     auto make_p = [&] {
 #pragma unroll
@@ -324,6 +332,42 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       }
     };
 
+    // OWN_TILES: how many of the work tile's K/V tiles this consumer's rows [r0, r1) need
+    auto own_tiles = [&] {
+      const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, nq);
+      if (!OWN_TILES) return w.ntiles;
+      if (r1 <= 0 || r0 >= nq) return 0;
+      return IS_CAUSAL ? min(w.ntiles, (r1 - 1) / BC + 1) : w.ntiles;
+    };
+    // OWN_TILES: tiles [from, ntiles) are not this consumer's. It computes nothing for them, but
+    // before each of its ping-pong turns it waits on the same K/V tiles a consumer running them
+    // would (so the others' barriers and turns meet as they do on the full path, and no new wait
+    // can deadlock), and frees each one as soon as it has landed, since it never reads them.
+    auto pass = [&](int from) {
+      auto skip = [&](unsigned long long* full, unsigned long long* empty, int t) {
+        mbar_wait(&full[slot(t)], parity(t));
+        mbar_arrive(&empty[slot(t)]);
+      };
+      auto turn = [&] { turn_begin(); turn_end(); };
+      if (from == 0) mbar_arrive(&bar.q_empty[qs]);   // Q unread: free it at once
+      if constexpr (OVERLAP) {
+        // a full consumer's turn t issues S of tile t and P V of tile t - 1 (t = ntiles: the last
+        // P V alone); turns before `from`, and P V of from - 1, were this consumer's own
+        for (int t = from; t <= w.ntiles; ++t) {
+          if (t < w.ntiles) skip(bar.k_full, bar.k_empty, t);
+          if (t > from) skip(pv_full, pv_empty, t - 1);
+          if (t > from || from == 0) turn();
+        }
+      } else {
+        for (int t = from; t < w.ntiles; ++t) {   // turns: S of tile t, then P V of tile t
+          skip(bar.k_full, bar.k_empty, t);
+          turn();
+          skip(pv_full, pv_empty, t);
+          turn();
+        }
+      }
+    };
+
     // on to work tile it + 1, this one's K/V tiles done
     auto advance = [&](int it) {
       g0 += w.ntiles;
@@ -338,24 +382,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         reset();
         mbar_wait(&bar.q_full[qs], (it / QBUF) & 1);
       }
-      if (SKIP_IDLE && w.q0 + cw * 64 >= nq) {
-        // SKIP_IDLE: all 64 of this consumer's rows lie past N (the ragged last block of a 192-row
-        // tile). It issues nothing and writes nothing, but waits, arrives and takes its ping-pong
-        // turns in the order of the loops below, so the others' barriers and turns still meet.
-        for (int t = 0; t < w.ntiles; ++t) {
-          mbar_wait(&bar.k_full[slot(t)], parity(t));
-          if (OVERLAP && t > 0) mbar_wait(&pv_full[slot(t - 1)], parity(t - 1));
-          turn_begin();
-          turn_end();
-          release_k(t);
-          if (OVERLAP && t > 0) mbar_arrive(&pv_empty[slot(t - 1)]);
-          if (!OVERLAP || t == w.ntiles - 1) {   // OVERLAP: P V of tile t went with S of tile t + 1
-            mbar_wait(&pv_full[slot(t)], parity(t));
-            turn_begin();
-            turn_end();
-            mbar_arrive(&pv_empty[slot(t)]);
-          }
-        }
+      own = own_tiles();
+      if (OWN_TILES && own == 0) {
+        pass(0);
         advance(it);
         continue;
       }
@@ -371,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           wgmma_wait<0>();
           first_softmax();
         }
-        for (int t = 1; t < w.ntiles; ++t) {
+        for (int t = 1; t < own; ++t) {
           mbar_wait(&bar.k_full[slot(t)], parity(t));
           mbar_wait(&pv_full[slot(t - 1)], parity(t - 1));
           turn_begin();
@@ -394,7 +423,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         // CHAIN: the next work tile's first S goes with this one's last P V. After the CTA's last
         // tile it is issued all the same, on whatever the buffers hold, and dropped: a test between
         // the wgmma instructions would make ptxas serialize them (C7519).
-        const int n = w.ntiles, next = CHAIN ? fetch(it + 1) : total;
+        const int n = own, next = CHAIN ? fetch(it + 1) : total;
         if (CHAIN && next < total) {
           mbar_wait(&bar.q_full[(it + 1) % QBUF], ((it + 1) / QBUF) & 1);
           mbar_wait(&bar.k_full[slot(n)], parity(n));
@@ -416,13 +445,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           tile = next;
           if (tile >= total) break;
           w = work(tile);
+          own = w.ntiles;
           qs = (it + 1) % QBUF;
           reset();
           first_softmax();
           continue;
         }
       } else {
-        for (int t = 0; t < w.ntiles; ++t) {
+        for (int t = 0; t < own; ++t) {
           mbar_wait(&bar.k_full[slot(t)], parity(t));
           turn_begin();
           wgmma_fence();
@@ -445,10 +475,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
           mbar_arrive(&pv_empty[slot(t)]);
         }
       }
+      if (OWN_TILES) pass(own);   // the tiles past this consumer's diagonal, before its epilogue
       write_o();
       advance(it);
     }
-    if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // the last consumer's final hand-over
+    if constexpr (PINGPONG) { if (wg == 1) named_sync(1, 256); }   // the last consumer's final hand-over
     if (TMA_STORE && lane == 0) bulk_wait<0>();   // the slab stays until its last store is done
   }
 }

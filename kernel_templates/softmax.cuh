@@ -130,7 +130,7 @@ FT_DEVICE void store_lse(float* lse_row, const float (&m)[2], const float (&row_
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = row0 + lane / 4 + hh * 8;
-    if (lane % 4 == 0 && row < nq) lse_row[row] = (m[hh] * scale_log2 + __log2f(row_l[hh])) * FT_LN2;
+    if (lane % 4 == 0 && in_rows(row, nq)) lse_row[row] = (m[hh] * scale_log2 + __log2f(row_l[hh])) * FT_LN2;
   }
 }
 
@@ -168,9 +168,9 @@ FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* ls
             else u[j + bit] = got;
           }
         }
-        if (row < nq) *reinterpret_cast<uint4*>(op + row * o_sn + (4 * k + q) * 8) = make_uint4(u[0], u[1], u[2], u[3]);
+        if (in_rows(row, nq)) *reinterpret_cast<uint4*>(op + row * o_sn + (4 * k + q) * 8) = make_uint4(u[0], u[1], u[2], u[3]);
       }
-    } else if (row < nq) {
+    } else if (in_rows(row, nq)) {
 #pragma unroll
       for (int dt = 0; dt < DTILES; ++dt) {
         auto* dst = op + row * o_sn + dt * 8 + 2 * (lane % 4);

@@ -2,7 +2,12 @@
 //
 // Order: batch-heads one after another, query blocks fastest within each, so the CTAs running at
 // once share a few heads' K/V in L2 (heads fastest made every CTA stream its own K/V: 10-33%
-// slower). Causal runs each head's heaviest query blocks (the most K/V tiles) first.
+// slower). Causal runs each head's heaviest query blocks (the most K/V tiles) first, and where
+// the kernel can (FROM_END) its blocks are aligned to the end of the sequence: a ragged block is
+// the first rows, the one block that needs a single K/V tile, and its rows before row 0 do nothing
+// (TMA fills Q's with zeros, the causal mask hides every key from them, no O or LSE is written for
+// them). Aligned to the start it would be the last rows, the heaviest block, run by only some of
+// its consumers.
 //
 // Two schedules. Grid: one CTA per work tile, the hardware hands them out as SMs free up.
 // Dynamic persistent: one CTA per SM; a CTA's first tile is its blockIdx.x, later ones come from
@@ -18,11 +23,12 @@ struct WorkTile {
 };
 
 // ROWS x COLS: the query block and the K/V tile (the kernels' BR and BC, which are macros)
-template <int ROWS, int COLS, bool CAUSAL>
+template <int ROWS, int COLS, bool CAUSAL, bool FROM_END>
 FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, int nk) {
-  const int n_qblk = (nq + ROWS - 1) / ROWS;
   WorkTile w;
-  w.q0 = (CAUSAL ? n_qblk - 1 - qidx : qidx) * ROWS;
+  if (!CAUSAL) w.q0 = qidx * ROWS;
+  else if (FROM_END) w.q0 = nq - (qidx + 1) * ROWS;   // may be < 0 (see above)
+  else w.q0 = ((nq + ROWS - 1) / ROWS - 1 - qidx) * ROWS;
   w.b = bh / heads;
   w.h = bh % heads;
   w.hk = w.h / kv_group;

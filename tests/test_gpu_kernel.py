@@ -251,6 +251,45 @@ def test_sm90_idle_consumers_in_ragged_192_row_blocks(dtype, causal):
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8"])
+def test_sm90_causal_blocks_from_the_end_and_consumers_at_their_own_diagonal(dtype):
+    """Causal query blocks aligned to the end of the sequence, so a ragged N leaves its partial
+    block at the first rows, starting before row 0 (Q filled with zeros by the TMA, no O or LSE
+    written there); and each consumer running only the K/V tiles up to its own rows' diagonal,
+    passing the rest (three consumers, or two with K/V tiles narrower than their 128 rows). N is
+    not a multiple of 64, so some consumers have no rows at all and some only part of theirs; half
+    the time there are fewer or more keys than queries. O is NaN-poisoned, stored from registers
+    and by TMA (whose kernels keep causal blocks aligned to the start: a TMA store box cannot begin
+    before row 0), on the grid and persistent."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.reference import compare
+
+    fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
+    n = 64 * rng.randint(8, 20) + rng.randint(1, 63)
+    nk = n if rng.random() < 0.5 else rng.randint(n // 2, 2 * n)   # top-left diagonal, as SDPA
+    kvh = rng.choice([1, 2])
+    problem = Problem(rng.randint(1, 3), kvh * rng.choice([2, 4]), n, nk, rng.choice([64, 128]), dtype, True, kvh)
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    several = [p for p in fam.valid_points(gpu, problem) if p["cwg"] >= 2]
+    picks = []
+    # each consumer count with and without the intra-warpgroup overlap (the two ways of passing
+    # tiles), each of those on the grid and persistent
+    for cwg, overlap, persistent in ((2, 0, 0), (2, 1, 1), (3, 0, 1), (3, 1, 0)):
+        group = {"cwg": cwg, "overlap": overlap, "persistent": persistent}
+        points = [p for p in several if group.items() <= p.items()]
+        trimmed = [p for p in points if not p["chain"] and 64 * p["cwg"] > p["Bc"]]   # rows past a K/V tile
+        if points:
+            picks.append(rng.choice(trimmed or points))   # e4m3 (Bc=128 only) at d=128: none trimmed
+    picks += rng.sample([p for p in several if p["tma_store"] and not p["chain"]], 1)
+    assert len(picks) >= 3, picks
+    q, k, v, ref_o, ref_lse = _inputs_and_reference(rng, problem)
+    for params in picks:
+        o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True)
+        _assert_within_budget(compare(o, lse, ref_o, ref_lse), problem, f"{problem.key} {params}")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_chained_work_tiles(dtype, causal):
     """chain=1: each consumer issues the next work tile's first S with this tile's last P V, from a
