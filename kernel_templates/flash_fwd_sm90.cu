@@ -368,11 +368,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       }
     };
 
-    // on to work tile it + 1, this one's K/V tiles done
-    auto advance = [&](int it) {
+    // on to work tile it + 1 (`next`, already fetched), this one's K/V tiles done
+    auto advance = [&](int it, int next) {
       g0 += w.ntiles;
-      tile = fetch(it + 1);
+      tile = next;
       w = work(tile);
+      own = w.ntiles;
       qs = (it + 1) % QBUF;
     };
 
@@ -385,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       own = own_tiles();
       if (OWN_TILES && own == 0) {
         pass(0);
-        advance(it);
+        advance(it, fetch(it + 1));
         continue;
       }
       if constexpr (OVERLAP) {
@@ -441,12 +442,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         if constexpr (CHAIN) {
           write_o();
           wgmma_wait<0>();
-          g0 += n;
-          tile = next;
+          advance(it, next);
           if (tile >= total) break;
-          w = work(tile);
-          own = w.ntiles;
-          qs = (it + 1) % QBUF;
           reset();
           first_softmax();
           continue;
@@ -477,7 +474,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       }
       if (OWN_TILES) pass(own);   // the tiles past this consumer's diagonal, before its epilogue
       write_o();
-      advance(it);
+      advance(it, fetch(it + 1));
     }
     if constexpr (PINGPONG) { if (wg == 1) named_sync(1, 256); }   // the last consumer's final hand-over
     if (TMA_STORE && lane == 0) bulk_wait<0>();   // the slab stays until its last store is done
