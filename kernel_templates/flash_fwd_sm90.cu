@@ -105,8 +105,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
   // until it runs out; otherwise the grid has one CTA per work tile and this loop runs once.
   const int total = PERSISTENT ? n_qblk * n_bh : 1;
   auto work = [&](int tile) {
-    return work_tile<BR, BC, IS_CAUSAL, FROM_END>(PERSISTENT ? tile % n_qblk : blockIdx.x, PERSISTENT ? tile / n_qblk : blockIdx.y,
-                                        heads, kv_group, nq, nk);
+    return work_tile<BR, BC, IS_CAUSAL, FROM_END>(PERSISTENT ? tile % n_qblk : blockIdx.x,
+                                                  PERSISTENT ? tile / n_qblk : blockIdx.y, heads, kv_group, nq, nk);
   };
 
   if (tid == 0) {

@@ -5,9 +5,9 @@
 // fragments there with stmatrix, and one lane hands the slab to the TMA unit and moves on: the
 // warp starts its next work tile while the copy drains, rather than waiting on its global stores.
 // The TMA clips rows past N, so ragged tiles need no guard. A store box may not start before
-// row 0 (an illegal instruction on H100, though loads from there are zero-filled): these kernels
-// keep causal blocks aligned to the start (FROM_END off); a guarded store_slab for such slabs
-// cost the chained 128 x 128 causal config 4-7% (H100, N=1000 and 1024).
+// row 0 (an illegal instruction on H100, though loads from there are zero-filled), so these
+// kernels keep causal blocks aligned to the start (FROM_END off): cheaper than a guarded
+// store_slab for such slabs (PERF_NOTES h18).
 #pragma once
 #include "sm90.cuh"
 #include "softmax.cuh"
