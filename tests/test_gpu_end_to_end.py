@@ -49,6 +49,34 @@ def test_search_stores_and_exports(tuned):
     assert {e["bucket"] for e in doc["entries"]} >= {p.bucket().key for p in GPT2_FP32}
 
 
+def test_bench_times_the_winner_beside_the_peers(tuned, tmp_path):
+    """`tuner bench` re-times each tuned best in one job with the peers: every row has both
+    figures, and the DB holds them under the bench's own run."""
+    import json
+
+    from tuner.db import queries
+    from tuner.db.engine import make_engine, session_factory
+    from tuner.gpu import detect
+    from tuner.problem import GPT2_FP32
+
+    db, _, _ = tuned
+    out_json = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "tuner.cli", "bench", "--gpu", "auto", "--dtype", "fp32", "--json", str(out_json)]
+    out = subprocess.run(cmd, env=dict(os.environ, TUNER_DB=db), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out_json.read_text())["rows"]
+    assert len(rows) == len(GPT2_FP32)
+    gpu = detect()
+    with session_factory(make_engine(db))() as s:
+        for row, p in zip(rows, GPT2_FP32):
+            assert row["family"] == "flash_fwd_simt" and row["tuned_tflops"] > 0
+            assert row["sdpa_efficient_tflops"] > 0 and row["sdpa_math_tflops"] > 0
+            ours = queries.measurements(s, gpu_key=gpu.key, family="flash_fwd_simt", problem_key=p.key)[-1]
+            assert ours["status"] == "ok" and ours["reps"] >= 10 and ours["tflops"] == row["tuned_tflops"]
+            peers = queries.peer_rows(s, gpu.key, p.key, run_id=ours["run_id"])
+            assert peers["sdpa_efficient"].tflops == row["sdpa_efficient_tflops"]
+
+
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_attention_runs_the_winner(tuned, layout):
     import torch

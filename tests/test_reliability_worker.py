@@ -71,6 +71,32 @@ def test_worker_that_never_starts_is_an_error_not_a_hang():
     w.close()
 
 
+def test_bench_compiles_then_times_in_one_job_and_survives_a_lost_worker(monkeypatch):
+    """GpuRunner.bench compiles the point for real (NVRTC needs no GPU) and sends one bench job;
+    the kernel and every peer come back from the same process. A worker lost mid-bench still
+    leaves a kernel row (crash, with the compile's resources) and no peer figure."""
+    from tuner.runner import GpuRunner
+
+    monkeypatch.setattr("tuner.versions.run_versions", lambda: {"driver": "none here"})  # it asks the driver
+    fam = get_family("flash_fwd_simt")
+    params = next(iter(fam.valid_points(H100_SXM, P)))
+    runner = GpuRunner(H100_SXM)
+    runner._worker = Worker(timeout=5.0, serve=fake_workers.serve)
+    try:
+        r = runner.bench(fam, params, P, ("sdpa_efficient", "sdpa_math"))
+        assert r.kernel.status == "ok" and set(r.peers) == {"sdpa_efficient", "sdpa_math"}
+        assert {pid_of(m.message) for m in (r.kernel, *r.peers.values())} == {pid_of(r.kernel.message)}
+        assert r.kernel.resources.registers > 0 and r.kernel.versions == runner.versions()
+        assert all(m.versions == runner.versions() for m in r.peers.values())
+        lost = runner.bench(fam, params, P, ("sdpa_efficient", "test_oob"))
+        assert lost.kernel.status == "crash" and lost.peers == {}
+        assert lost.kernel.resources.registers == r.kernel.resources.registers
+        again = runner.bench(fam, params, P, ("sdpa_math",))
+        assert again.kernel.ok and pid_of(again.kernel.message) != pid_of(r.kernel.message)
+    finally:
+        runner.close()
+
+
 class WorkerRunner:
     """GpuRunner without the compile step: every job goes through a real Worker process."""
 

@@ -201,14 +201,14 @@ def bench(
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     peer: list[str] = typer.Option([], "--peer", help="only these SDPA peers (e.g. sdpa_flash); repeatable"),
 ) -> None:
-    """Re-time the tuned best of each problem beside the SDPA peers, in one run."""
+    """Re-time the tuned best of each problem and the SDPA peers in turns, on the same inputs."""
     from .db import queries
     from .db.engine import make_engine, session_factory
     from .gpu import detect
     from .kernel_templates import get_family
     from .records import Measurement
     from .runner import GpuRunner
-    from .search import ProblemResult, Search
+    from .search import PEERS_BY_DTYPE, ProblemResult, Search
 
     if family != "auto":
         get_family(family)
@@ -232,14 +232,18 @@ def bench(
         for p in problems:
             b = best.get(p.key)
             r = ProblemResult(p, b.family if b else "-", "")
-            if b is not None:
+            backends = tuple(peer) or PEERS_BY_DTYPE[p.dtype]
+            if b is not None:  # timed in turns with the peers, on the same inputs
                 fam = get_family(b.family)
-                m = runner.measure(fam, b.params, p)
+                side = runner.bench(fam, b.params, p, backends)
+                m = side.kernel
                 with sessions.begin() as session:
                     queries.record_measurement(session, g, p, fam.name, b.params, m, run_id=s.run_id)
-                r.best_params = b.params
+                s.record_peers(p, side.peers)
+                r.best_params, r.peers = b.params, side.peers
                 r.best = m if m.ok else Measurement("ok", median_ms=b.median_ms, tflops=None)
-            r.peers = s.measure_peers(p, tuple(peer) or None)
+            else:
+                r.peers = s.measure_peers(p, backends)
             results.append(r)
             console.print(f"{p.key}: {r.best.tflops if r.best and r.best.tflops else float('nan'):.1f} TFLOP/s")
     finally:

@@ -1,15 +1,17 @@
-"""Inside the worker process: run one candidate (or one SDPA peer), validate it, time it."""
+"""Inside the worker process: run a candidate and/or SDPA peers, validate each, time them."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import Callable
 
 from .family import KernelFamily
 from .launch import LaunchError, LoadedKernel, current_stream
 from .problem import Problem
-from .records import CompiledKernel, Measurement
+from .records import CompiledKernel, Measurement, SideBySide
 from .reference import attention_fp64, compare
-from .timing import Timer
+from .timing import Timer, Timing
 
 # Problem dtype -> torch dtype name; the dispatcher reads it backwards.
 TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
@@ -74,18 +76,20 @@ def _sync_or_fault() -> None:
         raise DeviceFault(str(exc).strip().splitlines()[0]) from None
 
 
-def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
-                   timer: Timer, seed: int, device_index: int = 0) -> Measurement:
-    import torch
+Prepared = tuple[Callable[[], None] | None, Measurement]  # (what to time, or None: the final result)
 
+
+def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
+                   seed: int, device_index: int = 0) -> Prepared:
+    """Load and launch the candidate once, and check its output against the fp64 reference."""
     base = dict(resources=ck.resources, compile_seconds=ck.compile_seconds)
     launch = family.launch(params, problem)
     try:
         kernel = LoadedKernel.load(ck, launch.smem_bytes, device_index)
     except LaunchError as exc:
-        return Measurement("launch_error", message=str(exc), **base)
+        return None, Measurement("launch_error", message=str(exc), **base)
     except Exception as exc:
-        return Measurement("launch_error", message=f"cannot load the cubin: {exc}", **base)
+        return None, Measurement("launch_error", message=f"cannot load the cubin: {exc}", **base)
 
     q, k, v = random_inputs(problem, seed)
     o, lse = poisoned_outputs(problem, q)
@@ -95,7 +99,7 @@ def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
         args = family.kernel_args(params, q, k, v, o, lse, scale)
         kernel(stream, launch, *args)
     except (LaunchError, ValueError) as exc:  # ValueError: the arguments cannot be built (tma.TmaError)
-        return Measurement("launch_error", message=str(exc), **base)
+        return None, Measurement("launch_error", message=str(exc), **base)
     _sync_or_fault()
 
     ref_o, ref_lse = attention_fp64(q, k, v, problem.causal, scale)
@@ -104,35 +108,70 @@ def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
     figures = dict(rel_err=err.rel, max_abs_err=err.max_abs, lse_err=err.lse)
     if not err.within(problem.rel_budget, problem.lse_budget):
         what = "NaN/Inf in the output (unwritten or overflowed)" if not err.finite else "error over budget"
-        return Measurement("wrong_result", message=f"{what}: rel {err.rel:.3g}, lse {err.lse}", **figures, **base)
-
-    t = timer(lambda: kernel(stream, launch, *args))
-    _sync_or_fault()
-    return Measurement("ok", median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms,
-                       tflops=problem.tflops(t.median_ms), reps=t.reps, **figures, **base)
+        return None, Measurement("wrong_result", message=f"{what}: rel {err.rel:.3g}, lse {err.lse}", **figures, **base)
+    return (lambda: kernel(stream, launch, *args)), Measurement("ok", **figures, **base)
 
 
-def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Measurement:
-    """One torch SDPA backend, pinned, on the same kind of inputs (in peer_dtype), with the same timer."""
+def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:
+    """One torch SDPA backend, pinned, on the inputs `seed` makes (in peer_dtype), run once and checked."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q, k, v = (t.to(torch_dtype(peer_dtype(problem))) for t in random_inputs(problem, seed))
     gqa = problem.kv_heads != problem.heads
     kw = dict(is_causal=problem.causal, enable_gqa=True) if gqa else dict(is_causal=problem.causal)
-    run = lambda: F.scaled_dot_product_attention(q, k, v, **kw)  # noqa: E731
+    pinned = getattr(SDPBackend, SDPA_BACKENDS[backend])
+
+    def run() -> None:
+        with sdpa_kernel(pinned):
+            F.scaled_dot_product_attention(q, k, v, **kw)
+
     try:
-        with sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend])):
-            o = run()
-            _sync_or_fault()
-            ref_o, _ = attention_fp64(q, k, v, problem.causal, 1.0 / math.sqrt(problem.head_dim))
-            err = compare(o, None, ref_o, None)
-            del ref_o, o
-            t = timer(run)
+        with sdpa_kernel(pinned):
+            o = F.scaled_dot_product_attention(q, k, v, **kw)
+        _sync_or_fault()
+        ref_o, _ = attention_fp64(q, k, v, problem.causal, 1.0 / math.sqrt(problem.head_dim))
+        err = compare(o, None, ref_o, None)
+        del ref_o, o
+        run()  # a backend can still refuse at the first timed call
     except DeviceFault:
         raise
     except Exception as exc:  # backend not available for this shape/dtype/GPU
-        return Measurement("launch_error", message=str(exc).strip().splitlines()[0][:300])
-    return Measurement("ok", median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms,
-                       tflops=problem.tflops(t.median_ms), reps=t.reps, rel_err=err.rel,
-                       max_abs_err=err.max_abs)
+        return None, Measurement("launch_error", message=str(exc).strip().splitlines()[0][:300])
+    return run, Measurement("ok", rel_err=err.rel, max_abs_err=err.max_abs)
+
+
+def timed(m: Measurement, t: Timing, problem: Problem) -> Measurement:
+    return replace(m, median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms,
+                   tflops=problem.tflops(t.median_ms), reps=t.reps)
+
+
+def measure_prepared(prepared: dict[str, Prepared], problem: Problem, timer: Timer,
+                     rounds: int = 1) -> dict[str, Measurement]:
+    """Time whatever prepared cleanly (in turns when there are several), then check for a fault."""
+    runnable = {name: run for name, (run, _) in prepared.items() if run is not None}
+    timings = timer.interleaved(runnable, rounds) if runnable else {}
+    _sync_or_fault()
+    return {name: timed(m, timings[name], problem) if name in timings else m for name, (_, m) in prepared.items()}
+
+
+def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
+                   timer: Timer, seed: int, device_index: int = 0) -> Measurement:
+    return measure_prepared({"": prepare_kernel(family, params, problem, ck, seed, device_index)}, problem, timer)[""]
+
+
+def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Measurement:
+    return measure_prepared({backend: prepare_peer(backend, problem, seed)}, problem, timer)[backend]
+
+
+BENCH_ROUNDS = 8
+
+
+def measure_side_by_side(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
+                         backends: tuple[str, ...], timer: Timer, seed: int,
+                         device_index: int = 0) -> SideBySide:
+    """The candidate and the SDPA peers on the same inputs, timed in turns (BENCHMARKS.md's method)."""
+    prepared = {"": prepare_kernel(family, params, problem, ck, seed, device_index)}
+    prepared |= {b: prepare_peer(b, problem, seed) for b in backends}
+    out = measure_prepared(prepared, problem, timer, BENCH_ROUNDS)
+    return SideBySide(out.pop(""), out)

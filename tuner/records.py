@@ -78,6 +78,14 @@ class Measurement:
         return cls(**d)
 
 
+@dataclass
+class SideBySide:
+    """A candidate and the SDPA peers timed in turns on the same inputs (`tuner bench`)."""
+
+    kernel: Measurement
+    peers: dict[str, Measurement] = field(default_factory=dict)
+
+
 def versions_key(versions: dict) -> str:
     """Measurements are reused only under the same driver, NVRTC, torch and tuner versions."""
     return short_hash(params_key(versions))

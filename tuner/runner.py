@@ -13,7 +13,7 @@ from .compile import CompileError, compile_kernel
 from .family import KernelFamily
 from .gpu import GpuSpec
 from .problem import Problem
-from .records import Measurement, params_key
+from .records import CompiledKernel, Measurement, SideBySide, params_key
 
 
 class Runner(Protocol):
@@ -25,6 +25,10 @@ class Runner(Protocol):
         """None means "this runner cannot answer" (a replay miss); nothing is recorded then."""
 
     def peer(self, backend: str, problem: Problem) -> Measurement | None: ...
+
+    def bench(self, family: KernelFamily, params: dict, problem: Problem,
+              backends: tuple[str, ...]) -> SideBySide | None:
+        """The point and the peers, timed in turns on the same inputs."""
 
     def close(self) -> None: ...
 
@@ -46,17 +50,24 @@ class GpuRunner:
     def _seed(self) -> int:
         return time.time_ns() % (2**31)  # fresh inputs for every candidate
 
-    def measure(self, family: KernelFamily, params: dict, problem: Problem) -> Measurement:
-        from .worker import Job
-
+    def _compile(self, family: KernelFamily, params: dict, problem: Problem) -> CompiledKernel | Measurement:
         try:
-            ck = compile_kernel(family, params, problem, self.gpu.arch)
+            return compile_kernel(family, params, problem, self.gpu.arch)
         except CompileError as exc:
             return Measurement("compile_error", message=f"{exc}\n{exc.log[-2000:]}", versions=self._versions)
-        m = self._worker.run(Job("kernel", problem, self._seed(), family.name, params, ck))
+
+    def _stamp(self, m: Measurement, ck: CompiledKernel) -> Measurement:
         m.resources, m.compile_seconds = ck.resources, ck.compile_seconds
         m.versions = self._versions
         return m
+
+    def measure(self, family: KernelFamily, params: dict, problem: Problem) -> Measurement:
+        from .worker import Job
+
+        ck = self._compile(family, params, problem)
+        if isinstance(ck, Measurement):
+            return ck
+        return self._stamp(self._worker.run(Job("kernel", problem, self._seed(), family.name, params, ck)), ck)
 
     def peer(self, backend: str, problem: Problem) -> Measurement:
         from .worker import Job
@@ -64,6 +75,22 @@ class GpuRunner:
         m = self._worker.run(Job("peer", problem, self._seed(), backend=backend))
         m.versions = self._versions
         return m
+
+    def bench(self, family: KernelFamily, params: dict, problem: Problem,
+              backends: tuple[str, ...]) -> SideBySide:
+        from .worker import Job
+
+        ck = self._compile(family, params, problem)
+        if isinstance(ck, Measurement):
+            return SideBySide(ck)
+        r = self._worker.run(Job("bench", problem, self._seed(), family.name, params, ck, backends=backends),
+                             timeout=self._worker.timeout * (1 + len(backends)))
+        if isinstance(r, Measurement):  # the worker was lost: nothing was timed beside the kernel
+            r = SideBySide(r)
+        self._stamp(r.kernel, ck)
+        for m in r.peers.values():
+            m.versions = self._versions
+        return r
 
     def close(self) -> None:
         self._worker.close()
@@ -119,6 +146,14 @@ class ReplayRunner:
 
     def peer(self, backend: str, problem: Problem) -> Measurement | None:
         return self._latest(backend, {}, problem)
+
+    def bench(self, family: KernelFamily, params: dict, problem: Problem,
+              backends: tuple[str, ...]) -> SideBySide | None:
+        kernel = self.measure(family, params, problem)
+        if kernel is None:
+            return None
+        peers = {b: m for b in backends if (m := self.peer(b, problem)) is not None}
+        return SideBySide(kernel, peers)
 
     def close(self) -> None:
         pass

@@ -219,12 +219,15 @@ class Search:
             interrupts.checkpoint()
             with interrupts.allowed():
                 m = self.runner.peer(backend, problem)
-            if m is None:
-                continue
-            with self.sessions.begin() as s:
-                queries.record_measurement(s, self.gpu, problem, backend, {}, m, run_id=self.run_id)
-            out[backend] = m
+            if m is not None:
+                out[backend] = m
+        self.record_peers(problem, out)
         return out
+
+    def record_peers(self, problem: Problem, peers: dict[str, Measurement]) -> None:
+        with self.sessions.begin() as s:
+            for backend, m in peers.items():
+                queries.record_measurement(s, self.gpu, problem, backend, {}, m, run_id=self.run_id)
 
 
 def optuna_storage(url: str) -> optuna.storages.RDBStorage:

@@ -12,27 +12,28 @@ import time
 from dataclasses import dataclass
 
 from .problem import Problem
-from .records import CompiledKernel, Measurement
+from .records import CompiledKernel, Measurement, SideBySide
 
 START_TIMEOUT = 180.0  # torch import + CUDA context creation on a cold machine
 
 
 @dataclass
 class Job:
-    kind: str  # "kernel" or "peer"
+    kind: str  # "kernel", "peer" or "bench" (the kernel and `backends` in turns)
     problem: Problem
     seed: int
     family: str = ""
     params: dict | None = None
     compiled: CompiledKernel | None = None
     backend: str = ""
+    backends: tuple[str, ...] = ()
 
 
 def _serve(conn, device_index: int, l2_bytes: int) -> None:
     import torch
 
     from .kernel_templates import get_family
-    from .measure import DeviceFault, measure_kernel, measure_peer
+    from .measure import DeviceFault, measure_kernel, measure_peer, measure_side_by_side
     from .timing import Timer
 
     torch.cuda.set_device(device_index)
@@ -49,6 +50,9 @@ def _serve(conn, device_index: int, l2_bytes: int) -> None:
             if job.kind == "kernel":
                 m = measure_kernel(get_family(job.family), job.params, job.problem, job.compiled, timer,
                                    job.seed, device_index)
+            elif job.kind == "bench":
+                m = measure_side_by_side(get_family(job.family), job.params, job.problem, job.compiled,
+                                         job.backends, timer, job.seed, device_index)
             else:
                 m = measure_peer(job.backend, job.problem, timer, job.seed)
         except DeviceFault as exc:
@@ -93,7 +97,8 @@ class Worker:
             self.close(kill=True)
             raise RuntimeError(f"the GPU worker did not start (exit code {code})")
 
-    def run(self, job: Job, timeout: float | None = None) -> Measurement:
+    def run(self, job: Job, timeout: float | None = None) -> Measurement | SideBySide:
+        """The job's result; a Measurement with status crash or timeout whenever the worker was lost."""
         if self._proc is None or not self._proc.is_alive():
             self._start()
         limit = self.timeout if timeout is None else timeout
@@ -110,7 +115,7 @@ class Worker:
             code = self._proc.exitcode if self._proc else None
             self.close(kill=True)
             return Measurement("crash", message=f"worker died (exit code {code}) after {time.monotonic() - start:.1f} s")
-        if m.status == "crash":
+        if isinstance(m, Measurement) and m.status == "crash":
             self.close(kill=True)
         return m
 
