@@ -1,7 +1,7 @@
-"""Time chosen configs of one family on one shape, side by side: for perf-notes ablations
-(does overlap help? which Bc?) without a search, with SDPA flash and cuDNN timed in the same run.
-Same timer and launch path as the search; the output is checked against SDPA's flash backend once
-per config (a wrong kernel is not timed).
+"""Time chosen configs of one family on one shape beside SDPA flash and cuDNN, in turns on the same
+inputs (as `tuner bench` does): for perf-notes ablations (does overlap help? which Bc?) without a
+search. Same timer and launch path as the search; the output is checked against SDPA's flash
+backend once per config (a wrong kernel is not timed).
 
     python3 benchmarks/ablate.py flash_fwd_sm90 4,16,4096,128 bf16 \
         '{"Bc":128,"stages":2,"cwg":2,"split":24,"overlap":1,"pingpong":1}' ...
@@ -9,6 +9,9 @@ per config (a wrong kernel is not timed).
 
 --launch-only (first argument): launch each config and each peer twice, untimed and unchecked, for a
 profiler to read (`ncu --clock-control none -k regex:'flash_fwd_sm90|sdpa|fmha|flash_fwd' ...`).
+--clocks (first argument): then time each one alone for about 2 s while nvidia-smi samples the SM
+clock, power and throttle reasons every 20 ms, and print their means per entry: does one kernel
+run at a lower clock than another for the same work?
 """
 
 from __future__ import annotations
@@ -16,7 +19,57 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import statistics
+import subprocess
 import sys
+import time
+
+
+def smi_fields() -> str:
+    """Newer drivers name the throttle reasons clock event reasons; older ones only the old way."""
+    new = "clocks_event_reasons.active"
+    ok = subprocess.run(["nvidia-smi", f"--query-gpu={new}", "--format=csv,noheader"], capture_output=True).returncode == 0
+    return "timestamp,clocks.sm,power.draw," + (new if ok else "clocks_throttle_reasons.active")
+
+
+def parse_sample(line: str) -> tuple[float, float, float, int] | None:
+    """(epoch seconds, SM MHz, W, reason bits) from one nvidia-smi csv line; None where a field is N/A."""
+    try:
+        stamp, clock, power, reasons = (x.strip() for x in line.split(","))
+        day, frac = stamp.split(".")
+        when = time.mktime(time.strptime(day, "%Y/%m/%d %H:%M:%S")) + float("0." + frac)
+        return when, float(clock), float(power), int(reasons, 16)
+    except ValueError:
+        return None
+
+
+def sampled_clocks(runs: dict, timer) -> None:
+    """Time each entry alone under an nvidia-smi sampler; print mean SM clock, power, and the share
+    of samples with a reason other than idle (bit 0) set, from the samples inside its timing."""
+    import torch
+
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={smi_fields()}", "--format=csv,noheader,nounits", "-lms", "20"],
+                           stdout=subprocess.PIPE, text=True)
+    spans = {}
+    try:
+        time.sleep(0.5)
+        for name, fn in runs.items():
+            torch.cuda.synchronize()
+            start = time.time()
+            t = timer(fn)
+            spans[name] = (start, time.time(), t)
+            time.sleep(0.3)
+    finally:
+        smi.terminate()
+    samples = [x for x in map(parse_sample, smi.stdout.read().splitlines()) if x is not None]
+    for name, (start, end, t) in spans.items():
+        inside = [s for s in samples if start <= s[0] <= end]
+        if not inside:
+            print(f"{name}: no nvidia-smi sample inside its {end - start:.2f} s")
+            continue
+        print(f"{name}: alone {t.median_ms:.3f} ms median ({t.min_ms:.3f} min), {len(inside)} samples: "
+              f"SM {statistics.mean(s[1] for s in inside):.0f} MHz, {statistics.mean(s[2] for s in inside):.0f} W, "
+              f"throttled {sum(s[3] & ~1 != 0 for s in inside) / len(inside):.0%} (reasons {sorted({hex(s[3]) for s in inside})})")
 
 
 def main(argv: list[str]) -> None:
@@ -32,8 +85,8 @@ def main(argv: list[str]) -> None:
     from tuner.problem import Problem
     from tuner.timing import Timer
 
-    launch_only = argv[0] == "--launch-only"
-    if launch_only:
+    mode = argv[0] if argv[0] in ("--launch-only", "--clocks") else ""
+    if mode:
         argv = argv[1:]
     fam = get_family(argv[0])
     problem = Problem.parse(argv[1], argv[2])
@@ -49,24 +102,22 @@ def main(argv: list[str]) -> None:
     timer = Timer(gpu.l2_bytes)
     q, k, v = random_inputs(problem, 0)
     qp, kp, vp = (t.to(torch_dtype(peer_dtype(problem))) for t in (q, k, v))  # SDPA takes no fp8: bf16 copies
-    if launch_only:
-        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+
+    def sdpa(backend):
+        def run() -> None:
             with sdpa_kernel(backend):
-                for _ in range(2):
-                    F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal)
-        torch.cuda.synchronize()
-    else:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            ref = F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal).float()
-            t_ref = timer(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            t_cudnn = timer(lambda: F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal))
-        print(f"{problem.key} on {gpu.name}: sdpa_flash {problem.tflops(t_ref.median_ms):.1f} TFLOP/s, "
-              f"sdpa_cudnn {problem.tflops(t_cudnn.median_ms):.1f} TFLOP/s")
+                F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal)
+        return run
+
+    runs = {"sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ref = F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal).float()
+    regs = {}
     for params in configs:
+        name = json.dumps(params, sort_keys=True)
         why = fam.check(params, gpu, problem)
         if why:
-            print(f"{json.dumps(params, sort_keys=True)}  invalid: {why}")
+            print(f"{name}  invalid: {why}")
             continue
         ck = compile_kernel(fam, params, problem, gpu.arch)
         launch = fam.launch(params, problem)
@@ -76,18 +127,25 @@ def main(argv: list[str]) -> None:
         stream = current_stream()
         kernel(stream, launch, *args)
         torch.cuda.synchronize()
-        if launch_only:
-            kernel(stream, launch, *args)
-            torch.cuda.synchronize()
-            print(f"{json.dumps(params, sort_keys=True)}  launched twice  regs {ck.resources.registers}")
-            continue
         err = ((o.float() - ref).abs().max() / ref.abs().max()).item()
-        if not math.isfinite(err) or err > 0.05:
-            print(f"{json.dumps(params, sort_keys=True)}  WRONG: rel {err:.3g}")
+        if mode != "--launch-only" and (not math.isfinite(err) or err > 0.05):
+            print(f"{name}  WRONG: rel {err:.3g}")
             continue
-        t = timer(lambda: kernel(stream, launch, *args))
-        print(f"{json.dumps(params, sort_keys=True)}  {problem.tflops(t.median_ms):7.1f} TFLOP/s  "
-              f"{t.median_ms:.3f} ms  regs {ck.resources.registers}")
+        runs[name] = (lambda kernel=kernel, launch=launch, args=args, stream=stream: kernel(stream, launch, *args))
+        regs[name] = ck.resources.registers
+    if mode == "--launch-only":
+        for fn in runs.values():
+            fn()
+            fn()
+        torch.cuda.synchronize()
+        print(f"{problem.key}: launched twice each: {', '.join(runs)}")
+        return
+    print(f"{problem.key} on {gpu.name}, in turns (8 rounds), TFLOP/s of the median, then min / median / max ms:")
+    for name, t in timer.interleaved(runs).items():
+        print(f"{name}  {problem.tflops(t.median_ms):7.1f} TFLOP/s  {t.min_ms:.3f} / {t.median_ms:.3f} / {t.max_ms:.3f} ms"
+              + (f"  regs {regs[name]}" if name in regs else ""))
+    if mode == "--clocks":
+        sampled_clocks(runs, Timer(gpu.l2_bytes, target_seconds=2.0, max_reps=5000))
 
 
 if __name__ == "__main__":
