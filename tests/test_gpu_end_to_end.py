@@ -70,6 +70,8 @@ def test_bench_times_the_winner_beside_the_peers(tuned, tmp_path):
     with session_factory(make_engine(db))() as s:
         for row, p in zip(rows, GPT2_FP32):
             assert row["family"] == "flash_fwd_simt" and row["tuned_tflops"] > 0
+            assert row["tuned_ms"][0] <= row["tuned_ms"][1] <= row["tuned_ms"][2]
+            assert row["sdpa_efficient_ms"][0] <= row["sdpa_efficient_ms"][1] <= row["sdpa_efficient_ms"][2]
             assert row["sdpa_efficient_tflops"] > 0 and row["sdpa_math_tflops"] > 0
             ours = queries.measurements(s, gpu_key=gpu.key, family="flash_fwd_simt", problem_key=p.key)[-1]
             assert ours["status"] == "ok" and ours["reps"] >= 10 and ours["tflops"] == row["tuned_tflops"]

@@ -252,10 +252,17 @@ def bench(
     if json_out:
         rows = [{**r.problem.to_dict(), "family": r.family, "config": r.best_params,
                  "tuned_tflops": r.best.tflops if r.best else None, "peer_dtype": peer_dtype(r.problem),
-                 **{f"{k}_tflops": m.tflops for k, m in r.peers.items()}} for r in results]
+                 **{f"{k}_tflops": m.tflops for k, m in r.peers.items()},
+                 "tuned_ms": _spread(r.best), **{f"{k}_ms": _spread(m) for k, m in r.peers.items()}}
+                for r in results]
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({"gpu": g.name, "gpu_key": g.key, "date": time.strftime("%Y-%m-%d"),
                                         "rows": rows}, indent=1))
+
+
+def _spread(m) -> list | None:
+    """[min, median, max] ms: BENCHMARKS.md reports the spread beside the median."""
+    return [m.min_ms, m.median_ms, m.max_ms] if m is not None else None
 
 
 def _compile_one(args) -> tuple[str, str]:
