@@ -1,13 +1,13 @@
 """Time chosen configs of one family on one shape beside SDPA flash and cuDNN, in turns on the same
 inputs (as `tuner bench` does): for perf-notes ablations (does overlap help? which Bc?) without a
-search. Same timer and launch path as the search; the output is checked against SDPA's flash
-backend once per config (a wrong kernel is not timed).
+search. Same timer, launch path and check as the search (each entry once against the fp64
+reference, within the dtype's budget: a wrong kernel is not timed).
 
     python3 benchmarks/ablate.py flash_fwd_sm90 4,16,4096,128 bf16 \
         '{"Bc":128,"stages":2,"cwg":2,"split":24,"overlap":1,"pingpong":1}' ...
     python3 benchmarks/ablate.py flash_fwd_sm90 4,16,4096,128 bf16 --vary overlap,pingpong '{...base...}'
 
---launch-only (first argument): launch each config and each peer twice, untimed and unchecked, for a
+--launch-only (first argument): launch each config and each peer twice more, untimed, for a
 profiler to read (`ncu --clock-control none -k regex:'flash_fwd_sm90|sdpa|fmha|flash_fwd' ...`).
 --clocks (first argument): then time each one alone for about 2 s while nvidia-smi samples the SM
 clock, power and throttle reasons every 20 ms, and print their means per entry: does one kernel
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -74,14 +73,11 @@ def sampled_clocks(runs: dict, timer) -> None:
 
 def main(argv: list[str]) -> None:
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from tuner.compile import compile_kernel
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
-    from tuner.launch import LoadedKernel, current_stream
-    from tuner.measure import peer_dtype, poisoned_outputs, random_inputs, torch_dtype
+    from tuner.measure import measure_prepared, prepare_kernel, prepare_peer
     from tuner.problem import Problem
     from tuner.timing import Timer
 
@@ -99,40 +95,19 @@ def main(argv: list[str]) -> None:
     else:
         configs = [json.loads(c) for c in rest]
     gpu = detect()
-    timer = Timer(gpu.l2_bytes)
-    q, k, v = random_inputs(problem, 0)
-    qp, kp, vp = (t.to(torch_dtype(peer_dtype(problem))) for t in (q, k, v))  # SDPA takes no fp8: bf16 copies
-
-    def sdpa(backend):
-        def run() -> None:
-            with sdpa_kernel(backend):
-                F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal)
-        return run
-
-    runs = {"sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ref = F.scaled_dot_product_attention(qp, kp, vp, is_causal=problem.causal).float()
-    regs = {}
+    # one seed: every entry runs on the same inputs (the peers on bf16 copies for fp8)
+    prepared = {b: prepare_peer(b, problem, 0) for b in ("sdpa_flash", "sdpa_cudnn")}
     for params in configs:
         name = json.dumps(params, sort_keys=True)
         why = fam.check(params, gpu, problem)
         if why:
             print(f"{name}  invalid: {why}")
             continue
-        ck = compile_kernel(fam, params, problem, gpu.arch)
-        launch = fam.launch(params, problem)
-        kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
-        o, lse = poisoned_outputs(problem, q)
-        args = fam.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim))
-        stream = current_stream()
-        kernel(stream, launch, *args)
-        torch.cuda.synchronize()
-        err = ((o.float() - ref).abs().max() / ref.abs().max()).item()
-        if mode != "--launch-only" and (not math.isfinite(err) or err > 0.05):
-            print(f"{name}  WRONG: rel {err:.3g}")
-            continue
-        runs[name] = (lambda kernel=kernel, launch=launch, args=args, stream=stream: kernel(stream, launch, *args))
-        regs[name] = ck.resources.registers
+        prepared[name] = prepare_kernel(fam, params, problem, compile_kernel(fam, params, problem, gpu.arch), 0, gpu.index)
+    for name, (run, m) in prepared.items():
+        if run is None:
+            print(f"{name}  {m.status}: {m.message}")
+    runs = {name: run for name, (run, _) in prepared.items() if run is not None}
     if mode == "--launch-only":
         for fn in runs.values():
             fn()
@@ -140,10 +115,12 @@ def main(argv: list[str]) -> None:
         torch.cuda.synchronize()
         print(f"{problem.key}: launched twice each: {', '.join(runs)}")
         return
-    print(f"{problem.key} on {gpu.name}, in turns (8 rounds), TFLOP/s of the median, then min / median / max ms:")
-    for name, t in timer.interleaved(runs).items():
-        print(f"{name}  {problem.tflops(t.median_ms):7.1f} TFLOP/s  {t.min_ms:.3f} / {t.median_ms:.3f} / {t.max_ms:.3f} ms"
-              + (f"  regs {regs[name]}" if name in regs else ""))
+    timer = Timer(gpu.l2_bytes)
+    print(f"{problem.key} on {gpu.name}, in turns, TFLOP/s of the median, then min / median / max ms:")
+    for name, m in measure_prepared(prepared, problem, timer).items():
+        if m.ok:
+            regs = f"  regs {m.resources.registers}" if m.resources.registers else ""
+            print(f"{name}  {m.tflops:7.1f} TFLOP/s  {m.min_ms:.3f} / {m.median_ms:.3f} / {m.max_ms:.3f} ms{regs}")
     if mode == "--clocks":
         sampled_clocks(runs, Timer(gpu.l2_bytes, target_seconds=2.0, max_reps=5000))
 

@@ -146,11 +146,10 @@ def timed(m: Measurement, t: Timing, problem: Problem) -> Measurement:
                    tflops=problem.tflops(t.median_ms), reps=t.reps)
 
 
-def measure_prepared(prepared: dict[str, Prepared], problem: Problem, timer: Timer,
-                     rounds: int = 1) -> dict[str, Measurement]:
+def measure_prepared(prepared: dict[str, Prepared], problem: Problem, timer: Timer) -> dict[str, Measurement]:
     """Time whatever prepared cleanly (in turns when there are several), then check for a fault."""
     runnable = {name: run for name, (run, _) in prepared.items() if run is not None}
-    timings = timer.interleaved(runnable, rounds) if runnable else {}
+    timings = timer.interleaved(runnable) if runnable else {}
     _sync_or_fault()
     return {name: timed(m, timings[name], problem) if name in timings else m for name, (_, m) in prepared.items()}
 
@@ -164,14 +163,11 @@ def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Mea
     return measure_prepared({backend: prepare_peer(backend, problem, seed)}, problem, timer)[backend]
 
 
-BENCH_ROUNDS = 8
-
-
 def measure_side_by_side(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
                          backends: tuple[str, ...], timer: Timer, seed: int,
                          device_index: int = 0) -> SideBySide:
     """The candidate and the SDPA peers on the same inputs, timed in turns (BENCHMARKS.md's method)."""
     prepared = {"": prepare_kernel(family, params, problem, ck, seed, device_index)}
     prepared |= {b: prepare_peer(b, problem, seed) for b in backends}
-    out = measure_prepared(prepared, problem, timer, BENCH_ROUNDS)
+    out = measure_prepared(prepared, problem, timer)
     return SideBySide(out.pop(""), out)

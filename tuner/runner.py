@@ -26,10 +26,6 @@ class Runner(Protocol):
 
     def peer(self, backend: str, problem: Problem) -> Measurement | None: ...
 
-    def bench(self, family: KernelFamily, params: dict, problem: Problem,
-              backends: tuple[str, ...]) -> SideBySide | None:
-        """The point and the peers, timed in turns on the same inputs."""
-
     def close(self) -> None: ...
 
 
@@ -78,6 +74,7 @@ class GpuRunner:
 
     def bench(self, family: KernelFamily, params: dict, problem: Problem,
               backends: tuple[str, ...]) -> SideBySide:
+        """The point and the peers in one worker job, timed in turns on the same inputs."""
         from .worker import Job
 
         ck = self._compile(family, params, problem)
@@ -146,14 +143,6 @@ class ReplayRunner:
 
     def peer(self, backend: str, problem: Problem) -> Measurement | None:
         return self._latest(backend, {}, problem)
-
-    def bench(self, family: KernelFamily, params: dict, problem: Problem,
-              backends: tuple[str, ...]) -> SideBySide | None:
-        kernel = self.measure(family, params, problem)
-        if kernel is None:
-            return None
-        peers = {b: m for b in backends if (m := self.peer(b, problem)) is not None}
-        return SideBySide(kernel, peers)
 
     def close(self) -> None:
         pass

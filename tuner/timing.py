@@ -28,20 +28,22 @@ class Timer:
         self.target_seconds, self.min_reps, self.max_reps = target_seconds, min_reps, max_reps
 
     def __call__(self, fn: Callable[[], None], warmup: int = 3) -> Timing:
-        return self.interleaved({"": fn}, rounds=1, warmup=warmup)[""]
+        return self.interleaved({"": fn}, warmup=warmup)[""]
 
     def interleaved(self, fns: dict[str, Callable[[], None]], rounds: int = 8,
                     warmup: int = 3) -> dict[str, Timing]:
-        """Times each callable for about `target_seconds`, in `rounds` turns, the order rotating
-        each round. On an H100 one kernel's median moved by 5% between two timings minutes apart
-        (0.488 and 0.511 ms); taken in turns, every callable sees the same clock and power states,
-        so the ratios between them hold where separate timings would not."""
+        """Times each callable for about `target_seconds`, in `rounds` turns (one for a single
+        callable), the order rotating each round. On an H100 one kernel's median moved by 5%
+        between two timings minutes apart (0.488 and 0.511 ms); taken in turns, every callable sees
+        the same clock and power states, so the ratios between them hold where separate timings
+        would not."""
         import torch
 
         for fn in fns.values():
             for _ in range(warmup):
                 fn()
         torch.cuda.synchronize()
+        rounds = rounds if len(fns) > 1 else 1
         times = {name: self._run(fn, 3) for name, fn in fns.items()}
         per_round = {name: -(-self._reps(statistics.median(t)) // rounds) for name, t in times.items()}
         names = list(fns)
