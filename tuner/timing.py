@@ -21,11 +21,12 @@ class Timer:
     the host enqueues the events and the launch, so host overhead stays outside the events."""
 
     def __init__(self, l2_bytes: int = 50 << 20, target_seconds: float = 0.5,
-                 min_reps: int = 10, max_reps: int = 200) -> None:
+                 min_reps: int = 10, max_reps: int = 200, settle_seconds: float = 0.02) -> None:
         import torch
 
         self._flush = torch.empty(max(2 * l2_bytes, 256 << 20) // 4, dtype=torch.int32, device="cuda")
         self.target_seconds, self.min_reps, self.max_reps = target_seconds, min_reps, max_reps
+        self.settle_seconds = settle_seconds
 
     def __call__(self, fn: Callable[[], None], warmup: int = 3) -> Timing:
         return self.interleaved({"": fn}, warmup=warmup)[""]
@@ -36,7 +37,10 @@ class Timer:
         callable), the order rotating each round. On an H100 one kernel's median moved by 5%
         between two timings minutes apart (0.488 and 0.511 ms); taken in turns, every callable sees
         the same clock and power states, so the ratios between them hold where separate timings
-        would not."""
+        would not. Each turn first runs its callable untimed for `settle_seconds`: the SM clock
+        follows power with a lag, so without it a turn's first repetitions ran at the clock the
+        previous callable's power draw left (an H100 at d=128: cuDNN alone 633 W at 1708 MHz, ours
+        460 W at 1979 MHz), and each timing partly measured its predecessor."""
         import torch
 
         for fn in fns.values():
@@ -46,9 +50,12 @@ class Timer:
         rounds = rounds if len(fns) > 1 else 1
         times = {name: self._run(fn, 3) for name, fn in fns.items()}
         per_round = {name: -(-self._reps(statistics.median(t)) // rounds) for name, t in times.items()}
+        settle = {name: -(-self.settle_seconds * 1e3 // statistics.median(t)) for name, t in times.items()}
         names = list(fns)
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
+                if len(names) > 1:
+                    self._run(fns[name], int(settle[name]))
                 times[name] += self._run(fns[name], per_round[name])
         return {name: Timing(statistics.median(t), min(t), max(t), len(t)) for name, t in times.items()}
 
