@@ -21,7 +21,7 @@ class Timer:
     the host enqueues the events and the launch, so host overhead stays outside the events."""
 
     def __init__(self, l2_bytes: int = 50 << 20, target_seconds: float = 0.5,
-                 min_reps: int = 10, max_reps: int = 200, settle_seconds: float = 0.02) -> None:
+                 min_reps: int = 10, max_reps: int = 200, settle_seconds: float = 0.05) -> None:
         import torch
 
         self._flush = torch.empty(max(2 * l2_bytes, 256 << 20) // 4, dtype=torch.int32, device="cuda")
@@ -37,10 +37,11 @@ class Timer:
         callable), the order rotating each round. On an H100 one kernel's median moved by 5%
         between two timings minutes apart (0.488 and 0.511 ms); taken in turns, every callable sees
         the same clock and power states, so the ratios between them hold where separate timings
-        would not. Each turn first runs its callable untimed for `settle_seconds`: the SM clock
-        follows power with a lag, so without it a turn's first repetitions ran at the clock the
-        previous callable's power draw left (an H100 at d=128: cuDNN alone 633 W at 1708 MHz, ours
-        460 W at 1979 MHz), and each timing partly measured its predecessor."""
+        would not. Each turn first runs its callable untimed for `settle_seconds`: at the power cap
+        the SM clock follows the recent draw with a lag, so a short turn was timed at the clock its
+        predecessor left. On an H100 at d=128 N=4096, with settle 0 / 20 / 50 ms, cuDNN's median
+        read 0.833 / 0.878 / 0.912 ms and ours 0.823 / 0.823 / 0.784 beside it (PERF_NOTES.md):
+        without it each kernel was partly timed in the other's power state."""
         import torch
 
         for fn in fns.values():
