@@ -12,6 +12,9 @@ profiler to read (`ncu --clock-control none -k regex:'flash_fwd_sm90|sdpa|fmha|f
 --clocks (first argument): then time each one alone for about 2 s while nvidia-smi samples the SM
 clock, power and throttle reasons every 20 ms, and print their means per entry: does one kernel
 run at a lower clock than another for the same work?
+--settle S,S,... (first argument): time the entries in turns once per settle time (seconds of
+untimed runs before each turn, `Timer.settle_seconds`), in the order given: how much of a turn's
+figure is the clock its predecessor left?
 """
 
 from __future__ import annotations
@@ -81,9 +84,12 @@ def main(argv: list[str]) -> None:
     from tuner.problem import Problem
     from tuner.timing import Timer
 
-    mode = argv[0] if argv[0] in ("--launch-only", "--clocks") else ""
+    mode = argv[0] if argv[0] in ("--launch-only", "--clocks", "--settle") else ""
+    settles = [None]
     if mode:
         argv = argv[1:]
+    if mode == "--settle":
+        settles, argv = [float(x) for x in argv[0].split(",")], argv[1:]
     fam = get_family(argv[0])
     problem = Problem.parse(argv[1], argv[2])
     rest = argv[3:]
@@ -115,12 +121,14 @@ def main(argv: list[str]) -> None:
         torch.cuda.synchronize()
         print(f"{problem.key}: launched twice each: {', '.join(runs)}")
         return
-    timer = Timer(gpu.l2_bytes)
-    print(f"{problem.key} on {gpu.name}, in turns, TFLOP/s of the median, then min / median / max ms:")
-    for name, m in measure_prepared(prepared, problem, timer).items():
-        if m.ok:
-            regs = f"  regs {m.resources.registers}" if m.resources.registers else ""
-            print(f"{name}  {m.tflops:7.1f} TFLOP/s  {m.min_ms:.3f} / {m.median_ms:.3f} / {m.max_ms:.3f} ms{regs}")
+    for settle in settles:
+        timer = Timer(gpu.l2_bytes) if settle is None else Timer(gpu.l2_bytes, settle_seconds=settle)
+        print(f"{problem.key} on {gpu.name}, in turns (settle {timer.settle_seconds * 1e3:g} ms), "
+              "TFLOP/s of the median, then min / median / max ms:")
+        for name, m in measure_prepared(prepared, problem, timer).items():
+            if m.ok:
+                regs = f"  regs {m.resources.registers}" if m.resources.registers else ""
+                print(f"{name}  {m.tflops:7.1f} TFLOP/s  {m.min_ms:.3f} / {m.median_ms:.3f} / {m.max_ms:.3f} ms{regs}")
     if mode == "--clocks":
         sampled_clocks(runs, Timer(gpu.l2_bytes, target_seconds=2.0, max_reps=5000))
 
