@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -48,20 +49,21 @@ class Timer:
             for _ in range(warmup):
                 fn()
         torch.cuda.synchronize()
-        rounds = rounds if len(fns) > 1 else 1
+        rounds, settle_ms = (1, 0.0) if len(fns) == 1 else (rounds, self.settle_seconds * 1e3)
         times = {name: self._run(fn, 3) for name, fn in fns.items()}
-        per_round = {name: -(-self._reps(statistics.median(t)) // rounds) for name, t in times.items()}
-        settle = {name: -(-self.settle_seconds * 1e3 // statistics.median(t)) for name, t in times.items()}
+        estimate = {name: max(statistics.median(t), 1e-3) for name, t in times.items()}
+        per_round = {name: math.ceil(self._reps(ms) / rounds) for name, ms in estimate.items()}
+        settle = {name: math.ceil(settle_ms / ms) for name, ms in estimate.items()}
         names = list(fns)
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                if len(names) > 1:
-                    self._run(fns[name], int(settle[name]))
+                if settle[name]:
+                    self._run(fns[name], settle[name])
                 times[name] += self._run(fns[name], per_round[name])
         return {name: Timing(statistics.median(t), min(t), max(t), len(t)) for name, t in times.items()}
 
     def _reps(self, estimate_ms: float) -> int:
-        return int(min(self.max_reps, max(self.min_reps, self.target_seconds * 1e3 / max(estimate_ms, 1e-3))))
+        return int(min(self.max_reps, max(self.min_reps, self.target_seconds * 1e3 / estimate_ms)))
 
     def _run(self, fn: Callable[[], None], reps: int) -> list[float]:
         import torch
