@@ -86,8 +86,11 @@ struct Barriers {
   unsigned long long vt_full[STAGES], vt_empty[STAGES];   // e4m3: V^T transposed / read by P V
 };
 
-extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const char* __restrict__ tmaps,
-                                                                    int batch, int* __restrict__ tile_counter) {
+// The tensor maps of Q, K, V and O (read only with TMA_STORE) come by value (tuner/tma.py).
+extern "C" __global__ void __launch_bounds__(NT, 1)
+    flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_k,
+                   const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_o, int batch,
+                   int* __restrict__ tile_counter) {
   extern __shared__ unsigned char smem_raw[];
   // swizzle atoms repeat every 1024 bytes: the descriptors assume tiles start on that boundary
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -143,11 +146,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
       // them in uniform registers (the persistent loop then fits split=32; one thread needs 40);
       // lane 0 issues. Otherwise one thread does it all.
       const bool leader = !WARP_PRODUCER || tid == 0;
-      const char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256;
+      const TmaMap *tq = &tmap_q, *tk = &tmap_k, *tv = &tmap_v;
       if (leader) {
-        tmap_acquire(tq);
-        tmap_acquire(tk);
-        tmap_acquire(tv);
+        tmap_prefetch(tmap_q);
+        tmap_prefetch(tmap_k);
+        tmap_prefetch(tmap_v);
       }
       int g0 = 0;
       for (int it = 0;; ++it) {
@@ -166,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
         const WorkTile w = work(tile);
         // K and V have their own rings and their own releases (K is free once S is computed, V
         // only after P V), and V runs one tile behind K, the order the consumers use them in.
-        auto load = [&](T* ring, const char* tmap, unsigned long long* full, unsigned long long* empty, int t) {
+        auto load = [&](T* ring, const TmaMap* tmap, unsigned long long* full, unsigned long long* empty, int t) {
           const int g = g0 + t, s = g % STAGES;
           if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
           if (!leader) return;
@@ -231,9 +234,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     const auto desc_q = wgmma_desc<ROW_BYTES>(smem_u32(Qs) + cw * 64 * ROW_BYTES, 16, 8 * ROW_BYTES);
     const auto desc_k = wgmma_desc<ROW_BYTES>(smem_u32(Ks), 16, 8 * ROW_BYTES);
     const auto desc_v = FP8 ? wgmma_desc(smem_u32(Vts), 16, 1024) : wgmma_desc(smem_u32(Vs), BC * 128, 1024);
-    const char* tmap_o = tmaps + 384;   // TMA_STORE: this warp's slab goes out through O's tensor map
     const unsigned o_slab = smem_u32(Os) + (wrow0 / 16) * 16 * HEAD_DIM * sizeof(TO);
-    if (TMA_STORE && lane == 0) tmap_acquire(tmap_o);
+    if (TMA_STORE && lane == 0) tmap_prefetch(tmap_o);   // this warp's slabs go out through O's map
 
     // Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their products, in the order
     // 0, 1, .., CWG-1, so each one's softmax runs under the others' matrix work. Named barrier
@@ -325,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_sm90(FT_ATTENTION_
     auto write_o = [&] {
       float* lse_bh = lse + static_cast<long long>(w.b * heads + w.h) * nq;
       if constexpr (TMA_STORE) {
-        store_slab_tma<OUT_DTYPE, DTILES>(o_slab, tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
+        store_slab_tma<OUT_DTYPE, DTILES>(o_slab, &tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
       } else {
         store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + w.b * o_sb + w.h * o_sh, o_sn, lse_bh, o_acc, m, l, lane,
                               w.q0 + wrow0, nq, scale_log2);

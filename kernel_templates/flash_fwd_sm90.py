@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from functools import cache
 
-import numpy as np
-
-from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div
+from tuner.family import ELEM_CODE, KernelFamily, ceil_div
+from tuner.launch import Launch
 from tuner.gpu import H100_SXM, GpuSpec, detect
 from tuner.problem import DTYPE_BYTES, Problem
 from tuner.kernel_templates.wgmma_gen import wrappers
@@ -193,14 +192,27 @@ class FlashFwdSm90(KernelFamily):
         text = super().render(params, problem)
         return text.replace(_WGMMA_MARK, wrappers((params["Bc"], problem.head_dim), problem.dtype), 1)
 
-    def kernel_args(self, params: dict, q, k, v, o, lse, scale: float | None) -> tuple:
-        from tuner.tile_counter import tile_counter
-        from tuner.tma import attention_maps
+    def param_kinds(self, params: dict) -> tuple[str, ...]:
+        # the tensor maps of q, k, v and O (by value; O's unread without tma_store), the batch,
+        # and the persistent scheduler's counter
+        return super().param_kinds(params) + ("tmap",) * 4 + ("i32", "ptr")
 
-        maps = attention_maps(q, k, v, 64 * params["cwg"], params["Bc"], o=o if params["tma_store"] else None)
-        counter = tile_counter(q.device).data_ptr() if params["persistent"] else 0
-        return super().kernel_args(params, q, k, v, o, lse, scale) + (
-            np.uint64(maps.data_ptr()), np.int32(q.shape[0]), np.uint64(counter))
+    def arg_maker(self, params: dict):
+        from tuner.tile_counter import tile_counter
+        from tuner.tma import NO_MAP, O_BOX_ROWS, tensor_map
+
+        shared = super().arg_maker(params)
+        q_rows, kv_rows, tma_store, persistent = 64 * params["cwg"], params["Bc"], params["tma_store"], params["persistent"]
+
+        def make(q, k, v, o, lse, scale):
+            args = shared(q, k, v, o, lse, scale)
+            if args is None:
+                return None
+            return args + (tensor_map(q, q_rows), tensor_map(k, kv_rows), tensor_map(v, kv_rows),
+                           tensor_map(o, O_BOX_ROWS) if tma_store else NO_MAP, q.shape[0],
+                           tile_counter(q.device).data_ptr() if persistent else 0)
+
+        return make
 
 
 FAMILY = FlashFwdSm90()

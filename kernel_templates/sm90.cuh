@@ -25,11 +25,15 @@ FT_DEVICE void mbar_wait(unsigned long long* bar, unsigned parity) {
       "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
 }
 
-// ---- TMA: a 4-d box (d, n, h, b) of a tensor map that lives in global memory ----
-// The maps are written by the host before the launch; the acquire makes them visible to the
-// tensor-map proxy.
-FT_DEVICE void tmap_acquire(const void* tmap) {
-  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(tmap) : "memory");
+// ---- TMA: a 4-d box (d, n, h, b) of a tensor map ----
+// A map is a kernel parameter passed by value (`const __grid_constant__ TmaMap`), so it lives in
+// parameter space: the launch carries it, and no fence is needed before the copy engine reads it.
+struct alignas(64) TmaMap {
+  unsigned long long opaque[16];   // a CUtensorMap, encoded on the host (tuner/tma.py)
+};
+// Brings a map into the copy engine's descriptor cache ahead of its first use.
+FT_DEVICE void tmap_prefetch(const TmaMap& tmap) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(&tmap) : "memory");
 }
 FT_DEVICE void tma_load_4d(void* dst, const void* tmap, unsigned long long* bar, int c0, int c1, int c2, int c3) {
   asm volatile(

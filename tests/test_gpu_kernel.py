@@ -118,15 +118,15 @@ def _run_inputs(family, params, problem, q, k, v, with_lse=False, sync=True, out
 
     from tuner.compile import compile_kernel
     from tuner.gpu import detect
-    from tuner.launch import LoadedKernel, current_stream
+    from tuner.launch import LoadedKernel, launch_on
     from tuner.measure import poisoned_outputs
 
     gpu = detect()
     ck = compile_kernel(family, params, problem, gpu.arch)
     launch = family.launch(params, problem)
-    kernel = LoadedKernel.load(ck, launch.smem_bytes, gpu.index)
+    launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, family.param_kinds(params))
     o, lse = out if out is not None else poisoned_outputs(problem, q)
-    kernel(current_stream(), launch, *family.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
+    launch_on(launcher, gpu.index, *family.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
     if sync:
         torch.cuda.synchronize()
     return (o, lse) if with_lse else o

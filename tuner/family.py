@@ -11,11 +11,12 @@ import itertools
 import math
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import cache
 from importlib import resources
 
 from .gpu import GpuSpec
+from .launch import ATTENTION_PARAMS, Launch
 from .problem import Problem
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -24,13 +25,6 @@ _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 # The element-type codes of kernel_templates/common.cuh (FT_F32, FT_F16, FT_BF16, FT_TF32, FT_E4M3),
 # as the families pass them to their templates (IN_DTYPE, COMPUTE).
 ELEM_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "tf32": 3, "fp8": 4}
-
-
-@dataclass(frozen=True)
-class Launch:
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    smem_bytes: int
 
 
 @cache
@@ -124,12 +118,25 @@ class KernelFamily(ABC):
     @abstractmethod
     def launch(self, params: dict, problem: Problem) -> Launch: ...
 
-    def kernel_args(self, params: dict, q, k, v, o, lse, scale: float | None) -> tuple:
-        """The launch arguments: the shared attention ABI (launch.attention_args); a family whose
-        kernel takes more appends it here."""
+    def param_kinds(self, params: dict) -> tuple[str, ...]:
+        """The kernel's parameters by kind (launch.PARAM_KINDS): the shared attention ABI; a family
+        whose kernel takes more appends them here and in `kernel_args`."""
+        return ATTENTION_PARAMS
+
+    def arg_maker(self, params: dict) -> Callable[..., tuple | None]:
+        """Made once per plan: (q, k, v, o, lse, scale) -> the values of `param_kinds`, in order, as
+        plain Python ints, floats and bytes; or None where q, k or v is not laid out as the kernels
+        read it (16-byte aligned rows, the last dim contiguous), for the caller to copy and ask again."""
         from .launch import attention_args
 
-        return attention_args(q, k, v, o, lse, scale)
+        return attention_args
+
+    def kernel_args(self, params: dict, q, k, v, o, lse, scale: float | None) -> tuple:
+        """`arg_maker`'s values for one call (inputs that are not kernel-ready raise ValueError)."""
+        args = self.arg_maker(params)(q, k, v, o, lse, scale)
+        if args is None:
+            raise ValueError("q, k and v need a contiguous last dim and 16-byte aligned rows")
+        return args
 
     def render(self, params: dict, problem: Problem) -> str:
         """The full CUDA source NVRTC compiles for one point."""

@@ -1,14 +1,21 @@
-"""Loading a cubin and launching an attention kernel on torch's current stream (cuda.core).
+"""Loading a cubin and launching an attention kernel on torch's current stream.
 
-Shared by the search's worker and the runtime dispatcher, so what was timed is what runs.
+Shared by the search's worker and the runtime dispatcher, so what was timed is what runs. The
+launch is the hot path of every `attention` call, so its arguments are packed once per plan: a
+`Launcher` lays the kernel's parameters out in one buffer (the layout checked against the
+driver's own), and a call writes the new values there with one `struct.pack_into` and hands the
+driver that buffer's pointer array. Nothing is boxed per argument, nothing is copied host to
+device, nothing synchronizes.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
-import numpy as np
+import struct
+import threading
+from dataclasses import dataclass
 
-from .family import Launch
 from .records import CompiledKernel
 
 LOG2E = 1.4426950408889634
@@ -16,6 +23,167 @@ LOG2E = 1.4426950408889634
 
 class LaunchError(RuntimeError):
     """The launch itself was refused (resources, arguments): the context is still usable."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem_bytes: int
+
+
+# Kernel parameter kinds: struct format, size and alignment (the C ABI: each parameter at the next
+# multiple of its alignment). A tensor map (CUtensorMap) is 128 opaque
+# bytes, 64-byte aligned, passed by value as a `__grid_constant__` parameter.
+PARAM_KINDS: dict[str, tuple[str, int, int]] = {
+    "ptr": ("Q", 8, 8),
+    "i32": ("i", 4, 4),
+    "i64": ("q", 8, 8),
+    "f32": ("f", 4, 4),
+    "tmap": ("128s", 128, 64),
+}
+# The parameters every attention family shares (kernel_templates/common.cuh, FT_ATTENTION_PARAMS):
+# q, k, v, o, lse; heads, kv_group, nq, nk; the B/H/N strides of q, k, v, o; softmax scale * log2 e.
+ATTENTION_PARAMS: tuple[str, ...] = ("ptr",) * 5 + ("i32",) * 4 + ("i64",) * 12 + ("f32",)
+
+
+def param_layout(kinds: tuple[str, ...]) -> tuple[list[int], int]:
+    """Each parameter's offset in a host buffer laid out by the C ABI, and the buffer's size."""
+    offsets, end = [], 0
+    for kind in kinds:
+        _, size, align = PARAM_KINDS[kind]
+        end = -(-end // align) * align
+        offsets.append(end)
+        end += size
+    return offsets, end
+
+
+def _check(err, what: str) -> None:
+    from cuda.bindings import driver
+
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise LaunchError(f"{what}: {getattr(err, 'name', err)}")
+
+
+def _driver_layout(handle, n: int) -> list[tuple[int, int]] | None:
+    """(offset, size) of each parameter as the loaded kernel declares them, where the driver says."""
+    from cuda.bindings import driver
+
+    get = getattr(driver, "cuKernelGetParamInfo", None)
+    if get is None or type(handle).__name__ != "CUkernel":
+        return None
+    out = []
+    for i in range(n + 1):
+        err, offset, size = get(handle, i)
+        if i == n:  # one past the last must not exist: the kernel takes exactly n parameters
+            if err == driver.CUresult.CUDA_SUCCESS:
+                raise LaunchError(f"the kernel takes more than the {n} parameters its family passes")
+            break
+        _check(err, f"cuKernelGetParamInfo({i})")
+        out.append((offset, size))
+    return out
+
+
+class Launcher:
+    """One kernel, one launch geometry, one parameter list: a call packs the values into a host
+    buffer made once (laid out by the C ABI; the driver reads each parameter through its pointer)
+    and launches on the given stream. Thread-safe (the buffer is reused under a lock; the
+    driver copies the parameters before cuLaunchKernel returns)."""
+
+    def __init__(self, handle, launch: Launch, kinds: tuple[str, ...], kernel=None) -> None:
+        """`handle`: what is launched (a CUfunction, or a CUkernel); `kernel`: the CUkernel whose
+        parameter sizes are checked against `kinds` (default: `handle`)."""
+        offsets, size = param_layout(kinds)
+        # The driver copies each parameter from its own pointer, so only the sizes must agree with
+        # the kernel's: the device-side offsets are the driver's (on sm_90 a 64-byte aligned map
+        # sits at offsets that are 64-byte aligned in the constant bank, which starts at 0x210).
+        declared = _driver_layout(handle if kernel is None else kernel, len(kinds))
+        sizes = [PARAM_KINDS[k][1] for k in kinds]
+        if declared is not None and [s for _, s in declared] != sizes:
+            raise LaunchError(f"parameter sizes {sizes} are not the kernel's {[s for _, s in declared]}")
+        fmt, pos = "<", 0
+        for kind, offset in zip(kinds, offsets):
+            fmt += "x" * (offset - pos) + PARAM_KINDS[kind][0]
+            pos = offset + PARAM_KINDS[kind][1]
+        self._struct = struct.Struct(fmt)
+        self._buf = ctypes.create_string_buffer(size + 64)
+        self._base = -ctypes.addressof(self._buf) % 64   # 64-byte aligned, for the tensor maps
+        start = ctypes.addressof(self._buf) + self._base
+        self._ptrs = (ctypes.c_void_p * len(kinds))(*(start + o for o in offsets))
+        self._params = ctypes.addressof(self._ptrs)
+        self._handle = handle
+        self._geometry = (*launch.grid, *launch.block, launch.smem_bytes)
+        self._lock = threading.Lock()
+
+    def __call__(self, stream: int, *values) -> None:
+        from cuda.bindings import driver
+
+        with self._lock:
+            try:
+                self._struct.pack_into(self._buf, self._base, *values)
+            except struct.error as exc:
+                raise LaunchError(f"bad kernel arguments: {exc}") from None
+            (err,) = driver.cuLaunchKernel(self._handle, *self._geometry, _stream(stream), self._params, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            if err == driver.CUresult.CUDA_ERROR_INVALID_CONTEXT:   # a thread that never used CUDA
+                raise NoContextError(err.name)
+            raise LaunchError(f"cuLaunchKernel: {err.name}")
+
+
+class NoContextError(LaunchError):
+    """This thread has no current CUDA context yet (see `launch_on`)."""
+
+
+_stream_objects: dict[int, object] = {}
+
+
+def _stream(handle: int):
+    s = _stream_objects.get(handle)
+    if s is None:
+        from cuda.bindings import driver
+
+        s = _stream_objects.setdefault(handle, driver.CUstream(handle))
+    return s
+
+
+def raw_stream(device_index: int) -> int:
+    """torch's current stream on a device, as the raw handle (what inductor's generated code uses)."""
+    import torch
+
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return get(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def launch_on(launcher: Launcher, device_index: int, *values) -> None:
+    """Launch on `device_index`'s current stream. A thread whose current device is another one, or
+    that has no CUDA context yet, gets the device's for the launch and its own back afterwards."""
+    import torch
+
+    if torch.cuda.current_device() == device_index:
+        try:
+            return launcher(raw_stream(device_index), *values)
+        except NoContextError:
+            pass
+    from cuda.core import Device
+
+    with torch.cuda.device(device_index):
+        Device(device_index).set_current()   # the primary context, which torch's guard may not make current
+        launcher(raw_stream(device_index), *values)
+
+
+def _context_function(handle):
+    """The CUfunction of a library kernel in the current context (the handle itself if the driver
+    has no cuKernelGetFunction)."""
+    from cuda.bindings import driver
+
+    get = getattr(driver, "cuKernelGetFunction", None)
+    if get is None or type(handle).__name__ != "CUkernel":
+        return handle
+    err, function = get(handle)
+    _check(err, "cuKernelGetFunction")
+    return function
 
 
 def _set_max_dynamic_smem(kernel, nbytes: int, device_index: int) -> None:
@@ -35,71 +203,49 @@ def _set_max_dynamic_smem(kernel, nbytes: int, device_index: int) -> None:
 
 
 class LoadedKernel:
-    """A kernel loaded once; launch configs are made once per geometry and kept."""
+    """A kernel loaded once on one device; `launcher` makes its packed launches."""
 
-    def __init__(self, kernel, max_smem: int) -> None:
+    def __init__(self, kernel, max_smem: int, device_index: int = 0, function=None) -> None:
         self.kernel = kernel
         self.max_smem = max_smem
-        self._configs: dict[Launch, object] = {}
+        self.device_index = device_index
+        # the kernel as a function of the device's context: launching a context-free library
+        # kernel makes the driver find that function on every launch
+        self.function = function if function is not None else kernel.handle
 
     @classmethod
     def load(cls, ck: CompiledKernel, smem_bytes: int, device_index: int = 0) -> "LoadedKernel":
+        import torch
         from cuda.core import Device, ObjectCode
 
-        Device(device_index).set_current()
-        kernel = ObjectCode.from_cubin(ck.cubin).get_kernel(ck.kernel_name)
-        if smem_bytes > 48 * 1024:
-            _set_max_dynamic_smem(kernel, smem_bytes, device_index)
-        return cls(kernel, smem_bytes)
+        with torch.cuda.device(device_index):   # the caller's current device is left as it was
+            Device(device_index).set_current()
+            kernel = ObjectCode.from_cubin(ck.cubin).get_kernel(ck.kernel_name)
+            if smem_bytes > 48 * 1024:
+                _set_max_dynamic_smem(kernel, smem_bytes, device_index)
+            function = _context_function(kernel.handle)
+        return cls(kernel, smem_bytes, device_index, function)
 
-    def __call__(self, stream, launch: Launch, *args) -> None:
-        from cuda.core import LaunchConfig
-        from cuda.core import launch as cuda_launch
-
-        config = self._configs.get(launch)
-        if config is None:
-            if launch.smem_bytes > max(self.max_smem, 48 * 1024):
-                raise LaunchError(f"launch asks {launch.smem_bytes} B of shared memory, kernel allows {self.max_smem} B")
-            config = self._configs[launch] = LaunchConfig(
-                grid=launch.grid, block=launch.block, shmem_size=launch.smem_bytes
-            )
-        try:
-            cuda_launch(stream, config, self.kernel, *args)
-        except Exception as exc:
-            raise LaunchError(str(exc).splitlines()[0]) from None
+    def launcher(self, launch: Launch, kinds: tuple[str, ...]) -> Launcher:
+        if launch.smem_bytes > max(self.max_smem, 48 * 1024):
+            raise LaunchError(f"launch asks {launch.smem_bytes} B of shared memory, kernel allows {self.max_smem} B")
+        return Launcher(self.function, launch, kinds, self.kernel.handle)
 
 
-_streams: dict[int, object] = {}
-
-
-def current_stream():
-    """torch's current stream as a cuda.core Stream (wrapped once per handle)."""
-    import torch
-    from cuda.core import Stream
-
-    handle = torch.cuda.current_stream().cuda_stream
-    s = _streams.get(handle)
-    if s is None:  # threads racing here each make a wrapper of the same handle: harmless, one is kept
-        s = _streams.setdefault(handle, Stream.from_handle(handle))
-    return s
-
-
-def attention_args(q, k, v, o, lse, scale: float | None) -> tuple:
-    """The argument list every attention family shares: pointers, shape, strides (each tensor's
-    in its own elements: O is bf16 where q, k, v are e4m3), and the softmax scale already
-    multiplied by log2(e). Tensors are (B, H, N, D) views whose last dimension is contiguous; any
-    B/H/N strides work, so (B, N, H, D) storage needs no copy."""
-    b, h, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
+def attention_args(q, k, v, o, lse, scale: float | None) -> tuple | None:
+    """The values of ATTENTION_PARAMS: pointers, shape, strides (each tensor's in its own elements:
+    O is bf16 where q, k, v are e4m3), and the softmax scale already multiplied by log2(e); None
+    where q, k or v is not as the kernels read it: 16-byte chunks, so the last dim contiguous and
+    the pointer and the other strides 16-byte aligned. Tensors are (B, H, N, D) views; any B/H/N
+    strides work, so (B, N, H, D) storage needs no copy."""
+    _, h, nq, d = q.shape
+    _, hk, nk, _ = k.shape
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    chunk = 16 // q.element_size() - 1
+    if ((qp | kp | vp) & 15 or (qs[0] | qs[1] | qs[2] | ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & chunk
+            or qs[3] != 1 or ks[3] != 1 or vs[3] != 1):
+        return None
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    i64 = np.int64
-    return (
-        np.uint64(q.data_ptr()), np.uint64(k.data_ptr()), np.uint64(v.data_ptr()),
-        np.uint64(o.data_ptr()), np.uint64(lse.data_ptr()),
-        np.int32(h), np.int32(h // hk), np.int32(nq), np.int32(nk),
-        i64(q.stride(0)), i64(q.stride(1)), i64(q.stride(2)),
-        i64(k.stride(0)), i64(k.stride(1)), i64(k.stride(2)),
-        i64(v.stride(0)), i64(v.stride(1)), i64(v.stride(2)),
-        i64(o.stride(0)), i64(o.stride(1)), i64(o.stride(2)),
-        np.float32(scale * LOG2E),
-    )
+    return (qp, kp, vp, o.data_ptr(), lse.data_ptr(), h, h // hk, nq, nk,
+            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2], scale * LOG2E)

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .family import KernelFamily
-from .launch import LaunchError, LoadedKernel, current_stream
+from .launch import LaunchError, LoadedKernel, launch_on, raw_stream
 from .problem import Problem
 from .records import CompiledKernel, Measurement, SideBySide
 from .reference import attention_fp64, compare
@@ -85,7 +85,7 @@ def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
     base = dict(resources=ck.resources, compile_seconds=ck.compile_seconds)
     launch = family.launch(params, problem)
     try:
-        kernel = LoadedKernel.load(ck, launch.smem_bytes, device_index)
+        launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, family.param_kinds(params))
     except LaunchError as exc:
         return None, Measurement("launch_error", message=str(exc), **base)
     except Exception as exc:
@@ -94,10 +94,9 @@ def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
     q, k, v = random_inputs(problem, seed)
     o, lse = poisoned_outputs(problem, q)
     scale = 1.0 / math.sqrt(problem.head_dim)
-    stream = current_stream()
     try:
         args = family.kernel_args(params, q, k, v, o, lse, scale)
-        kernel(stream, launch, *args)
+        launch_on(launcher, device_index, *args)
     except (LaunchError, ValueError) as exc:  # ValueError: the arguments cannot be built (tma.TmaError)
         return None, Measurement("launch_error", message=str(exc), **base)
     _sync_or_fault()
@@ -109,7 +108,8 @@ def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
     if not err.within(problem.rel_budget, problem.lse_budget):
         what = "NaN/Inf in the output (unwritten or overflowed)" if not err.finite else "error over budget"
         return None, Measurement("wrong_result", message=f"{what}: rel {err.rel:.3g}, lse {err.lse}", **figures, **base)
-    return (lambda: kernel(stream, launch, *args)), Measurement("ok", **figures, **base)
+    stream = raw_stream(device_index)
+    return (lambda: launcher(stream, *args)), Measurement("ok", **figures, **base)
 
 
 def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:

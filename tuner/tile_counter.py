@@ -17,9 +17,13 @@ def tile_counter(device):
     """Two zeroed int32 words on `device` for torch's current stream there (made on first use)."""
     import torch
 
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    with _lock:
-        buf = _counters.get(key)
-        if buf is None:
-            buf = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    from .launch import raw_stream
+
+    key = (device.index, raw_stream(device.index))
+    buf = _counters.get(key)
+    if buf is None:
+        with _lock:
+            buf = _counters.get(key)
+            if buf is None:
+                buf = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
     return buf

@@ -1,9 +1,10 @@
-"""Tensor maps (TMA descriptors) for the Hopper family, built on the host and kept in device memory.
+"""Tensor maps (TMA descriptors) for the Hopper family, built on the host.
 
-A kernel reads its maps through a pointer rather than as `__grid_constant__` parameters, so any
-cuda.core that can launch the other families can launch this one. Maps depend only on a tensor's
-address, shape, strides and the box, so they are cached on exactly that: a hit costs one dict
-lookup, a miss one 128-byte host-to-device copy per tensor.
+The kernel takes each map by value, as a `__grid_constant__` parameter (as FlashAttention-3
+passes them), so a map travels in the launch's own parameter buffer: no device memory, no
+host-to-device copy, nothing to keep alive after the launch, and a CUDA graph captures the map
+with the launch. Maps depend only on a tensor's address, shape, strides and the box, so they are
+cached on exactly that: a hit costs one dict lookup, a miss one cuTensorMapEncodeTiled.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections import OrderedDict
 
 TMAP_BYTES = 128
 O_BOX_ROWS = 16   # a TMA-stored O box: one consumer warp's rows
-# Eviction frees a buffer through torch's allocator, which is ordered on the stream it was made
-# on: a kernel on another stream still reading an evicted map is not protected. 256 entries keep
-# that to workloads cycling through more live shapes and tensors than that.
-_CACHE_SIZE = 256
-_cache: OrderedDict[tuple, object] = OrderedDict()
+NO_MAP = bytes(TMAP_BYTES)   # for a map parameter the kernel does not read
+# Entries are 128-byte strings: a model's activations cycle through a bounded set of addresses
+# (torch's caching allocator), and 4096 of them cost half a megabyte.
+_CACHE_SIZE = 4096
+_cache: OrderedDict[tuple, bytes] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -55,9 +56,11 @@ def _encode(t, box_rows: int, box_cols: int) -> bytes:
     strides = [t.stride(2) * esize, t.stride(1) * esize, t.stride(0) * esize]
     if t.data_ptr() % 16 or any(s % 16 for s in strides):
         raise TmaError(f"TMA needs 16-byte aligned data and strides, got {t.data_ptr() % 16} / {strides}")
+    fast = _fast_encoder()
+    if fast is not None:
+        return fast(int(kind), t.data_ptr(), (d, n, h, b), strides, (box_cols, box_rows), int(swizzle))
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
-    err, tmap = driver.cuTensorMapEncodeTiled(
-        kind, 4, t.data_ptr(), [u64(x) for x in (d, n, h, b)], [u64(x) for x in strides],
+    err, tmap = driver.cuTensorMapEncodeTiled(        kind, 4, t.data_ptr(), [u64(x) for x in (d, n, h, b)], [u64(x) for x in strides],
         [u32(x) for x in (box_cols, box_rows, 1, 1)], [u32(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         swizzle,
@@ -70,8 +73,58 @@ def _encode(t, box_rows: int, box_cols: int) -> bytes:
     return b"".join(int(w).to_bytes(8, "little") for w in words)
 
 
-def _key(t, rows: int) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, rows)
+class _CtypesEncoder:
+    """cuTensorMapEncodeTiled called in the driver library through ctypes: the same function as
+    cuda.bindings' wrapper, without its conversion of every argument to a Python object (about 3 us
+    instead of 10 on the H100's host: a model's fresh activations each need new maps)."""
+
+    def __init__(self, lib) -> None:
+        import ctypes
+
+        c = ctypes
+        self._fn = lib.cuTensorMapEncodeTiled
+        self._fn.restype = c.c_int
+        self._fn.argtypes = [c.c_void_p, c.c_int, c.c_uint32, c.c_void_p, c.c_void_p, c.c_void_p, c.c_void_p,
+                             c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int]
+        self._local = threading.local()
+
+    def _buffers(self):
+        import ctypes
+
+        b = getattr(self._local, "b", None)
+        if b is None:
+            b = self._local.b = (ctypes.create_string_buffer(TMAP_BYTES + 64), (ctypes.c_uint64 * 4)(),
+                                 (ctypes.c_uint64 * 3)(), (ctypes.c_uint32 * 4)(), (ctypes.c_uint32 * 4)(1, 1, 1, 1))
+        return b
+
+    def __call__(self, kind: int, address: int, dims, strides, box, swizzle: int) -> bytes:
+        import ctypes
+
+        out, gdim, gstride, boxdim, estride = self._buffers()
+        gdim[:] = dims
+        gstride[:] = strides
+        boxdim[:] = (box[0], box[1], 1, 1)
+        start = ctypes.addressof(out) + (-ctypes.addressof(out) % 64)   # a CUtensorMap is 64-byte aligned
+        err = self._fn(start, kind, 4, address, gdim, gstride, boxdim, estride, 0, swizzle, _L2_256B, 0)
+        if err:
+            raise TmaError(f"cuTensorMapEncodeTiled failed: CUresult {err} (dims {dims}, strides {strides})")
+        return ctypes.string_at(start, TMAP_BYTES)
+
+
+_L2_256B = 3   # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+_fast: list = []
+
+
+def _fast_encoder() -> _CtypesEncoder | None:
+    """The ctypes encoder where the driver library loads by name (Linux), else None."""
+    if not _fast:
+        import ctypes
+
+        try:
+            _fast.append(_CtypesEncoder(ctypes.CDLL("libcuda.so.1")))
+        except (OSError, AttributeError):
+            _fast.append(None)
+    return _fast[0]
 
 
 def box_cols(t) -> int:
@@ -80,25 +133,15 @@ def box_cols(t) -> int:
     return min(128 // t.element_size(), t.shape[-1])
 
 
-def attention_maps(q, k, v, q_rows: int, kv_rows: int, o=None):
-    """A device buffer holding the maps of q, k and v back to back (3 x 128 bytes), then O's where
-    given: boxes of 16 rows x 64 columns (one consumer warp's slab of a 16-bit O, TMA-stored)."""
-    key = (_key(q, q_rows), _key(k, kv_rows), _key(v, kv_rows), q.device.index,
-           None if o is None else _key(o, O_BOX_ROWS))
-    with _lock:
-        buf = _cache.get(key)
-        if buf is not None:
-            _cache.move_to_end(key)
-            return buf
-    import torch
-
-    cols = box_cols(q)
-    raw = _encode(q, q_rows, cols) + _encode(k, kv_rows, cols) + _encode(v, kv_rows, cols)
-    if o is not None:
-        raw += _encode(o, O_BOX_ROWS, box_cols(o))
-    buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(q.device)
-    with _lock:
-        _cache[key] = buf
-        while len(_cache) > _CACHE_SIZE:
-            _cache.popitem(last=False)
-    return buf
+def tensor_map(t, rows: int) -> bytes:
+    """The 128-byte tensor map of a (B, H, N, D) view with boxes of `rows` x box_cols(t), cached
+    on what it depends on (address, shape, strides, dtype, box): a hit is one dict lookup."""
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, rows)
+    m = _cache.get(key)
+    if m is None:
+        m = _encode(t, rows, box_cols(t))
+        with _lock:
+            _cache[key] = m
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
+    return m

@@ -1,0 +1,79 @@
+"""ptxas's resources (registers, spills, stack, shared memory) of every flash_fwd_sm90 seed on the
+compile-test problems, as JSON: what a refactor of the kernel must leave as it was.
+
+    python3 benchmarks/seed_resources.py [-o FILE] [--templates DIR] [-j N]
+
+--templates compiles the kernel sources of another checkout (e.g. a `git worktree` of the commit
+before a change), with this checkout's family spec. No GPU needed (NVRTC for sm_90a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+
+def problems():
+    from tuner.problem import Problem
+
+    return [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16", "fp8")
+            for c in (False, True)]
+
+
+def _use_templates(folder: str | None) -> None:
+    if not folder:
+        return
+    import tuner.family as family
+
+    def read(filename: str, seen: set[str]) -> str:
+        seen.add(filename)
+        text = (Path(folder) / filename).read_text()
+        return family._INCLUDE.sub(lambda m: "" if m.group(1) in seen else read(m.group(1), seen), text)
+
+    family._inline = read
+    family.template_text.cache_clear()
+
+
+def _one(args) -> tuple[str, dict]:
+    folder, problem, params = args
+    _use_templates(folder)
+    from tuner.compile import compile_kernel
+    from tuner.gpu import H100_SXM
+    from tuner.kernel_templates import get_family
+    from tuner.records import params_key
+
+    r = compile_kernel(get_family("flash_fwd_sm90"), params, problem, H100_SXM.arch).resources
+    return f"{problem.key} {params_key(params)}", dict(registers=r.registers, spill_bytes=r.spill_bytes,
+                                                        stack_bytes=r.stack_bytes, static_smem=r.static_smem,
+                                                        dynamic_smem=r.dynamic_smem)
+
+
+def seed_points() -> list[tuple]:
+    from tuner.gpu import H100_SXM
+    from tuner.kernel_templates import get_family
+
+    fam = get_family("flash_fwd_sm90")
+    return [(p, s) for p in problems() for s in fam.seeds(H100_SXM, p) if fam.check(s, H100_SXM, p) is None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-o", "--output")
+    ap.add_argument("--templates")
+    ap.add_argument("-j", "--jobs", type=int, default=2)
+    a = ap.parse_args(argv)
+    import multiprocessing as mp
+
+    work = [(a.templates, p, s) for p, s in seed_points()]
+    with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
+        out = dict(pool.map(_one, work))
+    text = json.dumps(dict(sorted(out.items())), indent=1)
+    (Path(a.output).write_text(text + "\n") if a.output else sys.stdout.write(text + "\n"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
