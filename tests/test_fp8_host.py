@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tuner.dispatch import TORCH_TO_DTYPE, Dispatcher, Plan, _kernel_ready, problem_of
+from tuner.dispatch import TORCH_TO_DTYPE, Dispatcher, Plan, problem_of
+from tuner.launch import attention_args
 from tuner.family import ELEM_CODE, template_text
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
@@ -204,31 +205,39 @@ def test_problem_of_fp8(fake):
 
 
 def test_kernel_ready_counts_fp8_elements_as_bytes():
-    """Rows 72 elements apart are 16-byte aligned in bf16 (144 B), not in e4m3 (72 B)."""
-    for dt, ready in ((torch.float8_e4m3fn, False), (torch.bfloat16, True)):
-        t = torch.zeros(1, 2, 16, 72, dtype=dt)[..., :64]
-        assert _kernel_ready(t, TORCH_TO_DTYPE[str(dt).removeprefix("torch.")]) is ready
-    assert _kernel_ready(torch.zeros(1, 2, 16, 64, dtype=torch.float8_e4m3fn), "fp8")
+    """Rows 72 elements apart are 16-byte aligned in bf16 (144 B), not in e4m3 (72 B): the kernel's
+    arguments are made only for inputs laid out as it reads them."""
+    def ready(t):
+        o, lse = torch.empty(t.shape, dtype=torch.bfloat16), torch.empty(t.shape[:3])
+        return attention_args(t, t, t, o, lse, None) is not None
+
+    for dt, expected in ((torch.float8_e4m3fn, False), (torch.bfloat16, True)):
+        assert ready(torch.zeros(1, 2, 16, 72, dtype=dt)[..., :64]) is expected
+    assert ready(torch.zeros(1, 2, 16, 64, dtype=torch.float8_e4m3fn))
+    assert not ready(torch.zeros(1, 2, 64, 16, dtype=torch.bfloat16).transpose(2, 3))   # last dim strided
 
 
-def test_fallback_upcasts_fp8_and_returns_bf16(tmp_path, fp8_case):
-    """No tuned config: SDPA on bf16 copies (it takes no fp8), O in bf16, one warning. Planned and
-    run on the CPU here (the dispatcher's own entry refuses CPU tensors before this point)."""
-    q, k, v, scale, (ref_o, _) = fp8_case
+def test_fallback_upcasts_fp8_and_returns_bf16(tmp_path, fp8_case, monkeypatch):
+    """No tuned config: torch's attention on bf16 copies (it takes no fp8), O in bf16, one warning;
+    with an LSE where the backward would need one. Planned and run on the CPU here (the
+    dispatcher's own entry refuses CPU tensors before this point)."""
+    q, k, v, scale, (ref_o, ref_lse) = fp8_case
     d = Dispatcher(tmp_path / "absent.json")
     d._gpus[0] = H100_SXM
     plan = d._plan(FP8, 0)
-    assert plan.kernel is None and plan.out is torch.bfloat16 and "fp8/d64/causal" in plan.reason
+    assert plan.launcher is None and plan.out is torch.bfloat16 and "fp8/d64/causal" in plan.reason
+    monkeypatch.setenv("TUNER_BACKWARD", "math")   # the one of torch's kernels that runs on the CPU
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        o = d._fallback(q, k, v, True, scale, plan, False)
-        d._fallback(q, k, v, True, scale, plan, False)
-    assert o.dtype == torch.bfloat16 and o.shape == q.shape
-    assert compare(o, None, ref_o, None).rel < REL_BUDGET["bf16"]
+        o, lse = d._fallback(q, k, v, True, scale, plan, False)
+        o2, lse2 = d._fallback(q, k, v, True, scale, plan, True)
+    for out in (o, o2):
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        assert compare(out, None, ref_o, None).rel < REL_BUDGET["bf16"]
+    assert torch.isnan(lse).all()   # not asked for: marked unwritten
+    assert compare(o2, lse2, ref_o, ref_lse).lse < 1e-3
     assert len(caught) == 1 and "no tuned config" in str(caught[0].message)
-    with pytest.raises(ValueError, match="return_lse needs a tuned kernel"):
-        d._fallback(q, k, v, True, scale, plan, True)
-    assert Plan(None, None, None).out is None  # plans made elsewhere still construct
+    assert Plan(None, None).out is None  # plans made elsewhere still construct
 
 
 # ---- peers and the CLI's tables ----

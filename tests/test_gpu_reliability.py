@@ -140,4 +140,4 @@ def test_dispatcher_threads_and_streams(tmp_path):
     assert not errors, errors
     assert checked[0] == n_threads * n_streams * rounds
     assert not [w for w in caught if "flashtune" in str(w.message)], "a thread fell back to SDPA"
-    assert all(plan.kernel is not None for plan in disp._plans.values())
+    assert all(plan.launcher is not None for plan in disp._plans.values())

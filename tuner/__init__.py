@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["attention"]
+__all__ = ["attention", "sdpa_override", "set_sdpa_override"]
 
 
 def __getattr__(name: str):
     # `from tuner import attention` without importing torch/cuda for the CLI's light commands.
-    if name == "attention":
-        from .dispatch import attention
+    if name in __all__:
+        from . import op
 
-        return attention
+        value = globals()[name] = getattr(op, name)   # later lookups skip this function
+        return value
     raise AttributeError(f"module 'tuner' has no attribute {name!r}")

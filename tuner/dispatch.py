@@ -1,8 +1,11 @@
-"""The runtime dispatcher: `attention(q, k, v)` runs the best tuned kernel for the shape.
+"""The runtime dispatcher: the best tuned kernel for a shape, or torch's own attention.
 
-Its hot path is a dictionary lookup and a launch. The first call for a shape reads the lookup
-file (once per process), compiles or loads the cubin (disk cache) and keeps the loaded kernel.
-Where nothing tuned fits, torch's scaled_dot_product_attention answers, with one warning.
+`Dispatcher.forward(q, k, v, ...)` is what the `flashtune::attention` op runs (tuner/op.py). Its
+hot path is a dictionary lookup, two allocations and a packed launch (tuner/launch.py). The first
+call for a shape reads the lookup file (once per process), compiles or loads the cubin (disk
+cache) and packs the kernel's launch into a plan. Where nothing tuned fits, torch answers, with
+one warning: scaled_dot_product_attention, or, where the backward will need the softmax's LSE,
+the fastest of torch's kernels that returns one (tuner/torch_attention.py).
 """
 
 from __future__ import annotations
@@ -11,30 +14,29 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
 
-from .family import Launch
-from .launch import current_stream
+from .launch import Launcher, launch_on
 from .measure import TORCH_DTYPES, torch_dtype
-from .problem import DTYPE_BYTES, Problem
+from .problem import Problem
 
 TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
 
 
 @dataclass
 class Plan:
-    """What a shape resolved to: a loaded kernel and its launch, or None for the SDPA fallback."""
+    """What a shape resolved to: a packed launch of a tuned kernel, or None for torch's attention."""
 
-    kernel: object | None
-    launch: Launch | None
+    launcher: Launcher | None
     family: str | None
     reason: str = ""
     dtype: str = ""
-    make_args: Callable[..., tuple] | None = None  # (q, k, v, o, lse, scale) -> launch arguments
+    make_args: Callable[..., tuple | None] | None = None  # KernelFamily.arg_maker's
     out: torch.dtype | None = None  # O's dtype (Problem.out_dtype: bf16 for fp8 inputs)
+    device: int = 0
+    scratch_lse: torch.Tensor | None = None  # what the kernel writes its LSE to where nobody reads it
 
 
 def supported_head_dims() -> set[int]:
@@ -43,14 +45,16 @@ def supported_head_dims() -> set[int]:
     return {d for f in FAMILIES.values() for d in f.head_dims}
 
 
-def problem_of(q, k, v, causal: bool, max_error: float | None = None) -> Problem:
-    """Validate the inputs and describe them; every mistake is a ValueError naming it."""
+def check_inputs(q, k, v, max_error: float | None = None, *, cuda: bool = True) -> str:
+    """Validate the inputs (every mistake a ValueError naming it) and return their dtype's name.
+    Symbolic shapes are fine (the op's fake implementation calls this under torch.compile); `cuda=False`
+    leaves the device to the operator's dispatch."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
-        if t.device.type != "cuda":
+        if cuda and t.device.type != "cuda":
             raise ValueError(f"{name} is on {t.device}; attention runs on CUDA tensors")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
@@ -66,19 +70,31 @@ def problem_of(q, k, v, causal: bool, max_error: float | None = None) -> Problem
         raise ValueError(f"k/v shape {tuple(k.shape)} does not match q {tuple(q.shape)} in batch or head dim")
     if k.shape[1] == 0 or h % k.shape[1]:
         raise ValueError(f"k/v heads ({k.shape[1]}) must divide q heads ({h})")
-    if d not in supported_head_dims():
-        raise ValueError(f"unsupported head dim {d}; supported: {sorted(supported_head_dims())}")
-    if min(b, h, nq, k.shape[2]) == 0:
+    dims = sorted(supported_head_dims())
+    if not any(d == x for x in dims):
+        raise ValueError(f"unsupported head dim {d}; supported: {dims}")
+    if b == 0 or h == 0 or nq == 0 or k.shape[2] == 0:
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if max_error is not None and not (isinstance(max_error, (int, float)) and 0 < max_error < 1):
         raise ValueError(f"max_error must be a number in (0, 1), got {max_error!r}")
+    return dtype
+
+
+def problem_of(q, k, v, causal: bool, max_error: float | None = None) -> Problem:
+    """The Problem these inputs pose, after check_inputs."""
+    dtype = check_inputs(q, k, v, max_error)
+    b, h, nq, d = q.shape
     return Problem(b, h, nq, k.shape[2], d, dtype, bool(causal), k.shape[1], max_error or 0.0)
 
 
-def _kernel_ready(t, dtype: str) -> bool:
-    """Our kernels read 16-byte chunks: the last dim contiguous, pointers and row strides aligned."""
-    chunk = 16 // DTYPE_BYTES[dtype]
-    return t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % chunk == 0 for s in t.stride()[:3])
+def out_layout(q) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Size and strides of O for q: (B, N, H, D) storage where q's heads are inner to its rows (a
+    model's projections viewed with transpose(1, 2)), so the model's transpose back is free, as
+    with SDPA; (B, H, N, D) otherwise. The op's fake implementation promises the same."""
+    b, h, n, d = q.shape
+    if q.stride(1) < q.stride(2):
+        return (b, h, n, d), (n * h * d, d, h * d, 1)
+    return (b, h, n, d), (h * n * d, n * d, d, 1)
 
 
 class Dispatcher:
@@ -138,12 +154,29 @@ class Dispatcher:
         entry = self.select(problem, gpu)
         out = torch_dtype(problem.out_dtype)
         if entry is None:
-            return Plan(None, None, None, f"no tuned config for {problem.bucket().key} on {gpu.key}", out=out)
-        fam = FAMILIES[entry["family"]]
-        ck = compile_kernel(fam, entry["params"], problem, gpu.arch)
-        launch = fam.launch(entry["params"], problem)
-        return Plan(LoadedKernel.load(ck, launch.smem_bytes, device_index), launch, fam.name, dtype=problem.dtype,
-                    make_args=partial(fam.kernel_args, entry["params"]), out=out)
+            return Plan(None, None, f"no tuned config for {problem.bucket().key} on {gpu.key}", problem.dtype,
+                        out=out, device=device_index)
+        fam, params = FAMILIES[entry["family"]], entry["params"]
+        ck = compile_kernel(fam, params, problem, gpu.arch)
+        launch = fam.launch(params, problem)
+        launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, fam.param_kinds(params))
+        scratch = torch.empty(problem.batch, problem.heads, problem.seqlen_q, dtype=torch.float32,
+                              device=torch.device("cuda", device_index))
+        return Plan(launcher, fam.name, dtype=problem.dtype, make_args=fam.arg_maker(params), out=out,
+                    device=device_index, scratch_lse=scratch)
+
+    def plan(self, q, k, v, causal: bool = False, max_error: float | None = None) -> Plan:
+        """The plan for these inputs (made on the first call for their shapes, dtypes and devices)."""
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, bool(causal),
+               max_error)
+        plan = self._plans.get(key)
+        if plan is None:
+            problem = problem_of(q, k, v, causal, max_error)
+            with self._lock:
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = self._plans[key] = self._plan(problem, q.device.index or 0)
+        return plan
 
     def _warn(self, message: str) -> None:
         with self._warn_lock:  # once per message, even with threads falling back at the same time
@@ -153,60 +186,76 @@ class Dispatcher:
         warnings.warn(f"flashtune: {message}; using torch scaled_dot_product_attention", stacklevel=3)
 
     # ---- hot path ----
+    def forward(self, q, k, v, causal: bool = False, scale: float | None = None, max_error: float | None = None,
+                need_lse: bool = True):
+        """O (laid out as out_layout(q) says) and the natural-log LSE (B, H, Nq) in float32. Without
+        a tuned kernel the LSE is computed only where `need_lse` asks (else it is NaN)."""
+        plan = self.plan(q, k, v, causal, max_error)
+        if plan.launcher is None:
+            return self._fallback(q, k, v, causal, scale, plan, need_lse)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        return self._launch(plan, q, k, v, scale, lse), lse
+
+    def output(self, q, k, v, causal: bool = False, scale: float | None = None, max_error: float | None = None):
+        """O alone (no gradient will be asked for): the kernel's LSE goes to a buffer of the plan."""
+        plan = self.plan(q, k, v, causal, max_error)
+        if plan.launcher is None:
+            return self._fallback(q, k, v, causal, scale, plan, False)[0]
+        return self._launch(plan, q, k, v, scale, plan.scratch_lse)
+
+    def _launch(self, plan: Plan, q, k, v, scale, lse):
+        size, stride = out_layout(q)
+        o = torch.empty_strided(size, stride, dtype=plan.out, device=q.device)
+        args = plan.make_args(q, k, v, o, lse, scale)
+        if args is None:   # not laid out as the kernel reads (misaligned rows, a strided last dim)
+            args = plan.make_args(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, scale)
+        launch_on(plan.launcher, plan.device, *args)
+        return o
+
     def __call__(self, q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False,
                  max_error: float | None = None):
-        key = (q.shape, k.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, bool(causal), max_error)
-        plan = self._plans.get(key)
-        if plan is None:
-            problem = problem_of(q, k, v, causal, max_error)
-            with self._lock:
-                plan = self._plans.get(key)
-                if plan is None:
-                    plan = self._plans[key] = self._plan(problem, q.device.index or 0)
-        if plan.kernel is None:
-            return self._fallback(q, k, v, causal, scale, plan, return_lse)
-        q, k, v = (t if _kernel_ready(t, plan.dtype) else t.contiguous() for t in (q, k, v))
-        with torch.cuda.device(q.device):
-            o = torch.empty(q.shape, device=q.device, dtype=plan.out)
-            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-            plan.kernel(current_stream(), plan.launch, *plan.make_args(q, k, v, o, lse, scale))
+        """O, or (O, LSE) with `return_lse`; no autograd (that is tuner.attention's)."""
+        o, lse = self.forward(q, k, v, causal, scale, max_error, need_lse=return_lse)
         return (o, lse) if return_lse else o
 
-    def _fallback(self, q, k, v, causal, scale, plan: Plan, return_lse):
-        """torch SDPA, on inputs in O's dtype: it takes no fp8, so e4m3 inputs go up to bf16 (exactly)."""
+    def _fallback(self, q, k, v, causal: bool, scale, plan: Plan, need_lse: bool):
+        """torch's attention, on inputs in O's dtype: it takes no fp8, so e4m3 inputs go up to bf16
+        (exactly). With `need_lse`, the fastest of torch's kernels that returns the LSE and takes
+        the case; otherwise scaled_dot_product_attention, which picks its own backend."""
         import torch.nn.functional as F
+
+        from .backward import choose
+        from .torch_attention import Case
 
         self._warn(plan.reason)
         if q.dtype != plan.out:
             q, k, v = (t.to(plan.out) for t in (q, k, v))
-        gqa = k.shape[1] != q.shape[1]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **({"enable_gqa": True} if gqa else {}))
-        if return_lse:
-            raise ValueError(f"return_lse needs a tuned kernel ({plan.reason})")
-        return o
+        if need_lse:
+            o, lse = choose(Case.of(q, k, causal)).forward(q, k, v, causal, scale)
+        else:
+            gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
+            lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+        size, stride = out_layout(q)
+        if o.stride() != stride:
+            o = torch.empty_strided(size, stride, dtype=o.dtype, device=o.device).copy_(o)
+        return o, lse.contiguous()
 
 
 _default: Dispatcher | None = None
 _default_lock = threading.Lock()
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None, max_error: float | None = None):
-    """Attention forward on CUDA tensors of shape (B, H, N, D) (K/V may have fewer heads).
-
-    Returns O with q's shape and dtype (bf16 for float8_e4m3fn inputs), computed by the best tuned
-    kernel for this GPU and shape bucket, or by torch SDPA (with one warning; on bf16 copies of
-    fp8 inputs) where nothing tuned fits. `max_error` picks configs tuned under that error budget
-    (`tuner search --max-error`): for fp32 inputs, the tf32 or bf16 tensor-core kernels; None
-    means the dtype's default budget.
-    """
+def default() -> Dispatcher:
+    """The process's dispatcher (threads racing on the first call share one, with one plan cache)."""
     global _default
     d = _default
     if d is None:
-        with _default_lock:  # threads racing on the first call share one dispatcher (one plan cache)
+        with _default_lock:
             if _default is None:
                 _default = Dispatcher()
             d = _default
-    return d(q, k, v, causal, scale, max_error=max_error)
+    return d
 
 
 def reset(lookup_path: str | Path | None = None) -> Dispatcher:

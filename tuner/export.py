@@ -71,6 +71,15 @@ def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
     }
 
 
+def lookup_of(gpu_key: str, served: list[tuple[Problem, str, dict, float]]) -> dict[str, Any]:
+    """A lookup serving each (problem, family, params, TFLOP/s) on `gpu_key`, as if a search had
+    measured it: for benchmarks and tests that run given configs without a database."""
+    from .db.queries import BestEntry
+
+    return build_lookup([BestEntry(gpu_key, fam, p, p.bucket().key, params, tflops, p.flops() / tflops / 1e9, i)
+                         for i, (p, fam, params, tflops) in enumerate(served)])
+
+
 def _check_entry(e: Any) -> str | None:
     """Why an entry is unusable, or None."""
     if not isinstance(e, dict):

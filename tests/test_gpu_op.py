@@ -1,0 +1,315 @@
+"""On the GPU: `attention` as an operator. Gradients against float64 autograd on random shapes,
+every backward backend, a training run beside SDPA's, torch.compile(fullgraph=True), CUDA-graph
+capture of a whole training step, and a transformers model under the SDPA switch."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+
+from tuner.problem import Problem
+
+pytestmark = pytest.mark.gpu
+
+# Relative Frobenius error of O and of each gradient against float64 allowed at the least: ours
+# may be up to twice SDPA's own error on the same inputs, or this, whichever is larger.
+FLOOR = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
+TORCH = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@pytest.fixture
+def dispatcher(tmp_path):
+    """The process's dispatcher pointed at a lookup of this test (`serve(problems)` fills it)."""
+    from models import lookup_with_defaults
+    from tuner import dispatch
+    from tuner.gpu import detect
+
+    path = tmp_path / "best.json"
+
+    def serve(problems):
+        lookup_with_defaults(path, problems, detect())
+        return dispatch.reset(path)
+
+    dispatch.reset(tmp_path / "none.json")
+    yield serve
+    dispatch.reset()
+
+
+def _random_problem(rng: random.Random, dtype: str, causal: bool) -> Problem:
+    lengths = [1, 17, 63, 129, 200, 333, 1000]
+    nq = rng.choice(lengths)
+    nk = nq if rng.random() < 0.5 else rng.choice(lengths)
+    kvh = rng.choice([1, 2, 4])
+    d = rng.choice([64, 128] if dtype == "fp32" else [64, 128, 256])
+    return Problem(rng.randint(1, 3), kvh * rng.choice([1, 2]), nq, nk, d, dtype, causal, kvh)
+
+
+def _inputs(p: Problem, layout: str, seed: int):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, TORCH[p.dtype])
+
+    def make(heads, n):
+        shape = (p.batch, n, heads, p.head_dim) if layout == "bnhd" else (p.batch, heads, n, p.head_dim)
+        t = torch.randn(shape, generator=g, device="cuda", dtype=dt)
+        return (t.transpose(1, 2) if layout == "bnhd" else t).requires_grad_()
+
+    return make(p.heads, p.seqlen_q), make(p.kv_heads, p.seqlen_k), make(p.kv_heads, p.seqlen_k)
+
+
+def _errors(fn, q, k, v, causal: bool, scale):
+    """Errors of fn's O and of its q, k, v gradients (for a random upstream gradient) against
+    float64 autograd of SDPA's math on the same values: relative to the reference's norm, or to a
+    thousandth of the upstream gradient's where the reference is (near) zero (a row that sees one
+    key has dq = 0 exactly, and any rounding would be an infinite relative error)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    o = fn(q, k, v, causal, scale)
+    grad = torch.randn_like(o)
+    got = (o.detach(), *torch.autograd.grad(o, (q, k, v), grad))
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        ref = F.scaled_dot_product_attention(*x64, is_causal=causal, scale=scale, enable_gqa=True)
+    want = (ref.detach(), *torch.autograd.grad(ref, x64, grad.double()))
+    out = []
+    floor = 1e-3 * float(grad.double().norm())
+    for name, a, b in zip(("O", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), f"NaN/Inf in {name}"
+        out.append(float((a.double() - b).norm()) / max(float(b.norm()), floor))
+    return out
+
+
+def _ours(q, k, v, causal, scale):
+    import tuner
+
+    return tuner.attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def _sdpa(q, k, v, causal, scale):
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+
+
+def _check_against_sdpa(p: Problem, rng: random.Random, served: bool) -> None:
+    layout = rng.choice(["bhnd", "bnhd"])
+    scale = rng.choice([None, 0.05])
+    seed = rng.randrange(2**31)
+    what = f"{p.key} {layout} scale={scale} {'tuned' if served else 'fallback'}"
+    try:
+        ours = _errors(_ours, *_inputs(p, layout, seed), p.causal, scale)
+    except AssertionError as exc:
+        raise AssertionError(f"{what}: {str(exc).splitlines()[0]}") from None
+    theirs = _errors(_sdpa, *_inputs(p, layout, seed), p.causal, scale)
+    for name, a, b in zip(("O", "dq", "dk", "dv"), ours, theirs):
+        assert a <= max(FLOOR[p.dtype], 2 * b), f"{what}: {name} error {a:.3g} (SDPA's {b:.3g})"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_through_tuned_kernels(dispatcher, dtype, causal):
+    """Our forward (the family default for each exact shape) and the backward seam: O, dq, dk, dv
+    against float64 on fresh random shapes: GQA, ragged lengths, Nq != Nk, both layouts, a custom scale."""
+    rng = random.Random()
+    for _ in range(3):
+        p = _random_problem(rng, dtype, causal)
+        dispatcher([p])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="flashtune")   # a fallback would mean our kernel did not run
+            _check_against_sdpa(p, rng, served=True)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gradients_through_the_fallback(dispatcher, dtype):
+    """No tuned config: torch's forward with an LSE, then the same backward seam."""
+    rng = random.Random()
+    for causal in (False, True):
+        p = _random_problem(rng, dtype, causal)
+        with pytest.warns(UserWarning, match="no tuned config"):
+            _check_against_sdpa(p, rng, served=False)
+
+
+@pytest.mark.parametrize("name", ["cudnn", "flash", "efficient", "math"])
+def test_every_backward_backend_on_our_lse(dispatcher, name, monkeypatch):
+    """Each of torch's backward kernels, forced, from our kernel's O and LSE, on cases it claims."""
+    from tuner.torch_attention import BACKENDS, Case
+
+    monkeypatch.setenv("TUNER_BACKWARD", name)
+    rng = random.Random()
+    done = 0
+    for _ in range(40):
+        if done == 3:
+            break
+        p = _random_problem(rng, rng.choice(["bf16", "fp16", "fp32"]), rng.random() < 0.5)
+        if name == "math" and p.seqlen_q * p.seqlen_k > 200_000:
+            continue
+        q, _, _ = _inputs(p, "bhnd", 0)
+        import torch
+
+        k = torch.empty(p.batch, p.kv_heads, p.seqlen_k, p.head_dim, device="cuda", dtype=q.dtype)
+        if BACKENDS[name].why_not(Case.of(q, k, p.causal)):
+            continue
+        dispatcher([p])
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="flashtune")
+            _check_against_sdpa(p, rng, served=True)
+        done += 1
+    assert done, f"no random case that {name} takes"
+
+
+def _batches(steps: int, b: int = 4, n: int = 201, vocab: int = 256, seed: int = 0):
+    """Token sequences with structure to learn: mostly t -> 7t + 3 mod vocab, some noise."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        t = torch.empty(b, n, dtype=torch.long, device="cuda")
+        t[:, 0] = torch.randint(0, vocab, (b,), generator=g, device="cuda")
+        noise = torch.rand(b, n, generator=g, device="cuda") < 0.1
+        rand = torch.randint(0, vocab, (b, n), generator=g, device="cuda")
+        for i in range(1, n):
+            t[:, i] = torch.where(noise[:, i], rand[:, i], (7 * t[:, i - 1] + 3) % vocab)
+        out.append(t)
+    return out
+
+
+def _train(impl: str, batches, compile_: bool = False) -> list[float]:
+    import torch
+
+    from models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(impl=impl).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    step = torch.compile(model.loss, fullgraph=True) if compile_ else model.loss
+    losses = []
+    for tokens in batches:
+        loss = step(tokens)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _model_problems():
+    # TinyGPT: dim 256, 2 heads of 128 sharing one K/V head, 200 tokens, causal, under bf16 autocast
+    return [Problem(4, 2, 200, 200, 128, "bf16", True, 1)]
+
+
+def test_training_follows_sdpa(dispatcher):
+    """50 steps from the same seed with flashtune's attention and with SDPA's: the loss curves agree
+    within bf16 noise, and both learn."""
+    dispatcher(_model_problems())
+    batches = _batches(50)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashtune")
+        ours = _train("flashtune", batches)
+    theirs = _train("sdpa", batches)
+    assert ours[-1] < 0.5 * ours[0] and theirs[-1] < 0.5 * theirs[0], (ours, theirs)
+    worst = max(abs(a - b) / b for a, b in zip(ours, theirs))
+    assert worst < 0.03, f"loss curves part by {worst:.2%}: {ours} vs {theirs}"
+
+
+def test_compiled_training_fullgraph(dispatcher):
+    """The same training under torch.compile(fullgraph=True): no graph break (fullgraph raises on
+    one), and the losses follow eager flashtune's."""
+    dispatcher(_model_problems())
+    batches = _batches(8, seed=1)
+    eager = _train("flashtune", batches)
+    compiled = _train("flashtune", batches, compile_=True)
+    worst = max(abs(a - b) / b for a, b in zip(compiled, eager))
+    assert worst < 0.03, f"compiled losses part from eager by {worst:.2%}: {compiled} vs {eager}"
+
+
+def test_cuda_graph_of_a_training_step(dispatcher):
+    """Forward, backward and optimizer step captured in one CUDA graph and replayed: the losses and
+    weights follow the same steps run eagerly from the same start."""
+    import torch
+
+    from models import TinyGPT
+
+    dispatcher(_model_problems())
+    warm, batches = _batches(3, seed=2), _batches(6, seed=3)
+
+    def make():
+        torch.manual_seed(0)
+        model = TinyGPT().cuda()
+        return model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+
+    def step(model, opt, tokens):
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(tokens)
+        loss.backward()
+        opt.step()
+        return loss
+
+    model, opt = make()
+    ref, ref_opt = make()
+    static = warm[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up, as capture needs: plans, cuDNN's graphs, the optimizer's state
+        for tokens in warm:
+            static.copy_(tokens)
+            step(model, opt, static)
+    torch.cuda.current_stream().wait_stream(side)
+    for tokens in warm:   # the same steps for the eager twin
+        step(ref, ref_opt, tokens)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = model.loss(static)
+        static_loss.backward()
+        opt.step()
+    for tokens in batches:
+        static.copy_(tokens)
+        graph.replay()
+        loss = step(ref, ref_opt, tokens).item()
+        assert abs(static_loss.item() - loss) <= 0.02 * loss, (static_loss.item(), loss)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=2e-3)
+
+
+def test_transformers_model_under_the_sdpa_switch(dispatcher):
+    """A transformers Llama (random weights, its own `sdpa` attention) runs our kernels unchanged
+    inside tuner.sdpa_override(), with the logits and gradients of its own SDPA."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    import tuner
+    import tuner.op
+
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).cuda().to(torch.bfloat16)
+    tokens = torch.randint(0, 512, (2, 300), device="cuda")
+    dispatcher([Problem(2, 4, 300, 300, 128, "bf16", True, 2)])
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(tokens, labels=tokens)
+        out.loss.backward()
+        return out.logits.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()
+
+    theirs = run()
+    calls = []
+    real = tuner.op._forward
+    with tuner.sdpa_override(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashtune")   # neither a fallback nor a call left with SDPA
+        tuner.op._forward = lambda *a: calls.append(a[0].shape) or real(*a)
+        try:
+            ours = run()
+        finally:
+            tuner.op._forward = real
+    assert len(calls) == 2, calls   # each layer's attention went through flashtune
+    for a, b in zip(ours, theirs):
+        assert float((a - b).norm() / b.norm()) < 2e-2

@@ -1,0 +1,61 @@
+"""The attention backward: gradients of q, k, v from the forward's O and LSE.
+
+One seam, so that a tuned backward kernel of our own can take over later: today every call goes
+to the fastest of torch's backward kernels that takes the case (tuner/torch_attention.py), in the
+order of BACKENDS, or to the one TUNER_BACKWARD names. A case no backend takes raises: a gradient
+is never dropped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .torch_attention import BACKENDS, Backend, Case, Grads
+
+ENV = "TUNER_BACKWARD"
+
+
+class NoBackwardError(RuntimeError):
+    """No backward kernel takes this case (fp8 inputs, say)."""
+
+
+def choose(case: Case, order: tuple[str, ...] | None = None) -> Backend:
+    """The first backend (in `order`, default TUNER_BACKWARD or BACKENDS' order) that takes `case`."""
+    names = order or _order()
+    reasons = []
+    for name in names:
+        backend = BACKENDS[name]
+        why = backend.why_not(case)
+        if why is None:
+            return backend
+        reasons.append(f"{name} {why}")
+    raise NoBackwardError(f"no attention backward for {case.dtype}, d={case.head_dim}: " + "; ".join(reasons))
+
+
+def _order() -> tuple[str, ...]:
+    forced = os.environ.get(ENV)
+    if not forced:
+        return tuple(BACKENDS)
+    if forced not in BACKENDS:
+        raise ValueError(f"{ENV}={forced!r}: must be one of {', '.join(BACKENDS)}")
+    return (forced,)
+
+
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float | None) -> Grads:
+    """dq, dk, dv (each with its input's shape, dtype and strides) of attention whose forward gave
+    O and the natural-log LSE (B, H, Nq) on q, k, v."""
+    backend = choose(Case.of(q, k, causal))
+    dq, dk, dv = backend.backward(grad_out, q, k, v, o, lse, causal, scale)
+    return like(q, dq), like(k, dk), like(v, dv)
+
+
+def like(ref: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """`grad` laid out as torch.empty_like(ref) is, which is what the op's fake implementation
+    promises the compiler (a copy only where the backend chose another layout)."""
+    out = torch.empty_like(ref)
+    if grad.stride() == out.stride() and grad.dtype == out.dtype:
+        return grad
+    return out.copy_(grad)

@@ -1,0 +1,211 @@
+"""`attention` as a PyTorch operator: `torch.ops.flashtune.attention`, with a fake implementation
+(so torch.compile traces through it without a graph break) and autograd (the backward seam,
+tuner/backward.py), usable under CUDA-graph capture; and `sdpa_override`, which routes a model's
+own `F.scaled_dot_product_attention` calls here.
+
+Eager calls skip the operator dispatcher: without gradients `attention` calls the dispatcher
+directly, with them an autograd.Function around the same forward and backward. Going through
+`torch.ops` costs 10-50 us of host time per call (measured on the CPU: a Python kernel behind the
+dispatcher, more with its autograd), as much as a short kernel's whole GPU time. Under
+torch.compile the call is the registered operator, which the compiler traces by its fake.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from .backward import attention_backward
+from .dispatch import default as _dispatcher
+from .dispatch import out_layout
+
+LIB = "flashtune"
+_lib = torch.library.Library(LIB, "DEF")
+_lib.define("attention(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, "
+            "float? max_error=None, bool need_lse=True) -> (Tensor, Tensor)")
+_lib.define("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "bool is_causal, float? scale) -> (Tensor, Tensor, Tensor)")
+
+
+def _forward(q, k, v, is_causal=False, scale=None, max_error=None, need_lse=True):
+    return _dispatcher().forward(q, k, v, is_causal, scale, max_error, need_lse)
+
+
+def _backward(grad_out, q, k, v, out, lse, is_causal, scale):
+    return attention_backward(grad_out, q, k, v, out, lse, is_causal, scale)
+
+
+_lib.impl("attention", _forward, "CUDA")
+_lib.impl("attention_backward", _backward, "CUDA")
+
+
+@torch.library.register_fake(f"{LIB}::attention")
+def _attention_fake(q, k, v, is_causal=False, scale=None, max_error=None, need_lse=True):
+    from .dispatch import check_inputs
+    from .measure import torch_dtype
+    from .problem import OUT_DTYPE
+
+    # bad input fails at trace time, as it would at run time; the device is the dispatcher's to refuse
+    dtype = check_inputs(q, k, v, max_error, cuda=False)
+    size, stride = out_layout(q)
+    return (torch.empty_strided(size, stride, dtype=torch_dtype(OUT_DTYPE.get(dtype, dtype)), device=q.device),
+            q.new_empty(size[:3], dtype=torch.float32))
+
+
+@torch.library.register_fake(f"{LIB}::attention_backward")
+def _attention_backward_fake(grad_out, q, k, v, out, lse, is_causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, is_causal, scale, _max_error, need_lse = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.is_causal, ctx.scale, ctx.need_lse = is_causal, scale, need_lse
+    ctx.mark_non_differentiable(lse)
+
+
+def _autograd_backward(ctx, grad_o, _grad_lse):
+    if not ctx.need_lse:
+        raise RuntimeError("flashtune::attention was called with need_lse=False, so it kept no LSE for the backward")
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashtune.attention_backward(grad_o, q, k, v, o, lse, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd(f"{LIB}::attention", _autograd_backward, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """The eager path with gradients: the op's forward and backward without the dispatcher's cost."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, scale, max_error):
+        o, lse = _forward(q, k, v, is_causal, scale, max_error, True)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(grad_o, q, k, v, o, lse, ctx.is_causal, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _warn_once(message: str) -> None:
+    if torch.compiler.is_compiling():   # dynamo cannot trace warnings.warn; the eager call has said it
+        return
+    with _warn_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    warnings.warn(f"flashtune: {message}", stacklevel=3)
+
+
+def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False, *, causal: bool | None = None, max_error: float | None = None):
+    """Attention on CUDA tensors of shape (B, H, N, D), as torch.nn.functional.scaled_dot_product_attention.
+
+    Computed by the best tuned kernel for this GPU and shape bucket, or by torch's attention (with
+    one warning; on bf16 copies of fp8 inputs) where nothing tuned fits. K/V may have fewer heads
+    (GQA; `enable_gqa` is accepted and not required). `is_causal` is SDPA's: the top-left diagonal,
+    key j visible to query i where j <= i (`causal=` is the older spelling). `attn_mask` and
+    `dropout_p` go to SDPA itself, with one warning. Gradients flow to q, k and v (fp8 has none).
+    `max_error` picks configs tuned under that error budget (`tuner search --max-error`): for fp32
+    inputs, the tf32 or bf16 tensor-core kernels. O has q's dtype (bf16 for float8_e4m3fn inputs)
+    and, like SDPA's, q's layout: (B, N, H, D) storage where q is such a view.
+    """
+    if causal is not None:
+        if is_causal and not causal:
+            raise ValueError("is_causal=True and causal=False disagree: pass one of them")
+        is_causal = bool(causal)
+    if attn_mask is not None or dropout_p:
+        what = "an attn_mask" if attn_mask is not None else "dropout"
+        _warn_once(f"{what} is not served by flashtune's kernels; using torch scaled_dot_product_attention")
+        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa or _gqa(q, k))
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if torch.compiler.is_compiling():
+        return torch.ops.flashtune.attention(q, k, v, is_causal, scale, max_error, grads)[0]
+    if grads:
+        if q.dtype == torch.float8_e4m3fn:
+            raise ValueError("no backward for float8_e4m3fn inputs: call attention under torch.no_grad()")
+        return _Attention.apply(q, k, v, is_causal, scale, max_error)
+    return _dispatcher().output(q, k, v, is_causal, scale, max_error)
+
+
+def _gqa(q, k) -> bool:
+    return q.dim() == k.dim() >= 3 and q.shape[-3] != k.shape[-3]
+
+
+# ---- routing a model's own SDPA calls ----
+
+_sdpa = torch.nn.functional.scaled_dot_product_attention   # torch's, whatever the switch says
+_override_depth = 0
+_override_lock = threading.Lock()
+
+
+def _served(q, k, v) -> str | None:
+    """Why a call to SDPA stays with SDPA (None: flashtune takes it)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return "inputs are not tensors"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"inputs are {q.dim()}-D; flashtune takes (B, H, N, D)"
+    if q.device.type != "cuda":
+        return f"inputs on {q.device}"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype}"
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
+        return "shapes flashtune does not take (a value head dim unlike the key's, say)"
+    from .dispatch import supported_head_dims
+
+    if q.shape[3] not in supported_head_dims():
+        return f"head dim {q.shape[3]}"
+    return None
+
+
+def routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention while `sdpa_override` is on: flashtune for what it serves."""
+    why = _served(query, key, value)
+    if why is None and attn_mask is None and not dropout_p:
+        return attention(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    if why is not None:
+        _warn_once(f"an SDPA call stays with torch ({why})")
+        kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
+        return _sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kw)
+    return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def set_sdpa_override(enabled: bool) -> None:
+    """Route torch.nn.functional.scaled_dot_product_attention through flashtune (True) or not."""
+    global _override_depth
+    with _override_lock:
+        _override_depth = 1 if enabled else 0
+        torch.nn.functional.scaled_dot_product_attention = routed_sdpa if enabled else _sdpa
+
+
+class sdpa_override:
+    """`with tuner.sdpa_override(): model(x)`: the model's own SDPA calls run flashtune's kernels
+    where they can (tuned or not, as `attention` does) and torch's SDPA elsewhere; nests, and puts
+    SDPA back on leaving the outermost block."""
+
+    def __enter__(self) -> "sdpa_override":
+        global _override_depth
+        with _override_lock:
+            _override_depth += 1
+            torch.nn.functional.scaled_dot_product_attention = routed_sdpa
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _override_depth
+        with _override_lock:
+            _override_depth = max(0, _override_depth - 1)
+            if _override_depth == 0:
+                torch.nn.functional.scaled_dot_product_attention = _sdpa
