@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One GPU-machine session: install the carried wheels, run the GPU tests, tune, benchmark, and
-# record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|all]...
+# One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
+# benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
+# repo root:
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|all]...
+# `tests` runs `pytest -m gpu` as three processes side by side (test files split so each takes about
+# as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
+# train_step.py (host cost per call; forward + backward step time), each alone on the GPU.
 # Narrowing for a short session: PYTEST_K (a pytest -k expression for the tests step),
 # TUNE_ARGS (replaces `--gpu auto` for precompile, search and bench; e.g. "--gpu auto --dtype bf16"),
 # TRIALS (per problem, default 30).
@@ -11,6 +15,9 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
 fi
+# flashtune itself, from this working tree (no network there: no build isolation, no deps)
+python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-ft . 2>&1 | grep -v WARN
+export PYTHONPATH=/tmp/site-ft:$PYTHONPATH
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 export TUNER_CACHE_DIR=${TUNER_CACHE_DIR:-/tmp/flashtune-cubin}
 export TUNER_DB=${TUNER_DB:-sqlite:////tmp/flashtune/results.db} TUNER_LOOKUP=${TUNER_LOOKUP:-/tmp/flashtune/best.json}
@@ -21,7 +28,15 @@ python3 -c "import torch, cuda.core; print('torch', torch.__version__, 'cuda.cor
 steps=${*:-all}
 for step in $steps; do
   case $step in
-    tests|all) FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -v -rA ${PYTEST_K:+-k "$PYTEST_K"} tests 2>&1 | tee "$OUT/pytest_gpu.log" ;;&
+    tests|all) groups=("tests/test_gpu_op.py tests/test_tma.py" "tests/test_gpu_kernel.py"
+                       "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_dashboard.py")
+               i=0; for g in "${groups[@]}"; do i=$((i + 1))
+                 FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -q -rA \
+                   ${PYTEST_K:+-k "$PYTEST_K"} $g > "$OUT/pytest_gpu_$i.log" 2>&1 &
+               done; wait
+               tail -n 3 "$OUT"/pytest_gpu_*.log; grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest_gpu_*.log ;;&
+    overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
+    train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
               tuner search ${TUNE_ARGS:---gpu auto} --trials "${TRIALS:-30}" 2>&1 | tee -a "$OUT/tune.log" ;;&
     bench|all) tuner bench ${TUNE_ARGS:---gpu auto} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;&
