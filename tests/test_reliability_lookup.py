@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_reliability_input import one_line
 
 from tuner.db import queries
 from tuner.db.engine import make_engine, session_factory
@@ -37,16 +38,6 @@ def run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
                 XDG_CACHE_HOME=str(tmp_path / "cache"), **env)
     return subprocess.run([sys.executable, "-m", "tuner.cli", *args], env=full, capture_output=True, text=True,
                           timeout=180, cwd=tmp_path)
-
-
-def one_line(out: subprocess.CompletedProcess, *words: str) -> str:
-    assert out.returncode != 0, out
-    assert "Traceback" not in out.stdout + out.stderr, out.stderr
-    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, out.stderr
-    for w in words:
-        assert w in lines[0], lines[0]
-    return lines[0]
 
 
 def digest(path: Path) -> str:
