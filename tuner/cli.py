@@ -12,6 +12,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -124,7 +125,7 @@ def _summary_table(results, title: str) -> Table:
     from .measure import peer_dtype
     from .search import ratio
 
-    t = Table(title=title)
+    t = Table(title=escape(title))
     for col in ("problem", "family", "best config", "ms", "TFLOP/s", "peers TFLOP/s", "vs best peer"):
         t.add_column(col, justify="right" if col in ("ms", "TFLOP/s", "vs best peer") else "left")
     for r in results:
@@ -136,10 +137,10 @@ def _summary_table(results, title: str) -> Table:
                               for k, v in sorted(peers.items(), key=lambda kv: -kv[1]))
         if peer_text and peer_dtype(r.problem) != r.problem.dtype:  # fp8: SDPA ran on bf16 copies
             peer_text += f" ({peer_dtype(r.problem)} inputs)"
-        t.add_row(
+        t.add_row(  # Text: params from a database are shown, never read as rich markup
             r.problem.key,
-            r.family,
-            json.dumps(r.best_params, separators=(",", ":")) if r.best_params else "-",
+            Text(r.family),
+            Text(json.dumps(r.best_params, separators=(",", ":")) if r.best_params else "-"),
             f"{r.best.median_ms:.3f}" if r.best else "-",
             f"{tf:.1f}" if tf else "-",
             peer_text or "-",
@@ -199,12 +200,13 @@ def search(
         raise
     deadline = time.monotonic() + timeout if timeout else None
     names = sorted({f.name for _, f in plan})
-    console.print(f"tuning [bold]{', '.join(names)}[/] on {runner.gpu.name} ({runner.gpu.key}) for {len(problems)} "
-                  f"problem(s), {trials} trials each; results in {masked(url)}", highlight=False)
+    console.print(f"tuning [bold]{escape(', '.join(names))}[/] on {escape(runner.gpu.name)} ({escape(runner.gpu.key)}) "
+                  f"for {len(problems)} problem(s), {trials} trials each; results in {escape(masked(url))}",
+                  highlight=False)
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
-        tasks = {(p.key, f.name): bar.add_task(f"{p.key} {f.name}", total=trials, best="") for p, f in plan}
+        tasks = {(p.key, f.name): bar.add_task(escape(f"{p.key} {f.name}"), total=trials, best="") for p, f in plan}
         current: list[str] = [""]
 
         def observe(ev) -> None:
@@ -228,13 +230,14 @@ def search(
     console.print(_summary_table(results, f"{', '.join(names)} on {runner.gpu.name}, run {s.run_id}"))
     if target is None:
         console.print(f"best-config lookup not changed (a {'replay' if replay else 'search of another database'}): "
-                      f"pass --lookup PATH, or run `tuner export -o PATH --db {masked(url)}`", highlight=False)
+                      f"pass --lookup PATH, or run `tuner export -o PATH --db {masked(url)}`", highlight=False,
+                      markup=False)
         return
     with sessions() as session:
         new = lookup_from_db(session, runner.gpu.key)
     merged = publish_lookup(new, target, "merge")
     console.print(f"best-config lookup: {len(new['entries'])} entries written to {target} "
-                  f"(merged: {len(merged['entries'])} in all)", highlight=False)
+                  f"(merged: {len(merged['entries'])} in all)", highlight=False, markup=False)
 
 
 def _search_lookup(lookup: Optional[Path], db: Optional[str], replay: Optional[str], url: str) -> Optional[Path]:
@@ -439,7 +442,7 @@ def export(
         n = export_from_db(s, output, gpu_key, "merge" if merge else "force" if force else "complete")
     if n == 0:
         _warn("the database holds no tuned configs yet (run `tuner search` first)")
-    console.print(f"{n} entries written to {output}", highlight=False)
+    console.print(f"{n} entries written to {output}", highlight=False, markup=False)
 
 
 @app.command()
@@ -450,7 +453,7 @@ def migrate(db: Optional[str] = typer.Option(None, "--db", help="an existing res
     url = _db_url(db)
     require_existing(url)
     make_engine(url).dispose()
-    console.print(f"{masked(url)} is at this flashtune's schema", highlight=False)
+    console.print(f"{masked(url)} is at this flashtune's schema", highlight=False, markup=False)
 
 
 @app.command()
