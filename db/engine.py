@@ -153,18 +153,27 @@ def serialize_sqlite_writers(engine: Engine) -> None:
 
 def lock_dir() -> Path:
     """Where our lock files live: a per-user folder only its owner may write (0700), never a shared
-    temp dir where another user could create, hold or own the lock first."""
-    folder = Path(user_cache_dir(APP_NAME)) / "locks"
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = folder.lstat()
-        if st.st_uid != os.getuid():
-            raise DatabaseError(f"the lock directory {folder} belongs to another user (uid {st.st_uid}); remove it")
+    temp dir where another user could create, hold or own the lock first. The user's cache dir;
+    where that cannot be made (no writable home), a folder named for the uid in the temp dir,
+    refused if someone else made it first."""
+    import stat
+    import tempfile
+
+    first = Path(user_cache_dir(APP_NAME)) / "locks"
+    for folder in (first, Path(tempfile.gettempdir()) / f"flashtune-locks-{os.getuid()}"):
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = folder.lstat()
+        except OSError as e:
+            error = f"cannot use the lock directory {folder}: {e.strerror or e}"
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise DatabaseError(f"the lock directory {folder} belongs to another user (uid {st.st_uid}) "
+                                f"or is not a directory; remove it")
         if st.st_mode & 0o077:
             folder.chmod(0o700)
-    except OSError as e:
-        raise DatabaseError(f"cannot use the lock directory {folder}: {e.strerror or e}") from None
-    return folder
+        return folder
+    raise DatabaseError(error)
 
 
 @contextlib.contextmanager

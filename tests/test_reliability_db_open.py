@@ -206,3 +206,24 @@ def test_lock_excludes_while_its_file_comes_and_goes(tmp_path):
     for enter, leave in zip(lines[::2], lines[1::2]):
         assert enter.startswith("in ") and leave == "out " + enter[3:], (enter, leave)
     assert list(lock_dir().iterdir()) == []
+
+
+def test_without_a_usable_cache_dir_the_locks_go_to_a_private_temp_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    (tmp_path / "not-a-dir").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))  # no home to write to
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    folder = lock_dir()
+    assert folder == tmp_path / "tmp" / f"flashtune-locks-{os.getuid()}"
+    assert (folder.stat().st_mode & 0o777) == 0o700
+    make_engine(f"sqlite:///{tmp_path / 'a.db'}").dispose()
+    assert list(folder.iterdir()) == []
+    if os.getuid() == 0:  # someone else made the predictable name first: refused, never used
+        os.chown(folder, 65534, 65534)
+        try:
+            with pytest.raises(DatabaseError, match="belongs to another user"):
+                lock_dir()
+        finally:
+            os.chown(folder, 0, 0)
