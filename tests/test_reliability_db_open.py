@@ -157,10 +157,8 @@ def test_lock_lives_in_a_private_per_user_folder_and_is_removed(tmp_path, user_c
     assert set(Path("/tmp").glob("flashtune-*.lock")) == tmp_locks
 
 
-def test_lock_folder_open_to_others_is_closed_and_one_of_another_user_refused(user_cache):
-    folder = lock_dir()
-    folder.chmod(0o777)
-    assert lock_dir() == folder and (folder.stat().st_mode & 0o777) == 0o700
+def _refused_when_another_user_owns(folder: Path) -> None:
+    """Hand `folder` to nobody (root only) and check lock_dir() will not use it."""
     if os.getuid() != 0:
         pytest.skip("handing the folder to another user needs root")
     os.chown(folder, 65534, 65534)
@@ -169,6 +167,13 @@ def test_lock_folder_open_to_others_is_closed_and_one_of_another_user_refused(us
             lock_dir()
     finally:
         os.chown(folder, 0, 0)
+
+
+def test_lock_folder_open_to_others_is_closed_and_one_of_another_user_refused(user_cache):
+    folder = lock_dir()
+    folder.chmod(0o777)
+    assert lock_dir() == folder and (folder.stat().st_mode & 0o777) == 0o700
+    _refused_when_another_user_owns(folder)
 
 
 def test_a_held_lock_says_what_is_waited_on(tmp_path):
@@ -220,10 +225,4 @@ def test_without_a_usable_cache_dir_the_locks_go_to_a_private_temp_folder(tmp_pa
     assert (folder.stat().st_mode & 0o777) == 0o700
     make_engine(f"sqlite:///{tmp_path / 'a.db'}").dispose()
     assert list(folder.iterdir()) == []
-    if os.getuid() == 0:  # someone else made the predictable name first: refused, never used
-        os.chown(folder, 65534, 65534)
-        try:
-            with pytest.raises(DatabaseError, match="belongs to another user"):
-                lock_dir()
-        finally:
-            os.chown(folder, 0, 0)
+    _refused_when_another_user_owns(folder)  # someone else made the predictable name first: never used
