@@ -226,3 +226,14 @@ def test_without_a_usable_cache_dir_the_locks_go_to_a_private_temp_folder(tmp_pa
     make_engine(f"sqlite:///{tmp_path / 'a.db'}").dispose()
     assert list(folder.iterdir()) == []
     _refused_when_another_user_owns(folder)  # someone else made the predictable name first: never used
+
+
+def test_optuna_storage_on_a_read_only_file_is_one_line(tmp_path):
+    """Our tables at head but none of Optuna's, in a file opened read-only: Optuna's first write
+    (creating its tables) fails, and that is one DatabaseError, not its traceback."""
+    from tuner.search import optuna_storage
+
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    make_engine(url).dispose()
+    with pytest.raises(DatabaseError, match="cannot open the database .*attempt to write a readonly database"):
+        optuna_storage(f"sqlite:///file:{tmp_path / 'a.db'}?mode=ro&uri=true")

@@ -248,12 +248,17 @@ def optuna_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's storage in our DB, safe with several searches on one SQLite file: its first-time
     table creation and version stamp run one process at a time, and its transactions queue for the
     write lock (BEGIN IMMEDIATE, 60 s busy timeout) instead of failing with "database is locked"."""
-    from .db.engine import serialize_sqlite_writers, sqlite_init_lock
+    from sqlalchemy.exc import DatabaseError as SQLDatabaseError
+
+    from .db.engine import DatabaseError, masked, serialize_sqlite_writers, sqlite_init_lock
 
     sqlite = url.startswith("sqlite")
-    with sqlite_init_lock(url), _quiet_heartbeat():
-        storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else {},
-                                             heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    try:
+        with sqlite_init_lock(url), _quiet_heartbeat():
+            storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else {},
+                                                 heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    except SQLDatabaseError as e:  # e.g. a read-only file Optuna must stamp or add a table to
+        raise DatabaseError(f"cannot open the database {masked(url)}: {e.orig}") from None
     serialize_sqlite_writers(storage.engine)
     return storage
 
