@@ -308,4 +308,5 @@ def main() -> None:
      "Lookup": page_lookup}[page](url, filtered)
 
 
-main()
+if __name__ == "__main__":  # streamlit runs the script as __main__; a multiprocessing child that re-runs
+    main()                  # the parent's main module (as __mp_main__) must not draw the page again

@@ -22,7 +22,17 @@ def family_names(*, auto: bool) -> list[str]:
     return (["auto"] if auto else []) + list(FAMILIES)
 
 
+def _family_choice(name: str, *, auto: bool) -> type:
+    """The families as a choice; plain text where the registry cannot load (a bad
+    TUNER_EXTRA_FAMILIES), so that the command needing it says why in one line instead of the
+    CLI failing to import."""
+    try:
+        return choice(name, family_names(auto=auto))
+    except ValueError:
+        return str
+
+
 Dtype = choice("Dtype", DTYPES)
 Sampler = choice("Sampler", SAMPLERS)
-Family = choice("Family", family_names(auto=True))
-OneFamily = choice("OneFamily", family_names(auto=False))
+Family = _family_choice("Family", auto=True)
+OneFamily = _family_choice("OneFamily", auto=False)

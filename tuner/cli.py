@@ -175,6 +175,7 @@ def search(
 
     from .db.engine import make_engine, masked, session_factory
     from .export import existing_lookup, lookup_from_db, publish_lookup
+    from .kernel_templates import FAMILIES  # noqa: F401  (a bad TUNER_EXTRA_FAMILIES is one line here, first)
     from .runner import GpuRunner, ReplayRunner
     from .search import Search
 
