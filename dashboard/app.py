@@ -16,9 +16,12 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from tuner.dashboard import data
+from tuner.dashboard.plain import md, plotly
 from tuner.dashboard.roofline import ceilings_for, roof
+from tuner.db.engine import masked
 from tuner.db.queries import PEER_FAMILIES
 from tuner.problem import Problem
+from tuner.search import study_name
 
 PAGES = ("Overview", "Explore a study", "Compare", "Lookup")
 KNOWN_PARAMS = ("Br", "Bc", "TM", "TN", "warps", "stages", "min_blocks", "precision")
@@ -31,10 +34,10 @@ def _params_text(params: dict) -> str:
 
 def _stop_with(state: data.DbState) -> None:
     st.title("flashtune")
-    st.warning(f"**{state.problem}**")
+    st.warning(f"**{md(state.problem)}**")
     if state.hint:
-        st.markdown(f"To fix: {state.hint}.")
-    st.caption(f"database: `{data.redact(state.url)}`")
+        st.markdown(f"To fix: {md(state.hint)}.")
+    st.caption(f"database: {md(masked(state.url))}")
     st.stop()
 
 
@@ -68,10 +71,13 @@ def _best_frame(url: str, summ: pd.DataFrame) -> pd.DataFrame:
 
 
 def _formatted(best: pd.DataFrame) -> pd.DataFrame:
-    """Numbers as text with sensible precision; a missing peer shows as a dash."""
+    """Numbers as text with sensible precision, a missing peer as a dash, and the text read from
+    the database escaped: st.table renders its cells as Markdown."""
     out = best.copy()
     for col in out.columns:
-        if col == "ms":
+        if col in ("GPU", "problem", "family", "params"):
+            out[col] = out[col].map(md)
+        elif col == "ms":
             out[col] = out[col].map(lambda v: f"{v:.4f}")
         elif col.endswith("TFLOP/s"):
             out[col] = out[col].map(lambda v: "-" if pd.isna(v) else f"{v:.2f}")
@@ -130,12 +136,15 @@ def page_explore(url: str, summ: pd.DataFrame) -> None:
     st.header("Explore a study")
     studies = (summ[~summ["family"].isin(PEER_FAMILIES)][["gpu_key", "family", "problem_key"]]
                .drop_duplicates().sort_values(["gpu_key", "family", "problem_key"]))
-    names = [f"{g}|{f}|{p}" for g, f, p in studies.itertuples(index=False)]
-    if not names:
+    # (GPU key, family, problem key) stay three values from the database's columns: a name joined
+    # with "|" is never split again (a GPU name may hold a "|")
+    options = [tuple(row) for row in studies.itertuples(index=False)]
+    if not options:
         st.info("No tuning study matches the filters.")
         return
-    name = st.selectbox("study (GPU | family | problem)", names, key="study")
-    gpu_key, family, problem_key = name.split("|")
+    gpu_key, family, problem_key = st.selectbox("study (GPU | family | problem)", options, key="study",
+                                                format_func="|".join)
+    name = study_name(gpu_key, family, problem_key)
     df = data.measurements(url, gpu_key, family, problem_key)
     ok = df[df["status"] == "ok"]
     failed = df[df["status"] != "ok"]
@@ -152,27 +161,29 @@ def page_explore(url: str, summ: pd.DataFrame) -> None:
     else:
         cols = st.columns(2)
         for i, p in enumerate(params):
-            fig = px.box(ok, x=p, y="tflops", points="all", hover_data=["params_key", "median_ms"],
-                         labels={p: p.removeprefix("p_"), "tflops": "TFLOP/s"}, title=p.removeprefix("p_"))
+            shown = ok.assign(**{p: ok[p].map(plotly), "params_key": ok["params_key"].map(plotly)})
+            fig = px.box(shown, x=p, y="tflops", points="all", hover_data=["params_key", "median_ms"],
+                         labels={p: plotly(p.removeprefix("p_")), "tflops": "TFLOP/s"},
+                         title=plotly(p.removeprefix("p_")))
             fig.update_xaxes(type="category", categoryorder="category ascending")
             fig.update_layout(height=320, margin=dict(l=10, r=10, t=40, b=10))
             cols[i % 2].plotly_chart(fig, key=f"param_{p}")
 
     st.subheader("Optuna: optimization history and parameter importances")
     if not data.optuna_storage_has(url, name):
-        st.info(f"No Optuna study named `{name}` in this database (replayed or imported data).")
+        st.info(f"No Optuna study named {md(name)} in this database (replayed or imported data).")
     else:
         try:
             history, importance, why = data.optuna_figures(url, name)
         except Exception as e:  # an Optuna storage from another Optuna version, say
-            st.warning(f"Optuna could not load the study: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            st.warning(f"Optuna could not load the study: {md(str(e).splitlines()[0] if str(e) else type(e).__name__)}")
         else:
             c1, c2 = st.columns(2)
             c1.plotly_chart(history, key="optuna_history")
             if importance is not None:
                 c2.plotly_chart(importance, key="optuna_importance")
             else:
-                c2.info(f"Parameter importances unavailable: {why}")
+                c2.info(f"Parameter importances unavailable: {md(why)}")
 
     st.subheader("Failed trials")
     if failed.empty:
@@ -203,7 +214,8 @@ def page_compare(url: str, summ: pd.DataFrame) -> None:
     if long.empty:
         st.info("Nothing tuned matches the filters yet: run `tuner search --gpu auto` (it measures the SDPA peers too).")
         return
-    fig = px.bar(long, x="problem", y="TFLOP/s", color="kernel", barmode="group", facet_row="GPU"
+    shown = long.assign(**{c: long[c].map(plotly) for c in ("GPU", "problem", "kernel")})
+    fig = px.bar(shown, x="problem", y="TFLOP/s", color="kernel", barmode="group", facet_row="GPU"
                  if long["GPU"].nunique() > 1 else None, title="Tuned best vs each SDPA backend")
     st.plotly_chart(fig, key="compare_bars")
     st.dataframe(long.pivot_table(index=["GPU", "problem"], columns="kernel", values="TFLOP/s").reset_index(),
@@ -216,11 +228,13 @@ def page_compare(url: str, summ: pd.DataFrame) -> None:
     problems = {p.key: p for p in _problems(summ, gpu_key)}
     pts["dtype"] = [problems[k].dtype for k in pts["problem"]]
     pts["FLOP/byte"] = [problems[k].flops() / problems[k].bytes_moved() for k in pts["problem"]]
-    fig = px.scatter(pts, x="FLOP/byte", y="TFLOP/s", color="kernel", symbol="dtype", hover_data=["problem"],
-                     log_x=True, log_y=True, title=f"Achieved TFLOP/s vs arithmetic intensity on {names[gpu_key]}")
+    shown = pts.assign(**{c: pts[c].map(plotly) for c in ("kernel", "problem")})
+    fig = px.scatter(shown, x="FLOP/byte", y="TFLOP/s", color="kernel", symbol="dtype", hover_data=["problem"],
+                     log_x=True, log_y=True,
+                     title=f"Achieved TFLOP/s vs arithmetic intensity on {plotly(names[gpu_key])}")
     c = ceilings_for(names[gpu_key])
     if c is None:
-        st.info(f"Ceilings unknown for {names[gpu_key]}: only the measured points are shown.")
+        st.info(f"Ceilings unknown for {md(names[gpu_key])}: only the measured points are shown.")
     else:
         lo, hi = max(pts["FLOP/byte"].min() / 10, 0.1), pts["FLOP/byte"].max() * 10
         ai = np.geomspace(lo, hi, 200)
@@ -260,14 +274,14 @@ def page_lookup(url: str, summ: pd.DataFrame) -> None:
         st.dataframe(frame, hide_index=True, key="lookup_db_table")
     path, file_doc, error = data.lookup_file()
     st.subheader("The exported file")
-    st.caption(f"`{path}` (TUNER_LOOKUP overrides)")
+    st.caption(f"{md(path)} (TUNER_LOOKUP overrides)")
     if error:
-        st.error(f"The lookup file cannot be used: {error}")
+        st.error(f"The lookup file cannot be used: {md(error)}")
     elif file_doc is None:
-        st.info(f"No lookup file at {path} yet: run `tuner export -o {path}` (a search writes one too).")
-    else:
-        st.markdown(f"version {file_doc['version']}, generated {file_doc.get('generated_at', '?')}, "
-                    f"{len(file_doc['entries'])} entries")
+        st.info(f"No lookup file at {md(path)} yet: run {md(f'tuner export -o {path}')} (a search writes one too).")
+    else:  # plain text: generated_at is whatever the file says
+        st.text(f"version {file_doc['version']}, generated {file_doc.get('generated_at', '?')}, "
+                f"{len(file_doc['entries'])} entries")
         st.dataframe(_lookup_frame(file_doc), hide_index=True, key="lookup_file_table")
 
 
@@ -280,12 +294,12 @@ def main() -> None:
     summ = data.summaries(url)
     if summ.empty:
         _stop_with(data.DbState(url, "the database holds no measurements yet",
-                                f"run `{data.SEARCH_HINT}` (with `--db {data.redact(url)}`) to fill it"))
+                                f"run `{data.SEARCH_HINT}` (with `--db {masked(url)}`) to fill it"))
     summ = summ.assign(mask=np.where(summ["causal"].astype(bool), "causal", "full"))
     st.sidebar.title("flashtune")
     page = st.sidebar.radio("page", PAGES, key="page")
     filtered = _sidebar_filters(summ)
-    st.sidebar.caption(f"database: `{data.redact(url)}`; refreshed every {data.TTL_S} s")
+    st.sidebar.caption(f"database: {md(masked(url))}; refreshed every {data.TTL_S} s")
     if filtered.empty:
         st.header(page)
         st.info("Nothing matches the filters.")
@@ -294,4 +308,5 @@ def main() -> None:
      "Lookup": page_lookup}[page](url, filtered)
 
 
-main()
+if __name__ == "__main__":  # streamlit runs the script as __main__; a multiprocessing child that re-runs
+    main()                  # the parent's main module (as __mp_main__) must not draw the page again

@@ -1,6 +1,7 @@
 """The dashboard's data access: which database, whether it is usable, and cached loaders.
 
-Everything goes through `tuner.db.queries` (the module the CLI uses) on a read-only engine.
+Everything goes through `tuner.db.queries` (the module the CLI uses) on a read-only engine
+(tuner.db.engine.open_readonly): the dashboard never creates, migrates or writes a database.
 Loaders are wrapped in `st.cache_data` with a TTL so a rerun (every widget click) costs nothing
 while a search that is still writing shows up within a minute.
 """
@@ -18,11 +19,11 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 from sqlalchemy import Engine
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.db import queries
-from tuner.db.engine import SCHEMA_VERSION, DatabaseError, default_url, make_engine, session_factory
+from tuner.db.engine import (SCHEMA_VERSION, DatabaseError, default_url, masked, open_readonly,
+                             readonly_sqlite_kwargs, session_factory, sqlite_path)
 from tuner.export import build_lookup, default_lookup_path, read_lookup
 
 TTL_S = 60
@@ -40,13 +41,6 @@ def resolve_url(argv: list[str] | None = None) -> str:
     return known.db or os.environ.get("TUNER_DB") or default_url()
 
 
-def redact(url: str) -> str:
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return url
-
-
 @dataclass(frozen=True)
 class DbState:
     """Why the database cannot be shown (`problem` set, with `hint` saying what to run), or None."""
@@ -54,16 +48,6 @@ class DbState:
     url: str
     problem: str | None = None
     hint: str | None = None
-
-
-def _sqlite_path(url: str) -> Path | None:
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite":
-        return None
-    db = parsed.database
-    if not db or db == ":memory:" or db.startswith("file:"):
-        return None
-    return Path(db).expanduser()
 
 
 def _inspect_sqlite(path: Path) -> tuple[set[str], int | None]:
@@ -83,9 +67,9 @@ def _inspect_sqlite(path: Path) -> tuple[set[str], int | None]:
 def check_db(url: str) -> DbState:
     """Decide, before opening it through make_engine (which would create tables), if `url` is usable."""
     try:
-        path = _sqlite_path(url)
-    except ArgumentError:
-        return DbState(url, f"malformed database URL {url!r}", "pass e.g. `--db sqlite:////path/to/flashtune.db`")
+        path = sqlite_path(url)
+    except ValueError:
+        return DbState(url, f"malformed database URL {masked(url)!r}", "pass e.g. `--db sqlite:////path/to/flashtune.db`")
     if path is not None:
         if not path.exists():
             return DbState(url, f"no database yet at {path}", f"run `{SEARCH_HINT}` to create and fill it")
@@ -103,13 +87,12 @@ def check_db(url: str) -> DbState:
                 "upgrade flashtune (`pip install -U flashtune`) to browse it",
             )
         if version is None or version < SCHEMA_VERSION:
-            # make_engine would migrate it in place; the dashboard only reads, so it says so instead.
+            # the dashboard only reads: it says how to upgrade instead of migrating in place
             return DbState(
                 url,
                 f"{path}: schema version {version or 'unknown'} was written by an older flashtune "
                 f"(this one reads {SCHEMA_VERSION})",
-                f"upgrade it in place by opening it once with a tuner command, e.g. "
-                f"`tuner export --db {redact(url)} -o best.json`, then reload this page",
+                f"upgrade it in place with `tuner migrate --db {masked(url)}`, then reload this page",
             )
     try:
         engine(url)
@@ -124,7 +107,7 @@ def check_db(url: str) -> DbState:
 @st.cache_resource(show_spinner=False)
 def engine(url: str) -> Engine:
     """One read-only engine per URL for the server's lifetime (a pool, not a connection per rerun)."""
-    return make_engine(url, readonly=True)
+    return open_readonly(url)
 
 
 def _session(url: str):
@@ -194,7 +177,7 @@ def lookup_file() -> tuple[Path, dict[str, Any] | None, str | None]:
 
 def optuna_storage_has(url: str, study_name: str) -> bool:
     """True if Optuna's tables hold `study_name`; checked first so load_study never creates tables."""
-    path = _sqlite_path(url)
+    path = sqlite_path(url)
     try:
         if path is not None:
             conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=10)
@@ -221,7 +204,11 @@ def optuna_figures(url: str, study_name: str) -> tuple[Any, Any, str | None]:
     from optuna.visualization import plot_optimization_history, plot_param_importances
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.load_study(study_name=study_name, storage=url)
+    path = sqlite_path(url)  # read-only: no table creation, no version stamp, no journal-mode change
+    storage = optuna.storages.RDBStorage("sqlite://" if path else url, skip_table_creation=True,
+                                         skip_compatibility_check=True,
+                                         engine_kwargs=readonly_sqlite_kwargs(path) if path else {})
+    study = optuna.load_study(study_name=study_name, storage=storage)
     history = plot_optimization_history(study)
     try:  # PED-ANOVA needs no scikit-learn (fANOVA, Optuna's default, does)
         importance = plot_param_importances(study, evaluator=PedAnovaImportanceEvaluator())

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import re
+import sqlite3
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
-from platformdirs import user_data_dir
+from platformdirs import user_cache_dir, user_data_dir
 from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.exc import DatabaseError as SQLDatabaseError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import QueuePool
 
 
 # ft_meta.schema_version of a database at HEAD_REVISION. Alembic (db/migrations, version table
@@ -25,8 +32,59 @@ MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 APP_NAME = "flashtune"
 
 
+LOCK_NOTICE_S = 1.5  # a lock held longer than this is named on stderr: the user sees what blocks
+# The Python package that provides each DB-API driver SQLAlchemy may ask for.
+DRIVER_PACKAGES = {
+    "psycopg2": "psycopg2-binary (or use postgresql+psycopg:// with pip install 'psycopg[binary]')",
+    "psycopg": "'psycopg[binary]'", "asyncpg": "asyncpg", "pg8000": "pg8000",
+    "mysqldb": "mysqlclient (or use mysql+pymysql:// with pip install pymysql)", "pymysql": "pymysql",
+    "mysqlconnector": "mysql-connector-python", "oracledb": "oracledb", "pyodbc": "pyodbc",
+}
+
+
 class DatabaseError(RuntimeError):
     """The database cannot be created, opened, or was written by a newer flashtune."""
+
+
+def masked(url: str) -> str:
+    """A database URL as it may be shown: the password hidden (text that does not parse as a URL
+    still has any `user:secret@` masked)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return re.sub(r"([^:/@\s]+):[^@\s]*@", r"\1:***@", url)
+
+
+def _parse(url: str) -> URL:
+    try:
+        return make_url(url)
+    except ArgumentError:
+        raise ValueError(f"malformed database URL {masked(url)!r} (expected e.g. sqlite:////path/to/flashtune.db)") from None
+
+
+def _create(parsed: URL, **kwargs: Any) -> Engine:
+    """create_engine, with a missing dialect or driver said in one line that names what to install."""
+    try:
+        return create_engine(parsed, **kwargs)
+    except NoSuchModuleError:
+        raise ValueError(f"unusable database URL {parsed.render_as_string(hide_password=True)!r}: "
+                         f"SQLAlchemy knows no database {parsed.drivername!r}") from None
+    except ImportError as e:
+        driver = parsed.get_driver_name()
+        raise DatabaseError(f"the database URL {parsed.render_as_string(hide_password=True)} needs the {driver} driver, "
+                            f"which is not installed: pip install {DRIVER_PACKAGES.get(driver, e.name or driver)}") from None
+
+
+def _in_memory(url: URL) -> bool:
+    db = url.database or ""
+    return url.get_backend_name() == "sqlite" and (db in ("", ":memory:") or "mode=memory" in db
+                                                  or url.query.get("mode") == "memory" or db.startswith("file::memory:"))
+
+
+def _refuse_in_memory(url: URL) -> None:
+    if _in_memory(url):
+        raise DatabaseError(f"{url.render_as_string(hide_password=True)} is an in-memory database, which keeps "
+                            f"nothing between processes: pass a file, e.g. sqlite:////path/to/flashtune.db")
 
 
 def default_url() -> str:
@@ -47,6 +105,12 @@ def _sqlite_file(url: URL) -> Path | None:
     if not db or db == ":memory:" or db.startswith("file:"):
         return None
     return Path(db).expanduser()
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL (None for other backends, memory and `file:` URIs)."""
+    parsed = _parse(url)
+    return _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
 
 
 def _sqlite_transactions(engine: Engine, pragmas: tuple[str, ...], immediate: Callable[[], bool]) -> None:
@@ -87,36 +151,89 @@ def serialize_sqlite_writers(engine: Engine) -> None:
     engine.dispose()
 
 
-def sqlite_init_lock(url: str):
-    """An inter-process lock for one SQLite file's first-time setup: our own (WAL, migrations) and a
-    library's that does not serialize it itself (Optuna creates its tables and stamps its version
-    check-then-act). A file lock in the temp dir, keyed by the database path; a no-op for other
-    backends and on Windows. Not re-entrant: make no engine while holding it."""
-    import contextlib
-    import hashlib
+def lock_dir() -> Path:
+    """Where our lock files live: a per-user folder only its owner may write (0700), never a shared
+    temp dir where another user could create, hold or own the lock first. The user's cache dir;
+    where that cannot be made (no writable home), a folder named for the uid in the temp dir,
+    refused if someone else made it first."""
+    import stat
     import tempfile
 
+    first = Path(user_cache_dir(APP_NAME)) / "locks"
+    for folder in (first, Path(tempfile.gettempdir()) / f"flashtune-locks-{os.getuid()}"):
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = folder.lstat()
+        except OSError as e:
+            error = f"cannot use the lock directory {folder}: {e.strerror or e}"
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise DatabaseError(f"the lock directory {folder} belongs to another user (uid {st.st_uid}) "
+                                f"or is not a directory; remove it")
+        if st.st_mode & 0o077:
+            folder.chmod(0o700)
+        return folder
+    raise DatabaseError(error)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, what: str) -> Iterator[None]:
+    """An exclusive flock on `path`, removed again when released.
+
+    Removing a lock file is safe because a waiter checks, once it holds the lock, that the file
+    it locked is still the one at `path` (the holder before it may have unlinked it), else retries.
+    """
+    import fcntl
+
+    start, told = time.monotonic(), False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not told and time.monotonic() - start > LOCK_NOTICE_S:
+                        print(f"waiting for another flashtune process to finish {what} (lock {path})",
+                              file=sys.stderr, flush=True)
+                        told = True
+                    time.sleep(0.05)
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:
+                current = None
+            if current is not None and os.path.samestat(os.fstat(fd), current):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # we locked a file its holder removed: lock the one at `path` now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # while still holding it: a waiter on this file sees it gone and retries
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def sqlite_init_lock(url: str) -> contextlib.AbstractContextManager[None]:
+    """An inter-process lock for one SQLite file's first-time setup: our own (WAL, migrations) and a
+    library's that does not serialize it itself (Optuna creates its tables and stamps its version
+    check-then-act). One lock file per database in the per-user lock_dir(), keyed by the database
+    path and removed when released; a no-op for other backends and on Windows. Not re-entrant:
+    make no engine while holding it."""
     try:
         parsed = make_url(url)
         path = _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
-        import fcntl
+        import fcntl  # noqa: F401
     except (ArgumentError, ImportError):
         path = None
     if path is None:
         return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _locked():
-        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-        lock = Path(tempfile.gettempdir()) / f"flashtune-{digest}.lock"
-        with open(lock, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
-    return _locked()
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    return _file_lock(lock_dir() / f"{digest}.lock", f"setting up the database {path}")
 
 
 def _alembic_config(conn: Connection):
@@ -145,43 +262,51 @@ def migrate(engine: Engine) -> str:
     where = engine.url.render_as_string(hide_password=True)
     with engine.begin() as conn:
         tables, revs, version = _schema_state(conn)
-        if version is not None and version > SCHEMA_VERSION:
-            raise DatabaseError(f"{where}: schema version {version} was written by a newer flashtune "
-                                f"(this one knows {SCHEMA_VERSION}); upgrade flashtune to open it")
+        newer = _newer_than_this(conn, revs, version)
+        if newer:
+            raise DatabaseError(f"{where}: {newer}; upgrade flashtune to open it")
         if revs == [HEAD_REVISION]:
             return "current"
         from alembic import command
-        from alembic.script import ScriptDirectory
-        from alembic.util import CommandError
 
         cfg = _alembic_config(conn)
-        script = ScriptDirectory.from_config(cfg)
-        for r in revs:
-            try:
-                known = script.get_revision(r) is not None
-            except CommandError:
-                known = False
-            if not known:
-                raise DatabaseError(f"{where}: schema revision {r!r} was written by a newer flashtune "
-                                    f"(this one knows up to {HEAD_REVISION}); upgrade flashtune to open it")
         if not revs and "ft_measurements" in tables:
             command.stamp(cfg, "0001")
         command.upgrade(cfg, "head")
         return "created" if "ft_measurements" not in tables else "upgraded"
 
 
-def make_engine(url: str | None = None, *, readonly: bool = False) -> Engine:
-    """Open (and create if needed) the results database.
+def _newer_than_this(conn: Connection, revs: list[str], version: int | None) -> str | None:
+    """Why the database was written by a newer flashtune (its version, or a revision this one does
+    not know), or None."""
+    if version is not None and version > SCHEMA_VERSION:
+        return f"schema version {version} was written by a newer flashtune (this one knows {SCHEMA_VERSION})"
+    if not revs or revs == [HEAD_REVISION]:
+        return None
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
 
-    `readonly=True` (the dashboard) starts plain deferred transactions so long-lived readers never
-    hold SQLite's write lock; writers keep the default.
+    script = ScriptDirectory.from_config(_alembic_config(conn))
+    for r in revs:
+        try:
+            known = script.get_revision(r) is not None
+        except CommandError:
+            known = False
+        if not known:
+            return f"schema revision {r!r} was written by a newer flashtune (this one knows up to {HEAD_REVISION})"
+    return None
+
+
+def make_engine(url: str | None = None, *, readonly: bool = False) -> Engine:
+    """Open (and create if needed) the results database, for a command that writes to it.
+
+    `readonly=True` starts plain deferred transactions so long-lived readers never hold SQLite's
+    write lock; writers keep the default. Commands that only read use open_readonly instead,
+    which never creates, migrates or changes a database.
     """
     text = url or default_url()
-    try:
-        parsed = make_url(text)
-    except ArgumentError:
-        raise ValueError(f"malformed database URL {text!r} (expected e.g. sqlite:////path/to/flashtune.db)") from None
-
+    parsed = _parse(text)
+    _refuse_in_memory(parsed)
     is_sqlite = parsed.get_backend_name() == "sqlite"
     kwargs: dict[str, Any] = {}
     path: Path | None = None
@@ -189,16 +314,14 @@ def make_engine(url: str | None = None, *, readonly: bool = False) -> Engine:
         kwargs["connect_args"] = {"timeout": 60}
         path = _sqlite_file(parsed)
         if path is not None:
+            _check_writable(path)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise DatabaseError(
                     f"cannot create the database directory {path.parent}: {e.strerror or e}"
                 ) from None
-    try:
-        engine = create_engine(parsed, **kwargs)
-    except (NoSuchModuleError, ArgumentError) as e:
-        raise ValueError(f"unusable database URL {text!r}: {e}") from None
+    engine = _create(parsed, **kwargs)
     mode = {"immediate": True}  # schema setup always writes, even for a read-only engine
     if is_sqlite:
         _install_sqlite_pragmas(engine, mode)
@@ -216,33 +339,69 @@ def make_engine(url: str | None = None, *, readonly: bool = False) -> Engine:
     return engine
 
 
-def open_recorded(url: str) -> Engine:
-    """A database that must not change (a replay fixture, someone else's results): a SQLite file
-    is opened through SQLite's read-only mode, with no pragmas and no migrations, and must already
-    be at this schema version. Other backends go through make_engine."""
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        raise ValueError(f"malformed database URL {url!r}") from None
-    path = _sqlite_file(parsed) if parsed.get_backend_name() == "sqlite" else None
-    if path is None:
-        return make_engine(url, readonly=True)
-    if not path.is_file():
-        raise DatabaseError(f"no database at {path}")
-    engine = create_engine(f"sqlite:///file:{path.resolve()}?mode=ro&uri=true")
+def _check_writable(path: Path) -> None:
+    """A writer needs the file and its folder (SQLite's journal and WAL files live beside it)."""
+    if path.is_dir():
+        raise DatabaseError(f"cannot open the database {path}: it is a directory")
+    if not path.exists():
+        if path.parent.is_dir() and not os.access(path.parent, os.W_OK):
+            raise DatabaseError(f"cannot create the database {path}: its folder is not writable")
+        return
+    if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+        raise DatabaseError(f"the database {path} is read-only here and this command stores results in it: pass a "
+                            f"writable --db (reading commands such as `tuner export` open it read-only)")
+
+
+def require_existing(url: str) -> None:
+    """Refuse a SQLite file that is not there: commands that must not create one say so."""
+    _refuse_in_memory(_parse(url))
+    path = sqlite_path(url)
+    if path is not None and path.is_dir():
+        raise DatabaseError(f"cannot open the database {path}: it is a directory")
+    if path is not None and not path.is_file():
+        raise DatabaseError(f"no database at {path} (reading commands never create one; "
+                            f"`tuner search --db sqlite:///{path}` does)")
+
+
+def readonly_sqlite_kwargs(path: Path) -> dict[str, Any]:
+    """create_engine("sqlite://", **these) opens `path` through SQLite's read-only mode (a file
+    URI, so any character in the path is fine); Optuna's RDBStorage takes them as engine_kwargs."""
+    uri = f"{path.resolve().as_uri()}?mode=ro"
+    return {"poolclass": QueuePool,
+            "creator": lambda: sqlite3.connect(uri, uri=True, timeout=60, check_same_thread=False)}
+
+
+def open_readonly(url: str | None = None) -> Engine:
+    """A database only to be read (export, the dashboard, a replay recording): never created,
+    migrated or written. A SQLite file is opened through SQLite's read-only mode with no pragmas,
+    so its journal mode and bytes stay as they were; it must exist and be at this schema version."""
+    text = url or default_url()
+    require_existing(text)
+    parsed = _parse(text)
+    path = sqlite_path(text)
+    where = str(path) if path is not None else parsed.render_as_string(hide_password=True)
+    if path is not None:
+        engine = create_engine("sqlite://", **readonly_sqlite_kwargs(path))
+    else:
+        engine = _create(parsed)
     try:
         with engine.connect() as conn:
-            tables, _, version = _schema_state(conn)
+            tables, revs, version = _schema_state(conn)
+            newer = _newer_than_this(conn, revs, version)
     except SQLDatabaseError as e:
         engine.dispose()
-        raise DatabaseError(f"cannot open the database {path}: {e.orig}") from None
+        raise DatabaseError(f"cannot open the database {where}: {e.orig}") from None
+    problem = None
     if "ft_measurements" not in tables:
+        problem = f"{where} is not a flashtune results database"
+    elif newer:
+        problem = f"{where}: {newer}; upgrade flashtune to open it"
+    elif version != SCHEMA_VERSION or revs not in ([HEAD_REVISION], []):
+        problem = (f"{where} has schema version {version}, this flashtune reads {SCHEMA_VERSION}: "
+                   f"upgrade it in place with `tuner migrate --db {parsed.render_as_string(hide_password=True)}`")
+    if problem:
         engine.dispose()
-        raise DatabaseError(f"{path} is not a flashtune results database")
-    if version != SCHEMA_VERSION:
-        engine.dispose()
-        raise DatabaseError(f"{path} has schema version {version}, this flashtune reads {SCHEMA_VERSION}: "
-                            f"open a copy once with `tuner export --db sqlite:///COPY -o best.json` to upgrade it")
+        raise DatabaseError(problem)
     return engine
 
 

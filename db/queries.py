@@ -331,6 +331,18 @@ def list_gpus(s: Session) -> list[GpuInfo]:
     ]
 
 
+def measured_families(s: Session, gpu_key: str, problem_key: str) -> set[str]:
+    """The kernel families (and SDPA peers) with any measurement of one problem on one GPU."""
+    q = (
+        select(ConfigRow.family).distinct()
+        .join(MeasurementRow, MeasurementRow.config_id == ConfigRow.id)
+        .join(GpuRow, MeasurementRow.gpu_id == GpuRow.id)
+        .join(ProblemRow, MeasurementRow.problem_id == ProblemRow.id)
+        .where(GpuRow.key == gpu_key, ProblemRow.key == problem_key)
+    )
+    return set(s.scalars(q))
+
+
 def list_problems(s: Session, gpu_key: str | None = None) -> list[Problem]:
     """All known problems, or those measured on one GPU."""
     q = select(ProblemRow).order_by(ProblemRow.key)

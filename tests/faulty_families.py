@@ -80,8 +80,7 @@ class FaultyFamily(KernelFamily):
                       block=(self.block, 1, 1), smem_bytes=0)
 
     def render(self, params: dict, problem: Problem) -> str:
-        defs = "".join(f"#define {k} {v}\n" for k, v in sorted(self.defines(params, problem).items()))
-        return f"// {self.name} {params}\n{defs}" + _SIGNATURE.format(name=self.kernel_name, body=_BODIES[self.name])
+        return f"// {self.name} {params}\n{self.define_lines(params, problem)}" + _SIGNATURE.format(name=self.kernel_name, body=_BODIES[self.name])
 
 
 FAMILIES = [FaultyFamily(n) for n in _BODIES]

@@ -123,8 +123,8 @@ def test_malformed_shape(cli, shape, words):
 
 def test_bad_dtype(cli):
     out = cli("search", "--dtype", "int8", "--shape", "1,2,128,64")
-    one_line_error(out, "--dtype must be one of fp32, fp16, bf16, fp8", "'int8'")
-    assert out.code == 2
+    one_line_error(out, "--dtype", "'int8' is not one of 'fp32', 'fp16', 'bf16', 'fp8'")
+    assert out.code == 2 and out.stdout == ""  # refused before the header or a progress bar
 
 
 def test_fp8_search_without_gpu(cli, tmp_path):
@@ -144,8 +144,8 @@ def test_fp8_help_and_a_family_that_takes_no_fp8(cli, replay_url):
 
 def test_unknown_family(cli):
     out = cli("search", "--family", "flash_fwd_tma", "--shape", "1,2,128,64")
-    one_line_error(out, "unknown kernel family 'flash_fwd_tma'", "flash_fwd_simt")
-    assert out.code == 2
+    one_line_error(out, "--family", "'flash_fwd_tma' is not one of", "flash_fwd_simt")
+    assert out.code == 2 and out.stdout == ""
 
 
 def test_unsupported_head_dim_with_replay(cli, replay_url):
@@ -163,7 +163,7 @@ def test_unwritable_db_search(cli, replay_url, tmp_path):
 
 def test_unwritable_db_export(cli, tmp_path):
     out = cli("export", "-o", str(tmp_path / "x.json"), "--db", "sqlite:////proc/nope/x.db")
-    one_line_error(out, "cannot create the database directory /proc/nope")
+    one_line_error(out, "no database at /proc/nope/x.db", "never create")
     assert out.code == 2
 
 
@@ -193,6 +193,7 @@ def test_replay_db_missing_or_without_measurements(cli, tmp_path):
 
 
 def test_export_empty_db_warns(cli, tmp_path):
+    make_engine(f"sqlite:///{tmp_path / 'fresh.db'}").dispose()
     out = cli("export", "-o", str(tmp_path / "x.json"), "--db", f"sqlite:///{tmp_path / 'fresh.db'}")
     assert out.code == 0 and "no tuned configs yet" in out.stderr and "0 entries" in out.stdout
 
@@ -200,3 +201,101 @@ def test_export_empty_db_warns(cli, tmp_path):
 def test_usage_error_is_not_a_traceback(cli):
     out = cli("search", "--trials", "0")
     assert out.code == 2 and "Traceback" not in out.text and "--trials" in out.stderr
+
+
+def test_version(cli):
+    from importlib.metadata import version
+
+    out = cli("--version")
+    assert out.code == 0 and out.stdout.strip() == f"flashtune {version('flashtune')}"
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--sampler", "annealing"), ("--sampler", "'annealing' is not one of 'tpe', 'random', 'grid'")),
+    (("--dtype", "fp64"), ("--dtype", "'fp64'")),
+    (("--family", "flash_fwd_tma"), ("--family", "'flash_fwd_tma'")),
+], ids=["sampler", "dtype", "family"])
+def test_choices_are_refused_before_any_output(cli, replay_url, tmp_path, args, words):
+    out = cli("search", "--replay", replay_url, "--shape", "2,4,512,64,causal", "--no-peers", *args,
+              "--db", f"sqlite:///{tmp_path / 'r.db'}")
+    one_line_error(out, *words)
+    assert out.code == 2 and out.stdout == "" and not (tmp_path / "r.db").exists()
+    assert "tpe" in cli("search", "--help").stdout  # the choices are listed in --help
+
+
+def test_replay_of_a_problem_the_recording_lacks(cli, replay_url, tmp_path):
+    out = cli("search", "--replay", replay_url, "--shape", "2,4,512,64", "--no-peers", "--trials", "50",
+              "--db", f"sqlite:///{tmp_path / 'r.db'}")
+    one_line_error(out, "has no measurements of B2-H4-N512-D64-fp32-full", "it has B2-H4-N512-D64-fp32-causal")
+    assert out.code == 2 and out.stdout == ""
+    assert not (tmp_path / "r.db").exists()  # no study, no FAIL trials, no empty table
+
+
+@pytest.mark.parametrize("url,words", [
+    ("postgresql://bob:hunter2@localhost/ft", ("bob:***@localhost", "pip install")),
+    ("mysql://bob:hunter2@localhost/ft", ("bob:***@localhost", "pip install")),
+    ("sqlite://", ("in-memory database",)),
+    ("sqlite:///:memory:", ("in-memory database",)),
+], ids=["postgresql", "mysql", "memory", "memory-named"])
+@pytest.mark.parametrize("command", ["search", "export", "migrate"])
+def test_unusable_database_url_is_one_line_without_the_password(cli, replay_url, tmp_path, url, words, command):
+    if url.startswith(("postgresql", "mysql")):
+        import importlib.util
+
+        from sqlalchemy.engine import make_url
+
+        driver = make_url(url).get_dialect().driver
+        if importlib.util.find_spec({"mysqldb": "MySQLdb"}.get(driver, driver)) is not None:
+            pytest.skip(f"the {driver} driver is installed here")
+    args = {"search": ("search", "--replay", replay_url, "--shape", "2,4,512,64,causal", "--no-peers", "--db", url),
+            "export": ("export", "-o", str(tmp_path / "x.json"), "--db", url),
+            "migrate": ("migrate", "--db", url)}[command]
+    out = cli(*args)
+    one_line_error(out, *words)
+    assert out.code == 2 and "hunter2" not in out.text and not (tmp_path / "x.json").exists()
+
+
+def test_a_read_only_database_is_one_line_for_search(cli, replay_url, tmp_path):
+    import shutil
+
+    db = tmp_path / "ro.db"
+    shutil.copy(replay_url.removeprefix("sqlite:///"), db)
+    before = db.read_bytes()
+    out = cli("search", "--replay", replay_url, "--shape", "2,4,512,64,causal", "--no-peers",
+              "--db", f"sqlite:///file:{db}?mode=ro&uri=true")
+    one_line_error(out, "cannot open the database", "readonly")
+    assert db.read_bytes() == before
+
+
+def test_usage_errors_are_one_line_without_click_installed(tmp_path):
+    """typer >= 0.20 vendors click; the error handler must not need the real one."""
+    code = ("import sys; sys.modules['click'] = None\n"
+            "from tuner.cli import main; sys.argv = ['tuner', 'search', '--trials', '0']; main()")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="", NO_COLOR="1"))
+    out = Out(p.returncode, p.stdout, p.stderr)
+    one_line_error(out, "--trials")
+    assert out.code == 2
+
+
+def test_migrate_upgrades_an_existing_database_and_creates_none(cli, tmp_path):
+    out = cli("migrate", "--db", f"sqlite:///{tmp_path / 'none.db'}")
+    one_line_error(out, "no database at")
+    assert not (tmp_path / "none.db").exists()
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from tuner.db.engine import _alembic_config
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = create_engine(url)
+    with engine.begin() as conn:  # the schema an older flashtune left
+        command.upgrade(_alembic_config(conn), "0002")
+    engine.dispose()
+    before = (tmp_path / "old.db").read_bytes()
+    out = cli("export", "-o", str(tmp_path / "x.json"), "--db", url)
+    assert (tmp_path / "old.db").read_bytes() == before
+    one_line_error(out, "schema version 2", "tuner migrate --db")
+    out = cli("migrate", "--db", url)
+    assert out.code == 0, out.stderr
+    assert cli("export", "-o", str(tmp_path / "x.json"), "--db", url).code == 0

@@ -20,6 +20,7 @@ pytest.importorskip("plotly")
 from sqlalchemy import insert  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
+from tuner.dashboard.plain import unmd  # noqa: E402
 from tuner.db import make_engine, queries, session_factory  # noqa: E402
 from tuner.db.models import MeasurementRow, utcnow  # noqa: E402
 from tuner.gpu import H100_SXM  # noqa: E402
@@ -31,7 +32,8 @@ APP = str(ROOT / "dashboard" / "app.py")
 FIXTURE = ROOT / "tests" / "fixtures" / "h100_simt.db"
 GPU_KEY = "NVIDIA-H100-80GB-HBM3/sm_90"
 PROBLEM = "B2-H4-N512-D64-fp32-causal"
-STUDY = f"{GPU_KEY}|flash_fwd_simt|{PROBLEM}"
+STUDY = f"{GPU_KEY}|flash_fwd_simt|{PROBLEM}"  # as the study picker shows it
+STUDY_PARTS = (GPU_KEY, "flash_fwd_simt", PROBLEM)
 EXTRA = Problem(4, 8, 1024, 1024, 128, "bf16", False)
 
 
@@ -100,8 +102,14 @@ def _metric(at: AppTest, label: str) -> str:
 
 
 def _texts(at: AppTest) -> str:
-    parts = [e.value for kind in ("warning", "info", "error", "markdown", "caption") for e in getattr(at, kind)]
-    return "\n".join(str(p) for p in parts)
+    """The page's Markdown as it reads once rendered (untrusted text in it is escaped)."""
+    parts = [e.value for kind in ("warning", "info", "error", "markdown", "caption", "text") for e in getattr(at, kind)]
+    return "\n".join(unmd(str(p)) for p in parts)
+
+
+def _best_table(at: AppTest):
+    """The overview's best-config table as it reads once rendered (st.table renders Markdown)."""
+    return at.table[0].value.map(lambda v: unmd(v) if isinstance(v, str) else v)
 
 
 # ---- pages on the fixture ----
@@ -109,7 +117,7 @@ def _texts(at: AppTest) -> str:
 def test_overview_shows_best_config_counts_and_peers(db_url: str) -> None:
     facts = _fixture_facts(db_url)
     at = _app()
-    best = at.table[0].value
+    best = _best_table(at)
     row = best[best["problem"] == PROBLEM].iloc[0]
     assert json.loads(row["params"]) == facts["best"].params
     assert row["TFLOP/s"] == f"{facts['best'].tflops:.2f}"
@@ -126,7 +134,7 @@ def test_overview_shows_best_config_counts_and_peers(db_url: str) -> None:
 def test_explore_plots_each_param_optuna_and_failures(db_url: str) -> None:
     facts = _fixture_facts(db_url)
     at = _app("Explore a study")
-    assert at.selectbox(key="study").value == STUDY
+    assert at.selectbox(key="study").value == STUDY_PARTS
     titles = [(json.loads(c.proto.spec)["layout"].get("title") or {}).get("text") for c in at.get("plotly_chart")]
     assert {"Br", "Bc", "TM", "TN", "stages", "min_blocks"} <= set(titles), titles
     assert {"Optimization History Plot", "Hyperparameter Importances"} <= set(titles), titles
@@ -140,11 +148,11 @@ def test_explore_plots_each_param_optuna_and_failures(db_url: str) -> None:
 def test_filters_change_what_is_shown(db_url: str) -> None:
     _add_extra_problem(db_url)
     at = _app()
-    assert len(_frame(at, "problem_key", "trials")) == 2 and len(at.table[0].value) == 2
+    assert len(_frame(at, "problem_key", "trials")) == 2 and len(_best_table(at)) == 2
     at.sidebar.multiselect(key="f_dtype").set_value(["bf16"]).run()
     assert not at.exception
     assert list(_frame(at, "problem_key", "trials")["problem_key"]) == [EXTRA.key]
-    assert list(at.table[0].value["problem"]) == [EXTRA.key]
+    assert list(_best_table(at)["problem"]) == [EXTRA.key]
     at.sidebar.multiselect(key="f_dtype").set_value([]).run()
     at.sidebar.multiselect(key="f_mask").set_value(["causal"]).run()
     assert list(_frame(at, "problem_key", "trials")["problem_key"]) == [PROBLEM]
@@ -237,7 +245,7 @@ def test_older_schema_says_how_to_upgrade_and_is_left_alone(tmp_path: Path, monk
     before = Path(path).read_bytes()
     monkeypatch.setenv("TUNER_DB", url)
     at = _app()
-    assert "older flashtune" in at.warning[0].value and "tuner export --db" in _texts(at)
+    assert "older flashtune" in at.warning[0].value and "tuner migrate --db" in _texts(at)
     assert Path(path).read_bytes() == before
 
 
@@ -331,3 +339,79 @@ def test_overview_of_100k_measurements_opens_fast(tmp_path: Path, monkeypatch: p
     t0 = time.perf_counter()
     at.sidebar.radio(key="page").set_value("Compare").run()  # cached queries: a rerun is cheap
     assert not at.exception and time.perf_counter() - t0 < 10
+
+
+# ---- what a crafted database or lookup can do to the page: nothing ----
+
+EVIL = "![x](http://evil.example/x.png) [click](http://evil.example) :red[red] <b>b</b> $x^2$"
+
+
+def _markdown_sources(at: AppTest) -> list[str]:
+    kinds = ("warning", "info", "error", "markdown", "caption", "success")
+    return [str(e.value) for kind in kinds for e in getattr(at, kind)]
+
+
+def _assert_inert(source: str) -> None:
+    """No piece of EVIL's markup is left as it was: escaped, none starts a link, an image, a
+    directive, a tag or math."""
+    import re
+
+    for piece in ("](http", "![", ":red[", "<b>", "$x"):
+        assert not re.search(r"(?<!\\)" + re.escape(piece), source), source
+
+
+def test_reading_the_database_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every page over a rollback-journal database leaves it as it was: no WAL switch, no
+    migration, no Optuna tables or stamps, no side files."""
+    url = _copy_fixture(tmp_path, upgrade=False)
+    db = Path(url.removeprefix("sqlite:///"))
+    before = db.read_bytes()
+    monkeypatch.setenv("TUNER_DB", url)
+    monkeypatch.setenv("TUNER_LOOKUP", str(tmp_path / "best.json"))
+    at = _app()
+    for page in ("Explore a study", "Compare", "Lookup"):
+        at.sidebar.radio(key="page").set_value(page).run()
+        assert not at.exception, at.exception
+    assert "Optimization History Plot" in {(json.loads(c.proto.spec)["layout"].get("title") or {}).get("text")
+                                           for c in _app("Explore a study").get("plotly_chart")}
+    assert db.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.db"]
+    with sqlite3.connect(db) as c:
+        assert c.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+
+
+def test_a_crafted_lookup_shows_as_plain_text(db_url: str, tmp_path: Path) -> None:
+    from tuner.export import build_lookup, write_lookup
+
+    write_lookup({**build_lookup([_fixture_facts(db_url)["best"]]), "generated_at": EVIL}, tmp_path / "best.json")
+    at = _app("Lookup")
+    assert any(EVIL in str(t.value) for t in at.text)  # shown, as text
+    for source in _markdown_sources(at):
+        _assert_inert(source)
+
+
+def test_crafted_database_strings_show_as_plain_text(db_url: str) -> None:
+    """A GPU key holding "|" and Markdown, a family and params of Markdown: every page renders,
+    the study picker keeps the three parts apart, and nothing turns into a link or an image."""
+    key = f"Evil|GPU {EVIL}/sm_90"
+    with sqlite3.connect(db_url.removeprefix("sqlite:///")) as c:
+        c.execute("UPDATE ft_gpus SET key = ?, name = ?", (key, f"GPU {EVIL}"))
+        c.execute("UPDATE ft_configs SET params_json = ? WHERE id = (SELECT config_id FROM ft_best)",
+                  (json.dumps({"Br": EVIL}),))
+    at = _app()
+    best = _best_table(at)
+    assert list(best["GPU"]) == [key] and json.loads(best["params"].iloc[0]) == {"Br": EVIL}
+    for cell in at.table[0].value[["GPU", "params"]].to_numpy().ravel():
+        _assert_inert(cell)
+    for page in ("Explore a study", "Compare", "Lookup"):
+        at.sidebar.radio(key="page").set_value(page).run()
+        assert not at.exception, (page, at.exception)
+        for source in _markdown_sources(at):
+            _assert_inert(source)
+        if page == "Explore a study":
+            assert at.selectbox(key="study").value == (key, "flash_fwd_simt", PROBLEM)
+            assert _metric(at, "trials") == "324"
+        if page == "Compare":
+            figs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+            texts = json.dumps(figs)
+            assert "<b>" not in texts and "&lt;b&gt;" in texts  # Plotly shows the tag, not bold text

@@ -154,7 +154,12 @@ def test_export_from_db(tmp_path: Path) -> None:
         h = [e for e in doc["entries"] if e["gpu_key"] == H100_SXM.key]
         assert [(e["family"], e["params"], e["tflops"]) for e in h] == [("sdpa_flash", {}, 80.0), ("simt", {"Br": 64}, 60.0)]
         assert Problem(**h[1]["problem"]) == P1
-        assert export_from_db(s, out, gpu_key=A100_SXM.key) == 1
+        before = out.read_bytes()
+        with pytest.raises(export.LookupRefused, match="holds 2 entries the new lookup lacks.*--merge.*--force"):
+            export_from_db(s, out, gpu_key=A100_SXM.key)  # one GPU's entries would drop the H100's
+        assert out.read_bytes() == before
+        assert export_from_db(s, out, gpu_key=A100_SXM.key, policy="merge") == 3
+        assert export_from_db(s, out, gpu_key=A100_SXM.key, policy="force") == 1
         assert [e["gpu_key"] for e in read_lookup(out)["entries"]] == [A100_SXM.key]
 
 
@@ -170,3 +175,85 @@ def test_export_module_needs_no_db_or_optuna() -> None:
     code = "import sys, tuner.export; print(sorted(m for m in ('sqlalchemy', 'optuna') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_read_deeply_nested_json_is_one_line(tmp_path: Path) -> None:
+    p = _bad(tmp_path, "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="nested too deeply") as info:
+        read_lookup(p)
+    assert str(p) in str(info.value) and "\n" not in str(info.value)
+
+
+# ---- publishing over an existing file: nothing is lost, nothing that is not a lookup is replaced ----
+
+def _good(tmp_path: Path) -> tuple[Path, bytes]:
+    path = tmp_path / "best.json"
+    write_lookup(sample_doc(), path)
+    return path, path.read_bytes()
+
+
+@pytest.mark.parametrize("policy", export.POLICIES)
+@pytest.mark.parametrize("content", [
+    b"SQLite format 3\x00" + b"\x00" * 100,  # a results database
+    b'{"openapi": "3.0.0"}', b"[1, 2]", b"\xff\xfe not text", b"{truncated",
+], ids=["sqlite", "foreign-json", "json-list", "binary", "not-json"])
+def test_a_file_that_is_no_lookup_is_never_replaced(tmp_path: Path, content: bytes, policy: str) -> None:
+    path = tmp_path / "results.db"
+    path.write_bytes(content)
+    with pytest.raises(export.LookupRefused, match="refusing to overwrite it") as info:
+        export.publish_lookup(sample_doc(), path, policy)
+    assert path.read_bytes() == content and "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.db"]
+
+
+@pytest.mark.parametrize("damage", ["bad-entry", "newer"])
+def test_a_damaged_lookup_is_replaced_only_with_force(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "best.json"
+    write_lookup(sample_doc(), path)
+    text = path.read_text()
+    damaged = {"bad-entry": json.dumps({**sample_doc(), "entries": [{"gpu_key": 3}]}),
+               "newer": text.replace('"version": 1', '"version": 7')}[damage].encode()
+    path.write_bytes(damaged)
+    for policy in ("merge", "complete"):
+        with pytest.raises(export.LookupRefused, match="tuner export -o .* --force"):
+            export.publish_lookup(sample_doc(), path, policy)
+        assert path.read_bytes() == damaged
+    export.publish_lookup(sample_doc(), path, "force")
+    assert len(read_lookup(path)["entries"]) == 5
+
+
+def test_complete_refuses_a_lookup_that_serves_less(tmp_path: Path) -> None:
+    path, before = _good(tmp_path)
+    for fewer in (build_lookup([]), build_lookup([entry(P1, "wgmma", 300.0)])):
+        with pytest.raises(export.LookupRefused, match=r"holds \d+ entries the new lookup lacks .*--merge.*--force"):
+            export.publish_lookup(fewer, path, "complete")
+        assert path.read_bytes() == before
+    faster = json.loads(json.dumps(sample_doc()))
+    for e in faster["entries"]:
+        e["tflops"] += 1.0
+    export.publish_lookup(faster, path, "complete")  # at least as complete: written
+    assert read_lookup(path)["entries"] == faster["entries"]
+
+
+def test_merge_keeps_what_the_new_lookup_lacks_and_takes_its_entries(tmp_path: Path) -> None:
+    path, _ = _good(tmp_path)
+    new = build_lookup([entry(P1, "wgmma", 300.0), entry(P2, "wgmma", 90.0)])
+    doc = export.publish_lookup(new, path, "merge")
+    got = {(e["bucket"], e["family"], e["gpu_key"]): e["tflops"] for e in read_lookup(path)["entries"]}
+    assert doc["entries"] == read_lookup(path)["entries"] and len(got) == 6
+    assert got[(P1.bucket().key, "wgmma", H100_SXM.key)] == 300.0  # the new entry for its slot
+    assert got[(P2.bucket().key, "wgmma", H100_SXM.key)] == 90.0  # a new slot
+    assert got[(P1.bucket().key, "simt", A100_SXM.key)] == 10.0  # the old ones stay
+    h100_p1 = [e["family"] for e in read_lookup(path)["entries"]
+               if e["gpu_key"] == H100_SXM.key and e["bucket"] == P1.bucket().key]
+    assert h100_p1 == ["wgmma", "sdpa_flash", "simt"]  # still fastest first
+
+
+def test_an_empty_file_or_none_is_nothing_to_keep(tmp_path: Path) -> None:
+    (tmp_path / "empty.json").write_bytes(b"")
+    assert export.existing_lookup(tmp_path / "empty.json") is None
+    assert export.existing_lookup(tmp_path / "absent.json") is None
+    export.publish_lookup(build_lookup([]), tmp_path / "empty.json", "complete")
+    assert read_lookup(tmp_path / "empty.json")["entries"] == []
+    with pytest.raises(export.LookupRefused, match="is a directory"):
+        export.existing_lookup(tmp_path)

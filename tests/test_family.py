@@ -133,6 +133,17 @@ def test_value_not_in_space():
     assert reason is not None and "stages=3" in reason
 
 
+@pytest.mark.parametrize("params", [pt(Br=64.0), pt(stages=True), pt(TM="4"), pt(min_blocks=None)],
+                         ids=["float", "bool", "str", "none"])
+def test_value_of_another_type_is_not_in_space(params):
+    """1 == True and 64 == 64.0 in Python, but `#define` would render them as text: check compares
+    by type, and render refuses anything check would."""
+    reason = FAM.check(params, H100_SXM, P64)
+    assert reason is not None and "is not one of" in reason
+    with pytest.raises(ValueError, match="refusing to render"):
+        FAM.render(params, P64)
+
+
 @pytest.mark.parametrize("params", [{k: v for k, v in BASE.items() if k != "TN"}, {**BASE, "warps": 4}, {}],
                          ids=["missing", "extra", "empty"])
 def test_missing_or_extra_params(params):

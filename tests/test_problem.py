@@ -174,3 +174,32 @@ def test_error_budget_is_part_of_the_problem_and_its_bucket():
     for bad in (-1e-3, 1.0, "0.1"):
         with pytest.raises(ValueError, match="max_error"):
             Problem(2, 4, 512, 512, 64, "fp32", True, max_error=bad)
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("1,1,99999999999999999999,64", r"seqlen_q must be below 2\^31"),
+        ("1,1,2147483648,64", r"seqlen_q must be below 2\^31.*got 2147483648"),
+        ("2147483648,1,128,64", r"batch must be below 2\^31"),
+        ("1,64,33554432,64", r"batch x heads x seqlen_q = 2147483648 rows must be below 2\^31"),
+        ("1024,1024,2048,64", "batch x heads x seqlen_q"),
+    ],
+    ids=["20-digits", "n-2^31", "b-2^31", "rows-2^31", "rows-product"],
+)
+def test_sizes_the_kernels_cannot_index_are_refused(text, match):
+    """Lengths, heads and row counts are 32-bit ints in every kernel: larger ones would wrap."""
+    with pytest.raises(ValueError, match=match):
+        Problem.parse(text)
+    assert Problem.parse("1,1,2147483647,64").seqlen_q == 2**31 - 1  # the largest that fits
+    assert Problem.parse("1,32,67108863,64").seqlen_q == 67108863
+
+
+@pytest.mark.parametrize("field", ["batch", "heads", "head_dim"])
+def test_bools_are_not_sizes(field):
+    with pytest.raises(ValueError, match=f"{field} must be a positive integer, got True"):
+        Problem(**{**dict(batch=1, heads=1, seqlen_q=128, seqlen_k=128, head_dim=64), field: True})
+    with pytest.raises(ValueError, match="causal must be True or False"):
+        Problem(1, 1, 128, 128, 64, "fp32", 1)
+    with pytest.raises(ValueError, match="max_error"):
+        Problem(1, 1, 128, 128, 64, "fp32", False, max_error=True)

@@ -61,6 +61,49 @@ def test_damaged_entry_is_rebuilt(cache, damage):
     assert again.cached and again.cubin == first.cubin
 
 
+@pytest.mark.parametrize("meta", [
+    [], "a string", None, {}, {"cubin_sha": "x"},
+    "drop:kernel_name", "key:1", "resources:[]", "resources:{}", "compile_seconds:true", "resources.registers:1.5",
+], ids=lambda m: m if isinstance(m, str) else json.dumps(m))
+def test_metadata_of_the_wrong_shape_is_a_miss(cache, meta):
+    """Valid JSON that is not what _write_cache writes: a miss and a rebuild, never a traceback."""
+    first = _compile("test_wrong", 1)
+    cubin, meta_path = tc._paths(first.key)
+    good = json.loads(meta_path.read_text())
+    if isinstance(meta, str) and ":" in meta:
+        field, value = meta.split(":", 1)
+        if field == "drop":
+            del good[value]
+        elif "." in field:
+            outer, inner = field.split(".")
+            good[outer][inner] = json.loads(value)
+        else:
+            good[field] = json.loads(value)
+        meta = good
+    meta_path.write_text(json.dumps(meta))
+    rebuilt = _compile("test_wrong", 1)
+    assert not rebuilt.cached and rebuilt.cubin == first.cubin
+    assert _compile("test_wrong", 1).cached
+
+
+def test_an_entry_filed_under_another_key_is_not_served(cache):
+    """A whole, self-consistent entry (cubin and metadata with its hash) copied or planted under
+    another key is a miss: the metadata names its key, family and arch, and all are checked."""
+    mine, other = _compile("test_wrong", 1), _compile("test_wrong", 2)
+    assert mine.cubin != other.cubin
+    for src, dst in zip(tc._paths(other.key), tc._paths(mine.key)):
+        dst.write_bytes(src.read_bytes())
+    served = _compile("test_wrong", 1)
+    assert not served.cached and served.cubin == mine.cubin and served.key == mine.key
+    planted = json.loads(tc._paths(other.key)[1].read_text())
+    planted["key"] = mine.key  # names the right key, but another family's kernel
+    planted["family"] = planted["kernel_name"] = "test_oob"
+    tc._paths(mine.key)[1].write_text(json.dumps(planted))
+    tc._paths(mine.key)[0].write_bytes(other.cubin)
+    served = _compile("test_wrong", 1)
+    assert not served.cached and served.cubin == mine.cubin
+
+
 POINTS = [(n, x) for n in ("test_oob", "test_spin", "test_wrong") for x in (1, 2)]
 
 

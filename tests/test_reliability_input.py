@@ -53,7 +53,8 @@ def replay(tmp_path) -> str:
     return f"sqlite:///{tmp_path / 'replay.db'}"
 
 
-@pytest.mark.parametrize("shape", ["2,4,512", "2,4,x,64", "0,4,512,64", "2,4,512,64,sideways", ""])
+@pytest.mark.parametrize("shape", ["2,4,512", "2,4,x,64", "0,4,512,64", "2,4,512,64,sideways", "",
+                                   "1,1,99999999999999999999,64", "1,1,2147483648,64", "1,64,33554432,64"])
 def test_malformed_shape_writes_nothing(tmp_path, replay, shape):
     out = run(tmp_path, "search", "--replay", replay, "--shape", shape, "--no-peers", "--db",
               f"sqlite:///{tmp_path / 'r.db'}", "--lookup", str(tmp_path / "b.json"))
@@ -83,7 +84,7 @@ def test_gpu_index_checked(monkeypatch):
 @pytest.mark.parametrize("args,words", [
     (("--shape", "1,2,128,80"), ("head dim", "80")),
     (("--shape", "1,2,128,64", "--dtype", "fp64"), ("--dtype", "fp64")),
-    (("--shape", "1,2,128,64", "--family", "nope"), ("unknown kernel family", "nope")),
+    (("--shape", "1,2,128,64", "--family", "nope"), ("--family", "'nope' is not one of")),
 ])
 def test_unsupported_problem_writes_nothing(tmp_path, replay, args, words):
     out = run(tmp_path, "search", "--replay", replay, *args, "--no-peers", "--db", f"sqlite:///{tmp_path / 'r.db'}",
@@ -146,6 +147,71 @@ def test_dispatcher_ignores_a_bad_lookup_with_one_warning(tmp_path, content):
         assert d.select(P, H100_SXM) is None  # read once, warned once
     msgs = [str(w.message) for w in caught if "flashtune" in str(w.message)]
     assert len(msgs) == 1 and "ignoring the best-config lookup" in msgs[0] and str(path) in msgs[0]
+
+
+def _entry_params(**changes) -> bytes:
+    import json
+
+    doc = _lookup_doc()
+    doc["entries"][0]["params"].update(changes)
+    return json.dumps(doc).encode()
+
+
+def _entry_without(field: str) -> bytes:
+    import json
+
+    doc = _lookup_doc()
+    del doc["entries"][0][field]
+    return json.dumps(doc).encode()
+
+
+@pytest.fixture
+def fake_cuda():
+    """Tensors that say cuda:0 on a CPU-only build (shape, dtype, device, no storage): enough for
+    attention's whole CPU-side path, the SDPA fallback included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        yield
+
+
+def _attention_warnings(path: Path) -> list[str]:
+    import torch
+
+    d = Dispatcher(path)
+    d._gpus[0] = H100_SXM  # what the call would find on an H100
+    q = torch.empty(2, 4, 512, 64, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            o = d(q, q, q, causal=True)
+            assert o.shape == q.shape and o.device == q.device
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("content", [
+    b"[" * 100_000 + b"]" * 100_000,  # RecursionError inside json.loads
+    _entry_params(stages=True), _entry_params(min_blocks=1.0), _entry_params(Br="64"),
+    _entry_without("params"), _entry_without("problem"), b"null", b"",
+], ids=["nested", "true", "float", "string", "no-params", "no-problem", "null", "empty"])
+def test_attention_falls_back_with_one_warning_for_any_lookup(tmp_path, fake_cuda, content):
+    path = tmp_path / "best.json"
+    path.write_bytes(content)
+    msgs = _attention_warnings(path)
+    assert len(msgs) == 1, msgs
+    assert "scaled_dot_product_attention" in msgs[0] and "\n" not in msgs[0]
+
+
+def test_attention_falls_back_when_a_looked_up_config_cannot_compile(tmp_path, fake_cuda, monkeypatch):
+    from tuner import compile as tc
+
+    def fail(*args, **kwargs):
+        raise tc.CompileError("NVRTC failed for flash_fwd_simt: error: something", "long log\n" * 50)
+
+    monkeypatch.setattr(tc, "compile_kernel", fail)
+    write_lookup(_lookup_doc(), tmp_path / "best.json")
+    msgs = _attention_warnings(tmp_path / "best.json")
+    assert len(msgs) == 1 and "cannot be used (NVRTC failed for flash_fwd_simt" in msgs[0], msgs
 
 
 def test_dispatcher_good_lookup_and_foreign_gpu(tmp_path):

@@ -140,3 +140,34 @@ def test_a_signal_after_the_command_ended_is_ignored():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr)
     assert r.stdout.splitlines()[-2:] == ["True", "still here"], r.stdout
+
+
+def test_kill_9_leaves_no_trial_running_for_good(tmp_path):
+    """SIGKILL gives the search no chance to tell its trial FAIL: the trial's heartbeat stops, and
+    the next search of the study fails it once the grace period has passed (aged here)."""
+    from tuner.search import GRACE_S
+
+    shutil.copy(FIXTURE, tmp_path / "replay.db")
+    (tmp_path / "replay.db").chmod(0o644)
+    p = subprocess.Popen(_cmd(tmp_path), env=_env(5.0), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=tmp_path)
+    assert p.stdout.readline().startswith("tuning")
+    time.sleep(2.0)  # the first trial is in flight: each answer takes 5 s
+    p.kill()
+    p.communicate(timeout=60)
+    c = sqlite3.connect(tmp_path / "r.db")
+    running = [n for (n,) in c.execute("SELECT trial_id FROM trials WHERE state = 'RUNNING'")]
+    assert running, "the kill landed outside a trial"
+    beats = dict(c.execute("SELECT trial_id, heartbeat FROM trial_heartbeats"))
+    assert set(running) <= set(beats)
+    c.execute("UPDATE trial_heartbeats SET heartbeat = datetime(heartbeat, ?)", (f"-{GRACE_S + 1} seconds",))
+    c.commit()
+    c.close()
+    done = subprocess.run(_cmd(tmp_path), env=_env(0), capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    check_db(tmp_path / "r.db")  # no trial RUNNING
+    c = sqlite3.connect(tmp_path / "r.db")
+    states = dict(c.execute(f"SELECT trial_id, state FROM trials WHERE trial_id IN ({','.join('?' * len(running))})",
+                            running))
+    c.close()
+    assert set(states.values()) == {"FAIL"}, states

@@ -159,7 +159,7 @@ def _rows(target: str, replay: Replay) -> list[dict]:
 
 
 def _study(target: str, replay: Replay) -> optuna.Study:
-    return optuna.load_study(study_name=study_name(replay.gpu.key, FAM.name, replay.problem), storage=target)
+    return optuna.load_study(study_name=study_name(replay.gpu.key, FAM.name, replay.problem.key), storage=target)
 
 
 def test_replay_runner_answers_like_the_db(replay_db):
@@ -275,7 +275,7 @@ def test_db_answer_reused_by_a_fresh_study(replay_db, tmp_path):
     s1, _, ev1 = _search(replay_db, target, seed=0)
     s1.tune(FAM, replay_db.problem, trials=6)
     # delete the study but keep the measurements: the next run must reuse them
-    optuna.delete_study(study_name=study_name(replay_db.gpu.key, FAM.name, replay_db.problem), storage=target)
+    optuna.delete_study(study_name=study_name(replay_db.gpu.key, FAM.name, replay_db.problem.key), storage=target)
     s2, r2, ev2 = _search(replay_db, target, seed=0)
     s2.tune(FAM, replay_db.problem, trials=6)
     assert ev2 and [e.source for e in ev2[:1]] == ["database"]  # the default again, from the DB

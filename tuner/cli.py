@@ -1,4 +1,5 @@
-"""`tuner`: gpus, search, bench, export. Errors are one line and a non-zero exit, never a traceback."""
+"""`tuner`: gpus, search, bench, precompile, export, migrate, dashboard. Errors are one line and a
+non-zero exit, never a traceback."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
+
+from .choices import Dtype, Family, OneFamily, Sampler
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Autotune CUDA FlashAttention forward kernels.")
 # Logs and CI are not terminals: give tables room instead of rich's default 80 columns.
@@ -23,9 +28,15 @@ class UserError(Exception):
     """Anything the user can fix: printed as one line."""
 
 
-def _fail(message: str, code: int = 2) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+def _error(message: object) -> None:
+    """`error: message` on one line; the message is plain text (a path or a value from a database
+    may hold brackets that rich would otherwise read as markup)."""
+    text = " ".join(str(message).split()) or type(message).__name__
+    err_console.print(Text.assemble(("error:", "bold red"), " ", text), highlight=False, soft_wrap=True)
+
+
+def _warn(message: str) -> None:
+    err_console.print(Text(f"warning: {message}"), highlight=False, soft_wrap=True)
 
 
 def _db_url(db: Optional[str]) -> str:
@@ -34,17 +45,40 @@ def _db_url(db: Optional[str]) -> str:
     return db or os.environ.get("TUNER_DB") or default_url()
 
 
-DTYPE_HELP = "fp32, fp16, bf16 or fp8 (fp8 = e4m3 inputs, bf16 output); default fp32"
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            console.print(f"flashtune {version('flashtune')}", highlight=False)
+        except PackageNotFoundError:
+            console.print("flashtune (not installed as a package)", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(_version_flag: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                             help="print flashtune's version and exit")) -> None:
+    """Autotune CUDA FlashAttention forward kernels."""
+
+
+DTYPE_HELP = "the inputs' dtype (fp8 = e4m3 inputs, bf16 output); default fp32"
 MAX_ERROR_HELP = ("error allowed against float64 (relative, of O); default: the dtype's own, fp32 1e-4, "
                   "fp16 2e-3, bf16 1.2e-2, fp8 5e-2. Raising it for fp32 lets tf32 (>=1e-3) or bf16 (>=1e-2) "
                   "tensor-core kernels compete")
 
 
-def _problems(shapes: list[str], dtype: Optional[str], max_error: Optional[float] = None):
+def _value(choice) -> Optional[str]:
+    """An option's Enum member as its plain string (None stays None)."""
+    return None if choice is None else getattr(choice, "value", choice)
+
+
+def _problems(shapes: list[str], dtype, max_error: Optional[float] = None):
     from dataclasses import replace
 
     from .problem import DTYPES, Problem, default_problems
 
+    dtype = _value(dtype)
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_error is not None and not 0 < max_error < 1:
@@ -91,7 +125,7 @@ def _summary_table(results, title: str) -> Table:
     from .measure import peer_dtype
     from .search import ratio
 
-    t = Table(title=title)
+    t = Table(title=escape(title))
     for col in ("problem", "family", "best config", "ms", "TFLOP/s", "peers TFLOP/s", "vs best peer"):
         t.add_column(col, justify="right" if col in ("ms", "TFLOP/s", "vs best peer") else "left")
     for r in results:
@@ -103,10 +137,10 @@ def _summary_table(results, title: str) -> Table:
                               for k, v in sorted(peers.items(), key=lambda kv: -kv[1]))
         if peer_text and peer_dtype(r.problem) != r.problem.dtype:  # fp8: SDPA ran on bf16 copies
             peer_text += f" ({peer_dtype(r.problem)} inputs)"
-        t.add_row(
+        t.add_row(  # Text: params from a database are shown, never read as rich markup
             r.problem.key,
-            r.family,
-            json.dumps(r.best_params, separators=(",", ":")) if r.best_params else "-",
+            Text(r.family),
+            Text(json.dumps(r.best_params, separators=(",", ":")) if r.best_params else "-"),
             f"{r.best.median_ms:.3f}" if r.best else "-",
             f"{tf:.1f}" if tf else "-",
             peer_text or "-",
@@ -119,57 +153,68 @@ def _summary_table(results, title: str) -> Table:
 def search(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' (the current device) or a GPU index"),
     shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable. Default: the standard set"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="stop asking for trials after this many seconds"),
     db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: $TUNER_DB or the user data dir)"),
-    family: str = typer.Option("auto", "--family", help="a kernel family, or auto: every family that fits"),
+    family: Family = typer.Option("auto", "--family", help="a kernel family, or auto: every family that fits"),
     replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB (URL or file) instead of a GPU"),
     candidate_timeout: float = typer.Option(60.0, "--candidate-timeout", min=1, help="seconds per candidate"),
     seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
-    sampler: str = typer.Option("tpe", "--sampler", help="tpe, random, or grid (every point once)"),
+    sampler: Sampler = typer.Option("tpe", "--sampler", help="tpe, random, or grid (every point once)"),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="measure the SDPA peers in the same run"),
-    lookup: Optional[Path] = typer.Option(None, "--lookup", help="where to write the best-config lookup"),
+    lookup: Optional[Path] = typer.Option(
+        None, "--lookup", help="merge the new best configs into this lookup. Default: the default lookup "
+                               "($TUNER_LOOKUP or the user data dir), and only for a search of the default database "
+                               "that is not a replay"),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="measure again points whose stored result is a failure"),
 ) -> None:
     """Tune the kernels for the detected GPU and store every measurement."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .db.engine import make_engine, session_factory
-    from .export import default_lookup_path, export_from_db
-    from .kernel_templates import get_family
+    from .db.engine import make_engine, masked, session_factory
+    from .export import existing_lookup, lookup_from_db, publish_lookup
+    from .kernel_templates import FAMILIES  # noqa: F401  (a bad TUNER_EXTRA_FAMILIES is one line here, first)
     from .runner import GpuRunner, ReplayRunner
     from .search import Search
 
-    if family != "auto":
-        get_family(family)  # an unknown name fails before any GPU work
     problems = _problems(shape, dtype, max_error)
     url = _db_url(db)
+    target = _search_lookup(lookup, db, replay, url)
+    if target is not None:
+        existing_lookup(target)  # a file that is no lookup (the database, say) is refused before any trial
     if replay:
         runner = ReplayRunner(replay if "://" in replay else f"sqlite:///{Path(replay).resolve()}")
     else:
         from .gpu import detect
 
         runner = GpuRunner(detect(gpu), candidate_timeout)
-    plan = [(p, f) for p in problems for f in _families(family, runner.gpu, p)]
-    engine = make_engine(url)
-    sessions = session_factory(engine)
+    try:
+        plan = [(p, f) for p in problems for f in _families(_value(family), runner.gpu, p)]
+        if isinstance(runner, ReplayRunner):
+            plan = _replayable(runner, plan, _value(family))
+        sessions = session_factory(make_engine(url))
+        s = Search(runner, sessions, url, seed=seed, sampler=_value(sampler), retry_failed=retry_failed)
+    except BaseException:
+        runner.close()
+        raise
     deadline = time.monotonic() + timeout if timeout else None
     names = sorted({f.name for _, f in plan})
-    console.print(f"tuning [bold]{', '.join(names)}[/] on {runner.gpu.name} ({runner.gpu.key}) for {len(problems)} "
-                  f"problem(s), {trials} trials each; results in {engine.url.render_as_string(hide_password=True)}")
+    console.print(f"tuning [bold]{escape(', '.join(names))}[/] on {escape(runner.gpu.name)} ({escape(runner.gpu.key)}) "
+                  f"for {len(problems)} problem(s), {trials} trials each; results in {escape(masked(url))}",
+                  highlight=False)
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
-        tasks = {(p.key, f.name): bar.add_task(f"{p.key} {f.name}", total=trials, best="") for p, f in plan}
+        tasks = {(p.key, f.name): bar.add_task(escape(f"{p.key} {f.name}"), total=trials, best="") for p, f in plan}
         current: list[str] = [""]
 
         def observe(ev) -> None:
             best = f"best {ev.best_tflops:.1f} TFLOP/s" if ev.best_tflops else ""
             bar.update(tasks[(ev.problem.key, current[0])], completed=min(ev.done, trials), best=best)
 
-        s = Search(runner, sessions, url, seed=seed, sampler=sampler, observer=observe, retry_failed=retry_failed)
+        s.observer = observe
         try:
             for p in problems:
                 measured_peers = s.measure_peers(p) if peers else {}
@@ -184,19 +229,57 @@ def search(
         finally:
             runner.close()
     console.print(_summary_table(results, f"{', '.join(names)} on {runner.gpu.name}, run {s.run_id}"))
-    path = lookup or default_lookup_path()
+    if target is None:
+        console.print(f"best-config lookup not changed (a {'replay' if replay else 'search of another database'}): "
+                      f"pass --lookup PATH, or run `tuner export -o PATH --db {masked(url)}`", highlight=False,
+                      markup=False)
+        return
     with sessions() as session:
-        n = export_from_db(session, path)
-    console.print(f"best-config lookup: {n} entries written to {path}")
+        new = lookup_from_db(session, runner.gpu.key)
+    merged = publish_lookup(new, target, "merge")
+    console.print(f"best-config lookup: {len(new['entries'])} entries written to {target} "
+                  f"(merged: {len(merged['entries'])} in all)", highlight=False, markup=False)
+
+
+def _search_lookup(lookup: Optional[Path], db: Optional[str], replay: Optional[str], url: str) -> Optional[Path]:
+    """Where a search merges its best configs: --lookup if given; else the default lookup, but only
+    for a search of the default database that is not a replay (a trial run never touches it)."""
+    from .db.engine import default_url, sqlite_path
+    from .export import default_lookup_path
+
+    if lookup is not None:
+        db_file = sqlite_path(url)
+        if db_file is not None and lookup.resolve() == db_file.resolve():
+            raise UserError(f"--lookup {lookup} is the results database itself: pass another path")
+        return lookup
+    if replay or (db is not None and db != default_url()):
+        return None
+    return default_lookup_path()
+
+
+def _replayable(runner, plan: list, family: str) -> list:
+    """The plan cut to what the recording measured; a problem (or a named family) it never
+    measured is refused at once, before a trial or a table."""
+    kept = []
+    for p in dict.fromkeys(p for p, _ in plan):
+        recorded = runner.recorded(p)
+        fams = [f for q, f in plan if q == p and f.name in recorded]
+        if not fams:
+            what = f"{family} measurements" if family != "auto" else "measurements"
+            has = ", ".join(runner.recorded_problems()) or "nothing"
+            raise UserError(f"the replay recording {runner.source} has no {what} of {p.key} on {runner.gpu.key} "
+                            f"(it has {has})")
+        kept += [(p, f) for f in fams]
+    return kept
 
 
 @app.command()
 def bench(
     gpu: str = typer.Option("auto", "--gpu"),
     shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     db: Optional[str] = typer.Option(None, "--db"),
-    family: str = typer.Option("auto", "--family", help="a kernel family, or auto: the best of all"),
+    family: Family = typer.Option("auto", "--family", help="a kernel family, or auto: the best of all"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     peer: list[str] = typer.Option([], "--peer", help="only these SDPA peers (e.g. sdpa_flash); repeatable"),
@@ -210,8 +293,7 @@ def bench(
     from .runner import GpuRunner
     from .search import PEERS_BY_DTYPE, ProblemResult, Search
 
-    if family != "auto":
-        get_family(family)
+    family = _value(family)
     from .measure import SDPA_BACKENDS, peer_dtype
 
     if unknown := [x for x in peer if x not in SDPA_BACKENDS]:
@@ -221,14 +303,11 @@ def bench(
     url = _db_url(db)
     sessions = session_factory(make_engine(url))
     runner = GpuRunner(g)
-    s = Search(runner, sessions, url)
     results = []
     try:
-        best: dict[str, object] = {}
+        s = Search(runner, sessions, url)
         with sessions() as session:
-            for b in queries.best_rows(session, g.key):
-                if family in ("auto", b.family) and (b.problem.key not in best or b.tflops > best[b.problem.key].tflops):
-                    best[b.problem.key] = b
+            best = _runnable_best(queries.best_rows(session, g.key), g, family)
         for p in problems:
             b = best.get(p.key)
             r = ProblemResult(p, b.family if b else "-", "")
@@ -260,6 +339,27 @@ def bench(
                                         "rows": rows}, indent=1))
 
 
+def _runnable_best(rows, gpu, family: str) -> dict:
+    """The fastest stored best per problem key that `family` allows and whose params pass its
+    family's `check` (by type, before anything is rendered): a row that does not, from a
+    crafted or foreign database, is skipped with one line and never compiled."""
+    from .kernel_templates import FAMILIES
+
+    best: dict = {}
+    for b in rows:
+        if family not in ("auto", b.family):
+            continue
+        fam = FAMILIES.get(b.family)
+        why = f"unknown kernel family {b.family!r}" if fam is None else fam.check(b.params, gpu, b.problem)
+        if why:
+            err_console.print(f"warning: skipping the stored best of {b.problem.key} ({b.family}): {why}",
+                              highlight=False, soft_wrap=True, markup=False)
+            continue
+        if b.problem.key not in best or b.tflops > best[b.problem.key].tflops:
+            best[b.problem.key] = b
+    return best
+
+
 def _spread(m) -> list | None:
     """[min, median, max] ms: BENCHMARKS.md reports the spread beside the median."""
     return [m.min_ms, m.median_ms, m.max_ms] if m is not None else None
@@ -282,8 +382,8 @@ def precompile(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' or an index; without a GPU give --arch"),
     arch: Optional[str] = typer.Option(None, "--arch", help="sm_80 or sm_90a: compile for this target with no GPU"),
     shape: list[str] = typer.Option([], "--shape"),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help=DTYPE_HELP),
-    family: str = typer.Option("flash_fwd_simt", "--family"),
+    dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    family: OneFamily = typer.Option("flash_fwd_simt", "--family"),
     jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", "-j", min=1),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
 ) -> None:
@@ -296,7 +396,7 @@ def precompile(
     from .gpu import A100_SXM, H100_SXM, detect
     from .kernel_templates import get_family
 
-    fam = get_family(family)
+    fam = get_family(_value(family))
     if arch is None:
         g = detect(gpu)
         arch = g.arch
@@ -318,19 +418,43 @@ def precompile(
 @app.command()
 def export(
     output: Path = typer.Option(..., "-o", "--output", help="where to write the lookup JSON"),
-    db: Optional[str] = typer.Option(None, "--db"),
+    db: Optional[str] = typer.Option(None, "--db", help="an existing results database (opened read-only)"),
     gpu_key: Optional[str] = typer.Option(None, "--gpu-key", help="only this GPU's entries"),
+    merge: bool = typer.Option(False, "--merge", help="add the entries to the lookup at OUTPUT, keeping its others"),
+    force: bool = typer.Option(False, "--force", help="replace the lookup at OUTPUT even where it serves more"),
 ) -> None:
-    """Write the best-config lookup the dispatcher reads."""
-    from .db.engine import make_engine, session_factory
-    from .export import export_from_db
+    """Write the best-config lookup the dispatcher reads.
 
-    sessions = session_factory(make_engine(_db_url(db), readonly=True))
+    The database is only read (never created, migrated or switched to WAL). A lookup at OUTPUT is
+    replaced only by one that serves everything it serves, unless --merge or --force; a file there
+    that is not a lookup is never overwritten.
+    """
+    from .db import queries
+    from .db.engine import open_readonly, session_factory
+    from .export import existing_lookup, export_from_db
+
+    if merge and force:
+        raise UserError("--merge and --force exclude each other: merge keeps the lookup's other entries, force drops them")
+    existing_lookup(output, force=force)  # nothing is opened for a target that would be refused anyway
+    sessions = session_factory(open_readonly(_db_url(db)))
     with sessions() as s:
-        n = export_from_db(s, output, gpu_key)
+        if gpu_key is not None and gpu_key not in (known := [g.key for g in queries.list_gpus(s)]):
+            raise UserError(f"the database has no GPU {gpu_key!r}; it has: {', '.join(known) or 'none'}")
+        n = export_from_db(s, output, gpu_key, "merge" if merge else "force" if force else "complete")
     if n == 0:
-        err_console.print("warning: the database holds no tuned configs yet (run `tuner search` first)")
-    console.print(f"{n} entries written to {output}")
+        _warn("the database holds no tuned configs yet (run `tuner search` first)")
+    console.print(f"{n} entries written to {output}", highlight=False, markup=False)
+
+
+@app.command()
+def migrate(db: Optional[str] = typer.Option(None, "--db", help="an existing results database")) -> None:
+    """Bring an existing results database to this flashtune's schema (reading commands never write)."""
+    from .db.engine import make_engine, masked, require_existing
+
+    url = _db_url(db)
+    require_existing(url)
+    make_engine(url).dispose()
+    console.print(f"{masked(url)} is at this flashtune's schema", highlight=False, markup=False)
 
 
 @app.command()
@@ -361,10 +485,15 @@ def dashboard(
 
 
 def _click_classes(name: str) -> tuple[type, ...]:
-    """click's exception class `name`, and typer's vendored copy of it (typer >= 0.20 ships its own)."""
-    import click
-
-    classes = [getattr(click.exceptions, name)]
+    """click's exception class `name`, and typer's vendored copy of it (typer >= 0.20 ships its own
+    and needs no click installed)."""
+    classes: list[type] = []
+    try:
+        import click
+    except ImportError:
+        pass
+    else:
+        classes.append(getattr(click.exceptions, name))
     try:
         from typer._click import exceptions as vendored
     except ImportError:
@@ -373,6 +502,13 @@ def _click_classes(name: str) -> tuple[type, ...]:
         if hasattr(vendored, name):  # typer versions differ in what they vendor
             classes.append(getattr(vendored, name))
     return tuple(classes)
+
+
+def _usage_line(exc) -> str:
+    """A click usage error as one line, with where help is."""
+    ctx = getattr(exc, "ctx", None)
+    where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+    return f"{exc.format_message()}{where}"
 
 
 def _interrupted(exc: BaseException | None) -> int:
@@ -404,10 +540,10 @@ def _run_app() -> None:
     try:
         code = app(standalone_mode=False)  # typer.Exit(n) comes back as the return value here
     except NoGpuError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _error(exc)
         sys.exit(1)
     except (UserError, ValueError, DatabaseError, OSError) as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _error(exc)
         sys.exit(2)
     except KeyboardInterrupt as exc:
         sys.exit(_interrupted(exc))
@@ -415,7 +551,7 @@ def _run_app() -> None:
         sys.exit(_interrupted(interrupts.last) if exc.exit_code == 130 else exc.exit_code)
     except Exception as exc:  # click's usage errors and aborts
         if isinstance(exc, _click_classes("ClickException")):
-            exc.show()
+            _error(_usage_line(exc) if isinstance(exc, _click_classes("UsageError")) else exc.format_message())
             sys.exit(exc.exit_code)
         if isinstance(exc, _click_classes("Abort")):  # Ctrl-C arrives as click's Abort
             sys.exit(_interrupted(exc.__cause__ or exc.__context__))

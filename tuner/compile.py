@@ -99,7 +99,7 @@ def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: s
     source = family.render(params, problem)
     key = cache_key(source, arch)
     smem = family.smem_bytes(params, problem)
-    hit = _read_cache(key)
+    hit = _read_cache(key, family, arch)
     if hit is not None:
         hit.resources.dynamic_smem = smem
         return hit
@@ -140,16 +140,39 @@ def _paths(key: str) -> tuple[Path, Path]:
     return d / f"{key}.cubin", d / f"{key}.json"
 
 
-def _read_cache(key: str) -> CompiledKernel | None:
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "key": (str,), "family": (str,), "kernel_name": (str,), "arch": (str,), "resources": (dict,),
+    "compile_seconds": (int, float), "log": (str,), "nvrtc_version": (str,), "cubin_sha": (str,),
+}
+
+
+def _entry_meta(meta: object, key: str, family: KernelFamily, arch: str) -> dict | None:
+    """The metadata of the entry filed under `key`, or None if it is not exactly what
+    _write_cache writes for this key, family and arch (any other shape is a miss)."""
+    if not isinstance(meta, dict) or set(meta) != set(_META_TYPES):
+        return None
+    for name, types in _META_TYPES.items():
+        if not isinstance(meta[name], types) or isinstance(meta[name], bool):
+            return None
+    if (meta["key"], meta["family"], meta["kernel_name"], meta["arch"]) != (key, family.name, family.kernel_name, arch):
+        return None  # an entry copied or planted under another key is never served
+    res = meta["resources"]
+    fields = Resources.__dataclass_fields__
+    if set(res) != set(fields) or not all(type(v) is int for v in res.values()):
+        return None
+    return meta
+
+
+def _read_cache(key: str, family: KernelFamily, arch: str) -> CompiledKernel | None:
+    """The cached kernel for `key`, or None (a miss) for anything missing, damaged or mismatched."""
     cubin_path, meta_path = _paths(key)
     try:
-        meta = json.loads(meta_path.read_text())
-        cubin = cubin_path.read_bytes()
-    except (OSError, ValueError):
+        meta = _entry_meta(json.loads(meta_path.read_text()), key, family, arch)
+        cubin = cubin_path.read_bytes() if meta is not None else b""
+    except (OSError, ValueError, RecursionError):
         return None
-    if short_hash(cubin.hex(), 32) != meta.get("cubin_sha"):  # truncated or corrupted: rebuild
+    if meta is None or short_hash(cubin.hex(), 32) != meta.pop("cubin_sha"):  # truncated, corrupted: rebuild
         return None
-    meta.pop("cubin_sha")
     meta["resources"] = Resources(**meta["resources"])
     return CompiledKernel(cubin=cubin, cached=True, **meta)
 

@@ -87,6 +87,11 @@ def problem_of(q, k, v, causal: bool, max_error: float | None = None) -> Problem
     return Problem(b, h, nq, k.shape[2], d, dtype, bool(causal), k.shape[1], max_error or 0.0)
 
 
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def out_layout(q) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Size and strides of O for q: (B, N, H, D) storage where q's heads are inner to its rows (a
     model's projections viewed with transpose(1, 2)), so the model's transpose back is free, as
@@ -104,6 +109,7 @@ class Dispatcher:
         self._plans: dict[tuple, Plan] = {}
         self._gpus: dict[int, object] = {}
         self._warned: set[str] = set()
+        self._ignored = ""  # why the lookup file was ignored: the one warning its fallbacks give
         self._lock = threading.Lock()
         self._warn_lock = threading.Lock()  # _warn runs under _lock (plan) and outside it (fallback)
 
@@ -113,16 +119,17 @@ class Dispatcher:
 
         path = Path(self._path) if self._path else default_lookup_path()
         table: dict[tuple[str, str], list[dict]] = {}
-        if path.exists():
-            try:
-                doc = read_lookup(path)
-            except ValueError as exc:
-                self._warn(f"ignoring the best-config lookup: {exc}")
-                doc = {"entries": []}
-            for e in doc["entries"]:
+        try:  # any lookup, however malformed, is one warning and the SDPA fallback, never a raise
+            if not path.exists():
+                return table
+            for e in read_lookup(path)["entries"]:
                 table.setdefault((e["gpu_key"], e["bucket"]), []).append(e)
-            for entries in table.values():
-                entries.sort(key=lambda e: -e["tflops"])
+        except Exception as exc:
+            self._ignored = f"ignoring the best-config lookup: {_one_line(exc)}"
+            self._warn(self._ignored)
+            return {}
+        for entries in table.values():
+            entries.sort(key=lambda e: -e["tflops"])
         return table
 
     def _gpu(self, index: int):
@@ -154,12 +161,16 @@ class Dispatcher:
         entry = self.select(problem, gpu)
         out = torch_dtype(problem.out_dtype)
         if entry is None:
-            return Plan(None, None, f"no tuned config for {problem.bucket().key} on {gpu.key}", problem.dtype,
-                        out=out, device=device_index)
+            why = self._ignored or f"no tuned config for {problem.bucket().key} on {gpu.key}"
+            return Plan(None, None, why, problem.dtype, out=out, device=device_index)
         fam, params = FAMILIES[entry["family"]], entry["params"]
-        ck = compile_kernel(fam, params, problem, gpu.arch)
-        launch = fam.launch(params, problem)
-        launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, fam.param_kinds(params))
+        try:  # a looked-up config that fails to compile or load falls back like a missing one
+            ck = compile_kernel(fam, params, problem, gpu.arch)
+            launch = fam.launch(params, problem)
+            launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, fam.param_kinds(params))
+        except Exception as exc:
+            return Plan(None, None, f"the tuned {fam.name} config for {problem.bucket().key} on {gpu.key} "
+                                    f"cannot be used ({_one_line(exc)})", problem.dtype, out=out, device=device_index)
         scratch = torch.empty(problem.batch, problem.heads, problem.seqlen_q, dtype=torch.float32,
                               device=torch.device("cuda", device_index))
         return Plan(launcher, fam.name, dtype=problem.dtype, make_args=fam.arg_maker(params), out=out,

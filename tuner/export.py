@@ -45,6 +45,21 @@ def _group(e: dict[str, Any]) -> tuple[str, str, int, bool, str]:
     return (e["gpu_key"], e["dtype"], e["head_dim"], e["causal"], e["bucket"])
 
 
+def _slot(e: dict[str, Any]) -> tuple[Any, ...]:
+    """What one entry serves: a family in a (GPU, dtype, head dim, causal, bucket) group."""
+    return (*_group(e), e["family"])
+
+
+def _document(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = sorted(entries, key=lambda e: (*_group(e), -e["tflops"], e["family"]))
+    return {
+        "schema": SCHEMA,
+        "version": SCHEMA_VERSION,
+        "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "entries": rows,
+    }
+
+
 def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
     """One entry per (GPU, dtype, head dim, causal, bucket, family), fastest first per group.
 
@@ -59,16 +74,24 @@ def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
             "causal": p.causal, "bucket": b.bucket_key, "params": dict(b.params),
             "tflops": float(b.tflops), "median_ms": float(b.median_ms), "problem": p.to_dict(),
         }
-        k = (*_group(e), b.family)
+        k = _slot(e)
         if k not in fastest or e["tflops"] > fastest[k]["tflops"]:
             fastest[k] = e
-    rows = sorted(fastest.values(), key=lambda e: (*_group(e), -e["tflops"], e["family"]))
-    return {
-        "schema": SCHEMA,
-        "version": SCHEMA_VERSION,
-        "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "entries": rows,
-    }
+    return _document(list(fastest.values()))
+
+
+def merge_lookups(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`old` with `new`'s entries added: where both serve the same slot, the new entry (measured
+    more recently, from the database being exported) replaces the old one; nothing else is lost."""
+    slots = {_slot(e): e for e in old["entries"]}
+    slots.update((_slot(e), e) for e in new["entries"])
+    return _document(list(slots.values()))
+
+
+def _missing(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
+    """The entries of `old` whose slot `new` does not fill: what replacing old by new would lose."""
+    have = {_slot(e) for e in new["entries"]}
+    return [e for e in old["entries"] if _slot(e) not in have]
 
 
 def lookup_of(gpu_key: str, served: list[tuple[Problem, str, dict, float]]) -> dict[str, Any]:
@@ -140,6 +163,8 @@ def read_lookup(path: str | os.PathLike[str]) -> dict[str, Any]:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:  # deeply nested arrays or objects: no lookup is shaped like that
+        raise ValueError(f"{p}: not a flashtune best-config lookup (JSON nested too deeply)") from None
     return validate_lookup(doc, str(p))
 
 
@@ -174,10 +199,84 @@ def write_lookup(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
         os.close(dfd)
 
 
-def export_from_db(session: Session, path: str | os.PathLike[str], gpu_key: str | None = None) -> int:
-    """Write the lookup from ft_best; returns the number of entries written."""
+class LookupRefused(ValueError):
+    """Writing would overwrite a file that is not a lookup, or lose entries of one (one line)."""
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+# How an existing lookup may be replaced: merged into, replaced only by one at least as complete
+# (nothing it serves is lost), or replaced whatever it holds (a damaged lookup included).
+POLICIES = ("merge", "complete", "force")
+
+
+def existing_lookup(path: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any] | None:
+    """The lookup at `path`, or None where there is none to keep (no file, an empty one).
+
+    Refuses (LookupRefused) a file that is not a lookup: a database, someone else's JSON, a
+    directory; and, unless `force`, a damaged lookup or one of a newer version.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise LookupRefused(f"{p} is a directory, not a best-config lookup")
+    try:
+        with p.open("rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise LookupRefused(f"{p}: cannot read it ({e.strerror or e}), so it is not replaced") from None
+    if not head:
+        return None
+    if head == SQLITE_MAGIC:
+        raise LookupRefused(f"{p} is a SQLite database, not a best-config lookup: refusing to overwrite it")
+    try:
+        return read_lookup(p)
+    except ValueError as e:
+        if not _claims_to_be_a_lookup(p):
+            raise LookupRefused(f"{p} is not a flashtune best-config lookup: refusing to overwrite it") from None
+        if force:
+            return None
+        raise LookupRefused(f"{e}; remove it, or replace it with `tuner export -o {p} --force`") from None
+
+
+def _claims_to_be_a_lookup(p: Path) -> bool:
+    """A damaged lookup (an entry or version this flashtune cannot read) still names its schema."""
+    try:
+        return f'"schema": "{SCHEMA}"' in p.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return False
+
+
+def publish_lookup(doc: dict[str, Any], path: str | os.PathLike[str], policy: str = "complete") -> dict[str, Any]:
+    """Write `doc` to `path` without losing what a lookup there serves; returns what was written.
+
+    "merge": the old entries stay, `doc`'s are added (merge_lookups). "complete": refused unless
+    `doc` fills every slot the old lookup fills. "force": `doc` replaces any lookup (never a file
+    that is not one).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    old = existing_lookup(path, force=policy == "force")
+    if old is not None and policy == "merge":
+        doc = merge_lookups(old, doc)
+    elif old is not None and policy == "complete" and (lost := _missing(old, doc)):
+        e = lost[0]
+        raise LookupRefused(
+            f"{path} holds {len(lost)} entr{'y' if len(lost) == 1 else 'ies'} the new lookup lacks (e.g. "
+            f"{e['gpu_key']} {e['bucket']} {e['family']}): pass --merge to add the new entries to it, "
+            f"or --force to replace it")
+    write_lookup(doc, path)
+    return doc
+
+
+def lookup_from_db(session: Session, gpu_key: str | None = None) -> dict[str, Any]:
+    """The lookup ft_best makes (optionally one GPU's entries)."""
     from .db.queries import best_rows
 
-    doc = build_lookup(best_rows(session, gpu_key))
-    write_lookup(doc, path)
-    return len(doc["entries"])
+    return build_lookup(best_rows(session, gpu_key))
+
+
+def export_from_db(session: Session, path: str | os.PathLike[str], gpu_key: str | None = None,
+                   policy: str = "complete") -> int:
+    """Write the lookup from ft_best (publish_lookup's `policy`); returns its entry count."""
+    return len(publish_lookup(lookup_from_db(session, gpu_key), path, policy)["entries"])

@@ -27,6 +27,14 @@ _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 ELEM_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "tf32": 3, "fp8": 4}
 
 
+def in_space(value: object, choices: tuple) -> bool:
+    """Type-exact membership: `True` is not the int 1 and `128.0` is not the int 128 here, and a
+    string is a member only where the space lists that very string. Stored params (a results
+    database, a lookup file) reach CUDA source through `#define NAME value`, so nothing but a
+    listed value may ever pass."""
+    return any(type(value) is type(c) and value == c for c in choices)
+
+
 @cache
 def template_text(filename: str) -> str:
     """A file of kernel_templates/, with our own `#include "x.cuh"` lines inlined, each header once
@@ -72,13 +80,20 @@ class KernelFamily(ABC):
             return f"{self.name} supports head dim {', '.join(map(str, self.head_dims))}, not {problem.head_dim}"
         return None
 
-    def check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
-        """Why `params` is invalid for (gpu, problem), or None: decided before anything compiles."""
-        if set(params) != set(self.space):
+    def space_error(self, params: object) -> str | None:
+        """Why `params` is not a point of the space (names, and each value by type), or None."""
+        if not isinstance(params, dict) or set(params) != set(self.space):
             return f"parameters must be exactly {sorted(self.space)}"
         for k, v in params.items():
-            if v not in self.space[k]:
-                return f"{k}={v} is not one of {self.space[k]}"
+            if not in_space(v, self.space[k]):
+                return f"{k}={v!r} is not one of {self.space[k]}"
+        return None
+
+    def check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        """Why `params` is invalid for (gpu, problem), or None: decided before anything compiles."""
+        reason = self.space_error(params)
+        if reason:
+            return reason
         reason = self.supports(gpu, problem)
         if reason:
             return reason
@@ -138,9 +153,24 @@ class KernelFamily(ABC):
             raise ValueError("q, k and v need a contiguous last dim and 16-byte aligned rows")
         return args
 
+    def define_lines(self, params: dict, problem: Problem) -> str:
+        """`#define NAME value` lines for one point: the one way params reach source text.
+
+        Refuses (ValueError) a point outside the space, and any define that is not a plain int,
+        so no stored value (a crafted database or lookup) can put text into the source.
+        """
+        why = self.space_error(params)
+        if why:
+            raise ValueError(f"refusing to render {self.name}: {why}")
+        defines = self.defines(params, problem)
+        for k, v in defines.items():
+            if not (isinstance(k, str) and k.isidentifier() and type(v) is int):
+                raise ValueError(f"refusing to render {self.name}: #define {k!r} {v!r} is not a name and an int")
+        return "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items()))
+
     def render(self, params: dict, problem: Problem) -> str:
         """The full CUDA source NVRTC compiles for one point."""
-        defs = "".join(f"#define {k} {v}\n" for k, v in sorted(self.defines(params, problem).items()))
+        defs = self.define_lines(params, problem)
         return f"// {self.name} {params}\n{defs}{template_text(self.source_file)}"
 
 

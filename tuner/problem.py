@@ -24,6 +24,9 @@ LSE_PER_REL = 5.0
 # running sum keeps fewer bits), so scores, and with them the LSE, carry ~1e-3 of error: 1.6e-3 at
 # most over 40 launches of d=128/256 shapes against float64 from the same e4m3 values.
 LSE_BUDGET_BY_DTYPE = {"fp8": 5e-3}
+# The kernels take heads, lengths and the row count of Q and K/V (batch x heads x seqlen) as 32-bit
+# ints and index rows with them (`int row`, `lse[bh * nq + row]`): anything larger would wrap.
+INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, order=True)
@@ -43,15 +46,24 @@ class Problem:
     def __post_init__(self) -> None:
         if self.kv_heads == 0:
             object.__setattr__(self, "kv_heads", self.heads)
-        if not isinstance(self.max_error, (int, float)) or not 0 <= self.max_error < 1:
+        if isinstance(self.max_error, bool) or not isinstance(self.max_error, (int, float)) \
+                or not 0 <= self.max_error < 1:
             raise ValueError(f"max_error must be a number in [0, 1), got {self.max_error!r}")
         if self.dtype in REL_BUDGET and self.max_error == REL_BUDGET[self.dtype]:
             object.__setattr__(self, "max_error", 0.0)  # the default, spelled out: one key for both
         object.__setattr__(self, "max_error", float(self.max_error))
         for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "kv_heads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if value > INT32_MAX:
+                raise ValueError(f"{name} must be below 2^31 (the kernels index with 32-bit ints), got {value}")
+        for what, rows in (("batch x heads x seqlen_q", self.batch * self.heads * self.seqlen_q),
+                           ("batch x kv_heads x seqlen_k", self.batch * self.kv_heads * self.seqlen_k)):
+            if rows > INT32_MAX:
+                raise ValueError(f"{what} = {rows} rows must be below 2^31 (the kernels index rows with 32-bit ints)")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be True or False, got {self.causal!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.heads % self.kv_heads:

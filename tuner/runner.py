@@ -105,18 +105,33 @@ class ReplayRunner:
 
         self.delay = float(os.environ.get("TUNER_REPLAY_DELAY") or 0)
         from .db import queries
-        from .db.engine import open_recorded, session_factory
+        from .db.engine import masked, open_readonly, session_factory
 
-        self._session = session_factory(open_recorded(url))  # never writes to the recording
+        self._session = session_factory(open_readonly(url))  # never writes to the recording
+        self.source = masked(url)
         with self._session() as s:
             gpus = queries.list_gpus(s)
         if not gpus:
-            raise ValueError(f"the replay database {url} holds no measurements")
+            raise ValueError(f"the replay database {self.source} holds no measurements")
         info = next((g for g in gpus if gpu_key in (None, g.key)), None)
         if info is None:
             raise ValueError(f"the replay database has no GPU {gpu_key!r}; it has {', '.join(g.key for g in gpus)}")
         self.gpu = GpuSpec(**info.spec)
-        self._versions = {"replay": url}
+        self._versions = {"replay": self.source}  # stored with each row: never a password
+
+    def recorded(self, problem: Problem) -> set[str]:
+        """The families (and SDPA peers) the recording can answer for `problem`: a search of any
+        other would only miss, so the CLI refuses it up front."""
+        from .db import queries
+
+        with self._session() as s:
+            return queries.measured_families(s, self.gpu.key, problem.key)
+
+    def recorded_problems(self) -> list[str]:
+        from .db import queries
+
+        with self._session() as s:
+            return [p.key for p in queries.list_problems(s, self.gpu.key)]
 
     def versions(self) -> dict:
         return self._versions

@@ -7,8 +7,12 @@ the runner. Every outcome is a measurement row; Optuna only ever sees TFLOP/s (0
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import uuid
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,6 +21,7 @@ import optuna
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 from . import interrupts
+from .choices import SAMPLERS
 from .db import queries
 from .family import KernelFamily
 from .problem import Problem
@@ -31,8 +36,11 @@ PEERS_BY_DTYPE = {
 # SDPA takes no fp8: an fp8 problem's peers are the bf16 backends on bf16 copies of the same inputs
 # (measure.peer_dtype), what a user without an fp8 kernel would run. They keep their names.
 PEERS_BY_DTYPE["fp8"] = PEERS_BY_DTYPE["bf16"]
-SAMPLERS = ("tpe", "random", "grid")
 ASK_LIMIT_FACTOR = 20  # asks per wanted trial before giving up on a space that is mostly invalid
+# A trial in flight records a heartbeat every HEARTBEAT_S; one whose process died (kill -9, power)
+# stops beating, and the next search of its study fails it once GRACE_S have passed.
+HEARTBEAT_S = 10
+GRACE_S = 60
 
 
 @dataclass
@@ -61,8 +69,10 @@ class ProblemResult:
     reused: int = 0
 
 
-def study_name(gpu_key: str, family: str, problem: Problem) -> str:
-    return f"{gpu_key}|{family}|{problem.key}"
+def study_name(gpu_key: str, family: str, problem_key: str) -> str:
+    """Optuna's name for one study. Only ever built from its three parts, never split again: the
+    study's user attrs and the database's columns carry them separately (a GPU name may hold "|")."""
+    return f"{gpu_key}|{family}|{problem_key}"
 
 
 def new_run_id() -> str:
@@ -95,10 +105,12 @@ class Search:
         reason = family.supports(self.gpu, problem)
         if reason:
             raise ValueError(reason)
-        name = study_name(self.gpu.key, family.name, problem)
+        name = study_name(self.gpu.key, family.name, problem.key)
         sampler = self._sampler(family, trials)
         study = optuna.create_study(study_name=name, storage=self.storage, direction="maximize",
                                     sampler=sampler, load_if_exists=True)
+        with _quiet_heartbeat():  # trials left RUNNING by a killed search: FAIL, so none stays RUNNING forever
+            optuna.storages.fail_stale_trials(study)
         study.set_user_attr("family", family.name)
         study.set_user_attr("problem", problem.to_dict())
         study.set_user_attr("gpu_key", self.gpu.key)
@@ -124,9 +136,11 @@ class Search:
                 break
             interrupts.checkpoint()  # a signal held during the last trial's bookkeeping stops here
             asks += 1
-            trial = study.ask(dists)
+            with _quiet_heartbeat():
+                trial = study.ask(dists)
             try:
-                m, source = self._evaluate(family, problem, trial.params, vkey, name, trial.number)
+                with _heartbeat(self.storage, trial._trial_id):
+                    m, source = self._evaluate(family, problem, trial.params, vkey, name, trial.number)
             except BaseException:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
                 raise
@@ -234,13 +248,51 @@ def optuna_storage(url: str) -> optuna.storages.RDBStorage:
     """Optuna's storage in our DB, safe with several searches on one SQLite file: its first-time
     table creation and version stamp run one process at a time, and its transactions queue for the
     write lock (BEGIN IMMEDIATE, 60 s busy timeout) instead of failing with "database is locked"."""
-    from .db.engine import serialize_sqlite_writers, sqlite_init_lock
+    from sqlalchemy.exc import DatabaseError as SQLDatabaseError
+
+    from .db.engine import DatabaseError, masked, serialize_sqlite_writers, sqlite_init_lock
 
     sqlite = url.startswith("sqlite")
-    with sqlite_init_lock(url):
-        storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else {})
+    try:
+        with sqlite_init_lock(url), _quiet_heartbeat():
+            storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else {},
+                                                 heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+    except SQLDatabaseError as e:  # e.g. a read-only file Optuna must stamp or add a table to
+        raise DatabaseError(f"cannot open the database {masked(url)}: {e.orig}") from None
     serialize_sqlite_writers(storage.engine)
     return storage
+
+
+@contextlib.contextmanager
+def _quiet_heartbeat() -> Iterator[None]:
+    """Optuna marks its heartbeat experimental and expects it under study.optimize (we ask and
+    tell ourselves, and beat in _heartbeat): those warnings say nothing to a user."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        warnings.filterwarnings("ignore", message="Heartbeat of storage")
+        yield
+
+
+@contextlib.contextmanager
+def _heartbeat(storage: optuna.storages.RDBStorage, trial_id: int) -> Iterator[None]:
+    """Record the trial's heartbeat now and every HEARTBEAT_S until the block ends (a thread: a
+    measurement can take minutes). A beat that fails (the database busy for a minute) is skipped."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                storage.record_heartbeat(trial_id)
+            if stop.wait(HEARTBEAT_S):
+                return
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{trial_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None, **kw) -> bool:
