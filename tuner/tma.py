@@ -118,12 +118,10 @@ _fast: list = []
 def _fast_encoder() -> _CtypesEncoder | None:
     """The ctypes encoder where the driver library loads by name (Linux), else None."""
     if not _fast:
-        import ctypes
+        from .launch import driver_library
 
-        try:
-            _fast.append(_CtypesEncoder(ctypes.CDLL("libcuda.so.1")))
-        except (OSError, AttributeError):
-            _fast.append(None)
+        lib = driver_library()
+        _fast.append(_CtypesEncoder(lib) if lib is not None else None)
     return _fast[0]
 
 
