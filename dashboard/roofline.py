@@ -1,6 +1,6 @@
 """Measured ceilings per GPU model and the roofline they draw.
 
-Datasheet peaks are not reachable; these are what BENCHMARKS.md measured on the card, so a point
+Datasheet peaks are not reachable; these are what docs/benchmarks.md records as measured on the card, so a point
 near a ceiling really is near the limit. Keyed by a substring of the GPU's name.
 """
 
@@ -18,9 +18,9 @@ class Ceilings:
     source: str
 
 
-# H100 SXM, measured 2026-11-22 (BENCHMARKS.md): fp32 without TF32, dense bf16, device copy.
+# H100 SXM, measured 2026-11-22 (docs/benchmarks.md): fp32 without TF32, dense bf16, device copy.
 CEILINGS: dict[str, Ceilings] = {
-    "H100": Ceilings({"fp32": 52.0, "bf16": 684.0}, 3.0, "BENCHMARKS.md, measured on H100 SXM 2026-11-22"),
+    "H100": Ceilings({"fp32": 52.0, "bf16": 684.0}, 3.0, "docs/benchmarks.md, measured on H100 SXM 2026-11-22"),
 }
 
 

@@ -14,7 +14,7 @@ from tuner.gpu import GpuSpec
 from tuner.problem import Problem
 
 # Error against float64 each compute precision needs allowed before the search may use it for fp32
-# inputs: a little above what it was measured to cost on random normal inputs (PERF_NOTES.md).
+# inputs: a little above what it was measured to cost on random normal inputs (benchmarks/PERF_NOTES.md).
 COMPUTE_MIN_BUDGET = {"tf32": 1e-3, "bf16": 1e-2}
 _MAX_REGS = 255
 
@@ -79,7 +79,7 @@ class FlashFwdMma(KernelFamily):
         return None
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
-        # Near FlashAttention-2's own sm80 choices (BENCHMARKS.md), each seen compiling without
+        # Near FlashAttention-2's own sm80 choices (docs/benchmarks.md), each seen compiling without
         # spills for sm_80 and sm_90a.
         d = problem.head_dim
         if d <= 64:

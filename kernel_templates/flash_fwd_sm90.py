@@ -121,7 +121,7 @@ class FlashFwdSm90(KernelFamily):
         return None
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
-        # From the H100 ablations in PERF_NOTES.md (bf16): at d=128 two consumers with overlap,
+        # From the H100 ablations in benchmarks/PERF_NOTES.md (bf16): at d=128 two consumers with overlap,
         # Bc=176 with ping-pong first, persistent Bc=128 for short sequences (TMA-stored O for
         # causal ones); at d=64 FA3's 192 x 128 (three consumers of Bc=128 taking turns), on the
         # grid for long sequences and persistent (split=32) for short ones, and two persistent

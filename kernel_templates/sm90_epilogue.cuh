@@ -7,7 +7,7 @@
 // The TMA clips rows past N, so ragged tiles need no guard. A store box may not start before
 // row 0 (an illegal instruction on H100, though loads from there are zero-filled), so these
 // kernels keep causal blocks aligned to the start (FROM_END off): cheaper than a guarded
-// store_slab for such slabs (PERF_NOTES h18).
+// store_slab for such slabs (benchmarks/PERF_NOTES.md, h18).
 #pragma once
 #include "sm90.cuh"
 #include "softmax.cuh"

