@@ -19,7 +19,7 @@ from tuner.dashboard import data
 from tuner.dashboard.plain import md, plotly
 from tuner.dashboard.roofline import ceilings_for, roof
 from tuner.db.engine import masked
-from tuner.db.queries import PEER_FAMILIES
+from tuner.peers import PEER_FAMILIES
 from tuner.problem import Problem
 from tuner.search import study_name
 

@@ -9,8 +9,6 @@ while a search that is still writing shows up within a minute.
 from __future__ import annotations
 
 import argparse
-import os
-import sqlite3
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +36,7 @@ def resolve_url(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--db")
     known, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    return known.db or os.environ.get("TUNER_DB") or default_url()
+    return known.db or default_url()
 
 
 @dataclass(frozen=True)
@@ -50,54 +48,23 @@ class DbState:
     hint: str | None = None
 
 
-def _inspect_sqlite(path: Path) -> tuple[set[str], int | None]:
-    """Table names and ft_meta's schema version, read without creating or changing anything."""
-    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=10)
-    try:
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        version = None
-        if "ft_meta" in tables:
-            row = conn.execute("SELECT schema_version FROM ft_meta WHERE id = 1").fetchone()
-            version = None if row is None else int(row[0])
-        return tables, version
-    finally:
-        conn.close()
-
-
 def check_db(url: str) -> DbState:
-    """Decide, before opening it through make_engine (which would create tables), if `url` is usable."""
+    """Whether `url` can be shown, and if not what to run: the database is opened read-only
+    (tuner.db.engine.open_readonly), which never creates, migrates or writes it."""
     try:
         path = sqlite_path(url)
     except ValueError:
         return DbState(url, f"malformed database URL {masked(url)!r}", "pass e.g. `--db sqlite:////path/to/flashtune.db`")
-    if path is not None:
-        if not path.exists():
-            return DbState(url, f"no database yet at {path}", f"run `{SEARCH_HINT}` to create and fill it")
-        try:
-            tables, version = _inspect_sqlite(path)
-        except sqlite3.Error as e:
-            return DbState(url, f"cannot read {path}: {e}", "is it a SQLite file? pass another with `--db URL`")
-        if not any(t.startswith("ft_") for t in tables):
-            what = "is empty" if not tables else "holds no flashtune tables (an older or foreign schema)"
-            return DbState(url, f"the database {path} {what}", f"run `{SEARCH_HINT}` with `--db` pointing at it")
-        if version is not None and version > SCHEMA_VERSION:
-            return DbState(
-                url,
-                f"{path}: schema version {version} was written by a newer flashtune (this one knows {SCHEMA_VERSION})",
-                "upgrade flashtune (`pip install -U flashtune`) to browse it",
-            )
-        if version is None or version < SCHEMA_VERSION:
-            # the dashboard only reads: it says how to upgrade instead of migrating in place
-            return DbState(
-                url,
-                f"{path}: schema version {version or 'unknown'} was written by an older flashtune "
-                f"(this one reads {SCHEMA_VERSION})",
-                f"upgrade it in place with `tuner migrate --db {masked(url)}`, then reload this page",
-            )
+    if path is not None and not path.exists():
+        return DbState(url, f"no database yet at {path}", f"run `{SEARCH_HINT}` to create and fill it")
     try:
         engine(url)
     except DatabaseError as e:
-        hint = "upgrade flashtune to browse it" if "newer" in str(e) else f"run `{SEARCH_HINT}` first"
+        hint = {
+            "foreign": f"run `{SEARCH_HINT}` with `--db` pointing at it, or pass another with `--db URL`",
+            "older": f"upgrade it in place with `tuner migrate --db {masked(url)}`, then reload this page",
+            "newer": "upgrade flashtune (`pip install -U flashtune`) to browse it",
+        }.get(e.kind, "pass a working URL with `--db URL` or TUNER_DB")
         return DbState(url, str(e), hint)
     except (ValueError, SQLAlchemyError) as e:
         return DbState(url, str(e).splitlines()[0], "pass a working URL with `--db URL` or TUNER_DB")
@@ -177,22 +144,15 @@ def lookup_file() -> tuple[Path, dict[str, Any] | None, str | None]:
 
 def optuna_storage_has(url: str, study_name: str) -> bool:
     """True if Optuna's tables hold `study_name`; checked first so load_study never creates tables."""
-    path = sqlite_path(url)
-    try:
-        if path is not None:
-            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=10)
-            try:
-                return conn.execute("SELECT 1 FROM studies WHERE study_name = ?", (study_name,)).fetchone() is not None
-            finally:
-                conn.close()
-        from sqlalchemy import inspect, text
+    from sqlalchemy import inspect, text
 
+    try:
         eng = engine(url)
         if "studies" not in inspect(eng).get_table_names():
             return False
         with eng.connect() as c:
             return c.execute(text("SELECT 1 FROM studies WHERE study_name = :n"), {"n": study_name}).first() is not None
-    except (sqlite3.Error, SQLAlchemyError):
+    except (DatabaseError, SQLAlchemyError):
         return False
 
 

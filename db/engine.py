@@ -43,7 +43,12 @@ DRIVER_PACKAGES = {
 
 
 class DatabaseError(RuntimeError):
-    """The database cannot be created, opened, or was written by a newer flashtune."""
+    """`kind` says what a reader can do about it: "foreign" (no flashtune tables), "older" (tuner
+    migrate), "newer" (upgrade flashtune), or "unusable" (anything else)."""
+
+    def __init__(self, message: str, kind: str = "unusable") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def masked(url: str) -> str:
@@ -264,7 +269,7 @@ def migrate(engine: Engine) -> str:
         tables, revs, version = _schema_state(conn)
         newer = _newer_than_this(conn, revs, version)
         if newer:
-            raise DatabaseError(f"{where}: {newer}; upgrade flashtune to open it")
+            raise DatabaseError(f"{where}: {newer}; upgrade flashtune to open it", "newer")
         if revs == [HEAD_REVISION]:
             return "current"
         from alembic import command
@@ -391,17 +396,19 @@ def open_readonly(url: str | None = None) -> Engine:
     except SQLDatabaseError as e:
         engine.dispose()
         raise DatabaseError(f"cannot open the database {where}: {e.orig}") from None
-    problem = None
+    problem, kind = None, "unusable"
     if "ft_measurements" not in tables:
-        problem = f"{where} is not a flashtune results database"
+        what = "is empty" if not tables else "holds no flashtune tables"
+        problem, kind = f"{where} {what}: it is not a flashtune results database", "foreign"
     elif newer:
-        problem = f"{where}: {newer}; upgrade flashtune to open it"
+        problem, kind = f"{where}: {newer}; upgrade flashtune to open it", "newer"
     elif version != SCHEMA_VERSION or revs not in ([HEAD_REVISION], []):
-        problem = (f"{where} has schema version {version}, this flashtune reads {SCHEMA_VERSION}: "
-                   f"upgrade it in place with `tuner migrate --db {parsed.render_as_string(hide_password=True)}`")
+        problem, kind = (f"{where} has schema version {version}, this flashtune reads {SCHEMA_VERSION} (written by an "
+                         f"older flashtune): upgrade it in place with "
+                         f"`tuner migrate --db {parsed.render_as_string(hide_password=True)}`"), "older"
     if problem:
         engine.dispose()
-        raise DatabaseError(problem)
+        raise DatabaseError(problem, kind)
     return engine
 
 

@@ -17,12 +17,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..gpu import GpuSpec
+from ..peers import PEER_FAMILIES  # torch's SDPA backends, measured as configs of these families, params {}
 from ..problem import Problem
 from ..records import STATUSES, Measurement, Resources, params_key, versions_key
 from .models import BestRow, ConfigRow, GpuRow, MeasurementRow, ProblemRow, utcnow
-
-# Torch SDPA backends are measured as ordinary configs of these families, with params {}.
-PEER_FAMILIES = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math")
 
 R = TypeVar("R")
 

@@ -17,7 +17,9 @@ from tuner.launch import attention_args
 from tuner.family import ELEM_CODE, template_text
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
-from tuner.measure import TORCH_DTYPES, peer_dtype, poisoned_outputs, random_inputs, torch_dtype
+from tuner.measure import poisoned_outputs, random_inputs
+from tuner.peers import peer_dtype
+from tuner.problem import TORCH_DTYPES, torch_dtype
 from tuner.problem import DTYPES, REL_BUDGET, Bucket, Problem, standard_grid
 from tuner.reference import attention_fp64, compare
 
@@ -243,7 +245,7 @@ def test_fallback_upcasts_fp8_and_returns_bf16(tmp_path, fp8_case, monkeypatch):
 # ---- peers and the CLI's tables ----
 
 def test_peers_for_fp8_are_the_bf16_backends():
-    from tuner.search import PEERS_BY_DTYPE
+    from tuner.peers import PEERS_BY_DTYPE
 
     assert PEERS_BY_DTYPE["fp8"] == PEERS_BY_DTYPE["bf16"] and "sdpa_flash" in PEERS_BY_DTYPE["fp8"]
     assert peer_dtype(FP8) == "bf16"

@@ -67,7 +67,7 @@ def test_open_readonly_never_creates_or_migrates(tmp_path):
         c.execute("UPDATE ft_meta SET schema_version = 2")
         c.execute("UPDATE ft_alembic_version SET version_num = '0002'")
     before = _digest(old)
-    with pytest.raises(DatabaseError, match=r"schema version 2, this flashtune reads 3: .*tuner migrate --db"):
+    with pytest.raises(DatabaseError, match=r"schema version 2, this flashtune reads 3 .*tuner migrate --db"):
         open_readonly(f"sqlite:///{old}")
     assert _digest(old) == before
     with sqlite3.connect(tmp_path / "foreign.db") as c:

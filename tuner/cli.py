@@ -42,7 +42,7 @@ def _warn(message: str) -> None:
 def _db_url(db: Optional[str]) -> str:
     from .db.engine import default_url
 
-    return db or os.environ.get("TUNER_DB") or default_url()
+    return db or default_url()
 
 
 def _version(value: bool) -> None:
@@ -122,7 +122,7 @@ def _families(name: str, gpu, problem):
 
 
 def _summary_table(results, title: str) -> Table:
-    from .measure import peer_dtype
+    from .peers import peer_dtype
     from .search import ratio
 
     t = Table(title=escape(title))
@@ -291,10 +291,10 @@ def bench(
     from .kernel_templates import get_family
     from .records import Measurement
     from .runner import GpuRunner
-    from .search import PEERS_BY_DTYPE, ProblemResult, Search
+    from .peers import PEERS_BY_DTYPE, SDPA_BACKENDS, peer_dtype
+    from .search import ProblemResult, Search
 
     family = _value(family)
-    from .measure import SDPA_BACKENDS, peer_dtype
 
     if unknown := [x for x in peer if x not in SDPA_BACKENDS]:
         raise typer.BadParameter(f"unknown peer {unknown[0]!r}; known: {', '.join(SDPA_BACKENDS)}", param_hint="--peer")

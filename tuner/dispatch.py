@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from .launch import Launcher, launch_on
-from .measure import TORCH_DTYPES, torch_dtype
-from .problem import Problem
+from .problem import TORCH_DTYPES, Problem, torch_dtype
 
 TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
 

@@ -8,37 +8,14 @@ from typing import Callable
 
 from .family import KernelFamily
 from .launch import LaunchError, LoadedKernel, launch_on, raw_stream
-from .problem import Problem
+from .peers import SDPA_BACKENDS, peer_dtype
+from .problem import Problem, torch_dtype
 from .records import CompiledKernel, Measurement, SideBySide
 from .reference import attention_fp64, compare
 from .timing import Timer, Timing
 
-# Problem dtype -> torch dtype name; the dispatcher reads it backwards.
-TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
-SDPA_BACKENDS = {
-    "sdpa_flash": "FLASH_ATTENTION",
-    "sdpa_cudnn": "CUDNN_ATTENTION",
-    "sdpa_efficient": "EFFICIENT_ATTENTION",
-    "sdpa_math": "MATH",
-}
-
-
 class DeviceFault(RuntimeError):
     """The CUDA context is poisoned (illegal address, ...): the worker must exit after reporting."""
-
-
-def torch_dtype(dtype: str):
-    """The torch dtype of a problem dtype name ("fp8" -> torch.float8_e4m3fn)."""
-    import torch
-
-    return getattr(torch, TORCH_DTYPES[dtype])
-
-
-def peer_dtype(problem: Problem) -> str:
-    """The dtype the SDPA peers run in. SDPA takes no fp8: for fp8 problems they run on bf16 copies
-    of the same inputs (e4m3 values are exact in bf16), which is what a user without an fp8 kernel
-    would run. That is O's dtype: the one place that knows it is Problem.out_dtype."""
-    return problem.out_dtype
 
 
 def random_inputs(problem: Problem, seed: int, device: str = "cuda"):

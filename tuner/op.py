@@ -44,8 +44,7 @@ _lib.impl("attention_backward", _backward, "CUDA")
 @torch.library.register_fake(f"{LIB}::attention")
 def _attention_fake(q, k, v, is_causal=False, scale=None, max_error=None, need_lse=True):
     from .dispatch import check_inputs
-    from .measure import torch_dtype
-    from .problem import OUT_DTYPE
+    from .problem import OUT_DTYPE, torch_dtype
 
     # bad input fails at trace time, as it would at run time; the device is the dispatcher's to refuse
     dtype = check_inputs(q, k, v, max_error, cuda=False)

@@ -10,6 +10,15 @@ DTYPES = ("fp32", "fp16", "bf16", "fp8")
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 # O's dtype where it is not the inputs' own.
 OUT_DTYPE = {"fp8": "bf16"}
+# Problem dtype -> torch dtype name (the dispatcher reads it backwards, from tensors).
+TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+
+
+def torch_dtype(dtype: str):
+    """The torch dtype of a problem dtype name ("fp8" -> torch.float8_e4m3fn); imports torch."""
+    import torch
+
+    return getattr(torch, TORCH_DTYPES[dtype])
 # Default error budgets by input precision: relative Frobenius error of O against float64. fp32
 # math lands near 1e-6; fp16/bf16 outputs carry their own rounding (2^-11, 2^-8). fp8: the
 # reference starts from the same e4m3 values, so the inputs' rounding is no error; the kernel's

@@ -24,18 +24,11 @@ from . import interrupts
 from .choices import SAMPLERS
 from .db import queries
 from .family import KernelFamily
+from .peers import PEERS_BY_DTYPE
 from .problem import Problem
 from .records import Measurement, params_key, versions_key
 from .runner import Runner
 
-PEERS_BY_DTYPE = {
-    "fp32": ("sdpa_efficient", "sdpa_math"),
-    "fp16": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"),
-    "bf16": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"),
-}
-# SDPA takes no fp8: an fp8 problem's peers are the bf16 backends on bf16 copies of the same inputs
-# (measure.peer_dtype), what a user without an fp8 kernel would run. They keep their names.
-PEERS_BY_DTYPE["fp8"] = PEERS_BY_DTYPE["bf16"]
 ASK_LIMIT_FACTOR = 20  # asks per wanted trial before giving up on a space that is mostly invalid
 # A trial in flight records a heartbeat every HEARTBEAT_S; one whose process died (kill -9, power)
 # stops beating, and the next search of its study fails it once GRACE_S have passed.

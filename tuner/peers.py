@@ -1,0 +1,31 @@
+"""The peers: torch's SDPA backends, measured beside our kernels as configs of these families
+(params {}), in the dtype they run in."""
+
+from __future__ import annotations
+
+from .problem import Problem
+
+# peer family name -> torch.nn.attention.SDPBackend member that pins it
+SDPA_BACKENDS = {
+    "sdpa_flash": "FLASH_ATTENTION",
+    "sdpa_cudnn": "CUDNN_ATTENTION",
+    "sdpa_efficient": "EFFICIENT_ATTENTION",
+    "sdpa_math": "MATH",
+}
+PEER_FAMILIES = tuple(SDPA_BACKENDS)
+
+# What each problem dtype is measured against. SDPA takes no fp8: an fp8 problem's peers are the
+# bf16 backends on bf16 copies of the same inputs (peer_dtype), what a user without an fp8 kernel
+# would run. They keep their names.
+PEERS_BY_DTYPE = {
+    "fp32": ("sdpa_efficient", "sdpa_math"),
+    "fp16": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"),
+    "bf16": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"),
+}
+PEERS_BY_DTYPE["fp8"] = PEERS_BY_DTYPE["bf16"]
+
+
+def peer_dtype(problem: Problem) -> str:
+    """The dtype the SDPA peers run in: O's (Problem.out_dtype), so bf16 copies of e4m3 inputs
+    (e4m3 values are exact in bf16)."""
+    return problem.out_dtype
