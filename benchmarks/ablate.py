@@ -109,7 +109,7 @@ def main(argv: list[str]) -> None:
         if why:
             print(f"{name}  invalid: {why}")
             continue
-        prepared[name] = prepare_kernel(fam, params, problem, compile_kernel(fam, params, problem, gpu.arch), 0, gpu.index)
+        prepared[name] = prepare_kernel(fam, params, problem, compile_kernel(fam, params, problem, gpu.arch), 0, gpu)
     for name, (run, m) in prepared.items():
         if run is None:
             print(f"{name}  {m.status}: {m.message}")

@@ -1,4 +1,5 @@
-"""Kernel families: one CUDA source and one Python spec per family.
+"""Kernel families: one CUDA source and one Python spec per family, and the host-side helpers only
+one family uses beside it (sm90_tma.py, sm90_tile_counter.py: flash_fwd_sm90's).
 
 Extra families (test-only faulty kernels, out-of-tree experiments) are plugged in through the
 environment: TUNER_EXTRA_FAMILIES names importable modules, comma-separated, each exposing FAMILY

@@ -117,7 +117,7 @@ class FlashFwdMma(KernelFamily):
         elem = 4 if params["compute"] == "tf32" else 2
         return elem * (params["Br"] * d + 2 * params["stages"] * params["Bc"] * d)
 
-    def launch(self, params: dict, problem: Problem) -> Launch:
+    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
         return Launch(
             grid=(ceil_div(problem.seqlen_q, params["Br"]), problem.batch * problem.heads, 1),
             block=(params["warps"] * 32, 1, 1),

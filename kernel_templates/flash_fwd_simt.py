@@ -97,7 +97,7 @@ class FlashFwdSimt(KernelFamily):
             staging = 2 * bc * ld * elt
         return 4 * floats + staging
 
-    def launch(self, params: dict, problem: Problem) -> Launch:
+    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
         return Launch(
             grid=(ceil_div(problem.seqlen_q, params["Br"]), problem.batch * problem.heads, 1),
             block=(self.threads(params), 1, 1),

@@ -20,11 +20,9 @@ use the 64-byte swizzle.
 
 from __future__ import annotations
 
-from functools import cache
-
 from tuner.family import ELEM_CODE, KernelFamily, ceil_div
 from tuner.launch import Launch
-from tuner.gpu import H100_SXM, GpuSpec, detect
+from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem
 from tuner.kernel_templates.wgmma_gen import wrappers
 
@@ -32,16 +30,6 @@ _REGS_PER_BLOCK = 65536
 _MAX_REGS = 255
 _BARRIER_SLACK = 1024 + 256  # alignment of the first tile to 1024 B, then the mbarriers
 _WGMMA_MARK = "// <wgmma wrappers>"
-
-
-@cache
-def sm_count() -> int:
-    """SMs of the current device, for the persistent grid; the H100's where none is visible (CPU
-    tests compare launches, nothing runs)."""
-    try:
-        return detect().sm_count
-    except Exception:  # no GPU or no usable CUDA runtime: only the geometry is asked for
-        return H100_SXM.sm_count
 
 
 def entry_regs(threads: int) -> int:
@@ -178,10 +166,10 @@ class FlashFwdSm90(KernelFamily):
         q_bufs = 2 if params["chain"] else 1   # chaining loads the next tile's Q under this one
         return esize * d * (q_bufs * 64 * params["cwg"] + rings * params["stages"] * params["Bc"]) + o_stage + _BARRIER_SLACK
 
-    def launch(self, params: dict, problem: Problem) -> Launch:
+    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
         qblocks = ceil_div(problem.seqlen_q, 64 * params["cwg"])
         bh = problem.batch * problem.heads
-        grid = (min(qblocks * bh, sm_count()), 1, 1) if params["persistent"] else (qblocks, bh, 1)
+        grid = (min(qblocks * bh, gpu.sm_count), 1, 1) if params["persistent"] else (qblocks, bh, 1)
         return Launch(
             grid=grid,
             block=(128 * (params["cwg"] + 1), 1, 1),
@@ -198,8 +186,8 @@ class FlashFwdSm90(KernelFamily):
         return super().param_kinds(params) + ("tmap",) * 4 + ("i32", "ptr")
 
     def arg_maker(self, params: dict):
-        from tuner.tile_counter import tile_counter
-        from tuner.tma import NO_MAP, O_BOX_ROWS, tensor_map
+        from tuner.kernel_templates.sm90_tile_counter import tile_counter
+        from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, tensor_map
 
         shared = super().arg_maker(params)
         q_rows, kv_rows, tma_store, persistent = 64 * params["cwg"], params["Bc"], params["tma_store"], params["persistent"]

@@ -75,7 +75,7 @@ class FaultyFamily(KernelFamily):
     def smem_bytes(self, params: dict, problem: Problem) -> int:
         return 0
 
-    def launch(self, params: dict, problem: Problem) -> Launch:
+    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
         return Launch(grid=(ceil_div(problem.seqlen_q, self.block), problem.batch * problem.heads, 1),
                       block=(self.block, 1, 1), smem_bytes=0)
 

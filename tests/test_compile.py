@@ -95,7 +95,7 @@ def test_every_valid_point_compiles(fam, gpu, params, problem):
     assert ck.arch == gpu.arch and ck.family == fam.name and ck.kernel_name == fam.kernel_name
     r = ck.resources
     assert 0 < r.registers <= 255, ck.log
-    assert r.dynamic_smem == fam.smem_bytes(params, problem) == fam.launch(params, problem).smem_bytes
+    assert r.dynamic_smem == fam.smem_bytes(params, problem) == fam.launch(params, problem, gpu).smem_bytes
     # the resources agree with the cubin itself (cuobjdump), and with ptxas's report where NVRTC gave one
     from_cubin = resources_from_cubin(ck.cubin)
     assert from_cubin is not None and from_cubin.registers == r.registers

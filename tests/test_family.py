@@ -192,7 +192,7 @@ def test_default_raises_when_nothing_fits():
                          ids=lambda p: f"Br{p['Br']}")
 def test_launch_geometry(params, n):
     problem = Problem(3, 5, n, n + 7, 64, "fp16", True)
-    launch = FAM.launch(params, problem)
+    launch = FAM.launch(params, problem, H100_SXM)
     assert isinstance(launch, Launch)
     gx, gy, gz = launch.grid
     assert gx == ceil_div(n, params["Br"]) and gx * params["Br"] >= n > (gx - 1) * params["Br"]

@@ -162,7 +162,7 @@ def test_elem_codes_match_common_cuh():
 def test_tensor_map_data_types():
     from cuda.bindings import driver
 
-    from tuner.tma import TmaError, _data_type, _encode
+    from tuner.kernel_templates.sm90_tma import TmaError, _data_type, _encode
 
     kinds = driver.CUtensorMapDataType
     assert _data_type(torch.float8_e4m3fn) == kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8  # the map only moves bytes

@@ -123,7 +123,7 @@ def _run_inputs(family, params, problem, q, k, v, with_lse=False, sync=True, out
 
     gpu = detect()
     ck = compile_kernel(family, params, problem, gpu.arch)
-    launch = family.launch(params, problem)
+    launch = family.launch(params, problem, gpu)
     launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, family.param_kinds(params))
     o, lse = out if out is not None else poisoned_outputs(problem, q)
     launch_on(launcher, gpu.index, *family.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim)))
@@ -169,7 +169,7 @@ def test_sm90_persistent_scheduler_repeats_and_streams(causal, dtype):
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.reference import compare
-    from tuner.tile_counter import tile_counter
+    from tuner.kernel_templates.sm90_tile_counter import tile_counter
 
     fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
     # more work tiles than SMs, so most of them come from the counter
@@ -299,7 +299,7 @@ def test_sm90_chained_work_tiles(dtype, causal):
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.reference import compare
-    from tuner.tile_counter import tile_counter
+    from tuner.kernel_templates.sm90_tile_counter import tile_counter
 
     fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
     kvh = rng.choice([2, 4])

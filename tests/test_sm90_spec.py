@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tuner.family import ceil_div
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
-from tuner.kernel_templates.flash_fwd_sm90 import sm_count
+
+H100_PCIE = replace(H100_SXM, name="NVIDIA H100 PCIe", sm_count=114)
 
 SM90 = get_family("flash_fwd_sm90")
 BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0, tma_store=0, chain=0)
@@ -110,7 +113,8 @@ def test_hopper_only():
 def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
     p = problem(64, n=n)
     tiles = ceil_div(n, 64 * cwg)
-    grid = SM90.launch(pt(cwg=cwg, persistent=0), p)
+    grid = SM90.launch(pt(cwg=cwg, persistent=0), p, H100_SXM)
     assert grid.grid == (tiles, p.batch * p.heads, 1) and grid.block == (128 * (cwg + 1), 1, 1)
-    persistent = SM90.launch(pt(cwg=cwg, persistent=1), p)
-    assert persistent.grid == (min(tiles * p.batch * p.heads, sm_count()), 1, 1)
+    for gpu in (H100_SXM, H100_PCIE):   # one CTA per SM of the GPU it runs on: 132, or 114
+        persistent = SM90.launch(pt(cwg=cwg, persistent=1), p, gpu)
+        assert persistent.grid == (min(tiles * p.batch * p.heads, gpu.sm_count), 1, 1)

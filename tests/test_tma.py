@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tuner.tma import TmaError, _encode
+from tuner.kernel_templates.sm90_tma import TmaError, _encode
 
 
 def test_last_dim_must_be_contiguous():
@@ -26,7 +26,7 @@ def test_ctypes_encoder_gives_the_bindings_map():
     encode the same 128 bytes, on random views, dtypes and boxes."""
     import random
 
-    from tuner import tma
+    from tuner.kernel_templates import sm90_tma as tma
 
     assert tma._fast_encoder() is not None
     rng = random.Random()

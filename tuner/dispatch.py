@@ -165,7 +165,7 @@ class Dispatcher:
         fam, params = FAMILIES[entry["family"]], entry["params"]
         try:  # a looked-up config that fails to compile or load falls back like a missing one
             ck = compile_kernel(fam, params, problem, gpu.arch)
-            launch = fam.launch(params, problem)
+            launch = fam.launch(params, problem, gpu)
             launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, fam.param_kinds(params))
         except Exception as exc:
             return Plan(None, None, f"the tuned {fam.name} config for {problem.bucket().key} on {gpu.key} "

@@ -131,7 +131,9 @@ class KernelFamily(ABC):
     def smem_bytes(self, params: dict, problem: Problem) -> int: ...
 
     @abstractmethod
-    def launch(self, params: dict, problem: Problem) -> Launch: ...
+    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
+        """Grid, block and dynamic shared memory of one point on `gpu` (a persistent grid is sized
+        by its SM count)."""
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         """The kernel's parameters by kind (launch.PARAM_KINDS): the shared attention ABI; a family

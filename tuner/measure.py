@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .family import KernelFamily
+from .gpu import GpuSpec
 from .launch import LaunchError, LoadedKernel, launch_on, raw_stream
 from .peers import SDPA_BACKENDS, peer_dtype
 from .problem import Problem, torch_dtype
@@ -57,10 +58,11 @@ Prepared = tuple[Callable[[], None] | None, Measurement]  # (what to time, or No
 
 
 def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
-                   seed: int, device_index: int = 0) -> Prepared:
+                   seed: int, gpu: GpuSpec) -> Prepared:
     """Load and launch the candidate once, and check its output against the fp64 reference."""
     base = dict(resources=ck.resources, compile_seconds=ck.compile_seconds)
-    launch = family.launch(params, problem)
+    launch = family.launch(params, problem, gpu)
+    device_index = gpu.index
     try:
         launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, family.param_kinds(params))
     except LaunchError as exc:
@@ -132,8 +134,8 @@ def measure_prepared(prepared: dict[str, Prepared], problem: Problem, timer: Tim
 
 
 def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
-                   timer: Timer, seed: int, device_index: int = 0) -> Measurement:
-    return measure_prepared({"": prepare_kernel(family, params, problem, ck, seed, device_index)}, problem, timer)[""]
+                   timer: Timer, seed: int, gpu: GpuSpec) -> Measurement:
+    return measure_prepared({"": prepare_kernel(family, params, problem, ck, seed, gpu)}, problem, timer)[""]
 
 
 def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Measurement:
@@ -141,10 +143,9 @@ def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Mea
 
 
 def measure_side_by_side(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
-                         backends: tuple[str, ...], timer: Timer, seed: int,
-                         device_index: int = 0) -> SideBySide:
+                         backends: tuple[str, ...], timer: Timer, seed: int, gpu: GpuSpec) -> SideBySide:
     """The candidate and the SDPA peers on the same inputs, timed in turns (docs/benchmarks.md's method)."""
-    prepared = {"": prepare_kernel(family, params, problem, ck, seed, device_index)}
+    prepared = {"": prepare_kernel(family, params, problem, ck, seed, gpu)}
     prepared |= {b: prepare_peer(b, problem, seed) for b in backends}
     out = measure_prepared(prepared, problem, timer)
     return SideBySide(out.pop(""), out)

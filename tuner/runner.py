@@ -63,7 +63,7 @@ class GpuRunner:
         ck = self._compile(family, params, problem)
         if isinstance(ck, Measurement):
             return ck
-        return self._stamp(self._worker.run(Job("kernel", problem, self._seed(), family.name, params, ck)), ck)
+        return self._stamp(self._worker.run(Job("kernel", problem, self._seed(), family.name, params, ck, gpu=self.gpu)), ck)
 
     def peer(self, backend: str, problem: Problem) -> Measurement:
         from .worker import Job
@@ -80,7 +80,8 @@ class GpuRunner:
         ck = self._compile(family, params, problem)
         if isinstance(ck, Measurement):
             return SideBySide(ck)
-        r = self._worker.run(Job("bench", problem, self._seed(), family.name, params, ck, backends=backends),
+        r = self._worker.run(Job("bench", problem, self._seed(), family.name, params, ck, backends=backends,
+                                 gpu=self.gpu),
                              timeout=self._worker.timeout * (1 + len(backends)))
         if isinstance(r, Measurement):  # the worker was lost: nothing was timed beside the kernel
             r = SideBySide(r)

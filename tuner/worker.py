@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from .gpu import GpuSpec
 from .problem import Problem
 from .records import CompiledKernel, Measurement, SideBySide
 
@@ -27,6 +28,7 @@ class Job:
     compiled: CompiledKernel | None = None
     backend: str = ""
     backends: tuple[str, ...] = ()
+    gpu: GpuSpec | None = None   # where a kernel runs: its launch geometry is sized for it
 
 
 def _serve(conn, device_index: int, l2_bytes: int) -> None:
@@ -49,10 +51,10 @@ def _serve(conn, device_index: int, l2_bytes: int) -> None:
         try:
             if job.kind == "kernel":
                 m = measure_kernel(get_family(job.family), job.params, job.problem, job.compiled, timer,
-                                   job.seed, device_index)
+                                   job.seed, job.gpu)
             elif job.kind == "bench":
                 m = measure_side_by_side(get_family(job.family), job.params, job.problem, job.compiled,
-                                         job.backends, timer, job.seed, device_index)
+                                         job.backends, timer, job.seed, job.gpu)
             else:
                 m = measure_peer(job.backend, job.problem, timer, job.seed)
         except DeviceFault as exc:

@@ -1,4 +1,4 @@
-"""Tensor maps (TMA descriptors) for the Hopper family, built on the host.
+"""flash_fwd_sm90: tensor maps (TMA descriptors), built on the host.
 
 The kernel takes each map by value, as a `__grid_constant__` parameter (as FlashAttention-3
 passes them), so a map travels in the launch's own parameter buffer: no device memory, no
@@ -118,7 +118,7 @@ _fast: list = []
 def _fast_encoder() -> _CtypesEncoder | None:
     """The ctypes encoder where the driver library loads by name (Linux), else None."""
     if not _fast:
-        from .launch import driver_library
+        from tuner.launch import driver_library
 
         lib = driver_library()
         _fast.append(_CtypesEncoder(lib) if lib is not None else None)

@@ -1,4 +1,4 @@
-"""Work counters for the persistent kernels' dynamic tile scheduler, one per device and stream.
+"""flash_fwd_sm90: work counters for the persistent kernels' dynamic tile scheduler, one per device and stream.
 
 Launches on one stream run in order, so a counter that the kernel resets as it finishes
 (kernel_templates/tile_scheduler.cuh) is ready for the next launch with no memset in between;
@@ -17,7 +17,7 @@ def tile_counter(device):
     """Two zeroed int32 words on `device` for torch's current stream there (made on first use)."""
     import torch
 
-    from .launch import raw_stream
+    from tuner.launch import raw_stream
 
     key = (device.index, raw_stream(device.index))
     buf = _counters.get(key)
