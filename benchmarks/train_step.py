@@ -100,7 +100,6 @@ def main(argv=None) -> int:
         rows.append(row)
         dispatch.default()._plans.clear()
         print(json.dumps(row), flush=True)
-        del x, w_qkv, w_out, up, qkv0, grad_o, fns
         torch.cuda.empty_cache()
 
     print(f"\n{gpu.name}: forward + backward, bf16, ms per step (median); ratio = best SDPA / flashtune")

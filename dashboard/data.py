@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.db import queries
-from tuner.db.engine import (SCHEMA_VERSION, DatabaseError, default_url, masked, open_readonly,
+from tuner.db.engine import (DatabaseError, default_url, masked, open_readonly,
                              readonly_sqlite_kwargs, session_factory, sqlite_path)
 from tuner.export import build_lookup, default_lookup_path, read_lookup
 

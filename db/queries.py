@@ -163,23 +163,29 @@ def _joined() -> Select[tuple[MeasurementRow]]:
 
 
 def find_measurement(
-    s: Session, gpu_key: str, problem_key: str, family: str, params: dict, versions_key: str
+    s: Session, gpu_key: str, problem_key: str, family: str, params: dict, versions_key: str | None
 ) -> Measurement | None:
-    """The latest stored measurement of exactly this point under these versions, of any status.
+    """The latest stored measurement of exactly this point under these versions (None: any
+    versions, as a replay asks), of any status: one indexed query, whatever the database holds.
 
     Every status answers, crash and timeout included: the caller decides whether a failure is
     worth retrying (e.g. `--retry-failed`); by default a point measured once is not measured again.
     """
+    where = [GpuRow.key == gpu_key, ProblemRow.key == problem_key, ConfigRow.family == family,
+             ConfigRow.params_json == params_key(params)]
+    if versions_key is not None:
+        where.append(MeasurementRow.versions_key == versions_key)
     row = s.scalar(
-        _joined()
-        .where(
-            GpuRow.key == gpu_key, ProblemRow.key == problem_key, ConfigRow.family == family,
-            ConfigRow.params_json == params_key(params), MeasurementRow.versions_key == versions_key,
-        )
-        .order_by(MeasurementRow.created_at.desc(), MeasurementRow.id.desc())
-        .limit(1)
+        _joined().where(*where).order_by(MeasurementRow.created_at.desc(), MeasurementRow.id.desc()).limit(1)
     )
     return None if row is None else _to_measurement(row)
+
+
+def record_peers(s: Session, gpu: GpuSpec, problem: Problem, peers: dict[str, Measurement],
+                 run_id: str | None = None) -> None:
+    """Store the SDPA peers measured for `problem` (each as a config {} of its family)."""
+    for backend, m in peers.items():
+        record_measurement(s, gpu, problem, backend, {}, m, run_id=run_id)
 
 
 def update_best(s: Session, gpu_key: str, problem_key: str, family: str) -> BestRow | None:
@@ -226,7 +232,14 @@ def update_best(s: Session, gpu_key: str, problem_key: str, family: str) -> Best
     return best
 
 
-def best_rows(s: Session, gpu_key: str | None = None) -> list[BestEntry]:
+def best_row(s: Session, gpu_key: str, family: str, problem_key: str) -> BestEntry | None:
+    """The stored best of one (GPU, family, problem), found by the database, not by reading them all."""
+    rows = best_rows(s, gpu_key, family=family, problem_key=problem_key)
+    return rows[0] if rows else None
+
+
+def best_rows(s: Session, gpu_key: str | None = None, *, family: str | None = None,
+              problem_key: str | None = None) -> list[BestEntry]:
     q = (
         select(BestRow, GpuRow, ProblemRow, ConfigRow)
         .join(GpuRow, BestRow.gpu_id == GpuRow.id)
@@ -236,6 +249,10 @@ def best_rows(s: Session, gpu_key: str | None = None) -> list[BestEntry]:
     )
     if gpu_key is not None:
         q = q.where(GpuRow.key == gpu_key)
+    if family is not None:
+        q = q.where(BestRow.family == family)
+    if problem_key is not None:
+        q = q.where(ProblemRow.key == problem_key)
     return [
         BestEntry(
             gpu_key=g.key, family=b.family, problem=_to_problem(p), bucket_key=b.bucket_key,

@@ -299,3 +299,26 @@ def test_migrate_upgrades_an_existing_database_and_creates_none(cli, tmp_path):
     out = cli("migrate", "--db", url)
     assert out.code == 0, out.stderr
     assert cli("export", "-o", str(tmp_path / "x.json"), "--db", url).code == 0
+
+
+def test_bench_replays_a_recording(cli, tmp_path):
+    """`tuner bench --replay`: the recording's stored best and peers, through the same runner
+    interface as the GPU's, every row stored under one run in --db, the JSON rows as on a GPU."""
+    import json
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "h100_simt.db"
+    before = fixture.read_bytes()
+    db = f"sqlite:///{tmp_path / 'bench.db'}"
+    out = cli("bench", "--replay", str(fixture), "--shape", "2,4,512,64,causal", "--db", db, "--json",
+              str(tmp_path / "bench.json"))
+    assert out.code == 0, out.text
+    assert "B2-H4-N512-D64-fp32-causal" in out.stdout and "efficient" in out.stdout
+    assert fixture.read_bytes() == before   # the recording is only read
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["family"] == "flash_fwd_simt" and rows[0]["tuned_tflops"] > 0
+    assert rows[0]["sdpa_efficient_tflops"] > 0 and rows[0]["sdpa_math_tflops"] > 0
+    with session_factory(make_engine(db))() as s:
+        got = queries.measurements(s)
+    assert {r["family"] for r in got} == {"flash_fwd_simt", "sdpa_efficient", "sdpa_math"}
+    assert len({r["run_id"] for r in got}) == 1   # one bench, one run

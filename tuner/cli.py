@@ -176,7 +176,7 @@ def search(
     from .db.engine import make_engine, masked, session_factory
     from .export import existing_lookup, lookup_from_db, publish_lookup
     from .kernel_templates import FAMILIES  # noqa: F401  (a bad TUNER_EXTRA_FAMILIES is one line here, first)
-    from .runner import GpuRunner, ReplayRunner
+    from .runner import ReplayRunner
     from .search import Search
 
     problems = _problems(shape, dtype, max_error)
@@ -184,12 +184,7 @@ def search(
     target = _search_lookup(lookup, db, replay, url)
     if target is not None:
         existing_lookup(target)  # a file that is no lookup (the database, say) is refused before any trial
-    if replay:
-        runner = ReplayRunner(replay if "://" in replay else f"sqlite:///{Path(replay).resolve()}")
-    else:
-        from .gpu import detect
-
-        runner = GpuRunner(detect(gpu), candidate_timeout)
+    runner = _runner(gpu, replay, candidate_timeout)
     try:
         plan = [(p, f) for p in problems for f in _families(_value(family), runner.gpu, p)]
         if isinstance(runner, ReplayRunner):
@@ -241,6 +236,17 @@ def search(
                   f"(merged: {len(merged['entries'])} in all)", highlight=False, markup=False)
 
 
+def _runner(gpu: str, replay: Optional[str], candidate_timeout: float = 60.0):
+    """The GPU runner of `--gpu`, or a replay of the recording `--replay` names (a URL or a file)."""
+    from .runner import GpuRunner, ReplayRunner
+
+    if replay:
+        return ReplayRunner(replay if "://" in replay else f"sqlite:///{Path(replay).resolve()}")
+    from .gpu import detect
+
+    return GpuRunner(detect(gpu), candidate_timeout)
+
+
 def _search_lookup(lookup: Optional[Path], db: Optional[str], replay: Optional[str], url: str) -> Optional[Path]:
     """Where a search merges its best configs: --lookup if given; else the default lookup, but only
     for a search of the default database that is not a replay (a trial run never touches it)."""
@@ -283,46 +289,30 @@ def bench(
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     peer: list[str] = typer.Option([], "--peer", help="only these SDPA peers (e.g. sdpa_flash); repeatable"),
+    replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB (URL or file), its "
+                                                                "stored bests included, instead of a GPU"),
 ) -> None:
     """Re-time the tuned best of each problem and the SDPA peers in turns, on the same inputs."""
+    from .bench import Bench
     from .db import queries
     from .db.engine import make_engine, session_factory
-    from .gpu import detect
-    from .kernel_templates import get_family
-    from .records import Measurement
-    from .runner import GpuRunner
-    from .peers import PEERS_BY_DTYPE, SDPA_BACKENDS, peer_dtype
-    from .search import ProblemResult, Search
+    from .peers import SDPA_BACKENDS, peer_dtype
 
     family = _value(family)
-
     if unknown := [x for x in peer if x not in SDPA_BACKENDS]:
         raise typer.BadParameter(f"unknown peer {unknown[0]!r}; known: {', '.join(SDPA_BACKENDS)}", param_hint="--peer")
     problems = _problems(shape, dtype, max_error)
-    g = detect(gpu)
-    url = _db_url(db)
-    sessions = session_factory(make_engine(url))
-    runner = GpuRunner(g)
+    runner = _runner(gpu, replay)
+    g = runner.gpu
+    sessions = session_factory(make_engine(_db_url(db)))
+    bests = runner.sessions if replay else sessions   # a replay's bests are the recording's
     results = []
     try:
-        s = Search(runner, sessions, url)
-        with sessions() as session:
+        b = Bench(runner, sessions)
+        with bests() as session:
             best = _runnable_best(queries.best_rows(session, g.key), g, family)
         for p in problems:
-            b = best.get(p.key)
-            r = ProblemResult(p, b.family if b else "-", "")
-            backends = tuple(peer) or PEERS_BY_DTYPE[p.dtype]
-            if b is not None:  # timed in turns with the peers, on the same inputs
-                fam = get_family(b.family)
-                side = runner.bench(fam, b.params, p, backends)
-                m = side.kernel
-                with sessions.begin() as session:
-                    queries.record_measurement(session, g, p, fam.name, b.params, m, run_id=s.run_id)
-                s.record_peers(p, side.peers)
-                r.best_params, r.peers = b.params, side.peers
-                r.best = m if m.ok else Measurement("ok", median_ms=b.median_ms, tflops=None)
-            else:
-                r.peers = s.measure_peers(p, backends)
+            r = b.best(p, best.get(p.key), tuple(peer) or None)
             results.append(r)
             console.print(f"{p.key}: {r.best.tflops if r.best and r.best.tflops else float('nan'):.1f} TFLOP/s")
     finally:

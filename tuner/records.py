@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
+import uuid
 from dataclasses import asdict, dataclass, field
+
+from .problem import Problem
 
 # The status words of docs/architecture.md; every candidate ends in exactly one of them.
 STATUSES = ("ok", "invalid", "compile_error", "wrong_result", "launch_error", "crash", "timeout")
@@ -89,3 +93,22 @@ class SideBySide:
 def versions_key(versions: dict) -> str:
     """Measurements are reused only under the same driver, NVRTC, torch and tuner versions."""
     return short_hash(params_key(versions))
+
+
+@dataclass
+class ProblemResult:
+    """What a search or a bench found for one problem: the best config and its figure, the peers."""
+
+    problem: Problem
+    family: str
+    study_name: str
+    best_params: dict | None = None
+    best: Measurement | None = None
+    peers: dict[str, Measurement] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    reused: int = 0
+
+
+def new_run_id() -> str:
+    """The id every row of one search or bench run is stored under."""
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]

@@ -13,7 +13,7 @@ from .compile import CompileError, compile_kernel
 from .family import KernelFamily
 from .gpu import GpuSpec
 from .problem import Problem
-from .records import CompiledKernel, Measurement, SideBySide, params_key
+from .records import CompiledKernel, Measurement, SideBySide
 
 
 class Runner(Protocol):
@@ -25,6 +25,10 @@ class Runner(Protocol):
         """None means "this runner cannot answer" (a replay miss); nothing is recorded then."""
 
     def peer(self, backend: str, problem: Problem) -> Measurement | None: ...
+
+    def bench(self, family: KernelFamily, params: dict, problem: Problem,
+              backends: tuple[str, ...]) -> SideBySide | None:
+        """The point and the peers timed in turns on the same inputs (None: a replay miss)."""
 
     def close(self) -> None: ...
 
@@ -108,9 +112,9 @@ class ReplayRunner:
         from .db import queries
         from .db.engine import masked, open_readonly, session_factory
 
-        self._session = session_factory(open_readonly(url))  # never writes to the recording
+        self.sessions = session_factory(open_readonly(url))  # never writes to the recording
         self.source = masked(url)
-        with self._session() as s:
+        with self.sessions() as s:
             gpus = queries.list_gpus(s)
         if not gpus:
             raise ValueError(f"the replay database {self.source} holds no measurements")
@@ -125,13 +129,13 @@ class ReplayRunner:
         other would only miss, so the CLI refuses it up front."""
         from .db import queries
 
-        with self._session() as s:
+        with self.sessions() as s:
             return queries.measured_families(s, self.gpu.key, problem.key)
 
     def recorded_problems(self) -> list[str]:
         from .db import queries
 
-        with self._session() as s:
+        with self.sessions() as s:
             return [p.key for p in queries.list_problems(s, self.gpu.key)]
 
     def versions(self) -> dict:
@@ -140,16 +144,10 @@ class ReplayRunner:
     def _latest(self, family: str, params: dict, problem: Problem) -> Measurement | None:
         from .db import queries
 
-        with self._session() as s:
-            rows = queries.measurements(s, gpu_key=self.gpu.key, family=family, problem_key=problem.key)
-        want = params_key(params)
-        hits = [r for r in rows if params_key(r["params"]) == want]
-        if not hits:
-            return None
-        r = max(hits, key=lambda r: (r["created_at"], r["id"]))
-        fields = Measurement.__dataclass_fields__
-        m = Measurement(**{k: r[k] for k in fields if k in r and k not in ("resources", "versions")})
-        m.versions = self._versions
+        with self.sessions() as s:
+            m = queries.find_measurement(s, self.gpu.key, problem.key, family, params, None)
+        if m is not None:
+            m.versions = self._versions
         return m
 
     def measure(self, family: KernelFamily, params: dict, problem: Problem) -> Measurement | None:
@@ -159,6 +157,16 @@ class ReplayRunner:
 
     def peer(self, backend: str, problem: Problem) -> Measurement | None:
         return self._latest(backend, {}, problem)
+
+    def bench(self, family: KernelFamily, params: dict, problem: Problem,
+              backends: tuple[str, ...]) -> SideBySide | None:
+        """What was recorded for the point and each peer (none of them timed beside the others
+        here, unless the recording was a bench)."""
+        kernel = self.measure(family, params, problem)
+        if kernel is None:
+            return None
+        peers = {b: m for b in backends if (m := self.peer(b, problem)) is not None}
+        return SideBySide(kernel, peers)
 
     def close(self) -> None:
         pass

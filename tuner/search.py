@@ -10,10 +10,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import optuna
@@ -24,9 +23,10 @@ from . import interrupts
 from .choices import SAMPLERS
 from .db import queries
 from .family import KernelFamily
+from .bench import Bench
 from .peers import PEERS_BY_DTYPE
 from .problem import Problem
-from .records import Measurement, params_key, versions_key
+from .records import Measurement, ProblemResult, new_run_id, params_key, versions_key
 from .runner import Runner
 
 ASK_LIMIT_FACTOR = 20  # asks per wanted trial before giving up on a space that is mostly invalid
@@ -50,26 +50,10 @@ class Progress:
     wanted: int
 
 
-@dataclass
-class ProblemResult:
-    problem: Problem
-    family: str
-    study_name: str
-    best_params: dict | None = None
-    best: Measurement | None = None
-    peers: dict[str, Measurement] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-    reused: int = 0
-
-
 def study_name(gpu_key: str, family: str, problem_key: str) -> str:
     """Optuna's name for one study. Only ever built from its three parts, never split again: the
     study's user attrs and the database's columns carry them separately (a GPU name may hold "|")."""
     return f"{gpu_key}|{family}|{problem_key}"
-
-
-def new_run_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
 class Search:
@@ -82,6 +66,7 @@ class Search:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
         self.seed, self.sampler, self.observer = seed, sampler, observer or (lambda p: None)
         self.run_id = run_id or new_run_id()
+        self.bench = Bench(runner, sessions, self.run_id)   # the peers, measured and stored under this run
         self.gpu = runner.gpu
         # A stored failure (crash, timeout, launch or compile error, wrong result) normally answers
         # for its point; after fixing its cause (a driver, a host-side bug) the user asks again.
@@ -202,8 +187,7 @@ class Search:
 
     def _best_entry(self, family: KernelFamily, problem: Problem) -> queries.BestEntry | None:
         with self.sessions() as s:
-            return next((b for b in queries.best_rows(s, self.gpu.key)
-                         if b.family == family.name and b.problem.key == problem.key), None)
+            return queries.best_row(s, self.gpu.key, family.name, problem.key)
 
     def _best_tflops(self, family: KernelFamily, problem: Problem) -> float | None:
         best = self._best_entry(family, problem)
@@ -217,24 +201,7 @@ class Search:
 
     # ---- the peers, measured in this run ----
     def measure_peers(self, problem: Problem, backends: tuple[str, ...] | None = None) -> dict[str, Measurement]:
-        with interrupts.deferred():
-            return self._measure_peers(problem, backends)
-
-    def _measure_peers(self, problem: Problem, backends: tuple[str, ...] | None) -> dict[str, Measurement]:
-        out = {}
-        for backend in backends or PEERS_BY_DTYPE[problem.dtype]:
-            interrupts.checkpoint()
-            with interrupts.allowed():
-                m = self.runner.peer(backend, problem)
-            if m is not None:
-                out[backend] = m
-        self.record_peers(problem, out)
-        return out
-
-    def record_peers(self, problem: Problem, peers: dict[str, Measurement]) -> None:
-        with self.sessions.begin() as s:
-            for backend, m in peers.items():
-                queries.record_measurement(s, self.gpu, problem, backend, {}, m, run_id=self.run_id)
+        return self.bench.peers(problem, backends)
 
 
 def optuna_storage(url: str) -> optuna.storages.RDBStorage:
