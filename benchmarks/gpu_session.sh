@@ -2,10 +2,12 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|all]...
 # `tests` runs `pytest -m gpu` as three processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
-# train_step.py (host cost per call; forward + backward step time), each alone on the GPU.
+# train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
+# re-times the committed grid configs (benchmarks/results_db.py) with `tuner bench` (GRID_DTYPE=bf16
+# for one dtype).
 # Narrowing for a short session: PYTEST_K (a pytest -k expression for the tests step),
 # TUNE_ARGS (replaces `--gpu auto` for precompile, search and bench; e.g. "--gpu auto --dtype bf16"),
 # TRIALS (per problem, default 30).
@@ -35,6 +37,10 @@ for step in $steps; do
                    ${PYTEST_K:+-k "$PYTEST_K"} $g > "$OUT/pytest_gpu_$i.log" 2>&1 &
                done; wait
                tail -n 3 "$OUT"/pytest_gpu_*.log; grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest_gpu_*.log ;;&
+    grid) python3 benchmarks/results_db.py benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json \
+            sqlite:////tmp/flashtune/grid.db ${GRID_DTYPE:+--dtype $GRID_DTYPE}
+          tuner bench --db sqlite:////tmp/flashtune/grid.db ${GRID_DTYPE:+--dtype $GRID_DTYPE} --peer sdpa_flash \
+            --peer sdpa_cudnn --json "$OUT/grid.json" 2>&1 | tee "$OUT/grid.log" ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
