@@ -5,6 +5,8 @@ compile-test problems, as JSON: what a refactor of the kernel must leave as it w
 
 --templates compiles the kernel sources of another checkout (e.g. a `git worktree` of the commit
 before a change), with this checkout's family spec. No GPU needed (NVRTC for sm_90a).
+tests/fixtures/sm90_seed_resources.json is its output before the kernel was split by roles, and
+tests/test_compile.py checks every seed against it (through `problems`, `seeds` and `resources`).
 """
 
 from __future__ import annotations
@@ -37,9 +39,8 @@ def _use_templates(folder: str | None) -> None:
     family.template_text.cache_clear()
 
 
-def _one(args) -> tuple[str, dict]:
-    folder, problem, params = args
-    _use_templates(folder)
+def resources(problem, params: dict) -> tuple[str, dict]:
+    """The record's key of one seed on one problem, and what ptxas reported for it."""
     from tuner.compile import compile_kernel
     from tuner.gpu import H100_SXM
     from tuner.kernel_templates import get_family
@@ -51,12 +52,23 @@ def _one(args) -> tuple[str, dict]:
                                                         dynamic_smem=r.dynamic_smem)
 
 
-def seed_points() -> list[tuple]:
+def _one(args) -> tuple[str, dict]:
+    folder, problem, params = args
+    _use_templates(folder)
+    return resources(problem, params)
+
+
+def seeds(problem) -> list[dict]:
+    """The family's seeds that are valid on `problem` (on the H100)."""
     from tuner.gpu import H100_SXM
     from tuner.kernel_templates import get_family
 
     fam = get_family("flash_fwd_sm90")
-    return [(p, s) for p in problems() for s in fam.seeds(H100_SXM, p) if fam.check(s, H100_SXM, p) is None]
+    return [s for s in fam.seeds(H100_SXM, problem) if fam.check(s, H100_SXM, problem) is None]
+
+
+def seed_points() -> list[tuple]:
+    return [(p, s) for p in problems() for s in seeds(p)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,9 @@ workers (conftest), so the default configs below are cache hits after the sweep.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -207,8 +209,20 @@ def test_mma_sm90a_sass_uses_tensor_cores(tmp_path):
 
 
 SM90 = get_family("flash_fwd_sm90")
-SM90_PROBLEMS = [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128, 256) for dt in ("fp16", "bf16", "fp8")
-                 for c in (False, True)]
+
+
+def _load_seed_resources():
+    """benchmarks/seed_resources.py, the one home of the sm90 seed problems and of their resource record."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "seed_resources.py"
+    spec = importlib.util.spec_from_file_location("seed_resources", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SEED_RESOURCES = _load_seed_resources()
+SM90_PROBLEMS = SEED_RESOURCES.problems()
+SM90_RECORD = Path(__file__).parent / "fixtures" / "sm90_seed_resources.json"
 
 
 @pytest.mark.parametrize("problem", SM90_PROBLEMS, ids=lambda p: p.key)
@@ -216,7 +230,7 @@ def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
     """The seeded Hopper configs: both products on wgmma (HGMMA, QGMMA for e4m3), tiles by TMA (UTMALDG), the
     register split honoured (no C7508 warning), no spills, no local memory in the SASS, the
     tile scheduler's atomic exactly in the persistent ones, and O stored by TMA exactly where asked."""
-    seeds = [s for s in SM90.seeds(H100_SXM, problem) if SM90.check(s, H100_SXM, problem) is None]
+    seeds = SEED_RESOURCES.seeds(problem)
     assert seeds and seeds[0] == SM90.default(H100_SXM, problem)
     assert SM90.supports(A100_SXM, problem) is not None  # Hopper only
     for params in seeds:
@@ -242,6 +256,19 @@ def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
             assert re.search(r"\bUTMASTG(\.\w+)*\b", sass) and re.search(r"\bSTSM(\.\w+)*\b", sass), params
         else:
             assert not re.search(r"\bUTMASTG", sass) and re.search(r"\bSTG\.E\.128\b", sass), params
+
+
+@pytest.mark.parametrize("problem", SM90_PROBLEMS, ids=lambda p: p.key)
+def test_sm90_seed_resources_match_the_record(problem):
+    """ptxas's registers, spills, stack and shared memory of every seed are those recorded before the
+    kernel was split by roles (benchmarks/seed_resources.py -o regenerates the record after a change
+    that is meant to move them)."""
+    record = json.loads(SM90_RECORD.read_text())
+    expected = {key: r for key, r in record.items() if key.split(" ", 1)[0] == problem.key}
+    got = dict(SEED_RESOURCES.resources(problem, params) for params in SEED_RESOURCES.seeds(problem))
+    assert got.keys() == expected.keys(), "the seeds are not the recorded ones"
+    differ = {key: {"recorded": expected[key], "now": r} for key, r in got.items() if r != expected[key]}
+    assert not differ, f"ptxas's resources moved: {json.dumps(differ, indent=1)}"
 
 
 # ---- the compile cache ----
