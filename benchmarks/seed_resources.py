@@ -5,8 +5,9 @@ compile-test problems, as JSON: what a refactor of the kernel must leave as it w
 
 --templates compiles the kernel sources of another checkout (e.g. a `git worktree` of the commit
 before a change), with this checkout's family spec. No GPU needed (NVRTC for sm_90a).
-tests/fixtures/sm90_seed_resources.json is its output before the kernel was split by roles, and
+tests/fixtures/sm90_seed_resources.json is its output for the current kernel, and
 tests/test_compile.py checks every seed against it (through `problems`, `seeds` and `resources`).
+Run it where the package is installed (`pip install -e .`): the kernel sources resolve through it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ FT_DEVICE void mbar_wait(unsigned long long* bar, unsigned parity) {
 // A map is a kernel parameter passed by value (`const __grid_constant__ TmaMap`), so it lives in
 // parameter space: the launch carries it, and no fence is needed before the copy engine reads it.
 struct alignas(64) TmaMap {
-  unsigned long long opaque[16];   // a CUtensorMap, encoded on the host (tuner/tma.py)
+  unsigned long long opaque[16];   // a CUtensorMap, encoded on the host (kernel_templates/sm90_tma.py)
 };
 // Brings a map into the copy engine's descriptor cache ahead of its first use.
 FT_DEVICE void tmap_prefetch(const TmaMap& tmap) {

@@ -260,9 +260,9 @@ def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
 
 @pytest.mark.parametrize("problem", SM90_PROBLEMS, ids=lambda p: p.key)
 def test_sm90_seed_resources_match_the_record(problem):
-    """ptxas's registers, spills, stack and shared memory of every seed are those recorded before the
-    kernel was split by roles (benchmarks/seed_resources.py -o regenerates the record after a change
-    that is meant to move them)."""
+    """ptxas's registers, spills, stack and shared memory of every seed are the recorded ones: a change
+    to the kernel's structure must not move them unnoticed (benchmarks/seed_resources.py -o regenerates
+    the record after a change that is meant to, its diff then shows what moved)."""
     record = json.loads(SM90_RECORD.read_text())
     expected = {key: r for key, r in record.items() if key.split(" ", 1)[0] == problem.key}
     got = dict(SEED_RESOURCES.resources(problem, params) for params in SEED_RESOURCES.seeds(problem))
