@@ -3,20 +3,27 @@
 The kernel takes each map by value, as a `__grid_constant__` parameter (as FlashAttention-3
 passes them), so a map travels in the launch's own parameter buffer: no device memory, no
 host-to-device copy, nothing to keep alive after the launch, and a CUDA graph captures the map
-with the launch. Maps depend only on a tensor's address, shape, strides and the box, so they are
-cached on exactly that: a hit costs one dict lookup, a miss one cuTensorMapEncodeTiled.
+with the launch.
+
+A map depends on a tensor's address, shape, strides and the box. A model's activations come at
+new addresses every step, and one cuTensorMapEncodeTiled costs 3-10 us, so a geometry (all but
+the address) is encoded once and a new address is patched into its map: the driver's encoding of
+the address is learnt from encodings at other addresses and must reproduce further encodings
+exactly before any patched map is used (`AddressField`); where it does not (an unknown driver's
+layout) every new address is encoded, through a cache keyed on it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
 
 TMAP_BYTES = 128
 O_BOX_ROWS = 16   # a TMA-stored O box: one consumer warp's rows
 NO_MAP = bytes(TMAP_BYTES)   # for a map parameter the kernel does not read
-# Entries are 128-byte strings: a model's activations cycle through a bounded set of addresses
-# (torch's caching allocator), and 4096 of them cost half a megabyte.
+# Where the address field is unknown, maps by address: 128-byte strings, 4096 of them half a megabyte.
 _CACHE_SIZE = 4096
 _cache: OrderedDict[tuple, bytes] = OrderedDict()
 _lock = threading.Lock()
@@ -38,10 +45,11 @@ def _data_type(dtype):
     return getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{kinds[dtype]}")
 
 
-def _encode(t, box_rows: int, box_cols: int) -> bytes:
-    """One map over a (B, H, N, D) view: dims (D, N, H, B) innermost first, a box of
-    [box_rows x box_cols] elements, swizzled as wide as a box row (128 bytes: 64 16-bit or 128 e4m3
-    columns; 64 bytes: e4m3 at d=64), rows past N read as zeros."""
+def _geometry(t, box_rows: int, box_cols: int) -> tuple:
+    """What a map of a (B, H, N, D) view depends on besides its address, checked: dims (D, N, H, B)
+    innermost first, byte strides, the box of [box_rows x box_cols] elements, swizzled as wide as a
+    box row (128 bytes: 64 16-bit or 128 e4m3 columns; 64 bytes: e4m3 at d=64); rows past N read as
+    zeros."""
     from cuda.bindings import driver
 
     kind = _data_type(t.dtype)
@@ -53,24 +61,44 @@ def _encode(t, box_rows: int, box_cols: int) -> bytes:
         raise TmaError(f"a box row must be 64 or 128 bytes, not {box_cols} x {esize}")
     if t.stride(3) != 1:
         raise TmaError("the last dimension must be contiguous")
-    strides = [t.stride(2) * esize, t.stride(1) * esize, t.stride(0) * esize]
-    if t.data_ptr() % 16 or any(s % 16 for s in strides):
-        raise TmaError(f"TMA needs 16-byte aligned data and strides, got {t.data_ptr() % 16} / {strides}")
+    strides = (t.stride(2) * esize, t.stride(1) * esize, t.stride(0) * esize)
+    if any(s % 16 for s in strides):
+        raise TmaError(f"TMA needs 16-byte aligned data and strides, got strides {strides}")
+    return kind, (d, n, h, b), strides, (box_cols, box_rows), swizzle
+
+
+def _check_address(address: int) -> None:
+    if address % 16:
+        raise TmaError(f"TMA needs 16-byte aligned data and strides, got an address {address % 16} bytes off")
+
+
+def _encode_at(geometry: tuple, address: int) -> bytes:
+    """cuTensorMapEncodeTiled of `geometry` at `address` (through ctypes where it can)."""
+    from cuda.bindings import driver
+
+    kind, dims, strides, box, swizzle = geometry
     fast = _fast_encoder()
     if fast is not None:
-        return fast(int(kind), t.data_ptr(), (d, n, h, b), strides, (box_cols, box_rows), int(swizzle))
+        return fast(int(kind), address, dims, strides, box, int(swizzle))
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
-    err, tmap = driver.cuTensorMapEncodeTiled(        kind, 4, t.data_ptr(), [u64(x) for x in (d, n, h, b)], [u64(x) for x in strides],
-        [u32(x) for x in (box_cols, box_rows, 1, 1)], [u32(1)] * 4,
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        kind, 4, address, [u64(x) for x in dims], [u64(x) for x in strides],
+        [u32(x) for x in (*box, 1, 1)], [u32(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         swizzle,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise TmaError(f"cuTensorMapEncodeTiled failed: {err.name} (shape {tuple(t.shape)}, strides {strides})")
-    words = tmap.opaque
-    return b"".join(int(w).to_bytes(8, "little") for w in words)
+        raise TmaError(f"cuTensorMapEncodeTiled failed: {err.name} (dims {dims}, strides {strides})")
+    return b"".join(int(w).to_bytes(8, "little") for w in tmap.opaque)
+
+
+def _encode(t, box_rows: int, box_cols: int) -> bytes:
+    """The map of tensor `t` with boxes of [box_rows x box_cols], encoded by the driver."""
+    geometry = _geometry(t, box_rows, box_cols)
+    _check_address(t.data_ptr())
+    return _encode_at(geometry, t.data_ptr())
 
 
 class _CtypesEncoder:
@@ -131,13 +159,103 @@ def box_cols(t) -> int:
     return min(128 // t.element_size(), t.shape[-1])
 
 
+@dataclass(frozen=True)
+class AddressField:
+    """Where a map holds its global address: the little-endian 64-bit word at byte `offset`, which
+    holds (address >> shift) << position plus bits that do not depend on the address. Learnt from
+    two encodings, trusted only once it reproduces encodings at other addresses byte for byte."""
+
+    offset: int
+    shift: int
+    position: int
+
+    def patch(self, base: bytes, base_address: int, address: int) -> bytes:
+        o = self.offset
+        word = int.from_bytes(base[o:o + 8], "little")
+        word = (word + (((address >> self.shift) - (base_address >> self.shift)) << self.position)) & _U64
+        return base[:o] + word.to_bytes(8, "little") + base[o + 8:]
+
+    @classmethod
+    def learn(cls, geometry: tuple, address: int) -> AddressField | None:
+        """The field of maps of `geometry`, or None where no such field reproduces the driver."""
+        probes = [address ^ (1 << bit) for bit in (4, 21, 39)] + [_random_address(i) for i in range(3)]
+        try:
+            return cls._fit(geometry, address, probes)
+        except TmaError:   # a driver that refuses addresses it has not allocated: encode each one
+            return None
+
+    @classmethod
+    def _fit(cls, geometry: tuple, address: int, probes: list[int]) -> AddressField | None:
+        base = _encode_at(geometry, address)
+        other = _encode_at(geometry, probes[0])
+        words = [o for o in range(0, TMAP_BYTES, 8) if base[o:o + 8] != other[o:o + 8]]
+        if len(words) != 1:
+            return None
+        o = words[0]
+        delta = int.from_bytes(other[o:o + 8], "little") - int.from_bytes(base[o:o + 8], "little")
+        # address ^ (1 << 4) moved the field by +-1 << (position + 4 - shift)
+        step = abs(delta)
+        if step == 0 or step & (step - 1):
+            return None
+        for shift in (0, 4):
+            position = step.bit_length() - 1 - (4 - shift)
+            if position >= 0:
+                field = cls(o, shift, position)
+                if all(field.patch(base, address, p) == _encode_at(geometry, p) for p in probes):
+                    return field
+        return None
+
+
+_U64 = (1 << 64) - 1
+
+
+def _random_address(i: int) -> int:
+    """A 16-byte aligned address in the 47-bit virtual range, fixed per i (the encoder reads no memory)."""
+    return (0x7F3A_5C2E_9B10 * (i + 3) + 0x1000 * i) & ((1 << 47) - 16)
+
+
+class _Template(NamedTuple):
+    geometry: tuple
+    base: bytes
+    address: int
+    field: AddressField | None
+
+
+# Geometries: a model has a handful (per shape and layout); 1024 of them bound memory all the same.
+_templates: OrderedDict[tuple, _Template] = OrderedDict()
+_TEMPLATES = 1024
+
+
+def _template(t, rows: int) -> _Template:
+    key = (t.shape, t.stride(), t.dtype, rows)
+    tpl = _templates.get(key)
+    if tpl is None:
+        geometry = _geometry(t, rows, box_cols(t))
+        address = t.data_ptr()
+        _check_address(address)
+        tpl = _Template(geometry, _encode_at(geometry, address), address, AddressField.learn(geometry, address))
+        with _lock:
+            _templates[key] = tpl
+            while len(_templates) > _TEMPLATES:
+                _templates.popitem(last=False)
+    return tpl
+
+
 def tensor_map(t, rows: int) -> bytes:
-    """The 128-byte tensor map of a (B, H, N, D) view with boxes of `rows` x box_cols(t), cached
-    on what it depends on (address, shape, strides, dtype, box): a hit is one dict lookup."""
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, rows)
+    """The 128-byte tensor map of a (B, H, N, D) view with boxes of `rows` x box_cols(t): its
+    geometry's map with t's address patched in (a dict lookup and a few integer operations), or,
+    where the driver's address field is not known, the driver's encoding cached on the address."""
+    tpl = _template(t, rows)
+    address = t.data_ptr()
+    if tpl.field is not None:
+        if address % 16:
+            _check_address(address)
+        return tpl.field.patch(tpl.base, tpl.address, address)
+    key = (address, t.shape, t.stride(), t.dtype, rows)
     m = _cache.get(key)
     if m is None:
-        m = _encode(t, rows, box_cols(t))
+        _check_address(address)
+        m = _encode_at(tpl.geometry, address)
         with _lock:
             _cache[key] = m
             while len(_cache) > _CACHE_SIZE:

@@ -43,3 +43,83 @@ def test_ctypes_encoder_gives_the_bindings_map():
         finally:
             tma._fast[:] = saved
         assert fast == slow and len(fast) == tma.TMAP_BYTES, (tuple(t.shape), t.stride(), dt, rows)
+
+
+# ---- a new address patched into its geometry's map ----
+
+def _fake_driver(layout):
+    """An encoder standing in for the driver (no GPU here): geometry words, and the address as
+    `layout` places it."""
+    def encode_at(geometry, address):
+        _, dims, strides, box, swizzle = geometry
+        words = [layout(address), *dims, *strides, *box, int(swizzle)]
+        words += [0] * (16 - len(words))
+        return b"".join((w & (2**64 - 1)).to_bytes(8, "little") for w in words)
+    return encode_at
+
+
+@pytest.mark.parametrize("layout", [lambda a: a, lambda a: (a >> 4) << 8 | 0x5, lambda a: (7 << 60) | a >> 4])
+def test_patched_maps_are_the_driver_maps(layout, monkeypatch):
+    """Where the address is one linear field, it is learnt, and a map at a fresh address is its
+    geometry's map patched: byte for byte what the driver would encode, with no encode per address."""
+    from tuner.kernel_templates import sm90_tma as tma
+
+    encode = _fake_driver(layout)
+    calls = []
+    monkeypatch.setattr(tma, "_encode_at", lambda g, a: calls.append(a) or encode(g, a))
+    monkeypatch.setattr(tma, "_templates", type(tma._templates)())
+    base = torch.empty(2, 512, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    first = tma.tensor_map(base, 128)
+    learnt = len(calls)
+    for _ in range(20):
+        t = torch.empty(2, 512, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+        assert tma.tensor_map(t, 128) == encode(tma._geometry(t, 128, 64), t.data_ptr())
+    assert len(calls) == learnt  # no encode for the new addresses
+    assert first == encode(tma._geometry(base, 128, 64), base.data_ptr())
+
+
+def test_an_address_field_that_is_not_linear_is_never_patched(monkeypatch):
+    """A driver whose address encoding the model cannot reproduce: every new address is encoded."""
+    from tuner.kernel_templates import sm90_tma as tma
+
+    encode = _fake_driver(lambda a: (a * 2654435761) ^ (a >> 7))
+    calls = []
+    monkeypatch.setattr(tma, "_encode_at", lambda g, a: calls.append(a) or encode(g, a))
+    monkeypatch.setattr(tma, "_templates", type(tma._templates)())
+    monkeypatch.setattr(tma, "_cache", type(tma._cache)())
+    tensors = [torch.empty(1, 4, 256, 128, dtype=torch.float16) for _ in range(5)]
+    maps = [tma.tensor_map(t, 64) for t in tensors]
+    assert maps == [encode(tma._geometry(t, 64, 64), t.data_ptr()) for t in tensors]
+    assert {t.data_ptr() for t in tensors} <= set(calls)
+
+
+def test_a_misaligned_address_is_refused_on_the_patched_path(monkeypatch):
+    from tuner.kernel_templates import sm90_tma as tma
+
+    monkeypatch.setattr(tma, "_encode_at", _fake_driver(lambda a: a))
+    monkeypatch.setattr(tma, "_templates", type(tma._templates)())
+    flat = torch.empty(4 * 256 * 64 + 8, dtype=torch.float16)
+    tma.tensor_map(flat[:4 * 256 * 64].view(1, 4, 256, 64), 64)
+    with pytest.raises(TmaError, match="address"):
+        tma.tensor_map(flat[1:4 * 256 * 64 + 1].view(1, 4, 256, 64), 64)
+
+
+@pytest.mark.gpu
+def test_patched_maps_match_the_driver_on_fresh_tensors():
+    """On the real driver: the address field is learnt, and maps of tensors at fresh addresses, of
+    random geometries, equal the driver's own encoding byte for byte."""
+    import random
+
+    from tuner.kernel_templates import sm90_tma as tma
+
+    rng = random.Random()
+    learnt = 0
+    for _ in range(40):
+        dt = rng.choice([torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+        b, h, n, d = rng.randint(1, 3), rng.randint(1, 8), rng.randint(1, 3000), rng.choice([64, 128, 256])
+        t = torch.empty(b, n, h, d, device="cuda", dtype=dt)
+        t = t.transpose(1, 2) if rng.random() < 0.5 else t.view(b, h, n, d)
+        rows = rng.choice([16, 64, 128, 192])
+        assert tma.tensor_map(t, rows) == tma._encode(t, rows, tma.box_cols(t))
+        learnt += tma._template(t, rows).field is not None
+    assert learnt == 40, "the driver's address field was not learnt: every new address is encoded"
