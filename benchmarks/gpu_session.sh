@@ -40,7 +40,8 @@ for step in $steps; do
     grid) python3 benchmarks/results_db.py benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json \
             sqlite:////tmp/flashtune/grid.db ${GRID_DTYPE:+--dtype $GRID_DTYPE}
           tuner bench --db sqlite:////tmp/flashtune/grid.db ${GRID_DTYPE:+--dtype $GRID_DTYPE} --peer sdpa_flash \
-            --peer sdpa_cudnn --json "$OUT/grid.json" 2>&1 | tee "$OUT/grid.log" ;;&
+            --peer sdpa_cudnn --json "$OUT/grid.json" 2>&1 | tee "$OUT/grid.log"
+          cp /tmp/flashtune/grid.db "$OUT/grid.db" ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
