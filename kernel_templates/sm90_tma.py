@@ -23,7 +23,7 @@ from typing import NamedTuple
 TMAP_BYTES = 128
 O_BOX_ROWS = 16   # a TMA-stored O box: one consumer warp's rows
 NO_MAP = bytes(TMAP_BYTES)   # for a map parameter the kernel does not read
-# Where the address field is unknown, maps by address: 128-byte strings, 4096 of them half a megabyte.
+# Maps by address: 128-byte strings, 4096 of them half a megabyte.
 _CACHE_SIZE = 4096
 _cache: OrderedDict[tuple, bytes] = OrderedDict()
 _lock = threading.Lock()
@@ -242,20 +242,17 @@ def _template(t, rows: int) -> _Template:
 
 
 def tensor_map(t, rows: int) -> bytes:
-    """The 128-byte tensor map of a (B, H, N, D) view with boxes of `rows` x box_cols(t): its
-    geometry's map with t's address patched in (a dict lookup and a few integer operations), or,
-    where the driver's address field is not known, the driver's encoding cached on the address."""
-    tpl = _template(t, rows)
+    """The 128-byte tensor map of a (B, H, N, D) view with boxes of `rows` x box_cols(t), cached on
+    what it depends on (a hit, as a model's activations come back at the same addresses from torch's
+    caching allocator, is one dict lookup); a miss is its geometry's map with t's address patched
+    in, or, where the driver's address field is not known, the driver's encoding."""
     address = t.data_ptr()
-    if tpl.field is not None:
-        if address % 16:
-            _check_address(address)
-        return tpl.field.patch(tpl.base, tpl.address, address)
     key = (address, t.shape, t.stride(), t.dtype, rows)
     m = _cache.get(key)
     if m is None:
+        tpl = _template(t, rows)
         _check_address(address)
-        m = _encode_at(tpl.geometry, address)
+        m = tpl.field.patch(tpl.base, tpl.address, address) if tpl.field is not None else _encode_at(tpl.geometry, address)
         with _lock:
             _cache[key] = m
             while len(_cache) > _CACHE_SIZE:

@@ -68,6 +68,7 @@ def test_patched_maps_are_the_driver_maps(layout, monkeypatch):
     calls = []
     monkeypatch.setattr(tma, "_encode_at", lambda g, a: calls.append(a) or encode(g, a))
     monkeypatch.setattr(tma, "_templates", type(tma._templates)())
+    monkeypatch.setattr(tma, "_cache", type(tma._cache)())
     base = torch.empty(2, 512, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
     first = tma.tensor_map(base, 128)
     learnt = len(calls)
@@ -98,6 +99,7 @@ def test_a_misaligned_address_is_refused_on_the_patched_path(monkeypatch):
 
     monkeypatch.setattr(tma, "_encode_at", _fake_driver(lambda a: a))
     monkeypatch.setattr(tma, "_templates", type(tma._templates)())
+    monkeypatch.setattr(tma, "_cache", type(tma._cache)())
     flat = torch.empty(4 * 256 * 64 + 8, dtype=torch.float16)
     tma.tensor_map(flat[:4 * 256 * 64].view(1, 4, 256, 64), 64)
     with pytest.raises(TmaError, match="address"):
