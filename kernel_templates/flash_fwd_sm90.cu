@@ -42,7 +42,7 @@
 // reference (a work tile, the accumulators), as the closures it replaces did; see also PipeState.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL;
+// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right);
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
@@ -93,7 +93,7 @@ static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three
 
 using KvState = PipeState<STAGES>;   // the K/V rings (and V^T's): a count of K/V tiles over the CTA's work tiles
 using QState = PipeState<QBUF>;      // Q's buffers: the count of work tiles
-using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, PERSISTENT>;
+using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, PERSISTENT, IS_CAUSAL && MASK_BR>;
 
 struct Barriers {
   MbarRing<QBUF> q;
@@ -163,10 +163,10 @@ FT_DEVICE void issue_pv(float (&o)[DTILES][4], unsigned (&p)[PSTEPS][4], unsigne
   wgmma_commit();
 }
 // S of K/V tile t: -inf past nk and, causal, past each row's diagonal (only tiles that reach either
-// are masked); the warp's rows are w.q0 + wrow0 + [0, 16)
+// are masked); the warp's rows are w.q0 + wrow0 + [0, 16), row r's diagonal key r + w.diag
 FT_DEVICE void mask_s(float (&s)[NTILES][4], const WorkTile& w, int lane, int wrow0, int t, int nk) {
-  const int k0 = t * BC;
-  if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > w.q0 + wrow0)) mask_slab<NTILES, IS_CAUSAL>(s, lane, w.q0 + wrow0, k0, nk);
+  const int k0 = t * BC, diag0 = w.q0 + wrow0 + w.diag;
+  if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(s, lane, diag0, k0, nk);
 }
 FT_DEVICE void make_p(unsigned (&p)[PSTEPS][4], float (&s)[NTILES][4]) {
 #pragma unroll
@@ -219,6 +219,7 @@ FT_DEVICE int own_tiles(const WorkTile& w, int cw, int nq) {
   const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, nq);
   if (!OWN_TILES) return w.ntiles;
   if (r1 <= 0 || r0 >= nq) return 0;
+  if constexpr (IS_CAUSAL && MASK_BR) return max(1, min(w.ntiles, (r1 - 1 + w.diag) / BC + 1));   // rows seeing no key: one masked tile
   return IS_CAUSAL ? min(w.ntiles, (r1 - 1) / BC + 1) : w.ntiles;
 }
 // OWN_TILES: tiles [from, ntiles) of work tile w are not consumer cw's. It computes nothing for

@@ -157,6 +157,7 @@ class FlashFwdSm90(KernelFamily):
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "IS_CAUSAL": int(problem.causal),
+            "MASK_BR": 0,
         }
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:

@@ -20,10 +20,14 @@
 
 struct WorkTile {
   int q0, b, h, hk, ntiles;   // first query row, batch, head, K/V head, K/V tiles to run
+  int diag;                   // causal: row r sees keys up to r + diag (0 top-left, nk - nq bottom-right)
 };
 
-// ROWS x COLS: the query block and the K/V tile (the kernels' BR and BC, which are macros)
-template <int ROWS, int COLS, bool CAUSAL, bool FROM_END>
+// ROWS x COLS: the query block and the K/V tile (the kernels' BR and BC, which are macros).
+// BOTTOM_RIGHT: the causal diagonal ends at the last key (a KV cache: query row r is token
+// nk - nq + r); with nq > nk its first rows see no key, and a block of only such rows still runs
+// one K/V tile, all masked, so that its O (0) and LSE (-inf) are written like any other's.
+template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT = false>
 FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, int nk) {
   WorkTile w;
   if (!CAUSAL) w.q0 = qidx * ROWS;
@@ -32,8 +36,10 @@ FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, 
   w.b = bh / heads;
   w.h = bh % heads;
   w.hk = w.h / kv_group;
-  const int kv_end = CAUSAL ? min(nk, w.q0 + ROWS) : nk;
+  w.diag = BOTTOM_RIGHT ? nk - nq : 0;
+  const int kv_end = CAUSAL ? min(nk, w.q0 + ROWS + w.diag) : nk;
   w.ntiles = (kv_end + COLS - 1) / COLS;
+  if constexpr (BOTTOM_RIGHT) w.ntiles = max(1, w.ntiles);
   return w;
 }
 
@@ -85,7 +91,7 @@ struct TileRing {
 // to the other roles through a TileRing; otherwise the grid's one tile, (blockIdx.x, blockIdx.y) =
 // (query block, batch-head). ROWS x COLS: the query block and the K/V tile (the kernel's BR and BC,
 // which are macros, as PERSISTENT is). Every role holds its own copy (by value: see the kernel).
-template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool DYNAMIC>
+template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool DYNAMIC, bool BOTTOM_RIGHT = false>
 struct TileScheduler {
   int batch, heads, kv_group, nq, nk;
 
@@ -94,7 +100,7 @@ struct TileScheduler {
   FT_DEVICE int total() const { return DYNAMIC ? n_qblk() * (batch * heads) : 1; }
   FT_DEVICE bool done(int tile) const { return tile >= total(); }
   FT_DEVICE WorkTile work(int tile) const {
-    return work_tile<ROWS, COLS, CAUSAL, FROM_END>(DYNAMIC ? tile % n_qblk() : blockIdx.x,
+    return work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(DYNAMIC ? tile % n_qblk() : blockIdx.x,
                                                    DYNAMIC ? tile / n_qblk() : blockIdx.y, heads, kv_group, nq, nk);
   }
   // The producer's: the CTA's it-th tile, published to the ring's readers. `leader` asks the
