@@ -11,20 +11,24 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import streamlit as st
-from sqlalchemy import Engine
+from sqlalchemy import Engine, column, func, inspect, select, table as table_clause, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.db import queries
 from tuner.db.engine import (DatabaseError, default_url, masked, open_readonly,
-                             readonly_sqlite_kwargs, session_factory, sqlite_path)
+                             session_factory, sqlite_path)
 from tuner.export import build_lookup, default_lookup_path, read_lookup
 
 TTL_S = 60
+LIVE_TTL_S = 5  # the live page refreshes every LIVE_TTL_S seconds and reads that fresh
+SUMMARY_COLUMNS = ["gpu_key", "gpu_name", "family", "problem_key", "bucket_key", "batch", "heads", "kv_heads",
+                   "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "status", "count", "max_tflops", "last_at"]
 SEARCH_HINT = "tuner search --gpu auto"
 
 
@@ -85,10 +89,7 @@ def _session(url: str):
 def summaries(url: str) -> pd.DataFrame:
     """Counts per (GPU, family, problem, status): SQL-side aggregation, cheap on 100k rows."""
     with _session(url) as s:
-        rows = queries.study_summaries(s)
-    cols = ["gpu_key", "gpu_name", "family", "problem_key", "bucket_key", "batch", "heads", "kv_heads",
-            "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "status", "count", "max_tflops", "last_at"]
-    return pd.DataFrame(rows, columns=cols)
+        return pd.DataFrame(queries.study_summaries(s), columns=SUMMARY_COLUMNS)
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -142,37 +143,63 @@ def lookup_file() -> tuple[Path, dict[str, Any] | None, str | None]:
         return path, None, str(e)
 
 
-def optuna_storage_has(url: str, study_name: str) -> bool:
-    """True if Optuna's tables hold `study_name`; checked first so load_study never creates tables."""
-    from sqlalchemy import inspect, text
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def recent_trials(url: str, minutes: int) -> pd.DataFrame:
+    """Search trials stored in the last `minutes` (for the live page: a short TTL)."""
+    since = datetime.now(timezone.utc) - timedelta(minutes=minutes)
+    with _session(url) as s:
+        rows = queries.recent_trials(s, since)
+    cols = ["study_name", "gpu_key", "family", "problem_key", "trial_number", "status", "tflops", "created_at"]
+    return pd.DataFrame(rows, columns=cols)
 
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def live_summaries(url: str) -> pd.DataFrame:
+    """summaries() with the live page's short TTL."""
+    with _session(url) as s:
+        return pd.DataFrame(queries.study_summaries(s), columns=SUMMARY_COLUMNS)
+
+
+def _tables(url: str) -> set[str]:
+    return set(inspect(engine(url)).get_table_names())
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def running_trials(url: str) -> dict[str, int]:
+    """Trials Optuna holds as RUNNING, per study name ({} where the database has no Optuna tables).
+    A search killed without a word leaves one until the next search of its study fails it."""
     try:
-        eng = engine(url)
-        if "studies" not in inspect(eng).get_table_names():
-            return False
-        with eng.connect() as c:
-            return c.execute(text("SELECT 1 FROM studies WHERE study_name = :n"), {"n": study_name}).first() is not None
+        if not {"studies", "trials"} <= _tables(url):
+            return {}
+        with engine(url).connect() as c:
+            rows = c.execute(text("SELECT s.study_name, COUNT(*) FROM trials t"
+                                  " JOIN studies s ON s.study_id = t.study_id"
+                                  " WHERE t.state = 'RUNNING' GROUP BY s.study_name"))
+            return {name: n for name, n in rows}
     except (DatabaseError, SQLAlchemyError):
-        return False
+        return {}
 
 
-@st.cache_data(ttl=TTL_S, show_spinner=False)
-def optuna_figures(url: str, study_name: str) -> tuple[Any, Any, str | None]:
-    """Optuna's optimization history and parameter importances (None where they cannot be drawn)."""
-    import optuna
-    from optuna.importance import PedAnovaImportanceEvaluator
-    from optuna.visualization import plot_optimization_history, plot_param_importances
+FLEET_WORDS = ("worker", "job")
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    path = sqlite_path(url)  # read-only: no table creation, no version stamp, no journal-mode change
-    storage = optuna.storages.RDBStorage("sqlite://" if path else url, skip_table_creation=True,
-                                         skip_compatibility_check=True,
-                                         engine_kwargs=readonly_sqlite_kwargs(path) if path else {})
-    study = optuna.load_study(study_name=study_name, storage=storage)
-    history = plot_optimization_history(study)
-    try:  # PED-ANOVA needs no scikit-learn (fANOVA, Optuna's default, does)
-        importance = plot_param_importances(study, evaluator=PedAnovaImportanceEvaluator())
-        why = None
-    except (ValueError, RuntimeError, ImportError) as e:
-        importance, why = None, str(e).splitlines()[0] if str(e) else type(e).__name__
-    return history, importance, why
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def fleet(url: str) -> dict[str, pd.DataFrame]:
+    """The database's worker and job tables (those a job queue adds), each as its rows counted by
+    status (or state) where it has such a column, else as its row count. {} where there are none:
+    this reads whatever such tables hold and depends on no schema of theirs."""
+    out: dict[str, pd.DataFrame] = {}
+    insp = inspect(engine(url))
+    for name in sorted(insp.get_table_names()):
+        if not any(w in name.lower() for w in FLEET_WORDS):
+            continue
+        cols = {c["name"] for c in insp.get_columns(name)}
+        by = next((c for c in ("status", "state") if c in cols), None)
+        with engine(url).connect() as c:
+            if by is None:
+                n = c.execute(select(func.count()).select_from(table_clause(name))).scalar_one()
+                out[name] = pd.DataFrame({"rows": [n]})
+            else:
+                q = select(column(by), func.count()).select_from(table_clause(name)).group_by(column(by))
+                out[name] = pd.DataFrame(c.execute(q).all(), columns=[by, "rows"])
+    return out

@@ -393,3 +393,20 @@ def study_summaries(s: Session) -> list[dict[str, Any]]:
     names = ("gpu_key", "gpu_name", "family", "problem_key", "bucket_key", *_PROBLEM_FIELDS,
              "status", "count", "max_tflops", "last_at")
     return [dict(zip(names, row)) for row in s.execute(q)]
+
+
+def recent_trials(s: Session, since: datetime) -> list[dict[str, Any]]:
+    """Search trials stored since `since` (rows with a study name; peers have none), oldest first:
+    what a live view counts per minute (only the window's rows leave the database)."""
+    q = (
+        select(MeasurementRow.study_name, GpuRow.key, ConfigRow.family, ProblemRow.key,
+               MeasurementRow.trial_number, MeasurementRow.status, MeasurementRow.tflops,
+               MeasurementRow.created_at)
+        .join(GpuRow, MeasurementRow.gpu_id == GpuRow.id)
+        .join(ProblemRow, MeasurementRow.problem_id == ProblemRow.id)
+        .join(ConfigRow, MeasurementRow.config_id == ConfigRow.id)
+        .where(MeasurementRow.created_at >= since, MeasurementRow.study_name.is_not(None))
+        .order_by(MeasurementRow.created_at, MeasurementRow.id)
+    )
+    names = ("study_name", "gpu_key", "family", "problem_key", "trial_number", "status", "tflops", "created_at")
+    return [dict(zip(names, row)) for row in s.execute(q)]

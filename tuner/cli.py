@@ -460,12 +460,9 @@ def dashboard(
         import streamlit  # noqa: F401
     except ImportError:
         raise UserError("the dashboard needs streamlit: pip install 'flashtune[dashboard]'") from None
-    from .dashboard import __file__ as pkg_init
+    from .dashboard.launch import streamlit_command
 
-    script = Path(pkg_init).with_name("app.py")
-    cmd = [sys.executable, "-m", "streamlit", "run", str(script), "--server.headless", "true",
-           "--server.port", str(port), "--server.address", address, "--browser.gatherUsageStats", "false",
-           "--", "--db", _db_url(db)]
+    cmd = streamlit_command(_db_url(db), port, address)
     console.print(f"dashboard on http://{address}:{port}/ (Ctrl-C stops it)")
     try:
         code = subprocess.call(cmd)

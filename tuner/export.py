@@ -94,6 +94,21 @@ def _missing(old: dict[str, Any], new: dict[str, Any]) -> list[dict[str, Any]]:
     return [e for e in old["entries"] if _slot(e) not in have]
 
 
+def stale_slots(file_doc: dict[str, Any], db_doc: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Where a lookup file no longer says what the database would export now: slots the file
+    lacks ("missing") and slots whose config the file holds another of ("changed", the database's
+    entry). A slot only the file fills is no sign of age (a merge of another database adds them)."""
+    have = {_slot(e): e for e in file_doc["entries"]}
+    missing, changed = [], []
+    for e in db_doc["entries"]:
+        old = have.get(_slot(e))
+        if old is None:
+            missing.append(e)
+        elif old["params"] != e["params"]:
+            changed.append(e)
+    return {"missing": missing, "changed": changed}
+
+
 def lookup_of(gpu_key: str, served: list[tuple[Problem, str, dict, float]]) -> dict[str, Any]:
     """A lookup serving each (problem, family, params, TFLOP/s) on `gpu_key`, as if a search had
     measured it: for benchmarks and tests that run given configs without a database."""

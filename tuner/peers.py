@@ -12,7 +12,10 @@ SDPA_BACKENDS = {
     "sdpa_efficient": "EFFICIENT_ATTENTION",
     "sdpa_math": "MATH",
 }
-PEER_FAMILIES = tuple(SDPA_BACKENDS)
+# Peers that no SDPA backend runs, recorded (params {}) by the tool that measured them where they
+# were installed: FlashAttention-4 (docs/benchmarks.md). Stored rows of these families are peers too.
+OTHER_PEERS = ("fa4",)
+PEER_FAMILIES = (*SDPA_BACKENDS, *OTHER_PEERS)
 
 # What each problem dtype is measured against. SDPA takes no fp8: an fp8 problem's peers are the
 # bf16 backends on bf16 copies of the same inputs (peer_dtype), what a user without an fp8 kernel
