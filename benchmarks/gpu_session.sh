@@ -37,10 +37,13 @@ for step in $steps; do
                    ${PYTEST_K:+-k "$PYTEST_K"} $g > "$OUT/pytest_gpu_$i.log" 2>&1 &
                done; wait
                tail -n 3 "$OUT"/pytest_gpu_*.log; grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest_gpu_*.log ;;&
-    grid) python3 benchmarks/results_db.py benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json \
-            sqlite:////tmp/flashtune/grid.db ${GRID_DTYPE:+--dtype $GRID_DTYPE}
-          tuner bench --db sqlite:////tmp/flashtune/grid.db ${GRID_DTYPE:+--dtype $GRID_DTYPE} --peer sdpa_flash \
-            --peer sdpa_cudnn --json "$OUT/grid.json" 2>&1 | tee "$OUT/grid.log"
+    grid) results=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json
+          python3 benchmarks/results_db.py $results sqlite:////tmp/flashtune/grid.db
+          for dt in ${GRID_DTYPE:-fp16 bf16}; do
+            tuner bench --db sqlite:////tmp/flashtune/grid.db --dtype $dt --peer sdpa_flash --peer sdpa_cudnn \
+              $(python3 benchmarks/results_db.py $results --shapes --dtype $dt) --json "$OUT/grid-$dt.json" 2>&1 \
+              | grep -v -E "UserWarning|scaled_dot_product_attention" | tee "$OUT/grid-$dt.log"
+          done
           cp /tmp/flashtune/grid.db "$OUT/grid.db" ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&

@@ -1,8 +1,9 @@
 """A results database whose stored bests are the configs of a committed bench result, so that
 `tuner bench` re-times exactly those on this GPU beside the peers, with no search first:
 
-    python3 benchmarks/results_db.py benchmarks/results/<gpu>-fp16-bf16.json sqlite:////tmp/grid.db [--dtype bf16]
-    tuner bench --db sqlite:////tmp/grid.db --dtype bf16 --peer sdpa_flash --peer sdpa_cudnn
+    python3 benchmarks/results_db.py benchmarks/results/<gpu>-fp16-bf16.json sqlite:////tmp/grid.db --dtype bf16
+    tuner bench --db sqlite:////tmp/grid.db --dtype bf16 --peer sdpa_flash --peer sdpa_cudnn \
+        $(python3 benchmarks/results_db.py benchmarks/results/<gpu>-fp16-bf16.json --shapes --dtype bf16)
 
 Each config is stored as one `ok` measurement carrying the file's figures (versions
 {"from": <file>}), on the GPU this machine has.
@@ -24,11 +25,19 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results")
-    ap.add_argument("db")
+    ap.add_argument("db", nargs="?")
     ap.add_argument("--dtype", help="only the rows of this dtype")
+    ap.add_argument("--shapes", action="store_true", help="print the rows' problems as `tuner bench` --shape "
+                                                           "arguments (B,H,N,D[,causal]) instead of storing them")
     a = ap.parse_args(argv)
-    gpu = detect()
     doc = json.loads(Path(a.results).read_text())
+    if a.shapes:
+        print(" ".join(f"--shape {r['batch']},{r['heads']},{r['seqlen_q']},{r['head_dim']}{',causal' * r['causal']}"
+                       for r in doc["rows"] if a.dtype in (None, r["dtype"])))
+        return 0
+    if a.db is None:
+        ap.error("a database URL is needed to store the bests")
+    gpu = detect()
     fields = ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "kv_heads", "max_error")
     sessions = session_factory(make_engine(a.db))
     n = 0
