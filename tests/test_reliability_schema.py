@@ -61,7 +61,7 @@ def test_head_is_what_the_code_says_and_models_match(tmp_path):
     assert script.get_current_head() == HEAD_REVISION
     engine = make_engine(f"sqlite:///{tmp_path / 'new.db'}")
     revs, version, indexes = _state(tmp_path / "new.db")
-    assert revs == [HEAD_REVISION] and version == SCHEMA_VERSION == 3
+    assert revs == [HEAD_REVISION] and version == SCHEMA_VERSION == 4
     assert "ix_ft_measurements_study" in indexes
     with engine.connect() as conn:  # the migrations build exactly what the ORM models describe
         ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
