@@ -121,6 +121,14 @@ def page_overview(url: str, summ: pd.DataFrame) -> None:
     else:
         st.info("No tuning study matches the filters.")
 
+    workers, jobs, notes = data.fleet(url)
+    if not jobs.empty or not workers.empty:
+        st.subheader("Fleet: workers and the job queue")
+        for note in notes:
+            st.text(note)
+        st.dataframe(jobs, hide_index=True, key="fleet_jobs")
+        st.dataframe(workers, hide_index=True, key="fleet_workers")
+
     st.subheader("GPUs seen")
     gpus = data.gpus(url)
     st.dataframe(gpus[gpus["key"].isin(summ["gpu_key"].unique())], hide_index=True, key="gpu_table")

@@ -71,6 +71,9 @@ def check_db(url: str) -> DbState:
     return DbState(url)
 
 
+FLEET_GRACE_S = 70  # a worker silent this long shows as lost (tuner worker's default grace + beat)
+
+
 @st.cache_resource(show_spinner=False)
 def engine(url: str) -> Engine:
     """One read-only engine per URL for the server's lifetime (a pool, not a connection per rerun)."""
@@ -89,6 +92,22 @@ def summaries(url: str) -> pd.DataFrame:
     cols = ["gpu_key", "gpu_name", "family", "problem_key", "bucket_key", "batch", "heads", "kv_heads",
             "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "status", "count", "max_tflops", "last_at"]
     return pd.DataFrame(rows, columns=cols)
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def fleet(url: str) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """The workers and the job queue (`tuner status` as tables): empty where no worker ever ran."""
+    from tuner import queue
+
+    with _session(url) as s:
+        st_ = queue.status(s, grace_s=FLEET_GRACE_S)
+    workers = pd.DataFrame([{"worker": w.id, "host": w.host, "pid": w.pid, "gpu": w.gpu_index, "GPU model": w.gpu_key,
+                             "state": w.state, "last beat s": round(w.silent_s), "job": w.job_id,
+                             "jobs done": w.jobs_done, "trials": w.trials_done} for w in st_.workers])
+    jobs = pd.DataFrame([{"GPU model": k, **v} for k, v in st_.jobs.items()])
+    notes = [f"{len(st_.alive)} worker(s) alive, {st_.trials_per_minute():.1f} trials/min"]
+    notes += [f"queued jobs for {k} wait: {why}" for k, why in st_.waiting.items()]
+    return workers, jobs, notes
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)

@@ -420,6 +420,9 @@ def open_readonly(url: str | None = None) -> Engine:
     where = str(path) if path is not None else parsed.render_as_string(hide_password=True)
     if path is not None:
         engine = create_engine("sqlite://", **readonly_sqlite_kwargs(path))
+    elif parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in ("psycopg", "psycopg2"):
+        # the server refuses any write on these connections (a reader's bug cannot change the data)
+        engine = _create(parsed, connect_args={"options": "-c default_transaction_read_only=on"})
     else:
         engine = _create(parsed)
     try:

@@ -415,3 +415,36 @@ def test_crafted_database_strings_show_as_plain_text(db_url: str) -> None:
             figs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
             texts = json.dumps(figs)
             assert "<b>" not in texts and "&lt;b&gt;" in texts  # Plotly shows the tag, not bold text
+
+
+def test_the_dashboard_reads_the_fleets_postgresql_database(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay worker fills a PostgreSQL database through the queue; the dashboard shows its results
+    and the fleet from it, through a connection the server keeps read-only."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import InternalError
+
+    from tuner import queue
+    from tuner.db.engine import open_readonly
+    from tuner.fleet import FleetWorker, WorkerOptions
+    from tuner.runner import ReplayRunner
+
+    sessions = _sessions(pg_url)
+    problem = Problem(2, 4, 512, 512, 64, "fp32", True)
+    queue.submit(sessions, [queue.JobSpec(GPU_KEY, "flash_fwd_simt", problem, 5, "random", 1, True)])
+    runner = ReplayRunner(f"sqlite:///{FIXTURE}")
+    worker = FleetWorker(runner, sessions, pg_url, 0, WorkerOptions(poll_s=0.1, exit_when_idle=True), say=lambda m: None)
+    assert worker.run() == 1
+    monkeypatch.setenv("TUNER_DB", pg_url)
+    at = _app()
+    best = _best_table(at)
+    assert list(best["problem"]) == [PROBLEM]
+    with sessions() as s:
+        (entry,) = queries.best_rows(s)
+    assert best.iloc[0]["TFLOP/s"] == f"{entry.tflops:.2f}"
+    jobs = _frame(at, "GPU model", "queued", "done")
+    assert jobs.set_index("GPU model").loc[GPU_KEY, "done"] == 1
+    assert _frame(at, "worker", "state")["state"].tolist() == ["stopped"]
+    at.sidebar.radio(key="page").set_value("Explore a study").run()
+    assert not at.exception, at.exception
+    with open_readonly(pg_url).connect() as c, pytest.raises(InternalError, match="read-only transaction"):
+        c.execute(text("DELETE FROM ft_jobs"))
