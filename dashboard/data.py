@@ -71,7 +71,7 @@ def check_db(url: str) -> DbState:
     return DbState(url)
 
 
-FLEET_GRACE_S = 70  # a worker silent this long shows as lost (tuner worker's default grace + beat)
+FLEET_GRACE_S = 70  # tuner.fleet.WorkerOptions().lost_after_s: a worker silent this long shows as lost
 
 
 @st.cache_resource(show_spinner=False)

@@ -212,11 +212,17 @@ def test_a_lost_workers_job_goes_back_to_the_queue(pg_url):
     dead, live = queue.register(sessions, 0, GPU_KEY), queue.register(sessions, 1, GPU_KEY)
     job = queue.claim(sessions, dead, GPU_KEY)
     assert job is not None and job.id == job_id
-    assert queue.reclaim(sessions, grace_s=60) == []  # it beat just now
+    seen: list[int] = []
+    assert queue.reclaim(sessions, 60, lambda j: seen.append(j.id)) == [] and seen == []  # it beat just now
     time.sleep(1.2)
     queue.beat(sessions, live, None, 0)
-    (back,) = queue.reclaim(sessions, grace_s=1)
-    assert back.id == job_id
+
+    def before(j: queue.Job) -> None:  # the job is still the lost worker's here: nobody can claim it
+        seen.append(j.id)
+        assert queue.claim(sessions, live, GPU_KEY) is None
+
+    (back,) = queue.reclaim(sessions, 1, before)
+    assert back.id == job_id and seen == [job_id]
     with sessions() as s:
         st = queue.status(s, grace_s=1)
     assert {w.id: w.state for w in st.workers} == {dead: "lost", live: "alive"}
@@ -225,3 +231,11 @@ def test_a_lost_workers_job_goes_back_to_the_queue(pg_url):
     again = queue.claim(sessions, live, GPU_KEY)
     assert again is not None and again.id == job_id and again.attempts == 2
     assert queue.finish(sessions, again, live, "done", best_tflops=1.0)
+
+
+def test_status_and_the_dashboard_call_lost_what_a_worker_does():
+    from tuner.cli import STATUS_GRACE_S
+    from tuner.dashboard.data import FLEET_GRACE_S
+    from tuner.fleet import WorkerOptions
+
+    assert STATUS_GRACE_S == FLEET_GRACE_S == WorkerOptions().lost_after_s

@@ -406,6 +406,7 @@ def precompile(
 
 
 HEARTBEAT_HELP = "seconds between a worker's beats (and its trials' heartbeats)"
+STATUS_GRACE_S = 70  # tuner.fleet.WorkerOptions().lost_after_s: a worker silent longer is lost
 GRACE_HELP = "seconds of silence after which a trial is failed and a worker lost (its job requeued)"
 
 
@@ -502,7 +503,7 @@ def submit(
     sessions = session_factory(make_engine(url))
     with sessions() as s:
         known = service.known_gpus(s)
-        keys = list(dict.fromkeys(gpu_key)) or sorted({w.gpu_key for w in queue.status(s, 1e9).alive})
+        keys = list(dict.fromkeys(gpu_key)) or sorted({w.gpu_key for w in queue.status(s, STATUS_GRACE_S).alive})
     if not keys:
         raise UserError("no GPU model to tune for: pass --gpu-key KEY (repeatable; `tuner gpus` prints a GPU's key), "
                         "or start `tuner worker` first")
@@ -524,7 +525,8 @@ def submit(
 @app.command()
 def status(
     db: Optional[str] = typer.Option(None, "--db", help="the shared database (opened read-only)"),
-    grace: int = typer.Option(70, "--grace", min=1, help="seconds without a beat after which a worker counts as lost"),
+    grace: int = typer.Option(STATUS_GRACE_S, "--grace", min=1, help="seconds without a beat after which a worker "
+                                                                     "counts as lost"),
 ) -> None:
     """The fleet: workers alive, jobs queued, running, done and failed, trials per minute."""
     from . import queue, service

@@ -85,11 +85,15 @@ class FleetWorker:
             queue.stop(self.sessions, self.id, self.trials)
 
     def reclaim(self) -> None:
-        for job in queue.reclaim(self.sessions, self.options.lost_after_s):
+        failed: dict[int, int] = {}
+
+        def fail_trials(job: queue.Job) -> None:
             s = job.spec
-            failed = fail_dead_trials(self.storage, study_name(s.gpu_key, s.family, s.problem.key))
-            self.say(f"job {job.id} ({s.problem.key} {s.family}) taken back from a lost worker; "
-                     f"{failed} trial(s) in flight failed")
+            failed[job.id] = fail_dead_trials(self.storage, study_name(s.gpu_key, s.family, s.problem.key))
+
+        for job in queue.reclaim(self.sessions, self.options.lost_after_s, fail_trials):
+            self.say(f"job {job.id} ({job.spec.problem.key} {job.spec.family}) taken back from a lost worker; "
+                     f"{failed.get(job.id, 0)} trial(s) in flight failed")
 
     def _run(self, job: queue.Job) -> int:
         from .kernel_templates import get_family

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
@@ -185,28 +185,35 @@ def stop(sessions: sessionmaker[Session], worker_id: int, trials_done: int) -> N
                   .values(state="stopped", beat_at=db_now(s), trials_done=trials_done))
 
 
-def reclaim(sessions: sessionmaker[Session], grace_s: float) -> list[Job]:
+def reclaim(sessions: sessionmaker[Session], grace_s: float, before_requeue: Callable[[Job], None]) -> list[Job]:
     """Workers silent for more than `grace_s` are lost; the jobs they held go back to the queue
-    (failed after MAX_ATTEMPTS). Returns those jobs: their studies' trials in flight are the
-    caller's to fail (search.fail_dead_trials)."""
-    with sessions.begin() as s:
+    (failed after MAX_ATTEMPTS). `before_requeue(job)` runs first, while the job is still the lost
+    worker's and nobody can claim it: the caller fails its study's trials in flight there, so they
+    can never be confused with the next holder's. Returns the jobs put back."""
+    with sessions() as s:
         cutoff = db_now(s) - timedelta(seconds=grace_s)
-        lost = list(s.scalars(select(WorkerRow.id).where(WorkerRow.state == "alive", WorkerRow.beat_at < cutoff)
-                              .with_for_update(skip_locked=True)))
+        silent = select(WorkerRow.id).where(WorkerRow.state == "alive", WorkerRow.beat_at < cutoff)
+        held = {row.id: (row.worker_id, Job(row.id, _spec(row), row.attempts)) for row in s.scalars(
+            select(JobRow).where(JobRow.state == "running")
+            .where(JobRow.worker_id.in_(silent) | (JobRow.lease_at < cutoff)))}
+        lost = list(s.scalars(silent))
+    for _, job in held.values():
+        before_requeue(job)
+    back = []
+    with sessions.begin() as s:
         if lost:
-            s.execute(update(WorkerRow).where(WorkerRow.id.in_(lost)).values(state="lost"))
-        rows = list(s.scalars(select(JobRow).where(JobRow.state == "running")
-                              .where((JobRow.worker_id.in_(lost)) | (JobRow.lease_at < cutoff))
-                              .with_for_update(skip_locked=True)))
-        jobs = []
-        for row in rows:
-            jobs.append(Job(row.id, _spec(row), row.attempts))
+            s.execute(update(WorkerRow).where(WorkerRow.id.in_(lost), WorkerRow.beat_at < cutoff).values(state="lost"))
+        for row in s.scalars(select(JobRow).where(JobRow.id.in_(list(held)), JobRow.state == "running")
+                             .with_for_update(skip_locked=True)):
+            if row.worker_id != held[row.id][0]:
+                continue  # another reclaimer was first, and the job has run on since
+            back.append(held[row.id][1])
             if row.attempts >= MAX_ATTEMPTS:
                 row.state, row.message = "failed", f"its worker was lost {row.attempts} times"
             else:
                 row.state, row.message = "queued", f"requeued: worker {row.worker_id} was lost"
             row.worker_id, row.lease_at = None, None
-        return jobs
+    return back
 
 
 def pending(sessions: sessionmaker[Session], gpu_key: str) -> tuple[int, int]:
