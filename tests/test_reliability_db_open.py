@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tuner.db import queries
-from tuner.db.engine import DatabaseError, lock_dir, make_engine, open_readonly, session_factory, sqlite_init_lock
+from tuner.db.engine import SCHEMA_VERSION, DatabaseError, lock_dir, make_engine, open_readonly, session_factory, sqlite_init_lock
 
 FIXTURE = Path(__file__).parent / "fixtures" / "h100_simt.db"
 
@@ -66,7 +66,8 @@ def test_open_readonly_never_creates_or_migrates(tmp_path):
         c.execute("UPDATE ft_meta SET schema_version = 2")
         c.execute("UPDATE ft_alembic_version SET version_num = '0002'")
     before = _digest(old)
-    with pytest.raises(DatabaseError, match=r"schema version 2, this flashtune reads 3 .*tuner migrate --db"):
+    with pytest.raises(DatabaseError,
+                       match=rf"schema version 2, this flashtune reads {SCHEMA_VERSION} .*tuner migrate --db"):
         open_readonly(f"sqlite:///{old}")
     assert _digest(old) == before
     with sqlite3.connect(tmp_path / "foreign.db") as c:
