@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 import streamlit as st
-from sqlalchemy import Engine, column, func, inspect, select, table as table_clause, text
+from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from tuner.db import queries
@@ -75,6 +75,9 @@ def check_db(url: str) -> DbState:
     return DbState(url)
 
 
+FLEET_GRACE_S = 70  # tuner.fleet.WorkerOptions().lost_after_s: a worker silent this long shows as lost
+
+
 @st.cache_resource(show_spinner=False)
 def engine(url: str) -> Engine:
     """One read-only engine per URL for the server's lifetime (a pool, not a connection per rerun)."""
@@ -90,6 +93,22 @@ def summaries(url: str) -> pd.DataFrame:
     """Counts per (GPU, family, problem, status): SQL-side aggregation, cheap on 100k rows."""
     with _session(url) as s:
         return pd.DataFrame(queries.study_summaries(s), columns=SUMMARY_COLUMNS)
+
+
+@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
+def fleet(url: str) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
+    """The workers and the job queue (`tuner status` as tables): empty where no worker ever ran."""
+    from tuner import queue
+
+    with _session(url) as s:
+        st_ = queue.status(s, grace_s=FLEET_GRACE_S)
+    workers = pd.DataFrame([{"worker": w.id, "host": w.host, "pid": w.pid, "gpu": w.gpu_index, "GPU model": w.gpu_key,
+                             "state": w.state, "last beat s": round(w.silent_s), "job": w.job_id,
+                             "jobs done": w.jobs_done, "trials": w.trials_done} for w in st_.workers])
+    jobs = pd.DataFrame([{"GPU model": k, **v} for k, v in st_.jobs.items()])
+    notes = [f"{len(st_.alive)} worker(s) alive, {st_.trials_per_minute():.1f} trials/min"]
+    notes += [f"queued jobs for {k} wait: {why}" for k, why in st_.waiting.items()]
+    return workers, jobs, notes
 
 
 @st.cache_data(ttl=TTL_S, show_spinner=False)
@@ -178,28 +197,3 @@ def running_trials(url: str) -> dict[str, int]:
             return {name: n for name, n in rows}
     except (DatabaseError, SQLAlchemyError):
         return {}
-
-
-FLEET_WORDS = ("worker", "job")
-
-
-@st.cache_data(ttl=LIVE_TTL_S, show_spinner=False)
-def fleet(url: str) -> dict[str, pd.DataFrame]:
-    """The database's worker and job tables (those a job queue adds), each as its rows counted by
-    status (or state) where it has such a column, else as its row count. {} where there are none:
-    this reads whatever such tables hold and depends on no schema of theirs."""
-    out: dict[str, pd.DataFrame] = {}
-    insp = inspect(engine(url))
-    for name in sorted(insp.get_table_names()):
-        if not any(w in name.lower() for w in FLEET_WORDS):
-            continue
-        cols = {c["name"] for c in insp.get_columns(name)}
-        by = next((c for c in ("status", "state") if c in cols), None)
-        with engine(url).connect() as c:
-            if by is None:
-                n = c.execute(select(func.count()).select_from(table_clause(name))).scalar_one()
-                out[name] = pd.DataFrame({"rows": [n]})
-            else:
-                q = select(column(by), func.count()).select_from(table_clause(name)).group_by(column(by))
-                out[name] = pd.DataFrame(c.execute(q).all(), columns=[by, "rows"])
-    return out

@@ -25,8 +25,8 @@ from sqlalchemy.pool import QueuePool
 # ft_meta.schema_version of a database at HEAD_REVISION. Alembic (db/migrations, version table
 # ft_alembic_version: Optuna keeps its own `alembic_version` in the same file) moves older databases
 # forward; a database whose version or revision this flashtune does not know is refused.
-SCHEMA_VERSION = 3
-HEAD_REVISION = "0003"
+SCHEMA_VERSION = 4
+HEAD_REVISION = "0004"
 VERSION_TABLE = "ft_alembic_version"
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 APP_NAME = "flashtune"
@@ -241,6 +241,39 @@ def sqlite_init_lock(url: str) -> contextlib.AbstractContextManager[None]:
     return _file_lock(lock_dir() / f"{digest}.lock", f"setting up the database {path}")
 
 
+PG_INIT_LOCK = 0x666C6173  # pg_advisory_lock key of the first-time setup ("flas")
+
+
+@contextlib.contextmanager
+def _pg_lock(url: str) -> Iterator[None]:
+    """A PostgreSQL session advisory lock on a connection of its own: workers starting together on
+    several hosts create the tables (ours, Optuna's) one at a time."""
+    from sqlalchemy.pool import NullPool
+
+    engine = _create(_parse(url), poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(f"SELECT pg_advisory_lock({PG_INIT_LOCK})")
+            conn.commit()
+            try:
+                yield
+            finally:
+                conn.exec_driver_sql(f"SELECT pg_advisory_unlock({PG_INIT_LOCK})")
+                conn.commit()
+    finally:
+        engine.dispose()
+
+
+def init_lock(url: str) -> contextlib.AbstractContextManager[None]:
+    """The first-time setup lock of any database: sqlite_init_lock for a SQLite file, an advisory
+    lock on PostgreSQL, none elsewhere."""
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        backend = None
+    return _pg_lock(url) if backend == "postgresql" else sqlite_init_lock(url)
+
+
 def _alembic_config(conn: Connection):
     from alembic.config import Config
 
@@ -334,7 +367,7 @@ def make_engine(url: str | None = None, *, readonly: bool = False) -> Engine:
         # one process at a time: switching a new file to WAL and migrating it can fail at once with
         # "database is locked" when several searches open the same file together (busy_timeout
         # does not cover the journal-mode change)
-        with sqlite_init_lock(text):
+        with init_lock(text):
             migrate(engine)
     except SQLDatabaseError as e:  # OperationalError (cannot open, locked), "file is not a database", ...
         engine.dispose()
@@ -387,6 +420,9 @@ def open_readonly(url: str | None = None) -> Engine:
     where = str(path) if path is not None else parsed.render_as_string(hide_password=True)
     if path is not None:
         engine = create_engine("sqlite://", **readonly_sqlite_kwargs(path))
+    elif parsed.get_backend_name() == "postgresql" and parsed.get_driver_name() in ("psycopg", "psycopg2"):
+        # the server refuses any write on these connections (a reader's bug cannot change the data)
+        engine = _create(parsed, connect_args={"options": "-c default_transaction_read_only=on"})
     else:
         engine = _create(parsed)
     try:

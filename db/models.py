@@ -160,3 +160,50 @@ class BestRow(Base):
     gpu: Mapped[GpuRow] = relationship()
     problem: Mapped[ProblemRow] = relationship()
     config: Mapped[ConfigRow] = relationship()
+
+
+class WorkerRow(Base):
+    """One worker process of the fleet (schema version 4): which host, process and GPU it is, and
+    when it last beat. A worker whose beat is older than the grace period is lost, and its job
+    goes back to the queue."""
+
+    __tablename__ = "ft_workers"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    host: Mapped[str] = mapped_column(String(200))
+    pid: Mapped[int] = mapped_column(Integer)
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    gpu_key: Mapped[str] = mapped_column(String(200), index=True)
+    state: Mapped[str] = mapped_column(String(16), index=True)  # alive, stopped, lost
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    beat_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    jobs_done: Mapped[int] = mapped_column(Integer, default=0)
+    trials_done: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class JobRow(Base):
+    """One (GPU model, kernel family, problem) search in the queue (schema version 4). A worker
+    of that GPU model claims it under a row lock; `worker_id` and `lease_at` say who holds it."""
+
+    __tablename__ = "ft_jobs"
+    __table_args__ = (Index("ix_ft_jobs_claim", "state", "gpu_key", "id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    gpu_key: Mapped[str] = mapped_column(String(200))
+    family: Mapped[str] = mapped_column(String(100))
+    problem_key: Mapped[str] = mapped_column(String(200))
+    problem_json: Mapped[str] = mapped_column(Text)
+    trials: Mapped[int] = mapped_column(Integer)
+    sampler: Mapped[str] = mapped_column(String(16), default="tpe")
+    seed: Mapped[int | None] = mapped_column(Integer)
+    peers: Mapped[bool] = mapped_column(Boolean, default=True)
+    state: Mapped[str] = mapped_column(String(16))  # queued, running, done, failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker_id: Mapped[int | None] = mapped_column(ForeignKey("ft_workers.id"))
+    submitted_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    lease_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    trials_done: Mapped[int] = mapped_column(Integer, default=0)
+    best_tflops: Mapped[float | None] = mapped_column(Float)
+    message: Mapped[str] = mapped_column(Text, default="")

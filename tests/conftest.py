@@ -55,3 +55,24 @@ def shared_cubin_cache() -> Path:
     path = Path(os.environ["TUNER_CACHE_DIR"])
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+# ---- a real PostgreSQL server for the fleet tests ----
+# One throwaway cluster per test session (per xdist worker), on a free loopback port, stopped at the
+# end; each test gets a fresh database in it. Skipped, saying why, only where no server binaries or
+# no driver can be had (.ci/run installs Debian's postgresql package).
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    from tuner import pgcluster
+
+    why = pgcluster.unavailable()
+    if why:
+        pytest.skip(why)
+    with pgcluster.running() as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def pg_url(pg_cluster) -> str:
+    return pg_cluster.create_database()

@@ -18,7 +18,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 from tuner.db import queries
 from tuner.db.engine import (HEAD_REVISION, MIGRATIONS_DIR, SCHEMA_VERSION, VERSION_TABLE, DatabaseError,
@@ -61,7 +61,7 @@ def test_head_is_what_the_code_says_and_models_match(tmp_path):
     assert script.get_current_head() == HEAD_REVISION
     engine = make_engine(f"sqlite:///{tmp_path / 'new.db'}")
     revs, version, indexes = _state(tmp_path / "new.db")
-    assert revs == [HEAD_REVISION] and version == SCHEMA_VERSION == 3
+    assert revs == [HEAD_REVISION] and version == SCHEMA_VERSION == 4
     assert "ix_ft_measurements_study" in indexes
     with engine.connect() as conn:  # the migrations build exactly what the ORM models describe
         ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
@@ -150,3 +150,32 @@ def test_many_processes_create_one_database(tmp_path):
     c = sqlite3.connect(tmp_path / "c.db")
     assert c.execute("SELECT COUNT(*) FROM ft_meta").fetchone()[0] == 1
     assert c.execute("SELECT COUNT(*) FROM ft_gpus").fetchone()[0] == 1
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_schema_3_gains_the_job_queue_with_its_rows_kept(tmp_path, request, backend):
+    """A database of schema 3 (before the fleet) upgrades to the queue's tables in place: on
+    SQLite and on a real PostgreSQL server, rows kept, and the queue takes jobs afterwards."""
+    from tuner import queue
+
+    url = request.getfixturevalue("pg_url") if backend == "postgresql" else f"sqlite:///{tmp_path / 'v3.db'}"
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        command.upgrade(_alembic_config(conn), "0003")
+    engine.dispose()
+    with session_factory(create_engine(url)).begin() as s:  # a measurement stored by the older flashtune
+        queries.record_measurement(s, H100_SXM, P, "flash_fwd_simt", PARAMS, Measurement("ok", median_ms=1, tflops=1))
+    assert not {"ft_jobs", "ft_workers"} & set(inspect(create_engine(url)).get_table_names())
+    engine = make_engine(url)
+    assert {"ft_jobs", "ft_workers"} <= set(inspect(engine).get_table_names())
+    sessions = session_factory(engine)
+    with sessions() as s:
+        assert len(queries.measurements(s)) == 1
+        assert s.scalar(text("SELECT schema_version FROM ft_meta")) == SCHEMA_VERSION
+    (job_id,), _ = queue.submit(sessions, [queue.JobSpec(H100_SXM.key, "flash_fwd_simt", P)])
+    worker = queue.register(sessions, 0, H100_SXM.key)
+    assert queue.claim(sessions, worker, H100_SXM.key).id == job_id
+    with engine.connect() as conn:  # the migrations built what the models describe, on this backend too
+        ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
+        assert compare_metadata(ctx, Base.metadata) == []
+    engine.dispose()

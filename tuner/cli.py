@@ -1,4 +1,4 @@
-"""`tuner`: gpus, search, bench, precompile, export, migrate, dashboard. Errors are one line and a
+"""`tuner`: gpus, search, bench, precompile, worker, submit, status, export, migrate, dashboard. Errors are one line and a
 non-zero exit, never a traceback."""
 
 from __future__ import annotations
@@ -403,6 +403,139 @@ def precompile(
     console.print(f"{len(work)} kernels for {arch}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     if counts.get("error"):
         raise typer.Exit(1)
+
+
+HEARTBEAT_HELP = "seconds between a worker's beats (and its trials' heartbeats)"
+STATUS_GRACE_S = 70  # tuner.fleet.WorkerOptions().lost_after_s: a worker silent longer is lost
+GRACE_HELP = "seconds of silence after which a trial is failed and a worker lost (its job requeued)"
+
+
+@app.command()
+def worker(
+    db: Optional[str] = typer.Option(None, "--db", help="the shared database: postgresql+psycopg://user@host/db "
+                                                        "(several hosts), or a SQLite file (one machine)"),
+    gpus: str = typer.Option("all", "--gpus", help="'all' the visible GPUs, or indices such as 0,1,3: one worker "
+                                                   "process per GPU"),
+    replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB instead of GPUs "
+                                                                "(tests, benchmarks)"),
+    workers: int = typer.Option(1, "--workers", min=1, help="with --replay: how many replay workers"),
+    heartbeat: int = typer.Option(10, "--heartbeat", min=1, help=HEARTBEAT_HELP),
+    grace: int = typer.Option(60, "--grace", min=1, help=GRACE_HELP),
+    poll: float = typer.Option(5.0, "--poll", min=0.05, help="seconds between looks at an empty queue"),
+    exit_when_idle: bool = typer.Option(False, "--exit-when-idle", help="leave once no job of this GPU model is "
+                                                                        "queued or running"),
+    candidate_timeout: float = typer.Option(60.0, "--candidate-timeout", min=1, help="seconds per candidate"),
+    slot: Optional[int] = typer.Option(None, "--slot", hidden=True),
+) -> None:
+    """Take (problem, family) jobs from the database's queue and tune them: one process per GPU."""
+    from .db.engine import make_engine, masked, session_factory
+    from .fleet import FleetWorker, WorkerOptions
+    from .search import optuna_storage
+
+    url = _db_url(db)
+    options = WorkerOptions(heartbeat, grace, poll, exit_when_idle)
+    if slot is None:
+        from . import service
+
+        why = service.sqlite_fleet_problem(url)
+        if why:
+            raise UserError(why)
+        slot_ids = service.slots(gpus, replay, workers)
+        make_engine(url).dispose()    # tables made once, before the workers race to open them
+        optuna_storage(url).engine.dispose()
+        console.print(f"workers for {len(slot_ids)} {'replay slot' if replay else 'GPU'}(s) on {masked(url)}",
+                      highlight=False, markup=False)
+        if len(slot_ids) > 1:
+            args = ["worker", "--heartbeat", str(heartbeat), "--grace", str(grace), "--poll", str(poll),
+                    "--candidate-timeout", str(candidate_timeout), *(["--replay", replay] if replay else []),
+                    *(["--exit-when-idle"] if exit_when_idle else [])]
+            code = service.launch(slot_ids, lambda i: [*args, "--slot", str(i)],
+                                  lambda i: service.child_env(url, i, pin_gpu=not replay), _say)
+            raise typer.Exit(code)
+        slot = slot_ids[0]
+        gpu_arg = str(slot)
+    else:
+        gpu_arg = "0"  # the launcher made this slot's GPU the only one visible
+    runner = _runner(gpu_arg, replay, candidate_timeout)
+    try:
+        sessions = session_factory(make_engine(url))
+        w = FleetWorker(runner, sessions, url, slot, options, say=lambda m: _say(f"[worker {w.id} slot {slot}] {m}"))
+        _say(f"[worker {w.id} slot {slot}] {runner.gpu.key}: waiting for jobs")
+        done = w.run()
+    finally:
+        runner.close()
+    _say(f"[worker {w.id} slot {slot}] no job left for {runner.gpu.key}: {done} job(s) done")
+
+
+def _say(message: str) -> None:
+    console.print(message, highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command()
+def submit(
+    shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable"),
+    model: Optional[Path] = typer.Option(None, "--model", help="a Hugging Face config.json: its attention "
+                                                               "problems (causal, B x N = 16k tokens)"),
+    seqlen: list[int] = typer.Option([1024, 4096], "--seqlen", help="with --model: the sequence lengths; repeatable"),
+    from_db: Optional[str] = typer.Option(None, "--from", help="the problems of a recorded results database "
+                                                               "(URL or file)"),
+    dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
+    max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
+    gpu_key: list[str] = typer.Option([], "--gpu-key", help="the GPU model(s) to tune for, as `tuner gpus` names "
+                                                           "them; repeatable. Default: the live workers' models"),
+    family: Family = typer.Option("auto", "--family", help="a kernel family, or auto: every family that fits"),
+    trials: int = typer.Option(30, "--trials", min=1, help="measured trials per job"),
+    sampler: Sampler = typer.Option("tpe", "--sampler"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="measure the SDPA peers of each problem"),
+    db: Optional[str] = typer.Option(None, "--db", help="the shared database"),
+) -> None:
+    """Queue (problem, family) jobs for the workers of one or more GPU models."""
+    from . import queue, service
+    from .db.engine import make_engine, masked, session_factory
+
+    problems = _problems(shape, dtype, max_error) if shape or not (model or from_db) else []
+    if model is not None:
+        problems += service.model_problems(model, seqlen, _value(dtype) or "fp32", max_error)
+    if from_db is not None:
+        problems += service.recorded_problems(from_db)
+    url = _db_url(db)
+    sessions = session_factory(make_engine(url))
+    with sessions() as s:
+        known = service.known_gpus(s)
+        keys = list(dict.fromkeys(gpu_key)) or sorted({w.gpu_key for w in queue.status(s, STATUS_GRACE_S).alive})
+    if not keys:
+        raise UserError("no GPU model to tune for: pass --gpu-key KEY (repeatable; `tuner gpus` prints a GPU's key), "
+                        "or start `tuner worker` first")
+    specs = []
+    for key in keys:
+        gpu = known.get(key)
+        if gpu is None and _value(family) == "auto":
+            raise UserError(f"the database has never seen the GPU model {key!r}: name a --family, or start a "
+                            f"worker of it first")
+        for p in dict.fromkeys(problems):
+            names = [f.name for f in _families(_value(family), gpu, p)] if gpu else [_value(family)]
+            specs += [queue.JobSpec(key, n, p, trials, _value(sampler), seed, peers) for n in names]
+    added, skipped = queue.submit(sessions, specs)
+    console.print(f"{len(added)} job(s) queued in {masked(url)} for {', '.join(keys)}"
+                  + (f"; {len(skipped)} already queued or running" if skipped else ""),
+                  highlight=False, markup=False, soft_wrap=True)
+
+
+@app.command()
+def status(
+    db: Optional[str] = typer.Option(None, "--db", help="the shared database (opened read-only)"),
+    grace: int = typer.Option(STATUS_GRACE_S, "--grace", min=1, help="seconds without a beat after which a worker "
+                                                                     "counts as lost"),
+) -> None:
+    """The fleet: workers alive, jobs queued, running, done and failed, trials per minute."""
+    from . import queue, service
+    from .db.engine import open_readonly, session_factory
+
+    with session_factory(open_readonly(_db_url(db)))() as s:
+        st = queue.status(s, grace)
+    for part in service.status_tables(st):
+        console.print(part)
 
 
 @app.command()

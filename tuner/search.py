@@ -59,9 +59,9 @@ def study_name(gpu_key: str, family: str, problem_key: str) -> str:
 class Search:
     def __init__(self, runner: Runner, sessions, storage_url: str, *, seed: int | None = None, sampler: str = "tpe",
                  observer: Callable[[Progress], None] | None = None, run_id: str | None = None,
-                 retry_failed: bool = False) -> None:
+                 retry_failed: bool = False, storage: optuna.storages.RDBStorage | None = None) -> None:
         self.runner, self.sessions = runner, sessions
-        self.storage = optuna_storage(storage_url)
+        self.storage = storage or optuna_storage(storage_url)  # a worker passes its own, kept across jobs
         if sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
         self.seed, self.sampler, self.observer = seed, sampler, observer or (lambda p: None)
@@ -204,23 +204,40 @@ class Search:
         return self.bench.peers(problem, backends)
 
 
-def optuna_storage(url: str) -> optuna.storages.RDBStorage:
+def optuna_storage(url: str, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> optuna.storages.RDBStorage:
     """Optuna's storage in our DB, safe with several searches on one SQLite file: its first-time
     table creation and version stamp run one process at a time, and its transactions queue for the
     write lock (BEGIN IMMEDIATE, 60 s busy timeout) instead of failing with "database is locked"."""
     from sqlalchemy.exc import DatabaseError as SQLDatabaseError
 
-    from .db.engine import DatabaseError, masked, serialize_sqlite_writers, sqlite_init_lock
+    from .db.engine import DatabaseError, init_lock, masked, serialize_sqlite_writers
 
     sqlite = url.startswith("sqlite")
     try:
-        with sqlite_init_lock(url), _quiet_heartbeat():
+        with init_lock(url), _quiet_heartbeat():
             storage = optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if sqlite else {},
-                                                 heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
+                                                 heartbeat_interval=heartbeat_s, grace_period=grace_s)
     except SQLDatabaseError as e:  # e.g. a read-only file Optuna must stamp or add a table to
         raise DatabaseError(f"cannot open the database {masked(url)}: {e.orig}") from None
     serialize_sqlite_writers(storage.engine)
     return storage
+
+
+def fail_dead_trials(storage: optuna.storages.RDBStorage, name: str) -> int:
+    """Fail every RUNNING trial of study `name` whose process is known dead (its worker was lost;
+    the caller has made sure no live process holds the study). Optuna's fail_stale_trials finds
+    only trials with a stale heartbeat; a process killed between ask() and its trial's first beat
+    leaves one with none, which this fails too. Returns how many were failed."""
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return 0
+    running = [t._trial_id for t in storage.get_all_trials(study_id, deepcopy=False,
+                                                           states=(optuna.trial.TrialState.RUNNING,))]
+    for trial_id in running:
+        with contextlib.suppress(RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+            storage.set_trial_state_values(trial_id, optuna.trial.TrialState.FAIL)
+    return len(running)
 
 
 @contextlib.contextmanager
@@ -235,15 +252,15 @@ def _quiet_heartbeat() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _heartbeat(storage: optuna.storages.RDBStorage, trial_id: int) -> Iterator[None]:
-    """Record the trial's heartbeat now and every HEARTBEAT_S until the block ends (a thread: a
-    measurement can take minutes). A beat that fails (the database busy for a minute) is skipped."""
+    """Record the trial's heartbeat now and at the storage's heartbeat interval until the block ends
+    (a thread: a measurement can take minutes). A beat that fails (the database busy) is skipped."""
     stop = threading.Event()
 
     def beat() -> None:
         while True:
             with contextlib.suppress(Exception):
                 storage.record_heartbeat(trial_id)
-            if stop.wait(HEARTBEAT_S):
+            if stop.wait(storage.get_heartbeat_interval() or HEARTBEAT_S):
                 return
 
     thread = threading.Thread(target=beat, name=f"heartbeat-{trial_id}", daemon=True)

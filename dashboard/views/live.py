@@ -10,7 +10,6 @@ import pandas as pd
 import streamlit as st
 
 from tuner.dashboard import charts, data, nav
-from tuner.dashboard.plain import md
 from tuner.peers import PEER_FAMILIES
 from tuner.search import study_name
 
@@ -43,15 +42,17 @@ def progress(summ: pd.DataFrame, recent: pd.DataFrame, running: dict[str, int], 
 
 
 def _fleet(url: str) -> None:
+    """`tuner status` as tables: the workers (alive or lost) and the job queue per GPU model."""
     st.subheader("Fleet")
-    tables = data.fleet(url)
-    if not tables:
-        st.info("No worker or job tables in this database (a job queue adds them): no fleet to show, "
+    workers, jobs, notes = data.fleet(url)
+    if workers.empty and jobs.empty:
+        st.info("No worker has run on this database (`tuner worker` and `tuner submit` make a fleet): "
                 "only the studies above.")
         return
-    for col, (name, counts) in zip(st.columns(len(tables)), tables.items()):
-        col.markdown(f"**{md(name)}**")
-        col.dataframe(counts, hide_index=True, key=f"fleet_{name}")
+    for note in notes:
+        st.text(note)
+    st.dataframe(jobs, hide_index=True, key="fleet_jobs")
+    st.dataframe(workers, hide_index=True, key="fleet_workers")
 
 
 def render(ctx: nav.Ctx) -> None:
