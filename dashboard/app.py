@@ -20,7 +20,7 @@ from tuner.dashboard.plain import md, plotly
 from tuner.dashboard.roofline import ceilings_for, roof
 from tuner.db.engine import masked
 from tuner.peers import PEER_FAMILIES
-from tuner.problem import Problem
+from tuner.problem import MASK_KEYS, Problem
 from tuner.search import study_name
 
 PAGES = ("Overview", "Explore a study", "Compare", "Lookup")
@@ -251,19 +251,19 @@ def page_compare(url: str, summ: pd.DataFrame) -> None:
 def _problems(summ: pd.DataFrame, gpu_key: str) -> list[Problem]:
     rows = summ[summ["gpu_key"] == gpu_key].drop_duplicates("problem_key")
     return [Problem(int(r.batch), int(r.heads), int(r.seqlen_q), int(r.seqlen_k), int(r.head_dim), r.dtype,
-                    bool(r.causal), int(r.kv_heads)) for r in rows.itertuples(index=False)]
+                    r.mask, int(r.kv_heads)) for r in rows.itertuples(index=False)]
 
 
 def _lookup_frame(doc: dict) -> pd.DataFrame:
-    cols = ["gpu_key", "dtype", "head_dim", "causal", "bucket", "family", "params", "tflops", "median_ms", "problem"]
-    rows = [{**e, "params": _params_text(e["params"]), "problem": Problem(**e["problem"]).key}
+    cols = ["gpu_key", "dtype", "head_dim", "mask", "bucket", "family", "params", "tflops", "median_ms", "problem"]
+    rows = [{**e, "params": _params_text(e["params"]), "problem": Problem.from_dict(e["problem"]).key}
             for e in doc.get("entries", [])]
     return pd.DataFrame(rows, columns=cols)
 
 
 def page_lookup(url: str, summ: pd.DataFrame) -> None:
     st.header("Best-config lookup")
-    st.markdown("What the dispatcher sees: one entry per (GPU, dtype, head dim, causal, shape bucket, family), "
+    st.markdown("What the dispatcher sees: one entry per (GPU, dtype, head dim, mask, shape bucket, family), "
                 "fastest first in each group.")
     st.subheader("From this database (as `tuner export` would write it now)")
     doc = data.lookup(url)
@@ -295,7 +295,7 @@ def main() -> None:
     if summ.empty:
         _stop_with(data.DbState(url, "the database holds no measurements yet",
                                 f"run `{data.SEARCH_HINT}` (with `--db {masked(url)}`) to fill it"))
-    summ = summ.assign(mask=np.where(summ["causal"].astype(bool), "causal", "full"))
+    summ = summ.assign(mask=summ["mask"].map(MASK_KEYS))   # the keys' words: full, causal, causal_br
     st.sidebar.title("flashtune")
     page = st.sidebar.radio("page", PAGES, key="page")
     filtered = _sidebar_filters(summ)

@@ -87,7 +87,7 @@ def summaries(url: str) -> pd.DataFrame:
     with _session(url) as s:
         rows = queries.study_summaries(s)
     cols = ["gpu_key", "gpu_name", "family", "problem_key", "bucket_key", "batch", "heads", "kv_heads",
-            "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "status", "count", "max_tflops", "last_at"]
+            "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "mask", "status", "count", "max_tflops", "last_at"]
     return pd.DataFrame(rows, columns=cols)
 
 

@@ -111,9 +111,9 @@ def test_bench_unknown_peer_is_refused_before_anything_runs(cli):
 
 @pytest.mark.parametrize(
     "shape,words",
-    [("2,4,512", ["'2,4,512'", "must be B,H,N,D"]), ("2,4,x,64", ["'2,4,x,64'", "must be integers"]),
-     ("2,4,512,64,sideways", ["fifth field"]), ("0,4,512,64", ["batch must be a positive integer"])],
-    ids=["three-fields", "not-int", "bad-flag", "zero-batch"],
+    [("2,4,512", ["'2,4,512'", "must be B,H[:KVH],NQ[:NK],D[,MASK]"]), ("2,4,x,64", ["'2,4,x,64'", "must be integers"]),
+     ("2,4,512,64,sideways", ["the mask field must be one of"]), ("2,4:3,512,64", ["kv_heads (3) must divide heads (4)"]), ("0,4,512,64", ["batch must be a positive integer"])],
+    ids=["three-fields", "not-int", "bad-flag", "gqa-not-dividing", "zero-batch"],
 )
 def test_malformed_shape(cli, shape, words):
     out = cli("search", "--shape", shape, "--trials", "2")

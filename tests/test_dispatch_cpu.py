@@ -138,14 +138,14 @@ def lookup_file(tmp_path, entries) -> str:
 
 def test_select_matching_bucket_and_gpu(tmp_path):
     a100_only = entry(SLOW, 9.0, gpu=A100_SXM, mid=2)
-    other_bucket = entry(SLOW, 30.0, problem=replace(TUNED, causal=False), mid=3)
+    other_bucket = entry(SLOW, 30.0, problem=replace(TUNED, mask="none"), mid=3)
     path = lookup_file(tmp_path, [entry(FAST, 20.0), a100_only, other_bucket])
     d = Dispatcher(path)
     e = d.select(replace(TUNED, seqlen_q=1000, seqlen_k=1000), H100_SXM)
     assert e is not None and e["params"] == FAST and e["tflops"] == 20.0 and e["gpu_key"] == H100_SXM.key
     e = d.select(TUNED, A100_SXM)
     assert e is not None and e["params"] == SLOW and e["gpu_key"] == A100_SXM.key
-    assert d.select(replace(TUNED, causal=False), H100_SXM)["tflops"] == 30.0
+    assert d.select(replace(TUNED, mask="none"), H100_SXM)["tflops"] == 30.0
 
 
 @pytest.mark.parametrize(

@@ -164,7 +164,7 @@ def test_valid_points_agree_with_check_and_shrink_with_head_dim():
 
 
 @pytest.mark.parametrize("gpu", [H100_SXM, A100_SXM], ids=lambda g: g.arch)
-@pytest.mark.parametrize("problem", list(GPT2_FP32) + [P128, replace(P128, dtype="bf16", causal=True)],
+@pytest.mark.parametrize("problem", list(GPT2_FP32) + [P128, replace(P128, dtype="bf16", mask="causal")],
                          ids=lambda p: p.key)
 def test_default_is_valid(gpu, problem):
     d = FAM.default(gpu, problem)
