@@ -121,6 +121,14 @@ def test_malformed_shape(cli, shape, words):
     assert out.code == 2
 
 
+def test_shape_format_is_documented_and_new_fields_reach_the_problem(cli, replay_url):
+    """GQA, Nq != Nk and the bottom-right mask parse into the problem the search asks for."""
+    out = cli("search", "--help")
+    assert out.code == 0 and "B,H[:KVH],NQ[:NK],D[,MASK]" in out.stdout and "causal_br" in out.stdout
+    out = cli("search", "--replay", replay_url, "--shape", "2,4:2,512:1024,64,bottom_right", "--trials", "2")
+    one_line_error(out, "error:", "no measurements of B2-H4/kv2-N512x1024-D64-fp32-causal_br")
+
+
 def test_bad_dtype(cli):
     out = cli("search", "--dtype", "int8", "--shape", "1,2,128,64")
     one_line_error(out, "--dtype", "'int8' is not one of 'fp32', 'fp16', 'bf16', 'fp8'")

@@ -68,6 +68,22 @@ MAX_ERROR_HELP = ("error allowed against float64 (relative, of O); default: the 
                   "tensor-core kernels compete")
 
 
+def _shape_help() -> str:
+    from .problem import MASK_TOKENS, SHAPE_FORMAT
+
+    def aliases(mask: str) -> str:
+        return ", ".join(t for t, m in MASK_TOKENS.items() if m == mask and t != mask)
+
+    return (f"{SHAPE_FORMAT}; repeatable. KVH: K/V heads (GQA/MQA; default H); NK: keys (default NQ); MASK: none "
+            f"(default; also {aliases('none')}), causal (top-left, SDPA's is_causal; also {aliases('causal')}) or "
+            f"causal_br (bottom-right: query i sees keys j <= i + NK - NQ, as a KV cache or a chunked prefill; also "
+            f"{aliases('causal_br')}). E.g. 1,32:8,8192,128,causal (Llama-3-8B prefill), 4,32:8,512:8192,128,causal_br "
+            f"(a 512-token chunk after 7680 cached)")
+
+
+SHAPE_HELP = _shape_help()
+
+
 def _value(choice) -> Optional[str]:
     """An option's Enum member as its plain string (None stays None)."""
     return None if choice is None else getattr(choice, "value", choice)
@@ -152,7 +168,7 @@ def _summary_table(results, title: str) -> Table:
 @app.command()
 def search(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' (the current device) or a GPU index"),
-    shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable. Default: the standard set"),
+    shape: list[str] = typer.Option([], "--shape", help=SHAPE_HELP),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
@@ -282,7 +298,7 @@ def _replayable(runner, plan: list, family: str) -> list:
 @app.command()
 def bench(
     gpu: str = typer.Option("auto", "--gpu"),
-    shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable"),
+    shape: list[str] = typer.Option([], "--shape", help=SHAPE_HELP),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     db: Optional[str] = typer.Option(None, "--db"),
     family: Family = typer.Option("auto", "--family", help="a kernel family, or auto: the best of all"),
@@ -371,7 +387,7 @@ def _compile_one(args) -> tuple[str, str]:
 def precompile(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' or an index; without a GPU give --arch"),
     arch: Optional[str] = typer.Option(None, "--arch", help="sm_80 or sm_90a: compile for this target with no GPU"),
-    shape: list[str] = typer.Option([], "--shape"),
+    shape: list[str] = typer.Option([], "--shape", help=SHAPE_HELP),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     family: OneFamily = typer.Option("flash_fwd_simt", "--family"),
     jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", "-j", min=1),
