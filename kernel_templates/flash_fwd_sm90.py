@@ -53,6 +53,7 @@ class FlashFwdSm90(KernelFamily):
     min_cc = (9, 0)
     dtypes = ("fp16", "bf16", "fp8")
     head_dims = (64, 128, 256)
+    masks = ("none", "causal")   # bottom-right (MASK_BR) is not in its source yet: it is passed, unread
     space = {
         "Bc": (64, 80, 96, 128, 176),
         "stages": (2, 3),
@@ -156,7 +157,7 @@ class FlashFwdSm90(KernelFamily):
             "CHAIN": params["chain"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
-            "IS_CAUSAL": int(problem.causal),
+            **self.mask_defines(problem),
         }
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:

@@ -80,7 +80,7 @@ def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
         return None, Measurement("launch_error", message=str(exc), **base)
     _sync_or_fault()
 
-    ref_o, ref_lse = attention_fp64(q, k, v, problem.causal, scale)
+    ref_o, ref_lse = attention_fp64(q, k, v, problem.mask, scale)
     err = compare(o, lse, ref_o, ref_lse)
     del ref_o, ref_lse
     figures = dict(rel_err=err.rel, max_abs_err=err.max_abs, lse_err=err.lse)
@@ -109,7 +109,7 @@ def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:
         with sdpa_kernel(pinned):
             o = F.scaled_dot_product_attention(q, k, v, **kw)
         _sync_or_fault()
-        ref_o, _ = attention_fp64(q, k, v, problem.causal, 1.0 / math.sqrt(problem.head_dim))
+        ref_o, _ = attention_fp64(q, k, v, problem.mask, 1.0 / math.sqrt(problem.head_dim))
         err = compare(o, None, ref_o, None)
         del ref_o, o
         run()  # a backend can still refuse at the first timed call
