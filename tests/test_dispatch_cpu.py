@@ -148,6 +148,20 @@ def test_select_matching_bucket_and_gpu(tmp_path):
     assert d.select(replace(TUNED, mask="none"), H100_SXM)["tflops"] == 30.0
 
 
+def test_the_mask_picks_the_bucket(tmp_path, fake):
+    """is_causal (True) is the top-left bucket; "causal_br" the bottom-right one: with Nq != Nk they
+    are different problems, and neither serves the other."""
+    cache = Problem(2, 8, 256, 4096, 64, "fp32", "causal", kv_heads=2)
+    tl, br = entry(FAST, 20.0, problem=cache), entry(SLOW, 10.0, problem=replace(cache, mask="causal_br"), mid=2)
+    d = Dispatcher(lookup_file(tmp_path, [tl]))
+    q, kv = fake(2, 8, 256, 64), fake(2, 2, 4096, 64)
+    assert problem_of(q, kv, kv, True) == cache and problem_of(q, kv, kv, "causal_br").mask == "causal_br"
+    assert d.select(problem_of(q, kv, kv, True), H100_SXM)["params"] == FAST
+    assert d.select(problem_of(q, kv, kv, "causal_br"), H100_SXM) is None
+    d = Dispatcher(lookup_file(tmp_path, [tl, br]))
+    assert d.select(problem_of(q, kv, kv, "causal_br"), H100_SXM)["params"] == SLOW
+
+
 @pytest.mark.parametrize(
     "problem",
     [

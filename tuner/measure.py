@@ -96,9 +96,12 @@ def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from .torch_attention import sdpa_mask_kwargs
+
     q, k, v = (t.to(torch_dtype(peer_dtype(problem))) for t in random_inputs(problem, seed))
-    gqa = problem.kv_heads != problem.heads
-    kw = dict(is_causal=problem.causal, enable_gqa=True) if gqa else dict(is_causal=problem.causal)
+    kw = sdpa_mask_kwargs(problem.mask, problem.seqlen_q, problem.seqlen_k)
+    if problem.kv_heads != problem.heads:
+        kw["enable_gqa"] = True
     pinned = getattr(SDPBackend, SDPA_BACKENDS[backend])
 
     def run() -> None:
