@@ -155,7 +155,7 @@ def _summary_table(results, title: str) -> Table:
             peer_text += f" ({peer_dtype(r.problem)} inputs)"
         t.add_row(  # Text: params from a database are shown, never read as rich markup
             r.problem.key,
-            Text(r.family),
+            Text(r.family + (" (dropped)" if getattr(r, "dropped", "") else "")),
             Text(json.dumps(r.best_params, separators=(",", ":")) if r.best_params else "-"),
             f"{r.best.median_ms:.3f}" if r.best else "-",
             f"{tf:.1f}" if tf else "-",
@@ -219,22 +219,20 @@ def search(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
         tasks = {(p.key, f.name): bar.add_task(escape(f"{p.key} {f.name}"), total=trials, best="") for p, f in plan}
-        current: list[str] = [""]
 
         def observe(ev) -> None:
             best = f"best {ev.best_tflops:.1f} TFLOP/s" if ev.best_tflops else ""
-            bar.update(tasks[(ev.problem.key, current[0])], completed=min(ev.done, trials), best=best)
+            bar.update(tasks[(ev.problem.key, ev.family)], completed=min(ev.done, trials), best=best)
+
+        def dropped(fam, why: str) -> None:
+            bar.console.print(Text(f"{p.key}: {fam.name} dropped: {why}"), highlight=False)
 
         s.observer = observe
         try:
             for p in problems:
                 measured_peers = s.measure_peers(p) if peers else {}
-                for q, fam in plan:
-                    if q != p:
-                        continue
-                    current[0] = fam.name
-                    r = s.tune(fam, p, trials, deadline)
-                    bar.update(tasks[(p.key, fam.name)], completed=trials)
+                for r in s.tune_all([f for q, f in plan if q == p], p, trials, deadline, on_drop=dropped):
+                    bar.update(tasks[(p.key, r.family)], completed=trials)
                     r.peers = measured_peers
                     results.append(r)
         finally:
@@ -371,18 +369,6 @@ def _spread(m) -> list | None:
     return [m.min_ms, m.median_ms, m.max_ms] if m is not None else None
 
 
-def _compile_one(args) -> tuple[str, str]:
-    from .compile import CompileError, compile_kernel
-    from .kernel_templates import get_family
-
-    family, params, problem, arch = args
-    try:
-        ck = compile_kernel(get_family(family), params, problem, arch)
-    except CompileError as exc:
-        return "error", str(exc)
-    return ("cached" if ck.cached else "compiled"), f"{ck.resources.registers} regs, {ck.resources.spill_bytes} B spilled"
-
-
 @app.command()
 def precompile(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' or an index; without a GPU give --arch"),
@@ -399,6 +385,7 @@ def precompile(
 
     from rich.progress import track
 
+    from .compile import compile_job
     from .gpu import A100_SXM, H100_SXM, detect
     from .kernel_templates import get_family
 
@@ -414,7 +401,7 @@ def precompile(
     work = [(fam.name, params, p, arch) for p in _problems(shape, dtype, max_error) for params in fam.valid_points(g, p)]
     counts: dict[str, int] = {}
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-        for status, _ in track(pool.map(_compile_one, work), total=len(work), description=f"compiling for {arch}"):
+        for status, _ in track(pool.map(compile_job, work), total=len(work), description=f"compiling for {arch}"):
             counts[status] = counts.get(status, 0) + 1
     console.print(f"{len(work)} kernels for {arch}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     if counts.get("error"):
