@@ -129,6 +129,17 @@ def test_shape_format_is_documented_and_new_fields_reach_the_problem(cli, replay
     one_line_error(out, "error:", "no measurements of B2-H4/kv2-N512x1024-D64-fp32-causal_br")
 
 
+def test_model_problems_reach_the_search(cli, replay_url):
+    """--model with --seqlen NQ:NK and --batch: the model's problems, a cached chunk bottom-right."""
+    out = cli("search", "--replay", replay_url, "--model", "llama3-8b", "--seqlen", "512:8192", "--batch", "2",
+              "--trials", "2")
+    one_line_error(out, "error:", "no measurements of B2-H32/kv8-N512x8192-D128-bf16-causal_br")
+    one_line_error(cli("search", "--model", "vit-l16", "--seqlen", "1024"), "has its own sequence lengths (197)")
+    one_line_error(cli("search", "--batch", "2"), "--seqlen and --batch go with --model")
+    out = cli("search", "--help")
+    assert "llama3-8b" in out.stdout and "standard grid" in out.stdout
+
+
 def test_bad_dtype(cli):
     out = cli("search", "--dtype", "int8", "--shape", "1,2,128,64")
     one_line_error(out, "--dtype", "'int8' is not one of 'fp32', 'fp16', 'bf16', 'fp8'")

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from tuner.problem import DTYPES, GPT2_FP32, MASKS, Bucket, Problem, default_problems, standard_grid
+from tuner.problem import DTYPES, GPT2_FP32, MASKS, Bucket, Problem, standard_grid
 
 
 @pytest.mark.parametrize(
@@ -217,9 +217,8 @@ def test_bucket_from_bad_key(key):
         Bucket.from_key(key)
 
 
-def test_default_problems():
-    assert default_problems() == list(GPT2_FP32) == default_problems("fp32")
-    grid = default_problems("bf16")
+def test_standard_grid():
+    grid = standard_grid("bf16")
     assert len(grid) == 12 and all(p.dtype == "bf16" for p in grid)
     assert {p.batch * p.seqlen_q for p in grid} == {16384}
     assert {p.heads * p.head_dim for p in grid} == {2048}

@@ -89,18 +89,51 @@ def _value(choice) -> Optional[str]:
     return None if choice is None else getattr(choice, "value", choice)
 
 
-def _problems(shapes: list[str], dtype, max_error: Optional[float] = None):
+def _problems(shapes: list[str], dtype, max_error: Optional[float] = None, models: list[str] = (),
+              seqlen: Optional[str] = None, batch: Optional[str] = None, gpu=None):
+    """The --shape and --model problems; with neither, models.default_problems for `gpu`."""
     from dataclasses import replace
 
-    from .problem import DTYPES, Problem, default_problems
+    from .models import default_problems, model_problems
+    from .problem import DTYPES, Problem
 
     dtype = _value(dtype)
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_error is not None and not 0 < max_error < 1:
         raise UserError(f"--max-error must be in (0, 1), got {max_error}")
-    problems = default_problems(dtype) if not shapes else [Problem.parse(s, dtype or "fp32") for s in shapes]
+    if (seqlen or batch) and not models:
+        raise UserError("--seqlen and --batch go with --model")
+    batches = None
+    if batch:
+        try:
+            batches = [int(b) for b in batch.split(",")]
+        except ValueError:
+            raise UserError(f"--batch {batch!r} must be integers, comma-separated") from None
+    if shapes or models:
+        problems = [Problem.parse(s, dtype or "fp32") for s in shapes]
+        problems += model_problems(models, dtype or _default_dtype(gpu), seqlen.split(",") if seqlen else None, batches)
+    else:
+        problems = default_problems(dtype, gpu)
     return [replace(p, max_error=max_error) for p in problems] if max_error is not None else problems
+
+
+def _default_dtype(gpu) -> str:
+    from .models import default_dtype
+
+    return default_dtype(gpu)
+
+
+def _model_help() -> str:
+    from .models import MODELS
+
+    return (f"a model's attention shapes (tuner/models.py's table): {', '.join(MODELS)}; repeatable. "
+            f"Its dtype: --dtype, else bf16 (fp16 before sm_80)")
+
+
+SEQLEN_HELP = ("with --model: lengths, comma-separated, each N (prefill, causal) or NQ:NK (NQ queries after NK - NQ "
+               "cached keys: bottom-right causal); default the model's own (2048,8192 for the LLMs)")
+BATCH_HELP = "with --model: batch sizes, comma-separated; default the model's (tuner/models.py)"
 
 
 @app.command()
@@ -165,10 +198,20 @@ def _summary_table(results, title: str) -> Table:
     return t
 
 
-@app.command()
+def _search_help() -> str:
+    from .models import DEFAULT_HELP
+
+    return ("Tune the kernels for the detected GPU and store every measurement: the --shape and --model problems. "
+            + DEFAULT_HELP + ".")
+
+
+@app.command(help=_search_help())
 def search(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' (the current device) or a GPU index"),
     shape: list[str] = typer.Option([], "--shape", help=SHAPE_HELP),
+    model: list[str] = typer.Option([], "--model", help=_model_help()),
+    seqlen: Optional[str] = typer.Option(None, "--seqlen", help=SEQLEN_HELP),
+    batch: Optional[str] = typer.Option(None, "--batch", help=BATCH_HELP),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
@@ -186,7 +229,6 @@ def search(
                                "that is not a replay"),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="measure again points whose stored result is a failure"),
 ) -> None:
-    """Tune the kernels for the detected GPU and store every measurement."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .db.engine import make_engine, masked, session_factory
@@ -195,13 +237,15 @@ def search(
     from .runner import ReplayRunner
     from .search import Search
 
-    problems = _problems(shape, dtype, max_error)
+    problems = _problems(shape, dtype, max_error, model, seqlen, batch)   # bad input: one line, before any GPU
     url = _db_url(db)
     target = _search_lookup(lookup, db, replay, url)
     if target is not None:
         existing_lookup(target)  # a file that is no lookup (the database, say) is refused before any trial
     runner = _runner(gpu, replay, candidate_timeout)
     try:
+        if not (shape or model):   # the defaults depend on what the GPU runs best
+            problems = _problems([], dtype, max_error, gpu=runner.gpu)
         plan = [(p, f) for p in problems for f in _families(_value(family), runner.gpu, p)]
         if isinstance(runner, ReplayRunner):
             plan = _replayable(runner, plan, _value(family))

@@ -300,9 +300,3 @@ def standard_grid(dtype: str) -> list[Problem]:
             for causal in (False, True):
                 out.append(Problem(16384 // n, 2048 // d, n, n, d, dtype, causal))
     return out
-
-
-def default_problems(dtype: str | None = None) -> list[Problem]:
-    if dtype in (None, "fp32"):
-        return list(GPT2_FP32)
-    return standard_grid(dtype)
