@@ -212,6 +212,8 @@ def search(
     model: list[str] = typer.Option([], "--model", help=_model_help()),
     seqlen: Optional[str] = typer.Option(None, "--seqlen", help=SEQLEN_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help=BATCH_HELP),
+    recorded: Optional[Path] = typer.Option(None, "--recorded", help="tune the problems a program met under "
+                                            "`tuner record` (its JSON-lines file), with their own dtypes"),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
@@ -238,13 +240,17 @@ def search(
     from .search import Search
 
     problems = _problems(shape, dtype, max_error, model, seqlen, batch)   # bad input: one line, before any GPU
+    if recorded is not None:
+        from .recording import read_recorded
+
+        problems = (problems if shape or model else []) + read_recorded(recorded)
     url = _db_url(db)
     target = _search_lookup(lookup, db, replay, url)
     if target is not None:
         existing_lookup(target)  # a file that is no lookup (the database, say) is refused before any trial
     runner = _runner(gpu, replay, candidate_timeout)
     try:
-        if not (shape or model):   # the defaults depend on what the GPU runs best
+        if not (shape or model or recorded):   # the defaults depend on what the GPU runs best
             problems = _problems([], dtype, max_error, gpu=runner.gpu)
         plan = [(p, f) for p in problems for f in _families(_value(family), runner.gpu, p)]
         if isinstance(runner, ReplayRunner):
@@ -450,6 +456,33 @@ def precompile(
     console.print(f"{len(work)} kernels for {arch}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     if counts.get("error"):
         raise typer.Exit(1)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def record(
+    ctx: typer.Context,
+    output: Path = typer.Option(Path("flashtune-record.jsonl"), "-o", "--output", help="the recording (JSON lines; "
+                                "appended to, each problem once)"),
+) -> None:
+    """Run a program (`tuner record -- python train.py`) and record every distinct attention problem
+    flashtune's dispatcher meets in it (FLASHTUNE_RECORD=FILE does the same for any process); then
+    `tuner search --recorded FILE` tunes exactly those."""
+    import subprocess
+
+    from .recording import ENV, read_recorded
+
+    if not ctx.args:
+        raise UserError("give the program to run after --: tuner record -- python train.py")
+    output = output.resolve()
+    before = len(read_recorded(output, missing_ok=True))
+    try:
+        code = subprocess.call(ctx.args, env={**os.environ, ENV: str(output)})
+    except OSError as e:
+        raise UserError(f"cannot run {ctx.args[0]}: {e.strerror or e}") from None
+    found = read_recorded(output, missing_ok=True)
+    console.print(f"{len(found) - before} new problem(s) recorded, {len(found)} in {output}; tune them with "
+                  f"`tuner search --recorded {output}`", highlight=False, markup=False)
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import recording
 from .launch import Launcher, launch_on
 from .problem import TORCH_DTYPES, Problem, mask_of, torch_dtype
 
@@ -183,6 +184,7 @@ class Dispatcher:
         plan = self._plans.get(key)
         if plan is None:
             problem = problem_of(q, k, v, causal, max_error)
+            recording.note(problem)   # FLASHTUNE_RECORD: once per shape, off the hot path
             with self._lock:
                 plan = self._plans.get(key)
                 if plan is None:
