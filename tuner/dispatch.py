@@ -23,6 +23,9 @@ from .launch import Launcher, launch_on
 from .problem import TORCH_DTYPES, Problem, mask_of, torch_dtype
 
 TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
+# How far (tuner.nearest's octaves) a tuned bucket may be from an untuned one and still serve it:
+# a length up to 4x off, or 2x off in both, or the work two classes off.
+NEAREST_OCTAVES = 2.0
 
 
 @dataclass
@@ -142,12 +145,31 @@ class Dispatcher:
         return g
 
     def select(self, problem: Problem, gpu) -> dict | None:
-        """The lookup entry that serves `problem` on `gpu`: its bucket's fastest runnable family."""
-        from .kernel_templates import FAMILIES
+        """The lookup entry that serves `problem` on `gpu`: its bucket's fastest runnable family;
+        for a bucket nobody tuned, that of the nearest tuned bucket of the same GPU, dtype, head
+        dim, mask and error budget (tuner.nearest: octaves of Nq, Nk and half the work), up to
+        NEAREST_OCTAVES away; nearer buckets first, and in each the fastest config that runs."""
+        from .nearest import nearest
+        from .problem import Bucket
 
         if self._table is None:
             self._table = self._load_table()
-        for e in self._table.get((gpu.key, problem.bucket().key), []):
+        bucket = problem.bucket()
+        if (e := self._runnable(self._table.get((gpu.key, bucket.key), []), problem, gpu)) is not None:
+            return e
+        tuned = [Bucket.from_key(key) for g, key in self._table if g == gpu.key and key != bucket.key]
+        for dist, other in nearest(bucket, tuned, lambda b: b):
+            if dist > NEAREST_OCTAVES:
+                break
+            if (e := self._runnable(self._table[(gpu.key, other.key)], problem, gpu)) is not None:
+                return e
+        return None
+
+    @staticmethod
+    def _runnable(entries: list[dict], problem: Problem, gpu) -> dict | None:
+        from .kernel_templates import FAMILIES
+
+        for e in entries:
             fam = FAMILIES.get(e["family"])
             if fam is not None and fam.check(e["params"], gpu, problem) is None:
                 return e
