@@ -38,14 +38,13 @@ def main(argv=None) -> int:
     if a.db is None:
         ap.error("a database URL is needed to store the bests")
     gpu = detect()
-    fields = ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "kv_heads", "max_error")
     sessions = session_factory(make_engine(a.db))
     n = 0
     with sessions.begin() as s:
         for row in doc["rows"]:
             if not row.get("config") or not row.get("tuned_tflops") or a.dtype not in (None, row["dtype"]):
                 continue
-            p = Problem(**{k: row[k] for k in fields})
+            p = Problem.from_dict(row)
             ms = row["tuned_ms"][1] if row.get("tuned_ms") else p.flops() / row["tuned_tflops"] / 1e9
             m = Measurement("ok", median_ms=ms, tflops=row["tuned_tflops"], versions={"from": Path(a.results).name})
             queries.record_measurement(s, gpu, p, row["family"], row["config"], m)

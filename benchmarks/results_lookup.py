@@ -16,8 +16,7 @@ def write_lookup(results: str | Path, out: str | Path, extra=(), gpu=None) -> in
     from tuner.problem import Problem
 
     doc = json.loads(Path(results).read_text())
-    fields = ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "kv_heads", "max_error")
-    served = [(Problem(**{k: row[k] for k in fields}), row["family"], row["config"], row["tuned_tflops"])
+    served = [(Problem.from_dict(row), row["family"], row["config"], row["tuned_tflops"])
               for row in doc["rows"] if row.get("config") and row.get("tuned_tflops")]
     for p in extra:
         fam = next(get_family(n) for n in ("flash_fwd_sm90", "flash_fwd_mma", "flash_fwd_simt")

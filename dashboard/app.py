@@ -18,7 +18,7 @@ from tuner.dashboard import data, nav
 from tuner.dashboard.plain import md
 from tuner.db.engine import masked
 
-FILTERS = (("gpu_key", "GPU"), ("family", "family"), ("dtype", "dtype"), ("head_dim", "head dim"), ("mask", "causal"))
+FILTERS = (("gpu_key", "GPU"), ("family", "family"), ("dtype", "dtype"), ("head_dim", "head dim"), ("mask", "mask"))
 
 
 def _stop_with(state: data.DbState) -> None:
@@ -52,7 +52,7 @@ def main() -> None:
     if summ.empty:
         _stop_with(data.DbState(url, "the database holds no measurements yet",
                                 f"run `{data.SEARCH_HINT}` (with `--db {masked(url)}`) to fill it"))
-    summ = summ.assign(mask=np.where(summ["causal"].astype(bool), "causal", "full"))
+    summ = summ.assign(mask=summ["mask"].map(MASK_KEYS))   # the keys' words: full, causal, causal_br
     page = nav.navigation()
     filtered = _sidebar_filters(summ)
     st.sidebar.caption(f"database: {md(masked(url))}; refreshed every {data.TTL_S} s")

@@ -28,7 +28,7 @@ from tuner.export import build_lookup, default_lookup_path, read_lookup
 TTL_S = 60
 LIVE_TTL_S = 5  # the live page refreshes every LIVE_TTL_S seconds and reads that fresh
 SUMMARY_COLUMNS = ["gpu_key", "gpu_name", "family", "problem_key", "bucket_key", "batch", "heads", "kv_heads",
-                   "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "status", "count", "max_tflops", "last_at"]
+                   "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "mask", "status", "count", "max_tflops", "last_at"]
 SEARCH_HINT = "tuner search --gpu auto"
 
 

@@ -38,7 +38,7 @@ def problems(summ: pd.DataFrame, gpu_key: str | None = None) -> dict[str, Proble
     """The problems in `summ` (on one GPU), by key."""
     rows = summ if gpu_key is None else summ[summ["gpu_key"] == gpu_key]
     return {r.problem_key: Problem(int(r.batch), int(r.heads), int(r.seqlen_q), int(r.seqlen_k), int(r.head_dim),
-                                   r.dtype, bool(r.causal), int(r.kv_heads))
+                                   r.dtype, r.mask, int(r.kv_heads))
             for r in rows.drop_duplicates("problem_key").itertuples(index=False)}
 
 

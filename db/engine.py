@@ -25,8 +25,8 @@ from sqlalchemy.pool import QueuePool
 # ft_meta.schema_version of a database at HEAD_REVISION. Alembic (db/migrations, version table
 # ft_alembic_version: Optuna keeps its own `alembic_version` in the same file) moves older databases
 # forward; a database whose version or revision this flashtune does not know is refused.
-SCHEMA_VERSION = 4
-HEAD_REVISION = "0004"
+SCHEMA_VERSION = 5
+HEAD_REVISION = "0005"
 VERSION_TABLE = "ft_alembic_version"
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 APP_NAME = "flashtune"

@@ -85,7 +85,8 @@ class ProblemRow(Base):
     seqlen_k: Mapped[int] = mapped_column(Integer)
     head_dim: Mapped[int] = mapped_column(Integer)
     dtype: Mapped[str] = mapped_column(String(16))
-    causal: Mapped[bool] = mapped_column(Boolean)
+    causal: Mapped[bool] = mapped_column(Boolean)  # either causal mask (schema 4 keeps it for readers)
+    mask: Mapped[str] = mapped_column(String(16), default="none", server_default="none")  # Problem.mask
     max_error: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")  # 0: the dtype's budget
     bucket_key: Mapped[str] = mapped_column(String(100), index=True)
 

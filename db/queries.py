@@ -91,7 +91,7 @@ def upsert_problem(s: Session, p: Problem) -> ProblemRow:
         lambda: ProblemRow(
             key=p.key, batch=p.batch, heads=p.heads, kv_heads=p.kv_heads, seqlen_q=p.seqlen_q,
             seqlen_k=p.seqlen_k, head_dim=p.head_dim, dtype=p.dtype, causal=p.causal,
-            max_error=p.max_error, bucket_key=p.bucket().key,
+            mask=p.mask, max_error=p.max_error, bucket_key=p.bucket().key,
         ),
     )
 
@@ -150,7 +150,7 @@ def _to_measurement(row: MeasurementRow) -> Measurement:
 
 def _to_problem(row: ProblemRow) -> Problem:
     return Problem(row.batch, row.heads, row.seqlen_q, row.seqlen_k, row.head_dim, row.dtype,
-                   row.causal, row.kv_heads, row.max_error or 0.0)
+                   row.mask, row.kv_heads, row.max_error or 0.0)
 
 
 def _joined() -> Select[tuple[MeasurementRow]]:
@@ -301,7 +301,7 @@ def status_counts(s: Session, gpu_key: str | None = None, family: str | None = N
     return counts
 
 
-_PROBLEM_FIELDS = ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal")
+_PROBLEM_FIELDS = ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "head_dim", "dtype", "causal", "mask")
 _ROW_FIELDS = (
     "status", "median_ms", "min_ms", "max_ms", "tflops", "max_abs_err", "rel_err", "lse_err",
     "registers", "spill_bytes", "stack_bytes", "static_smem", "dynamic_smem", "compile_seconds",

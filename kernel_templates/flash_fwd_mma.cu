@@ -18,7 +18,11 @@
 //   fragment, so Q and K load as for 16-bit types; P is moved from the accumulator layout into
 //   the A layout by shuffles within each quad, and V's fragments are read element by element.
 //
-// Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE COMPUTE IS_CAUSAL.
+// Causal: query row i sees keys j <= i + shift, shift 0 for the top-left diagonal (SDPA's is_causal)
+// and nk - nq for the bottom-right one (MASK_BR=1: a KV cache). A row that sees no key (bottom-right
+// with nq > nk) writes O = 0 and LSE = -inf (its l stays 0).
+//
+// Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE COMPUTE IS_CAUSAL MASK_BR.
 #include "mma.cuh"
 #include "softmax.cuh"
 
@@ -84,8 +88,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
   const In* qp = q + b * q_sb + h * q_sh;
   const In* kp = k + b * k_sb + hk * k_sh;
   const In* vp = v + b * v_sb + hk * v_sh;
-  const int kv_end = IS_CAUSAL ? min(nk, q0 + BR) : nk;
-  const int ntiles = (kv_end + BC - 1) / BC;
+  const int shift = IS_CAUSAL && MASK_BR ? nk - nq : 0;   // the diagonal: key j <= row + shift
+  const int kv_end = IS_CAUSAL ? min(nk, q0 + BR + shift) : nk;
+  const int ntiles = max(0, (kv_end + BC - 1) / BC);
   const int wrow0 = warp * WROWS;
 
   auto issue_kv = [&](int t) {
@@ -170,9 +175,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
     }
 
     // ---- mask: the K/V tail, and above the diagonal on the tiles that cross it ----
-    if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0)) {
+    // (mask_slab's causal limit is its row0's diagonal: the rows passed shifted by `shift`)
+    if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0 + shift)) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) mask_slab<NTILES, IS_CAUSAL>(s[mt], lane, q0 + wrow0 + mt * 16, k0, nk);
+      for (int mt = 0; mt < MT; ++mt) mask_slab<NTILES, IS_CAUSAL>(s[mt], lane, q0 + wrow0 + mt * 16 + shift, k0, nk);
     }
 
     // ---- online softmax on the accumulators ----

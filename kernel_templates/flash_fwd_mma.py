@@ -109,7 +109,7 @@ class FlashFwdMma(KernelFamily):
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "COMPUTE": ELEM_CODE[self.compute_dtype(params, problem)],
-            "IS_CAUSAL": int(problem.causal),
+            **self.mask_defines(problem),
         }
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:

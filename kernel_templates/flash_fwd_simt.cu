@@ -9,7 +9,11 @@
 // Stages: 1 loads each K/V tile straight into the compute layout; 2 streams the next tile into a
 // raw staging buffer with cp.async while this one is being computed (sm_80+).
 //
-// Set by the family spec as defines: BR BC TM TN STAGES MIN_BLOCKS HEAD_DIM IN_DTYPE IS_CAUSAL.
+// Causal: query row i sees keys j <= i + shift, shift 0 for the top-left diagonal (SDPA's is_causal)
+// and nk - nq for the bottom-right one (MASK_BR=1: a KV cache). A row that sees no key (bottom-right
+// with nq > nk) writes O = 0 and LSE = -inf.
+//
+// Set by the family spec as defines: BR BC TM TN STAGES MIN_BLOCKS HEAD_DIM IN_DTYPE IS_CAUSAL MASK_BR.
 #include "common.cuh"
 
 using T = typename Elem<IN_DTYPE>::type;
@@ -92,8 +96,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(FT_A
   const T* kp = k + b * k_sb + hk * k_sh;
   const T* vp = v + b * v_sb + hk * v_sh;
 
-  const int kv_end = IS_CAUSAL ? min(nk, q0 + BR) : nk;   // later tiles are fully masked
-  const int ntiles = (kv_end + BC - 1) / BC;
+  const int shift = IS_CAUSAL && MASK_BR ? nk - nq : 0;   // the diagonal: key j <= row + shift
+  const int kv_end = IS_CAUSAL ? min(nk, q0 + BR + shift) : nk;   // later tiles are fully masked
+  const int ntiles = max(0, (kv_end + BC - 1) / BC);
 
   auto global_k = [&](int k0) {
     return [=](float (&x)[4], int c, int d) {
@@ -184,13 +189,13 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(FT_A
     }
 
     // ---- mask: the K/V tail, and above the diagonal when causal (only tiles that touch it) ----
-    if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0)) {
+    if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + shift)) {
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
           const int col = k0 + col_of(j, tx), row = q0 + row_of(i, ty);
-          if (col >= nk || (IS_CAUSAL && col > row)) s[i][j] = FT_NEG_INF;
+          if (col >= nk || (IS_CAUSAL && col > row + shift)) s[i][j] = FT_NEG_INF;
         }
     }
 
@@ -241,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(FT_A
     }
   }
 
-  // ---- epilogue: O = acc / l, LSE = ln(sum exp(s)) ----
+  // ---- epilogue: O = acc / l, LSE = ln(sum exp(s)) (a row that saw no key: l = 0, O = 0, LSE = -inf) ----
   T* op = o + b * o_sb + h * o_sh;
 #pragma unroll
   for (int i = 0; i < TM; ++i) {

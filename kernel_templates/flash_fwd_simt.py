@@ -84,7 +84,7 @@ class FlashFwdSimt(KernelFamily):
             "MIN_BLOCKS": params["min_blocks"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
-            "IS_CAUSAL": int(problem.causal),
+            **self.mask_defines(problem),
         }
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:

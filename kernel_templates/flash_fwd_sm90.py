@@ -156,8 +156,7 @@ class FlashFwdSm90(KernelFamily):
             "CHAIN": params["chain"],
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
-            "IS_CAUSAL": int(problem.causal),
-            "MASK_BR": 0,
+            **self.mask_defines(problem),
         }
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:

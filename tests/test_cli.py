@@ -120,14 +120,33 @@ def test_bench_unknown_peer_is_refused_before_anything_runs(cli):
 
 @pytest.mark.parametrize(
     "shape,words",
-    [("2,4,512", ["'2,4,512'", "must be B,H,N,D"]), ("2,4,x,64", ["'2,4,x,64'", "must be integers"]),
-     ("2,4,512,64,sideways", ["fifth field"]), ("0,4,512,64", ["batch must be a positive integer"])],
-    ids=["three-fields", "not-int", "bad-flag", "zero-batch"],
+    [("2,4,512", ["'2,4,512'", "must be B,H[:KVH],NQ[:NK],D[,MASK]"]), ("2,4,x,64", ["'2,4,x,64'", "must be integers"]),
+     ("2,4,512,64,sideways", ["the mask field must be one of"]), ("2,4:3,512,64", ["kv_heads (3) must divide heads (4)"]), ("0,4,512,64", ["batch must be a positive integer"])],
+    ids=["three-fields", "not-int", "bad-flag", "gqa-not-dividing", "zero-batch"],
 )
 def test_malformed_shape(cli, shape, words):
     out = cli("search", "--shape", shape, "--trials", "2")
     one_line_error(out, "error:", *words)
     assert out.code == 2
+
+
+def test_shape_format_is_documented_and_new_fields_reach_the_problem(cli, replay_url):
+    """GQA, Nq != Nk and the bottom-right mask parse into the problem the search asks for."""
+    out = cli("search", "--help")
+    assert out.code == 0 and "B,H[:KVH],NQ[:NK],D[,MASK]" in out.stdout and "causal_br" in out.stdout
+    out = cli("search", "--replay", replay_url, "--shape", "2,4:2,512:1024,64,bottom_right", "--trials", "2")
+    one_line_error(out, "error:", "no measurements of B2-H4/kv2-N512x1024-D64-fp32-causal_br")
+
+
+def test_model_problems_reach_the_search(cli, replay_url):
+    """--model with --seqlen NQ:NK and --batch: the model's problems, a cached chunk bottom-right."""
+    out = cli("search", "--replay", replay_url, "--model", "llama3-8b", "--seqlen", "512:8192", "--batch", "2",
+              "--trials", "2")
+    one_line_error(out, "error:", "no measurements of B2-H32/kv8-N512x8192-D128-bf16-causal_br")
+    one_line_error(cli("search", "--model", "vit-l16", "--seqlen", "1024"), "has its own sequence lengths (197)")
+    one_line_error(cli("search", "--batch", "2"), "--seqlen and --batch go with --model")
+    out = cli("search", "--help")
+    assert "llama3-8b" in out.stdout and "standard grid" in out.stdout
 
 
 def test_bad_dtype(cli):

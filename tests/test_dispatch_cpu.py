@@ -138,14 +138,28 @@ def lookup_file(tmp_path, entries) -> str:
 
 def test_select_matching_bucket_and_gpu(tmp_path):
     a100_only = entry(SLOW, 9.0, gpu=A100_SXM, mid=2)
-    other_bucket = entry(SLOW, 30.0, problem=replace(TUNED, causal=False), mid=3)
+    other_bucket = entry(SLOW, 30.0, problem=replace(TUNED, mask="none"), mid=3)
     path = lookup_file(tmp_path, [entry(FAST, 20.0), a100_only, other_bucket])
     d = Dispatcher(path)
     e = d.select(replace(TUNED, seqlen_q=1000, seqlen_k=1000), H100_SXM)
     assert e is not None and e["params"] == FAST and e["tflops"] == 20.0 and e["gpu_key"] == H100_SXM.key
     e = d.select(TUNED, A100_SXM)
     assert e is not None and e["params"] == SLOW and e["gpu_key"] == A100_SXM.key
-    assert d.select(replace(TUNED, causal=False), H100_SXM)["tflops"] == 30.0
+    assert d.select(replace(TUNED, mask="none"), H100_SXM)["tflops"] == 30.0
+
+
+def test_the_mask_picks_the_bucket(tmp_path, fake):
+    """is_causal (True) is the top-left bucket; "causal_br" the bottom-right one: with Nq != Nk they
+    are different problems, and neither serves the other."""
+    cache = Problem(2, 8, 256, 4096, 64, "fp32", "causal", kv_heads=2)
+    tl, br = entry(FAST, 20.0, problem=cache), entry(SLOW, 10.0, problem=replace(cache, mask="causal_br"), mid=2)
+    d = Dispatcher(lookup_file(tmp_path, [tl]))
+    q, kv = fake(2, 8, 256, 64), fake(2, 2, 4096, 64)
+    assert problem_of(q, kv, kv, True) == cache and problem_of(q, kv, kv, "causal_br").mask == "causal_br"
+    assert d.select(problem_of(q, kv, kv, True), H100_SXM)["params"] == FAST
+    assert d.select(problem_of(q, kv, kv, "causal_br"), H100_SXM) is None
+    d = Dispatcher(lookup_file(tmp_path, [tl, br]))
+    assert d.select(problem_of(q, kv, kv, "causal_br"), H100_SXM)["params"] == SLOW
 
 
 @pytest.mark.parametrize(
@@ -158,10 +172,25 @@ def test_select_matching_bucket_and_gpu(tmp_path):
     ],
     ids=["n2048", "large-work", "d128", "fp16"],
 )
-def test_select_none_for_other_bucket(tmp_path, problem):
+def test_select_an_untuned_bucket_from_the_nearest_comparable_one(tmp_path, problem):
+    """Another length or amount of work borrows the nearest tuned bucket's config; another head
+    dim or dtype (another kernel) never does."""
     d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0)]))
     assert problem.bucket() != TUNED.bucket()
-    assert d.select(problem, H100_SXM) is None
+    comparable = (problem.head_dim, problem.dtype) == (TUNED.head_dim, TUNED.dtype)
+    e = d.select(problem, H100_SXM)
+    assert (e is not None and e["params"] == FAST) if comparable else e is None
+
+
+def test_nearest_bucket_order_limit_and_mask(tmp_path):
+    near = replace(TUNED, seqlen_q=2048, seqlen_k=2048)
+    far = replace(TUNED, seqlen_q=256, seqlen_k=256)
+    d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0, problem=near), entry(SLOW, 90.0, problem=far, mid=2)]))
+    assert d.select(replace(TUNED, seqlen_q=512, seqlen_k=512), H100_SXM)["params"] == SLOW   # n256: 2 away, n2048: 4
+    assert d.select(replace(TUNED, seqlen_q=4000, seqlen_k=4000), H100_SXM)["params"] == FAST  # n4096: next to n2048
+    assert d.select(replace(TUNED, seqlen_q=16384, seqlen_k=16384), H100_SXM) is None        # 6 octaves: too far
+    assert d.select(replace(TUNED, mask="causal_br", seqlen_q=512, seqlen_k=4096), H100_SXM) is None  # another mask
+    assert d.select(replace(TUNED, seqlen_q=1024, seqlen_k=1024), A100_SXM) is None           # another GPU
 
 
 def test_select_keeps_error_budgets_apart(tmp_path):
@@ -181,8 +210,8 @@ def test_bucketing_of_lengths(tmp_path):
     d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0, problem=replace(TUNED, seqlen_q=1000, seqlen_k=1000))]))
     for n in (513, 1000, 1024):
         assert d.select(replace(TUNED, seqlen_q=n, seqlen_k=n), H100_SXM) is not None, n
-    assert d.select(replace(TUNED, seqlen_q=2048, seqlen_k=2048), H100_SXM) is None
-    assert d.select(replace(TUNED, seqlen_q=512, seqlen_k=512), H100_SXM) is None
+    assert d.select(replace(TUNED, seqlen_q=2048, seqlen_k=2048), H100_SXM)["bucket"] == TUNED.bucket().key  # nearest
+    assert d.select(replace(TUNED, seqlen_q=8192, seqlen_k=8192), H100_SXM) is None   # 6 octaves: too far
 
 
 def test_select_none_for_other_gpu_key(tmp_path):

@@ -48,7 +48,7 @@ def test_build_groups_sorted_and_deduped() -> None:
     # one per family, fastest first; of the two simt problems in the bucket the faster stays
     assert [(e["family"], e["tflops"]) for e in h100] == [("wgmma", 200.0), ("sdpa_flash", 120.0), ("simt", 70.0)]
     assert h100[2]["problem"] == P1b.to_dict()
-    assert (h100[0]["dtype"], h100[0]["head_dim"], h100[0]["causal"]) == ("fp16", 64, True)
+    assert (h100[0]["dtype"], h100[0]["head_dim"], h100[0]["mask"]) == ("fp16", 64, "causal")
     assert len(doc["entries"]) == 5
 
 
@@ -116,7 +116,10 @@ def _entry_with(drop: str | None = None, **changes) -> dict:
         (_entry_with(drop="bucket"), "lacks field 'bucket'"),
         (_entry_with(tflops="fast"), "'tflops' has type str"),
         (_entry_with(head_dim=True), "'head_dim' has type bool"),
-        (_entry_with(causal=1), "'causal' has type int"),
+        (_entry_with(mask=1), "'mask' has type int"),
+        (_entry_with(mask="sideways"), "unknown mask 'sideways'"),
+        (_entry_with(mask="causal_br"), "disagrees with dtype/head_dim/mask"),
+        (_entry_with(drop="mask"), "lacks field 'mask'"),
         (_entry_with(bucket="nonsense"), "not a shape-bucket key"),
         (_entry_with(dtype="int8"), "unknown dtype"),
         (_entry_with(problem={"batch": 1}), "entry 0"),
@@ -212,7 +215,7 @@ def test_a_damaged_lookup_is_replaced_only_with_force(tmp_path: Path, damage: st
     write_lookup(sample_doc(), path)
     text = path.read_text()
     damaged = {"bad-entry": json.dumps({**sample_doc(), "entries": [{"gpu_key": 3}]}),
-               "newer": text.replace('"version": 1', '"version": 7')}[damage].encode()
+               "newer": text.replace(f'"version": {SCHEMA_VERSION}', '"version": 7')}[damage].encode()
     path.write_bytes(damaged)
     for policy in ("merge", "complete"):
         with pytest.raises(export.LookupRefused, match="tuner export -o .* --force"):
@@ -257,3 +260,36 @@ def test_an_empty_file_or_none_is_nothing_to_keep(tmp_path: Path) -> None:
     assert read_lookup(tmp_path / "empty.json")["entries"] == []
     with pytest.raises(export.LookupRefused, match="is a directory"):
         export.existing_lookup(tmp_path)
+
+
+def _as_version_1(doc: dict) -> dict:
+    """`doc` as flashtune wrote lookups before masks: `causal` bools, buckets by the longer length."""
+    old = json.loads(json.dumps(doc))
+    old["version"] = 1
+    for e in old["entries"]:
+        e["causal"] = e.pop("mask") == "causal"
+        e["problem"]["causal"] = e["problem"].pop("mask") == "causal"
+        p = e["problem"]
+        if p["seqlen_q"] != p["seqlen_k"]:
+            e["bucket"] = e["bucket"].split("/n")[0] + "/n" + e["bucket"].split("/n")[1].split("x")[1]
+    return old
+
+
+def test_a_version_1_lookup_is_read_as_version_2(tmp_path: Path) -> None:
+    """Lookups written before masks stay usable: causal means top-left, the buckets of Nq != Nk
+    problems are recomputed (Nq and Nk rounded apart), and writing over them writes version 2."""
+    cache = Problem(1, 8, 100, 3000, 64, "fp16", False, 2)
+    new = build_lookup([entry(P1, "simt", 50.0), entry(P2, "wgmma", 90.0), entry(cache, "simt", 20.0)])
+    old = _as_version_1(new)
+    assert {e["bucket"] for e in old["entries"]} >= {"fp16/d64/full/n4096/small"}   # the old rule
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(old))
+    got = read_lookup(path)
+    assert got["version"] == SCHEMA_VERSION == 2
+    assert sorted(got["entries"], key=lambda e: e["bucket"]) == sorted(new["entries"], key=lambda e: e["bucket"])
+    assert {e["mask"] for e in got["entries"]} == {"causal", "none"}
+    export.publish_lookup(build_lookup([entry(P1, "wgmma", 300.0)]), path, "merge")
+    merged = json.loads(path.read_text())
+    assert merged["version"] == 2 and len(merged["entries"]) == 4 and all("causal" not in e for e in merged["entries"])
+    write_lookup(old, tmp_path / "again.json")   # a version-1 document given to write_lookup is written as 2
+    assert json.loads((tmp_path / "again.json").read_text())["version"] == 2

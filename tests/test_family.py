@@ -164,7 +164,7 @@ def test_valid_points_agree_with_check_and_shrink_with_head_dim():
 
 
 @pytest.mark.parametrize("gpu", [H100_SXM, A100_SXM], ids=lambda g: g.arch)
-@pytest.mark.parametrize("problem", list(GPT2_FP32) + [P128, replace(P128, dtype="bf16", causal=True)],
+@pytest.mark.parametrize("problem", list(GPT2_FP32) + [P128, replace(P128, dtype="bf16", mask="causal")],
                          ids=lambda p: p.key)
 def test_default_is_valid(gpu, problem):
     d = FAM.default(gpu, problem)
@@ -215,3 +215,45 @@ def test_family_registry():
     assert FAMILIES["flash_fwd_simt"] is FAM
     with pytest.raises(ValueError, match="unknown kernel family 'nope'"):
         get_family("nope")
+
+
+# ---- the masks: every family's check, and the kernels' contract (IS_CAUSAL, MASK_BR) ----
+
+MASK_CASES = [Problem(2, 8, nq, nk, 128, "bf16", mask, kv_heads=2)
+              for mask in ("none", "causal", "causal_br") for nq, nk in ((300, 1000), (1000, 300), (512, 512))]
+
+
+@pytest.mark.parametrize("problem", MASK_CASES, ids=lambda p: p.key)
+@pytest.mark.parametrize("fam", FAMILIES.values(), ids=lambda f: f.name)
+def test_every_family_checks_every_mask(fam, problem):
+    """A family runs the masks it claims (its default passes check there) and refuses the rest by name."""
+    gpu = H100_SXM
+    if problem.mask in fam.masks:
+        assert fam.supports(gpu, problem) is None
+        assert fam.check(fam.default(gpu, problem), gpu, problem) is None
+    else:
+        why = fam.supports(gpu, problem)
+        assert why and problem.mask in why and fam.name in why
+        some = fam.default(gpu, replace(problem, mask="causal"))
+        assert fam.check(some, gpu, problem) == why
+
+
+def test_simt_and_mma_run_bottom_right_and_sm90_not_yet():
+    assert "causal_br" in get_family("flash_fwd_simt").masks and "causal_br" in get_family("flash_fwd_mma").masks
+    assert get_family("flash_fwd_sm90").masks == ("none", "causal")
+
+
+@pytest.mark.parametrize("fam", FAMILIES.values(), ids=lambda f: f.name)
+def test_mask_defines_and_what_they_change_in_the_source(fam):
+    """IS_CAUSAL is set for either diagonal, MASK_BR for the bottom-right one only, and the two
+    renderings of a point differ in that one define line (the diagonal's shift is computed in the
+    kernel from its runtime nq and nk)."""
+    tl = Problem(1, 4, 128, 512, 64, "bf16", "causal")
+    params = fam.default(H100_SXM, tl)
+    full, br = replace(tl, mask="none"), replace(tl, mask="causal_br")
+    want = {"none": (0, 0), "causal": (1, 0), "causal_br": (1, 1)}
+    for p in (full, tl, br):
+        d = fam.defines(params, p)
+        assert (d["IS_CAUSAL"], d["MASK_BR"]) == want[p.mask]
+    a, b = fam.render(params, tl).splitlines(), fam.render(params, br).splitlines()
+    assert [x for x, y in zip(a, b) if x != y] == ["#define MASK_BR 0"] and len(a) == len(b)

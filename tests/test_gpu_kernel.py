@@ -22,7 +22,7 @@ def _run(family, params, problem, seed, layout="bhnd"):
     if layout == "bnhd":  # (B, N, H, D) storage seen as (B, H, N, D) strides: no copy
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     o, lse = _run_inputs(family, params, problem, q, k, v, with_lse=True)
-    ref_o, ref_lse = attention_fp64(q, k, v, problem.causal, 1.0 / math.sqrt(problem.head_dim))
+    ref_o, ref_lse = attention_fp64(q, k, v, problem.mask, 1.0 / math.sqrt(problem.head_dim))
     return compare(o, lse, ref_o, ref_lse)
 
 
@@ -39,13 +39,13 @@ def _inputs_and_reference(rng: random.Random, problem: Problem):
     from tuner.reference import attention_fp64
 
     q, k, v = random_inputs(problem, rng.randrange(2**31))
-    ref_o, ref_lse = attention_fp64(q, k, v, problem.causal, 1.0 / math.sqrt(problem.head_dim))
+    ref_o, ref_lse = attention_fp64(q, k, v, problem.mask, 1.0 / math.sqrt(problem.head_dim))
     return q, k, v, ref_o, ref_lse
 
 
-def _random_problem(rng: random.Random, dtype: str, causal: bool, d: int) -> Problem:
+def _random_problem(rng: random.Random, dtype: str, causal: bool | str, d: int) -> Problem:
     """Half the time the keys are as many as the queries; otherwise fewer or more (a cache of
-    past keys, cross-attention), with the causal mask's diagonal at the top left as in SDPA."""
+    past keys, cross-attention). `causal` is a mask (a bool: SDPA's top-left diagonal)."""
     lengths = [1, 7, 63, 65, 127, 129, 200, 333, 1000, 1031]
     nq = rng.choice(lengths)
     nk = nq if rng.random() < 0.5 else rng.choice(lengths)
@@ -59,7 +59,8 @@ FAMILY_DTYPES_DIMS = (
     ("flash_fwd_sm90", ("fp16", "bf16"), (64, 128, 256)),
     ("flash_fwd_sm90", ("fp8",), (64, 128, 256)),   # e4m3 inputs, bf16 O
 )
-CASES = [(f, dt, c, d) for f, dts, dims in FAMILY_DTYPES_DIMS for dt in dts for c in (False, True) for d in dims]
+CASES = [(f, dt, m, d) for f, dts, dims in FAMILY_DTYPES_DIMS for dt in dts for m in ("none", "causal", "causal_br")
+         for d in dims]
 
 
 @pytest.mark.parametrize("family,dtype,causal,d", CASES)
@@ -79,6 +80,26 @@ def test_family_matches_reference(family, dtype, causal, d):
         for layout in ("bhnd", "bnhd"):
             err = _run(fam, params, problem, rng.randrange(2**31), layout)
             _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
+
+
+@pytest.mark.parametrize("family", ["flash_fwd_simt", "flash_fwd_mma", "flash_fwd_sm90"])
+@pytest.mark.parametrize("nq,nk", [(1000, 133), (133, 1000), (1, 700), (700, 1)], ids=["more-q", "fewer-q", "decode", "one-key"])
+def test_bottom_right_with_rows_that_see_no_key(family, nq, nk):
+    """MASK_BR: query i sees keys j <= i + nk - nq. With more queries than keys the first nq - nk
+    rows see none: O = 0 and LSE = -inf there (NaN-poisoned outputs, so they must be written);
+    with fewer, every row sees a key and the last sees them all. GQA, fresh inputs, a few configs."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+
+    fam, gpu, rng = get_family(family), detect(), random.Random()
+    kvh = rng.choice([1, 2])
+    problem = Problem(rng.randint(1, 2), 4 * kvh, nq, nk, rng.choice([64, 128]), "bf16", "causal_br", kvh)
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    valid = fam.valid_points(gpu, problem)
+    for params in [fam.default(gpu, problem)] + rng.sample(valid, min(3, len(valid))):
+        err = _run(fam, params, problem, rng.randrange(2**31))
+        _assert_within_budget(err, problem, f"{problem.key} {params}")
 
 
 @pytest.mark.parametrize("family", ["flash_fwd_mma", "flash_fwd_sm90"])

@@ -153,7 +153,7 @@ def test_every_backward_backend_on_our_lse(dispatcher, name, monkeypatch):
         import torch
 
         k = torch.empty(p.batch, p.kv_heads, p.seqlen_k, p.head_dim, device="cuda", dtype=q.dtype)
-        if BACKENDS[name].why_not(Case.of(q, k, p.causal)):
+        if BACKENDS[name].why_not(Case.of(q, k, p.mask)):
             continue
         dispatcher([p])
         with warnings.catch_warnings():

@@ -115,11 +115,11 @@ def test_dispatcher_threads_and_streams(tmp_path):
                     with torch.cuda.stream(s):
                         q, k, v = (torch.randn(p.batch, p.heads, p.seqlen_q, p.head_dim, device="cuda", generator=g)
                                    for _ in range(3))
-                        o = disp(q, k, v, causal=p.causal)
+                        o = disp(q, k, v, causal=p.mask)
                     pending.append((s, p, q, k, v, o))
                 for s, p, q, k, v, o in pending:
                     s.synchronize()
-                    ref, _ = attention_fp64(q, k, v, p.causal, p.head_dim ** -0.5)
+                    ref, _ = attention_fp64(q, k, v, p.mask, p.head_dim ** -0.5)
                     err = compare(o, None, ref, None)
                     if not err.within(p.rel_budget):
                         with lock:

@@ -23,16 +23,14 @@ from tuner.torch_attention import MATH, Case
 def cpu_kernels():
     """A CPU implementation of both ops (torch's math backend) so opcheck can run them for real:
     the stand-in computes, the registration under test (schema, fake, autograd) is the real one."""
-    from tuner.backward import attention_backward
-
-    def forward(q, k, v, is_causal=False, scale=None, max_error=None, need_lse=True):
-        o, lse = MATH.forward(q, k, v, is_causal, scale)
+    def forward(q, k, v, is_causal=False, scale=None, max_error=None, need_lse=True, bottom_right=False):
+        o, lse = MATH.forward(q, k, v, op.op_mask(is_causal, bottom_right), scale)
         size, stride = out_layout(q)
         return torch.empty_strided(size, stride, dtype=o.dtype).copy_(o), lse.contiguous()
 
     lib = torch.library.Library("flashtune", "IMPL")
     lib.impl("attention", forward, "CPU")
-    lib.impl("attention_backward", attention_backward, "CPU")
+    lib.impl("attention_backward", op._backward, "CPU")   # the seam itself, on the math backend
     mp = pytest.MonkeyPatch()
     mp.setenv("TUNER_BACKWARD", "math")
     yield
@@ -58,6 +56,36 @@ def test_opcheck_schema_fake_autograd(cpu_kernels, b, h, hk, nq, nk, causal, lay
     q, k, v = _inputs(b, h, hk, nq, nk, 64, layout)
     result = torch.library.opcheck(torch.ops.flashtune.attention, (q, k, v, causal, scale, None, True))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("b,h,hk,nq,nk", [(2, 4, 2, 5, 9), (1, 2, 1, 6, 6)], ids=["fewer-q", "square"])
+def test_opcheck_bottom_right(cpu_kernels, b, h, hk, nq, nk):
+    q, k, v = _inputs(b, h, hk, nq, nk, 64, "bnhd")
+    result = torch.library.opcheck(torch.ops.flashtune.attention, (q, k, v, True, None, None, True, True))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.filterwarnings("ignore:Lower right causal bias")
+@pytest.mark.parametrize("nq,nk", [(5, 9), (9, 5)], ids=["fewer-q", "more-q"])
+def test_bottom_right_through_the_op_is_causal_lower_right(cpu_kernels, nq, nk):
+    """mask="causal_br" reaches the op as bottom_right=True: O and the gradients are torch's
+    causal_lower_right on the rows that see a key; rows that see none (Nq > Nk) are O = 0, LSE
+    -inf, and pass no gradient (the backward seam hands the kernels LSE +inf there)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = _inputs(2, 4, 2, nq, nk, 32)
+    o, lse = torch.ops.flashtune.attention(q, k, v, True, None, None, True, True)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(nq, nk), enable_gqa=True)
+    empty = max(0, nq - nk)
+    torch.testing.assert_close(o[:, :, empty:], ref[:, :, empty:], rtol=1e-4, atol=1e-5)
+    assert (o[:, :, :empty] == 0).all() and torch.isneginf(lse[:, :, :empty]).all()
+    assert torch.isfinite(lse[:, :, empty:]).all()
+    g = torch.randn_like(o)
+    ours = torch.autograd.grad(o, (q, k, v), g)
+    theirs = torch.autograd.grad(ref[:, :, empty:], (q, k, v), g[:, :, empty:])
+    for a, b in zip(ours, theirs):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_the_cpu_stand_in_is_attention(cpu_kernels):
@@ -252,6 +280,44 @@ def test_causal_spellings():
         tuner.attention(*_inputs(1, 1, 1, 4, 4, 64, grad=False), is_causal=True, causal=False)
     with pytest.raises(ValueError, match="CUDA tensors"):   # both spellings reach the same validation
         tuner.attention(*_inputs(1, 1, 1, 4, 4, 64, grad=False), causal=True)
+    with pytest.raises(ValueError, match=r"is_causal=True \(the top-left diagonal\) and mask='bottom_right' disagree"):
+        tuner.attention(*_inputs(1, 1, 1, 4, 8, 64, grad=False), is_causal=True, mask="bottom_right")
+    with pytest.raises(ValueError, match="mask must be one of none, causal, causal_br"):
+        tuner.attention(*_inputs(1, 1, 1, 4, 8, 64, grad=False), mask="diagonal")
+    with pytest.raises(ValueError, match="exclude each other"):
+        tuner.attention(*_inputs(1, 1, 1, 4, 8, 64, grad=False), attn_mask=torch.ones(4, 8, dtype=torch.bool),
+                        mask="causal_br")
+
+
+@pytest.mark.parametrize("kw,mask", [({}, "none"), ({"is_causal": True}, "causal"), ({"causal": True}, "causal"),
+                                     ({"mask": "causal_br"}, "causal_br"), ({"mask": "bottom_right"}, "causal_br"),
+                                     ({"mask": "causal", "is_causal": True}, "causal"), ({"mask": "none"}, "none")])
+def test_mask_spellings_reach_the_dispatcher(monkeypatch, kw, mask):
+    """is_causal keeps SDPA's top-left meaning; the bottom-right diagonal is mask="causal_br"."""
+    seen = []
+
+    class Spy:
+        def output(self, q, k, v, causal, scale, max_error):
+            seen.append(causal)
+            return "o"
+
+    monkeypatch.setattr(op, "_dispatcher", lambda: Spy())
+    assert tuner.attention(*_inputs(1, 2, 1, 4, 8, 64, grad=False), **kw) == "o"
+    assert seen == [mask]
+
+
+def test_dropout_with_bottom_right_masks_as_causal_lower_right():
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = _inputs(1, 2, 2, 4, 8, 32, grad=False)
+    op._warned.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(1)
+        ours = tuner.attention(q, k, v, dropout_p=0.3, mask="causal_br")
+    torch.manual_seed(1)
+    ref = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, attn_mask=causal_lower_right(4, 8))
+    torch.testing.assert_close(ours, ref)
 
 
 def test_fp8_with_gradients_is_refused_not_dropped():

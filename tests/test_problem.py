@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from tuner.problem import DTYPES, GPT2_FP32, Bucket, Problem, default_problems, standard_grid
+from tuner.problem import DTYPES, GPT2_FP32, MASKS, Bucket, Problem, standard_grid
 
 
 @pytest.mark.parametrize(
@@ -19,6 +19,12 @@ from tuner.problem import DTYPES, GPT2_FP32, Bucket, Problem, default_problems, 
         ("8,12,1024,64,0", "fp32", Problem(8, 12, 1024, 1024, 64, "fp32", False)),
         ("1,1,7,128,FALSE", "fp32", Problem(1, 1, 7, 7, 128, "fp32", False)),
         ("1,1,7,128,C", "fp32", Problem(1, 1, 7, 7, 128, "fp32", True)),
+        ("1,32:8,8192,128,causal", "bf16", Problem(1, 32, 8192, 8192, 128, "bf16", "causal", kv_heads=8)),
+        ("2,8,512:4096,64,causal_br", "fp16", Problem(2, 8, 512, 4096, 64, "fp16", "causal_br")),
+        ("2,8:1,4096:512,64,Bottom_Right", "fp16", Problem(2, 8, 4096, 512, 64, "fp16", "causal_br", 1)),
+        ("2,8,1:300,64,br", "bf16", Problem(2, 8, 1, 300, 64, "bf16", "causal_br")),
+        ("2,8,7:9,64,top_left", "bf16", Problem(2, 8, 7, 9, 64, "bf16", "causal")),
+        ("2,8,7:9,64,none", "bf16", Problem(2, 8, 7, 9, 64, "bf16")),
     ],
 )
 def test_parse_good(text, dtype, want):
@@ -28,12 +34,19 @@ def test_parse_good(text, dtype, want):
 @pytest.mark.parametrize(
     "text,match",
     [
-        ("2,4,512", "must be B,H,N,D"),
-        ("2,4,512,64,causal,x", "must be B,H,N,D"),
-        ("", "must be B,H,N,D"),
+        ("2,4,512", r"must be B,H\[:KVH\],NQ\[:NK\],D\[,MASK\]"),
+        ("2,4,512,64,causal,x", "must be B,H"),
+        ("", "must be B,H"),
+        ("2,4,,64", "must be B,H"),
         ("2,4,x,64", "must be integers"),
         ("2,4,512.5,64", "must be integers"),
-        ("2,4,512,64,sideways", "fifth field"),
+        ("2,4:,512,64", "must be integers"),
+        ("2:1,4,512,64", "must be integers"),
+        ("2,4:2:1,512,64", "at most one ':'"),
+        ("2,4,512:64:3,64", "at most one ':'"),
+        ("2,4,512,64,sideways", "the mask field must be one of none, full"),
+        ("2,4:3,512,64", r"kv_heads \(3\) must divide heads \(4\)"),
+        ("2,4,512:0,64", "seqlen_k must be a positive integer"),
         ("0,4,512,64", "batch must be a positive integer"),
         ("2,-4,512,64", "heads must be a positive integer"),
         ("2,4,512,0", "head_dim must be a positive integer"),
@@ -77,14 +90,32 @@ def test_gqa_validation_and_default_kv_heads():
         Problem(1, 8, 128, 128, 64, kv_heads=-2)
 
 
-def test_flops_and_causal_halves():
+def test_flops_count_the_visible_pairs():
     p = Problem(2, 3, 5, 7, 64, "fp32", False)
     assert p.flops() == 4 * 2 * 3 * 5 * 7 * 64
-    assert replace(p, causal=True).flops() == p.flops() / 2
-    # TFLOP/s from milliseconds
+    per_pair = 4 * 2 * 3 * 64
+    # 5 queries, 7 keys: top-left rows see 1..5 keys; bottom-right (shift 2) rows see 3..7
+    assert replace(p, mask="causal").flops() == per_pair * (1 + 2 + 3 + 4 + 5)
+    assert replace(p, mask="causal_br").flops() == per_pair * (3 + 4 + 5 + 6 + 7)
+    # 7 queries, 5 keys: bottom-right rows 0 and 1 see no key at all
+    q = Problem(2, 3, 7, 5, 64, "fp32", "causal_br")
+    assert q.flops() == per_pair * (0 + 0 + 1 + 2 + 3 + 4 + 5)
+    assert replace(q, mask="causal").flops() == per_pair * (1 + 2 + 3 + 4 + 5 + 5 + 5)
+    # TFLOP/s from milliseconds; square causal is N(N+1)/2 pairs, both diagonals alike
     assert p.tflops(2.0) == pytest.approx(p.flops() / 2e-3 / 1e12)
     big = GPT2_FP32[0]
-    assert big.tflops(1.0) == pytest.approx(4 * 8 * 12 * 1024 * 1024 * 64 / 2 / 1e-3 / 1e12)
+    assert big.tflops(1.0) == pytest.approx(4 * 8 * 12 * 1024 * 1025 / 2 * 64 / 1e-3 / 1e12)
+    assert replace(big, mask="causal_br").flops() == big.flops()
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+def test_visible_pairs_against_counting(mask):
+    from tuner.problem import visible_pairs
+
+    for nq, nk in itertools.product(range(1, 12), range(1, 12)):
+        shift = nk - nq if mask == "causal_br" else 0
+        want = sum(sum(mask == "none" or j <= i + shift for j in range(nk)) for i in range(nq))
+        assert visible_pairs(nq, nk, mask) == want, (nq, nk)
 
 
 def test_bytes_moved_counts_gqa():
@@ -96,9 +127,44 @@ def test_bytes_moved_counts_gqa():
 def test_keys():
     assert Problem(8, 12, 1024, 1024, 64, "fp32", True).key == "B8-H12-N1024-D64-fp32-causal"
     assert Problem(2, 16, 512, 2048, 128, "bf16", False, 4).key == "B2-H16/kv4-N512x2048-D128-bf16-full"
+    assert Problem(2, 16, 512, 2048, 128, "bf16", "causal_br", 4).key == "B2-H16/kv4-N512x2048-D128-bf16-causal_br"
     keys = {Problem(b, h, n, n, d, t, c).key for b, h, n, d, t, c in
-            itertools.product((1, 2), (4, 8), (128, 256), (64, 128), DTYPES, (False, True))}
-    assert len(keys) == 2 * 2 * 2 * 2 * len(DTYPES) * 2  # distinct problems never share a key
+            itertools.product((1, 2), (4, 8), (128, 256), (64, 128), DTYPES, MASKS)}
+    assert len(keys) == 2 * 2 * 2 * 2 * len(DTYPES) * 3  # distinct problems never share a key
+
+
+@pytest.mark.parametrize("p", [
+    Problem(8, 12, 1024, 1024, 64, "fp32", True), Problem(2, 16, 512, 2048, 128, "bf16", "causal_br", 4),
+    Problem(1, 32, 8192, 100, 256, "fp16", "causal", 1, max_error=3e-3),
+    Problem(1, 1, 7, 7, 64, "fp32", max_error=2e-2), Problem(3, 6, 1, 9000, 128, "fp8", "causal_br", 2)])
+def test_problem_key_round_trip(p):
+    assert Problem.from_key(p.key) == p
+    assert Problem.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize("key", ["", "B1-H1-N7-D64-fp32", "B1-H1-N7-D64-fp32-masked", "B1-H1-N7x-D64-fp32-full",
+                                 "B1-H1-N7-D64-fp32-full-err", "b1-H1-N7-D64-fp32-full"])
+def test_problem_from_bad_key(key):
+    with pytest.raises(ValueError, match="not a problem key"):
+        Problem.from_key(key)
+
+
+def test_older_records_say_causal():
+    """Version-1 lookups and databases wrote a `causal` bool: it reads as the top-left mask."""
+    old = {"batch": 1, "heads": 2, "seqlen_q": 3, "seqlen_k": 5, "head_dim": 64, "dtype": "fp16",
+           "causal": True, "kv_heads": 1, "max_error": 0.0}
+    assert Problem.from_dict(old) == Problem(1, 2, 3, 5, 64, "fp16", "causal", 1)
+    assert Problem.from_dict({**old, "causal": False}).mask == "none"
+    with pytest.raises(ValueError, match="not both"):
+        Problem.from_dict({**old, "mask": "none"})
+
+
+def test_causal_property_and_bool_masks():
+    assert Problem(1, 1, 4, 4, 64, "fp32", True).mask == "causal"
+    assert Problem(1, 1, 4, 4, 64, "fp32", False).mask == "none"
+    br = Problem(1, 1, 4, 8, 64, "fp32", "causal_br")
+    assert br.causal and br.bottom_right and not Problem(1, 1, 4, 8, 64, "fp32", "causal").bottom_right
+    assert not Problem(1, 1, 4, 8, 64).causal
 
 
 def test_bucket_rounds_seqlen_and_work():
@@ -106,7 +172,11 @@ def test_bucket_rounds_seqlen_and_work():
     assert b == Bucket("fp32", 64, True, 1024, "medium")
     assert b.key == "fp32/d64/causal/n1024/medium"
     assert Problem(1, 1, 5, 5, 64).bucket().seqlen == 128  # minimum 128
-    assert Problem(1, 1, 100, 3000, 64).bucket().seqlen == 4096  # max of q and k
+    kv_cache = Problem(1, 1, 100, 3000, 64, "bf16", "causal_br").bucket()
+    assert (kv_cache.queries, kv_cache.seqlen) == (128, 4096)  # Nq and Nk rounded apart
+    assert kv_cache.key == "bf16/d64/causal_br/n128x4096/small"
+    assert Problem(1, 1, 3000, 3000, 64).bucket().key == "fp32/d64/full/n4096/small"
+    assert Problem(1, 1, 3000, 2100, 64).bucket().key == "fp32/d64/full/n4096/small"  # one bucket: one length
     assert Problem(1, 31, 128, 128, 64).bucket().work == "small"
     assert Problem(1, 32, 128, 128, 64).bucket().work == "medium"
     assert Problem(2, 128, 128, 128, 64).bucket().work == "large"
@@ -125,29 +195,30 @@ def test_different_seqlen_bucket(a, b):
 
 def test_head_dim_dtype_causal_never_share():
     base = Problem(4, 12, 1024, 1024, 64, "fp32", False)
-    variants = [replace(base, head_dim=d, dtype=t, causal=c)
-                for d, t, c in itertools.product((64, 128), DTYPES, (False, True))]
+    variants = [replace(base, head_dim=d, dtype=t, mask=c)
+                for d, t, c in itertools.product((64, 128), DTYPES, MASKS)]
     keys = [v.bucket().key for v in variants]
     assert len(set(keys)) == len(variants)
 
 
 def test_bucket_key_round_trip():
-    for p in standard_grid("bf16") + list(GPT2_FP32) + [Problem(1, 1, 3, 9000, 128, "fp16", True)]:
+    for p in standard_grid("bf16") + list(GPT2_FP32) + [Problem(1, 1, 3, 9000, 128, "fp16", True),
+                                                        Problem(1, 1, 9000, 3, 128, "fp16", "causal_br", max_error=0.1)]:
         b = p.bucket()
         assert Bucket.from_key(b.key) == b
 
 
 @pytest.mark.parametrize("key", ["", "fp32/d64/causal/n1024", "fp32/64/causal/n1024/small",
                                  "fp32/d64/masked/n1024/small", "fp32/dx/causal/n1024/small",
-                                 "fp32/d64/causal/1024/small", "a/b/c/d/e/f"])
+                                 "fp32/d64/causal/1024/small", "a/b/c/d/e/f", "fp32/d64/causal/nx1024/small",
+                                 "fp32/d64/causal_tl/n1024/small", "fp32/d64/full/n1024/small/err"])
 def test_bucket_from_bad_key(key):
     with pytest.raises(ValueError, match="not a shape-bucket key"):
         Bucket.from_key(key)
 
 
-def test_default_problems():
-    assert default_problems() == list(GPT2_FP32) == default_problems("fp32")
-    grid = default_problems("bf16")
+def test_standard_grid():
+    grid = standard_grid("bf16")
     assert len(grid) == 12 and all(p.dtype == "bf16" for p in grid)
     assert {p.batch * p.seqlen_q for p in grid} == {16384}
     assert {p.heads * p.head_dim for p in grid} == {2048}
@@ -155,8 +226,8 @@ def test_default_problems():
 
 
 def test_to_dict_round_trip():
-    p = Problem(2, 16, 512, 2048, 128, "bf16", False, 4)
-    assert Problem(**p.to_dict()) == p
+    p = Problem(2, 16, 512, 2048, 128, "bf16", "causal_br", 4)
+    assert Problem(**p.to_dict()) == p and p.to_dict()["mask"] == "causal_br"
 
 
 def test_error_budget_is_part_of_the_problem_and_its_bucket():
@@ -199,7 +270,7 @@ def test_sizes_the_kernels_cannot_index_are_refused(text, match):
 def test_bools_are_not_sizes(field):
     with pytest.raises(ValueError, match=f"{field} must be a positive integer, got True"):
         Problem(**{**dict(batch=1, heads=1, seqlen_q=128, seqlen_k=128, head_dim=64), field: True})
-    with pytest.raises(ValueError, match="causal must be True or False"):
+    with pytest.raises(ValueError, match="mask must be one of none, causal, causal_br"):
         Problem(1, 1, 128, 128, 64, "fp32", 1)
     with pytest.raises(ValueError, match="max_error"):
         Problem(1, 1, 128, 128, 64, "fp32", False, max_error=True)

@@ -104,6 +104,9 @@ class FakeRunner:
         self.logs.append(ck.log)
         return ck
 
+    def prefetch(self, family, points, problem) -> None:
+        pass
+
     def measure(self, family, params, problem) -> Measurement:
         self._compile(family, params, problem)
         return Measurement("ok", median_ms=1.0, tflops=1.0, versions=self.versions())

@@ -61,7 +61,7 @@ def test_head_is_what_the_code_says_and_models_match(tmp_path):
     assert script.get_current_head() == HEAD_REVISION
     engine = make_engine(f"sqlite:///{tmp_path / 'new.db'}")
     revs, version, indexes = _state(tmp_path / "new.db")
-    assert revs == [HEAD_REVISION] and version == SCHEMA_VERSION == 4
+    assert revs == [HEAD_REVISION] and version == SCHEMA_VERSION == 5
     assert "ix_ft_measurements_study" in indexes
     with engine.connect() as conn:  # the migrations build exactly what the ORM models describe
         ctx = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE, "compare_type": True})
@@ -83,6 +83,40 @@ def test_older_database_upgraded_with_its_rows(tmp_path, pre_alembic):
         assert [g.key for g in queries.list_gpus(s)] == ["g/sm_90"]
         queries.record_measurement(s, H100_SXM, P, "flash_fwd_simt", PARAMS, Measurement("ok", median_ms=1, tflops=1))
     assert migrate(engine) == "current"
+
+
+def test_schema_3_problems_get_their_mask_and_buckets(tmp_path):
+    """0005: causal rows of older schemas were all top-left; their Nq != Nk bucket keys are recomputed
+    (Nq and Nk rounded apart), square ones kept, and their measurements and bests stay."""
+    path = tmp_path / "v3.db"
+    _at_revision(path, "0003")
+    old = [(1, 1, 512, 512, 1, "fp32/d64/causal/n512/small"), (2, 2, 100, 3000, 0, "fp32/d64/full/n4096/small")]
+    with sqlite3.connect(path) as c:
+        for pid, h, nq, nk, causal, bucket in old:
+            key = f"B1-H{h}-N{nq if nq == nk else f'{nq}x{nk}'}-D64-fp32-{'causal' if causal else 'full'}"
+            c.execute("INSERT INTO ft_problems (id, key, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, "
+                      "causal, max_error, bucket_key) VALUES (?, ?, 1, ?, ?, ?, ?, 64, 'fp32', ?, 0, ?)",
+                      (pid, key, h, h, nq, nk, causal, bucket))
+            c.execute("INSERT INTO ft_configs (id, family, params_json) VALUES (?, 'flash_fwd_simt', ?)", (pid, f'{{"x":{pid}}}'))
+            c.execute("INSERT INTO ft_measurements (id, gpu_id, problem_id, config_id, status, tflops, median_ms, "
+                      "registers, spill_bytes, stack_bytes, static_smem, dynamic_smem, reps, versions_json, versions_key, "
+                      "message, created_at) VALUES (?, 1, ?, ?, 'ok', 1.0, 1.0, 0, 0, 0, 0, 0, 0, '{}', 'v', '', "
+                      "'2025-01-01 00:00:00')", (pid, pid, pid))
+            c.execute("INSERT INTO ft_best (gpu_id, problem_id, family, config_id, measurement_id, bucket_key, tflops, "
+                      "median_ms, updated_at) VALUES (1, ?, 'flash_fwd_simt', ?, ?, ?, 1.0, 1.0, '2025-01-01 00:00:00')",
+                      (pid, pid, pid, bucket))
+    engine = make_engine(f"sqlite:///{path}")
+    assert _state(path)[:2] == ([HEAD_REVISION], SCHEMA_VERSION)
+    with session_factory(engine)() as s:
+        problems = {p.key: p for p in queries.list_problems(s)}
+        bests = {b.problem.key: b.bucket_key for b in queries.best_rows(s)}
+    square, cache = problems["B1-H1-N512-D64-fp32-causal"], problems["B1-H2-N100x3000-D64-fp32-full"]
+    assert square.mask == "causal" and cache.mask == "none"
+    assert bests == {square.key: "fp32/d64/causal/n512/small", cache.key: "fp32/d64/full/n128x4096/small"}
+    assert bests[cache.key] == cache.bucket().key
+    with sqlite3.connect(path) as c:
+        assert c.execute("SELECT COUNT(*) FROM ft_measurements").fetchone()[0] == 2
+        assert c.execute("SELECT bucket_key FROM ft_problems WHERE id = 2").fetchone()[0] == "fp32/d64/full/n128x4096/small"
 
 
 def test_recorded_fixture_upgrades(tmp_path):
@@ -163,8 +197,19 @@ def test_schema_3_gains_the_job_queue_with_its_rows_kept(tmp_path, request, back
     with engine.begin() as conn:
         command.upgrade(_alembic_config(conn), "0003")
     engine.dispose()
-    with session_factory(create_engine(url)).begin() as s:  # a measurement stored by the older flashtune
-        queries.record_measurement(s, H100_SXM, P, "flash_fwd_simt", PARAMS, Measurement("ok", median_ms=1, tflops=1))
+    with create_engine(url).begin() as conn:  # a measurement stored by the older flashtune, in its columns
+        # (ids clear of what PostgreSQL's sequences, which explicit ids do not advance, hand out later)
+        for sql in ("INSERT INTO ft_gpus (id, key, name, cc, sm_count, spec_json, first_seen) "
+                    "VALUES (1000, 'g/sm_90', 'g', '9.0', 132, '{}', '2025-01-01 00:00:00')",
+                    "INSERT INTO ft_problems (id, key, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, dtype, "
+                    "causal, max_error, bucket_key) VALUES (1000, 'B2-H4-N512-D64-fp32-causal', 2, 4, 4, 512, 512, 64, "
+                    "'fp32', true, 0, 'fp32/d64/causal/n512/small')",
+                    "INSERT INTO ft_configs (id, family, params_json) VALUES (1000, 'flash_fwd_simt', '{\"x\":1}')",
+                    "INSERT INTO ft_measurements (id, gpu_id, problem_id, config_id, status, tflops, median_ms, "
+                    "registers, spill_bytes, stack_bytes, static_smem, dynamic_smem, reps, versions_json, versions_key, "
+                    "message, created_at) VALUES (1000, 1000, 1000, 1000, 'ok', 1.0, 1.0, 0, 0, 0, 0, 0, 0, '{}', 'v', '', "
+                    "'2025-01-01 00:00:00')"):
+            conn.exec_driver_sql(sql)
     assert not {"ft_jobs", "ft_workers"} & set(inspect(create_engine(url)).get_table_names())
     engine = make_engine(url)
     assert {"ft_jobs", "ft_workers"} <= set(inspect(engine).get_table_names())

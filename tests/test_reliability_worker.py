@@ -107,6 +107,9 @@ class WorkerRunner:
     def versions(self) -> dict:
         return {"fake": "1"}
 
+    def prefetch(self, family, points, problem) -> None:
+        pass
+
     def measure(self, family, params, problem):
         m = self._worker.run(Job("kernel", problem, 0, family.name, params, None))
         m.versions = self.versions()

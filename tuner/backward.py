@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .torch_attention import BACKENDS, Backend, Case, Grads
+from .torch_attention import BACKENDS, Backend, Case, Grads, no_key_rows
 
 ENV = "TUNER_BACKWARD"
 
@@ -44,10 +44,15 @@ def _order() -> tuple[str, ...]:
 
 
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       o: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float | None) -> Grads:
+                       o: torch.Tensor, lse: torch.Tensor, causal: bool | str, scale: float | None) -> Grads:
     """dq, dk, dv (each with its input's shape, dtype and strides) of attention whose forward gave
-    O and the natural-log LSE (B, H, Nq) on q, k, v."""
+    O and the natural-log LSE (B, H, Nq) on q, k, v; `causal` is a mask (a bool: SDPA's is_causal).
+    Rows that saw no key (LSE -inf) reach the kernels with LSE +inf, FlashAttention's own
+    convention there: their probabilities exp(s - LSE) are 0, never NaN, and so are their gradients."""
     backend = choose(Case.of(q, k, causal))
+    if empty := no_key_rows(q, k, causal):
+        lse = lse.clone()
+        lse[:, :, :empty] = float("inf")
     dq, dk, dv = backend.backward(grad_out, q, k, v, o, lse, causal, scale)
     return like(q, dq), like(k, dk), like(v, dv)
 

@@ -68,23 +68,72 @@ MAX_ERROR_HELP = ("error allowed against float64 (relative, of O); default: the 
                   "tensor-core kernels compete")
 
 
+def _shape_help() -> str:
+    from .problem import MASK_TOKENS, SHAPE_FORMAT
+
+    def aliases(mask: str) -> str:
+        return ", ".join(t for t, m in MASK_TOKENS.items() if m == mask and t != mask)
+
+    return (f"{SHAPE_FORMAT}; repeatable. KVH: K/V heads (GQA/MQA; default H); NK: keys (default NQ); MASK: none "
+            f"(default; also {aliases('none')}), causal (top-left, SDPA's is_causal; also {aliases('causal')}) or "
+            f"causal_br (bottom-right: query i sees keys j <= i + NK - NQ, as a KV cache or a chunked prefill; also "
+            f"{aliases('causal_br')}). E.g. 1,32:8,8192,128,causal (Llama-3-8B prefill), 4,32:8,512:8192,128,causal_br "
+            f"(a 512-token chunk after 7680 cached)")
+
+
+SHAPE_HELP = _shape_help()
+
+
 def _value(choice) -> Optional[str]:
     """An option's Enum member as its plain string (None stays None)."""
     return None if choice is None else getattr(choice, "value", choice)
 
 
-def _problems(shapes: list[str], dtype, max_error: Optional[float] = None):
+def _problems(shapes: list[str], dtype, max_error: Optional[float] = None, models: list[str] = (),
+              seqlen: Optional[str] = None, batch: Optional[str] = None, gpu=None):
+    """The --shape and --model problems; with neither, models.default_problems for `gpu`."""
     from dataclasses import replace
 
-    from .problem import DTYPES, Problem, default_problems
+    from .models import default_problems, model_problems
+    from .problem import DTYPES, Problem
 
     dtype = _value(dtype)
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_error is not None and not 0 < max_error < 1:
         raise UserError(f"--max-error must be in (0, 1), got {max_error}")
-    problems = default_problems(dtype) if not shapes else [Problem.parse(s, dtype or "fp32") for s in shapes]
+    if (seqlen or batch) and not models:
+        raise UserError("--seqlen and --batch go with --model")
+    batches = None
+    if batch:
+        try:
+            batches = [int(b) for b in batch.split(",")]
+        except ValueError:
+            raise UserError(f"--batch {batch!r} must be integers, comma-separated") from None
+    if shapes or models:
+        problems = [Problem.parse(s, dtype or "fp32") for s in shapes]
+        problems += model_problems(models, dtype or _default_dtype(gpu), seqlen.split(",") if seqlen else None, batches)
+    else:
+        problems = default_problems(dtype, gpu)
     return [replace(p, max_error=max_error) for p in problems] if max_error is not None else problems
+
+
+def _default_dtype(gpu) -> str:
+    from .models import default_dtype
+
+    return default_dtype(gpu)
+
+
+def _model_help() -> str:
+    from .models import MODELS
+
+    return (f"a model's attention shapes (tuner/models.py's table): {', '.join(MODELS)}; repeatable. "
+            f"Its dtype: --dtype, else bf16 (fp16 before sm_80)")
+
+
+SEQLEN_HELP = ("with --model: lengths, comma-separated, each N (prefill, causal) or NQ:NK (NQ queries after NK - NQ "
+               "cached keys: bottom-right causal); default the model's own (2048,8192 for the LLMs)")
+BATCH_HELP = "with --model: batch sizes, comma-separated; default the model's (tuner/models.py)"
 
 
 @app.command()
@@ -139,7 +188,7 @@ def _summary_table(results, title: str) -> Table:
             peer_text += f" ({peer_dtype(r.problem)} inputs)"
         t.add_row(  # Text: params from a database are shown, never read as rich markup
             r.problem.key,
-            Text(r.family),
+            Text(r.family + (" (dropped)" if getattr(r, "dropped", "") else "")),
             Text(json.dumps(r.best_params, separators=(",", ":")) if r.best_params else "-"),
             f"{r.best.median_ms:.3f}" if r.best else "-",
             f"{tf:.1f}" if tf else "-",
@@ -149,10 +198,22 @@ def _summary_table(results, title: str) -> Table:
     return t
 
 
-@app.command()
+def _search_help() -> str:
+    from .models import DEFAULT_HELP
+
+    return ("Tune the kernels for the detected GPU and store every measurement: the --shape and --model problems. "
+            + DEFAULT_HELP + ".")
+
+
+@app.command(help=_search_help())
 def search(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' (the current device) or a GPU index"),
-    shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable. Default: the standard set"),
+    shape: list[str] = typer.Option([], "--shape", help=SHAPE_HELP),
+    model: list[str] = typer.Option([], "--model", help=_model_help()),
+    seqlen: Optional[str] = typer.Option(None, "--seqlen", help=SEQLEN_HELP),
+    batch: Optional[str] = typer.Option(None, "--batch", help=BATCH_HELP),
+    recorded: Optional[Path] = typer.Option(None, "--recorded", help="tune the problems a program met under "
+                                            "`tuner record` (its JSON-lines file), with their own dtypes"),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
@@ -170,7 +231,6 @@ def search(
                                "that is not a replay"),
     retry_failed: bool = typer.Option(False, "--retry-failed", help="measure again points whose stored result is a failure"),
 ) -> None:
-    """Tune the kernels for the detected GPU and store every measurement."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .db.engine import make_engine, masked, session_factory
@@ -179,13 +239,19 @@ def search(
     from .runner import ReplayRunner
     from .search import Search
 
-    problems = _problems(shape, dtype, max_error)
+    problems = _problems(shape, dtype, max_error, model, seqlen, batch)   # bad input: one line, before any GPU
+    if recorded is not None:
+        from .recording import read_recorded
+
+        problems = (problems if shape or model else []) + read_recorded(recorded)
     url = _db_url(db)
     target = _search_lookup(lookup, db, replay, url)
     if target is not None:
         existing_lookup(target)  # a file that is no lookup (the database, say) is refused before any trial
     runner = _runner(gpu, replay, candidate_timeout)
     try:
+        if not (shape or model or recorded):   # the defaults depend on what the GPU runs best
+            problems = _problems([], dtype, max_error, gpu=runner.gpu)
         plan = [(p, f) for p in problems for f in _families(_value(family), runner.gpu, p)]
         if isinstance(runner, ReplayRunner):
             plan = _replayable(runner, plan, _value(family))
@@ -203,22 +269,20 @@ def search(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[best]}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
         tasks = {(p.key, f.name): bar.add_task(escape(f"{p.key} {f.name}"), total=trials, best="") for p, f in plan}
-        current: list[str] = [""]
 
         def observe(ev) -> None:
             best = f"best {ev.best_tflops:.1f} TFLOP/s" if ev.best_tflops else ""
-            bar.update(tasks[(ev.problem.key, current[0])], completed=min(ev.done, trials), best=best)
+            bar.update(tasks[(ev.problem.key, ev.family)], completed=min(ev.done, trials), best=best)
+
+        def dropped(fam, why: str) -> None:
+            bar.console.print(Text(f"{p.key}: {fam.name} dropped: {why}"), highlight=False)
 
         s.observer = observe
         try:
             for p in problems:
                 measured_peers = s.measure_peers(p) if peers else {}
-                for q, fam in plan:
-                    if q != p:
-                        continue
-                    current[0] = fam.name
-                    r = s.tune(fam, p, trials, deadline)
-                    bar.update(tasks[(p.key, fam.name)], completed=trials)
+                for r in s.tune_all([f for q, f in plan if q == p], p, trials, deadline, on_drop=dropped):
+                    bar.update(tasks[(p.key, r.family)], completed=trials)
                     r.peers = measured_peers
                     results.append(r)
         finally:
@@ -282,7 +346,7 @@ def _replayable(runner, plan: list, family: str) -> list:
 @app.command()
 def bench(
     gpu: str = typer.Option("auto", "--gpu"),
-    shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable"),
+    shape: list[str] = typer.Option([], "--shape", help=SHAPE_HELP),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     db: Optional[str] = typer.Option(None, "--db"),
     family: Family = typer.Option("auto", "--family", help="a kernel family, or auto: the best of all"),
@@ -355,23 +419,11 @@ def _spread(m) -> list | None:
     return [m.min_ms, m.median_ms, m.max_ms] if m is not None else None
 
 
-def _compile_one(args) -> tuple[str, str]:
-    from .compile import CompileError, compile_kernel
-    from .kernel_templates import get_family
-
-    family, params, problem, arch = args
-    try:
-        ck = compile_kernel(get_family(family), params, problem, arch)
-    except CompileError as exc:
-        return "error", str(exc)
-    return ("cached" if ck.cached else "compiled"), f"{ck.resources.registers} regs, {ck.resources.spill_bytes} B spilled"
-
-
 @app.command()
 def precompile(
     gpu: str = typer.Option("auto", "--gpu", help="'auto' or an index; without a GPU give --arch"),
     arch: Optional[str] = typer.Option(None, "--arch", help="sm_80 or sm_90a: compile for this target with no GPU"),
-    shape: list[str] = typer.Option([], "--shape"),
+    shape: list[str] = typer.Option([], "--shape", help=SHAPE_HELP),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     family: OneFamily = typer.Option("flash_fwd_simt", "--family"),
     jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", "-j", min=1),
@@ -383,6 +435,7 @@ def precompile(
 
     from rich.progress import track
 
+    from .compile import compile_job
     from .gpu import A100_SXM, H100_SXM, detect
     from .kernel_templates import get_family
 
@@ -398,7 +451,7 @@ def precompile(
     work = [(fam.name, params, p, arch) for p in _problems(shape, dtype, max_error) for params in fam.valid_points(g, p)]
     counts: dict[str, int] = {}
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-        for status, _ in track(pool.map(_compile_one, work), total=len(work), description=f"compiling for {arch}"):
+        for status, _ in track(pool.map(compile_job, work), total=len(work), description=f"compiling for {arch}"):
             counts[status] = counts.get(status, 0) + 1
     console.print(f"{len(work)} kernels for {arch}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     if counts.get("error"):
@@ -536,6 +589,31 @@ def status(
         st = queue.status(s, grace)
     for part in service.status_tables(st):
         console.print(part)
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def record(
+    ctx: typer.Context,
+    output: Path = typer.Option(Path("flashtune-record.jsonl"), "-o", "--output", help="the recording (JSON lines; "
+                                "appended to, each problem once)"),
+) -> None:
+    """Run a program (`tuner record -- python train.py`) and record every distinct attention problem
+    flashtune's dispatcher meets in it (FLASHTUNE_RECORD=FILE does the same for any process); then
+    `tuner search --recorded FILE` tunes exactly those."""
+    import subprocess
+
+    from .recording import ENV, read_recorded
+
+    if not ctx.args:
+        raise UserError("give the program to run after --: tuner record -- python train.py")
+    output = output.resolve()
+    before = len(read_recorded(output, missing_ok=True))
+    try:
+        code = subprocess.call(ctx.args, env={**os.environ, ENV: str(output)})
+    except OSError as e:
+        raise UserError(f"cannot run {ctx.args[0]}: {e.strerror or e}") from None
+    found = read_recorded(output, missing_ok=True)
+    console.print(f"{len(found) - before} new problem(s) recorded, {len(found)} in {output}; tune them with "
+                  f"`tuner search --recorded {output}`", highlight=False, markup=False)
+    raise typer.Exit(code)
 
 
 @app.command()

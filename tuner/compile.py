@@ -135,6 +135,19 @@ def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: s
     return ck
 
 
+def compile_job(args: tuple[str, dict, Problem, str]) -> tuple[str, str]:
+    """(family name, params, problem, arch) -> ("compiled" | "cached" | "error", what): one job of
+    a process pool filling the cache (`tuner precompile`, GpuRunner.prefetch)."""
+    from .kernel_templates import get_family
+
+    family, params, problem, arch = args
+    try:
+        ck = compile_kernel(get_family(family), params, problem, arch)
+    except CompileError as exc:
+        return "error", str(exc)
+    return ("cached" if ck.cached else "compiled"), f"{ck.resources.registers} regs, {ck.resources.spill_bytes} B spilled"
+
+
 def _paths(key: str) -> tuple[Path, Path]:
     d = cache_dir() / key[:2]
     return d / f"{key}.cubin", d / f"{key}.json"

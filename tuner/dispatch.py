@@ -18,10 +18,14 @@ from pathlib import Path
 
 import torch
 
+from . import recording
 from .launch import Launcher, launch_on
-from .problem import TORCH_DTYPES, Problem, torch_dtype
+from .problem import TORCH_DTYPES, Problem, mask_of, torch_dtype
 
 TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
+# How far (tuner.nearest's octaves) a tuned bucket may be from an untuned one and still serve it:
+# a length up to 4x off, or 2x off in both, or the work two classes off.
+NEAREST_OCTAVES = 2.0
 
 
 @dataclass
@@ -79,11 +83,12 @@ def check_inputs(q, k, v, max_error: float | None = None, *, cuda: bool = True) 
     return dtype
 
 
-def problem_of(q, k, v, causal: bool, max_error: float | None = None) -> Problem:
-    """The Problem these inputs pose, after check_inputs."""
+def problem_of(q, k, v, causal: bool | str, max_error: float | None = None) -> Problem:
+    """The Problem these inputs pose, after check_inputs; `causal` is a mask (problem.MASKS), or a
+    bool as SDPA's is_causal (the top-left diagonal)."""
     dtype = check_inputs(q, k, v, max_error)
     b, h, nq, d = q.shape
-    return Problem(b, h, nq, k.shape[2], d, dtype, bool(causal), k.shape[1], max_error or 0.0)
+    return Problem(b, h, nq, k.shape[2], d, dtype, mask_of(causal), k.shape[1], max_error or 0.0)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -140,12 +145,31 @@ class Dispatcher:
         return g
 
     def select(self, problem: Problem, gpu) -> dict | None:
-        """The lookup entry that serves `problem` on `gpu`: its bucket's fastest runnable family."""
-        from .kernel_templates import FAMILIES
+        """The lookup entry that serves `problem` on `gpu`: its bucket's fastest runnable family;
+        for a bucket nobody tuned, that of the nearest tuned bucket of the same GPU, dtype, head
+        dim, mask and error budget (tuner.nearest: octaves of Nq, Nk and half the work), up to
+        NEAREST_OCTAVES away; nearer buckets first, and in each the fastest config that runs."""
+        from .nearest import nearest
+        from .problem import Bucket
 
         if self._table is None:
             self._table = self._load_table()
-        for e in self._table.get((gpu.key, problem.bucket().key), []):
+        bucket = problem.bucket()
+        if (e := self._runnable(self._table.get((gpu.key, bucket.key), []), problem, gpu)) is not None:
+            return e
+        tuned = [Bucket.from_key(key) for g, key in self._table if g == gpu.key and key != bucket.key]
+        for dist, other in nearest(bucket, tuned, lambda b: b):
+            if dist > NEAREST_OCTAVES:
+                break
+            if (e := self._runnable(self._table[(gpu.key, other.key)], problem, gpu)) is not None:
+                return e
+        return None
+
+    @staticmethod
+    def _runnable(entries: list[dict], problem: Problem, gpu) -> dict | None:
+        from .kernel_templates import FAMILIES
+
+        for e in entries:
             fam = FAMILIES.get(e["family"])
             if fam is not None and fam.check(e["params"], gpu, problem) is None:
                 return e
@@ -175,13 +199,14 @@ class Dispatcher:
         return Plan(launcher, fam.name, dtype=problem.dtype, make_args=fam.arg_maker(params), out=out,
                     device=device_index, scratch_lse=scratch)
 
-    def plan(self, q, k, v, causal: bool = False, max_error: float | None = None) -> Plan:
-        """The plan for these inputs (made on the first call for their shapes, dtypes and devices)."""
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, bool(causal),
+    def plan(self, q, k, v, causal: bool | str = False, max_error: float | None = None) -> Plan:
+        """The plan for these inputs (made on the first call for their shapes, dtypes, devices and mask)."""
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask_of(causal),
                max_error)
         plan = self._plans.get(key)
         if plan is None:
             problem = problem_of(q, k, v, causal, max_error)
+            recording.note(problem)   # FLASHTUNE_RECORD: once per shape, off the hot path
             with self._lock:
                 plan = self._plans.get(key)
                 if plan is None:
@@ -196,17 +221,19 @@ class Dispatcher:
         warnings.warn(f"flashtune: {message}; using torch scaled_dot_product_attention", stacklevel=3)
 
     # ---- hot path ----
-    def forward(self, q, k, v, causal: bool = False, scale: float | None = None, max_error: float | None = None,
+    def forward(self, q, k, v, causal: bool | str = False, scale: float | None = None, max_error: float | None = None,
                 need_lse: bool = True):
-        """O (laid out as out_layout(q) says) and the natural-log LSE (B, H, Nq) in float32. Without
-        a tuned kernel the LSE is computed only where `need_lse` asks (else it is NaN)."""
+        """O (laid out as out_layout(q) says) and the natural-log LSE (B, H, Nq) in float32. `causal`
+        is a mask (problem.MASKS: "causal_br" for the bottom-right diagonal), or a bool as SDPA's
+        is_causal. Without a tuned kernel the LSE is computed only where `need_lse` asks (else it
+        is NaN). Rows that see no key (bottom-right, Nq > Nk) are O = 0 and LSE = -inf either way."""
         plan = self.plan(q, k, v, causal, max_error)
         if plan.launcher is None:
             return self._fallback(q, k, v, causal, scale, plan, need_lse)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         return self._launch(plan, q, k, v, scale, lse), lse
 
-    def output(self, q, k, v, causal: bool = False, scale: float | None = None, max_error: float | None = None):
+    def output(self, q, k, v, causal: bool | str = False, scale: float | None = None, max_error: float | None = None):
         """O alone (no gradient will be asked for): the kernel's LSE goes to a buffer of the plan."""
         plan = self.plan(q, k, v, causal, max_error)
         if plan.launcher is None:
@@ -222,20 +249,21 @@ class Dispatcher:
         launch_on(plan.launcher, plan.device, *args)
         return o
 
-    def __call__(self, q, k, v, causal: bool = False, scale: float | None = None, return_lse: bool = False,
+    def __call__(self, q, k, v, causal: bool | str = False, scale: float | None = None, return_lse: bool = False,
                  max_error: float | None = None):
         """O, or (O, LSE) with `return_lse`; no autograd (that is tuner.attention's)."""
         o, lse = self.forward(q, k, v, causal, scale, max_error, need_lse=return_lse)
         return (o, lse) if return_lse else o
 
-    def _fallback(self, q, k, v, causal: bool, scale, plan: Plan, need_lse: bool):
+    def _fallback(self, q, k, v, causal: bool | str, scale, plan: Plan, need_lse: bool):
         """torch's attention, on inputs in O's dtype: it takes no fp8, so e4m3 inputs go up to bf16
         (exactly). With `need_lse`, the fastest of torch's kernels that returns the LSE and takes
-        the case; otherwise scaled_dot_product_attention, which picks its own backend."""
+        the case; otherwise scaled_dot_product_attention, which picks its own backend (the
+        bottom-right mask as torch's causal_lower_right)."""
         import torch.nn.functional as F
 
         from .backward import choose
-        from .torch_attention import Case
+        from .torch_attention import Case, no_key_rows, sdpa_mask_kwargs
 
         self._warn(plan.reason)
         if q.dtype != plan.out:
@@ -244,8 +272,13 @@ class Dispatcher:
             o, lse = choose(Case.of(q, k, causal)).forward(q, k, v, causal, scale)
         else:
             gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, **gqa)
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, **sdpa_mask_kwargs(causal, q.shape[2], k.shape[2]),
+                                               **gqa)
             lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+        if empty := no_key_rows(q, k, causal):   # torch leaves them NaN (SDPA) or LSE +inf (FA2)
+            o, lse = o.clone(), lse.clone()
+            o[:, :, :empty] = 0
+            lse[:, :, :empty] = float("-inf")
         size, stride = out_layout(q)
         if o.stride() != stride:
             o = torch.empty_strided(size, stride, dtype=o.dtype, device=o.device).copy_(o)

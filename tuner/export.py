@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .problem import DTYPES, Bucket, Problem
+from .problem import DTYPES, MASKS, Bucket, Problem, mask_of
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -21,11 +21,14 @@ if TYPE_CHECKING:
     from .db.queries import BestEntry
 
 SCHEMA = "flashtune.best-configs"
-SCHEMA_VERSION = 1
+# 2: entries say `mask` (none, causal, causal_br) where version 1 said `causal` (a bool, top-left:
+# all that flashtune ran then), and buckets round Nq and Nk apart. Version 1 is still read, its
+# entries upgraded as they are read (upgrade_v1_entry); what is written is always this version.
+SCHEMA_VERSION = 2
 
 # field -> accepted types (bool is excluded from numbers explicitly below)
 _ENTRY_FIELDS: dict[str, tuple[type, ...]] = {
-    "gpu_key": (str,), "family": (str,), "dtype": (str,), "head_dim": (int,), "causal": (bool,),
+    "gpu_key": (str,), "family": (str,), "dtype": (str,), "head_dim": (int,), "mask": (str,),
     "bucket": (str,), "params": (dict,), "tflops": (int, float), "median_ms": (int, float),
     "problem": (dict,),
 }
@@ -41,12 +44,12 @@ def default_lookup_path() -> Path:
     return Path(user_data_dir("flashtune")) / "best.json"
 
 
-def _group(e: dict[str, Any]) -> tuple[str, str, int, bool, str]:
-    return (e["gpu_key"], e["dtype"], e["head_dim"], e["causal"], e["bucket"])
+def _group(e: dict[str, Any]) -> tuple[str, str, int, str, str]:
+    return (e["gpu_key"], e["dtype"], e["head_dim"], e["mask"], e["bucket"])
 
 
 def _slot(e: dict[str, Any]) -> tuple[Any, ...]:
-    """What one entry serves: a family in a (GPU, dtype, head dim, causal, bucket) group."""
+    """What one entry serves: a family in a (GPU, dtype, head dim, mask, bucket) group."""
     return (*_group(e), e["family"])
 
 
@@ -61,7 +64,7 @@ def _document(entries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
-    """One entry per (GPU, dtype, head dim, causal, bucket, family), fastest first per group.
+    """One entry per (GPU, dtype, head dim, mask, bucket, family), fastest first per group.
 
     Several tuned problems can fall into one bucket; per family only the fastest is kept, since
     the dispatcher takes the first entry of a group whose family it can run.
@@ -71,7 +74,7 @@ def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
         p = b.problem
         e = {
             "gpu_key": b.gpu_key, "family": b.family, "dtype": p.dtype, "head_dim": p.head_dim,
-            "causal": p.causal, "bucket": b.bucket_key, "params": dict(b.params),
+            "mask": p.mask, "bucket": b.bucket_key, "params": dict(b.params),
             "tflops": float(b.tflops), "median_ms": float(b.median_ms), "problem": p.to_dict(),
         }
         k = _slot(e)
@@ -130,13 +133,15 @@ def _check_entry(e: Any) -> str | None:
             return f"field {name!r} has type {type(v).__name__}"
     if e["dtype"] not in DTYPES:
         return f"unknown dtype {e['dtype']!r}"
+    if e["mask"] not in MASKS:
+        return f"unknown mask {e['mask']!r}"
     try:
         bucket = Bucket.from_key(e["bucket"])
         problem = Problem(**e["problem"])
     except (TypeError, ValueError) as err:
         return str(err).splitlines()[0] if str(err) else "bad bucket or problem"
-    if (bucket.dtype, bucket.head_dim, bucket.causal) != (e["dtype"], e["head_dim"], e["causal"]):
-        return f"bucket {e['bucket']!r} disagrees with dtype/head_dim/causal"
+    if (bucket.dtype, bucket.head_dim, bucket.mask) != (e["dtype"], e["head_dim"], e["mask"]):
+        return f"bucket {e['bucket']!r} disagrees with dtype/head_dim/mask"
     if problem.bucket() != bucket:
         return f"problem {problem.key} is not in bucket {e['bucket']!r}"
     return None
@@ -159,11 +164,30 @@ def validate_lookup(doc: Any, source: str = "lookup") -> dict[str, Any]:
     entries = doc.get("entries")
     if not isinstance(entries, list):
         raise ValueError(f"{source}: lookup has no 'entries' list")
+    if version == 1:
+        entries = [upgrade_v1_entry(e) for e in entries]
+        doc = {**doc, "version": SCHEMA_VERSION, "entries": entries}
     for i, e in enumerate(entries):
         why = _check_entry(e)
         if why:
             raise ValueError(f"{source}: entry {i} {why}")
     return doc
+
+
+def upgrade_v1_entry(e: Any) -> Any:
+    """A version-1 entry as version 2 says it: `causal` (a bool, top-left) becomes `mask`, and the
+    bucket is the problem's own under today's rule. Anything malformed is left for _check_entry
+    to name."""
+    if not (isinstance(e, dict) and isinstance(e.get("causal"), bool) and isinstance(e.get("problem"), dict)):
+        return e
+    out = {k: v for k, v in e.items() if k != "causal"}
+    out["mask"] = mask_of(e["causal"])
+    try:
+        problem = Problem.from_dict(e["problem"])
+    except (TypeError, ValueError):
+        return out
+    out["problem"], out["bucket"] = problem.to_dict(), problem.bucket().key
+    return out
 
 
 def read_lookup(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -186,7 +210,7 @@ def read_lookup(path: str | os.PathLike[str]) -> dict[str, Any]:
 def write_lookup(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Atomic: a dispatcher reading concurrently sees the old file or the new one, never half."""
     p = Path(path)
-    validate_lookup(doc, str(p))
+    doc = validate_lookup(doc, str(p))   # a version-1 document is written as this version
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     try:

@@ -17,7 +17,7 @@ from importlib import resources
 
 from .gpu import GpuSpec
 from .launch import ATTENTION_PARAMS, Launch
-from .problem import Problem
+from .problem import MASKS, Problem
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -59,6 +59,8 @@ class KernelFamily(ABC):
     min_cc: tuple[int, int] = (7, 5)
     dtypes: tuple[str, ...] = ()
     head_dims: tuple[int, ...] = ()
+    # The masks its kernel runs (problem.MASKS): IS_CAUSAL, and MASK_BR for the bottom-right diagonal.
+    masks: tuple[str, ...] = MASKS
     space: dict[str, tuple] = {}
 
     # ---- what the search explores ----
@@ -78,7 +80,15 @@ class KernelFamily(ABC):
             return f"{self.name} takes {'/'.join(self.dtypes)} inputs, not {problem.dtype}"
         if problem.head_dim not in self.head_dims:
             return f"{self.name} supports head dim {', '.join(map(str, self.head_dims))}, not {problem.head_dim}"
+        if problem.mask not in self.masks:
+            return f"{self.name} runs the masks {', '.join(self.masks)}, not {problem.mask}"
         return None
+
+    @staticmethod
+    def mask_defines(problem: Problem) -> dict[str, int]:
+        """The kernels' mask contract: IS_CAUSAL (either diagonal) and MASK_BR (1: bottom-right,
+        the diagonal shifted by nk - nq, computed in the kernel from its runtime nq and nk)."""
+        return {"IS_CAUSAL": int(problem.causal), "MASK_BR": int(problem.bottom_right)}
 
     def space_error(self, params: object) -> str | None:
         """Why `params` is not a point of the space (names, and each value by type), or None."""

@@ -80,7 +80,7 @@ def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
         return None, Measurement("launch_error", message=str(exc), **base)
     _sync_or_fault()
 
-    ref_o, ref_lse = attention_fp64(q, k, v, problem.causal, scale)
+    ref_o, ref_lse = attention_fp64(q, k, v, problem.mask, scale)
     err = compare(o, lse, ref_o, ref_lse)
     del ref_o, ref_lse
     figures = dict(rel_err=err.rel, max_abs_err=err.max_abs, lse_err=err.lse)
@@ -96,9 +96,12 @@ def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from .torch_attention import sdpa_mask_kwargs
+
     q, k, v = (t.to(torch_dtype(peer_dtype(problem))) for t in random_inputs(problem, seed))
-    gqa = problem.kv_heads != problem.heads
-    kw = dict(is_causal=problem.causal, enable_gqa=True) if gqa else dict(is_causal=problem.causal)
+    kw = sdpa_mask_kwargs(problem.mask, problem.seqlen_q, problem.seqlen_k)
+    if problem.kv_heads != problem.heads:
+        kw["enable_gqa"] = True
     pinned = getattr(SDPBackend, SDPA_BACKENDS[backend])
 
     def run() -> None:
@@ -109,7 +112,7 @@ def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:
         with sdpa_kernel(pinned):
             o = F.scaled_dot_product_attention(q, k, v, **kw)
         _sync_or_fault()
-        ref_o, _ = attention_fp64(q, k, v, problem.causal, 1.0 / math.sqrt(problem.head_dim))
+        ref_o, _ = attention_fp64(q, k, v, problem.mask, 1.0 / math.sqrt(problem.head_dim))
         err = compare(o, None, ref_o, None)
         del ref_o, o
         run()  # a backend can still refuse at the first timed call

@@ -20,21 +20,29 @@ import torch
 from .backward import attention_backward
 from .dispatch import default as _dispatcher
 from .dispatch import out_layout
+from .torch_attention import sdpa_mask_kwargs
 
 LIB = "flashtune"
 _lib = torch.library.Library(LIB, "DEF")
+# bottom_right: with is_causal, the diagonal is the bottom-right one (a KV cache: query i sees keys
+# j <= i + Nk - Nq) instead of SDPA's top-left; without is_causal it means nothing.
 _lib.define("attention(Tensor q, Tensor k, Tensor v, bool is_causal=False, float? scale=None, "
-            "float? max_error=None, bool need_lse=True) -> (Tensor, Tensor)")
+            "float? max_error=None, bool need_lse=True, bool bottom_right=False) -> (Tensor, Tensor)")
 _lib.define("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-            "bool is_causal, float? scale) -> (Tensor, Tensor, Tensor)")
+            "bool is_causal, float? scale, bool bottom_right=False) -> (Tensor, Tensor, Tensor)")
 
 
-def _forward(q, k, v, is_causal=False, scale=None, max_error=None, need_lse=True):
-    return _dispatcher().forward(q, k, v, is_causal, scale, max_error, need_lse)
+def op_mask(is_causal: bool, bottom_right: bool = False) -> str:
+    """The problem mask the op's two flags spell."""
+    return ("causal_br" if bottom_right else "causal") if is_causal else "none"
 
 
-def _backward(grad_out, q, k, v, out, lse, is_causal, scale):
-    return attention_backward(grad_out, q, k, v, out, lse, is_causal, scale)
+def _forward(q, k, v, is_causal=False, scale=None, max_error=None, need_lse=True, bottom_right=False):
+    return _dispatcher().forward(q, k, v, op_mask(is_causal, bottom_right), scale, max_error, need_lse)
+
+
+def _backward(grad_out, q, k, v, out, lse, is_causal, scale, bottom_right=False):
+    return attention_backward(grad_out, q, k, v, out, lse, op_mask(is_causal, bottom_right), scale)
 
 
 _lib.impl("attention", _forward, "CUDA")
@@ -42,7 +50,7 @@ _lib.impl("attention_backward", _backward, "CUDA")
 
 
 @torch.library.register_fake(f"{LIB}::attention")
-def _attention_fake(q, k, v, is_causal=False, scale=None, max_error=None, need_lse=True):
+def _attention_fake(q, k, v, is_causal=False, scale=None, max_error=None, need_lse=True, bottom_right=False):
     from .dispatch import check_inputs
     from .problem import OUT_DTYPE, torch_dtype
 
@@ -54,15 +62,15 @@ def _attention_fake(q, k, v, is_causal=False, scale=None, max_error=None, need_l
 
 
 @torch.library.register_fake(f"{LIB}::attention_backward")
-def _attention_backward_fake(grad_out, q, k, v, out, lse, is_causal, scale):
+def _attention_backward_fake(grad_out, q, k, v, out, lse, is_causal, scale, bottom_right=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, is_causal, scale, _max_error, need_lse = inputs
+    q, k, v, is_causal, scale, _max_error, need_lse, bottom_right = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.is_causal, ctx.scale, ctx.need_lse = is_causal, scale, need_lse
+    ctx.is_causal, ctx.scale, ctx.need_lse, ctx.bottom_right = is_causal, scale, need_lse, bottom_right
     ctx.mark_non_differentiable(lse)
 
 
@@ -70,8 +78,9 @@ def _autograd_backward(ctx, grad_o, _grad_lse):
     if not ctx.need_lse:
         raise RuntimeError("flashtune::attention was called with need_lse=False, so it kept no LSE for the backward")
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.flashtune.attention_backward(grad_o, q, k, v, o, lse, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = torch.ops.flashtune.attention_backward(grad_o, q, k, v, o, lse, ctx.is_causal, ctx.scale,
+                                                        ctx.bottom_right)
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd(f"{LIB}::attention", _autograd_backward, setup_context=_setup_context)
@@ -81,16 +90,16 @@ class _Attention(torch.autograd.Function):
     """The eager path with gradients: the op's forward and backward without the dispatcher's cost."""
 
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, max_error):
-        o, lse = _forward(q, k, v, is_causal, scale, max_error, True)
+    def forward(ctx, q, k, v, mask, scale, max_error):
+        o, lse = _dispatcher().forward(q, k, v, mask, scale, max_error, True)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal, ctx.scale = is_causal, scale
+        ctx.mask, ctx.scale = mask, scale
         return o
 
     @staticmethod
     def backward(ctx, grad_o):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(grad_o, q, k, v, o, lse, ctx.is_causal, ctx.scale)
+        dq, dk, dv = attention_backward(grad_o, q, k, v, o, lse, ctx.mask, ctx.scale)
         return dq, dk, dv, None, None, None
 
 
@@ -109,14 +118,19 @@ def _warn_once(message: str) -> None:
 
 
 def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False, *, causal: bool | None = None, max_error: float | None = None):
+              enable_gqa: bool = False, *, causal: bool | None = None, mask: str | None = None,
+              max_error: float | None = None):
     """Attention on CUDA tensors of shape (B, H, N, D), as torch.nn.functional.scaled_dot_product_attention.
 
     Computed by the best tuned kernel for this GPU and shape bucket, or by torch's attention (with
     one warning; on bf16 copies of fp8 inputs) where nothing tuned fits. K/V may have fewer heads
     (GQA; `enable_gqa` is accepted and not required). `is_causal` is SDPA's: the top-left diagonal,
-    key j visible to query i where j <= i (`causal=` is the older spelling). `attn_mask` and
-    `dropout_p` go to SDPA itself, with one warning. Gradients flow to q, k and v (fp8 has none).
+    key j visible to query i where j <= i (`causal=` is the older spelling). `mask="causal_br"`
+    (or "bottom_right") is the bottom-right diagonal, key j visible to query i where j <= i + Nk -
+    Nq, as a KV cache or a chunked prefill needs (torch's causal_lower_right; the two differ only
+    where Nq != Nk); query rows that see no key (Nq > Nk) are 0. `mask` also takes "none" and
+    "causal" (problem.MASK_TOKENS: what `--shape` takes). `attn_mask` and `dropout_p` go to SDPA
+    itself, with one warning. Gradients flow to q, k and v (fp8 has none).
     `max_error` picks configs tuned under that error budget (`tuner search --max-error`): for fp32
     inputs, the tf32 or bf16 tensor-core kernels. O has q's dtype (bf16 for float8_e4m3fn inputs)
     and, like SDPA's, q's layout: (B, N, H, D) storage where q is such a view.
@@ -125,19 +139,39 @@ def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool =
         if is_causal and not causal:
             raise ValueError("is_causal=True and causal=False disagree: pass one of them")
         is_causal = bool(causal)
+    chosen = _mask(is_causal, mask)
     if attn_mask is not None or dropout_p:
         what = "an attn_mask" if attn_mask is not None else "dropout"
+        if attn_mask is not None and chosen == "causal_br":
+            raise ValueError("attn_mask and mask='causal_br' exclude each other: pass one of them")
         _warn_once(f"{what} is not served by flashtune's kernels; using torch scaled_dot_product_attention")
-        return _sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     enable_gqa=enable_gqa or _gqa(q, k))
+        kw = sdpa_mask_kwargs(chosen, q.shape[-2], k.shape[-2]) if attn_mask is None else \
+            {"attn_mask": attn_mask, "is_causal": is_causal}
+        return _sdpa(q, k, v, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa or _gqa(q, k), **kw)
     grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if torch.compiler.is_compiling():
-        return torch.ops.flashtune.attention(q, k, v, is_causal, scale, max_error, grads)[0]
+        return torch.ops.flashtune.attention(q, k, v, chosen != "none", scale, max_error, grads,
+                                             chosen == "causal_br")[0]
     if grads:
         if q.dtype == torch.float8_e4m3fn:
             raise ValueError("no backward for float8_e4m3fn inputs: call attention under torch.no_grad()")
-        return _Attention.apply(q, k, v, is_causal, scale, max_error)
-    return _dispatcher().output(q, k, v, is_causal, scale, max_error)
+        return _Attention.apply(q, k, v, chosen, scale, max_error)
+    return _dispatcher().output(q, k, v, chosen, scale, max_error)
+
+
+def _mask(is_causal: bool, mask: str | None) -> str:
+    """The problem mask of attention's arguments: `mask` (a MASK_TOKENS word) where given, else
+    SDPA's is_causal; both given must agree."""
+    from .problem import MASK_TOKENS
+
+    if mask is None:
+        return "causal" if is_causal else "none"
+    chosen = MASK_TOKENS.get(mask.lower()) if isinstance(mask, str) else None
+    if chosen is None:
+        raise ValueError(f"mask must be one of none, causal, causal_br (or bottom_right, top_left), got {mask!r}")
+    if is_causal and chosen != "causal":
+        raise ValueError(f"is_causal=True (the top-left diagonal) and mask={mask!r} disagree: pass one of them")
+    return chosen
 
 
 def _gqa(q, k) -> bool:

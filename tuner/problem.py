@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import asdict, dataclass, fields
 
 # "fp8" means e4m3 inputs (torch.float8_e4m3fn) and a bf16 O: an output carries no fp8 rounding.
 DTYPES = ("fp32", "fp16", "bf16", "fp8")
@@ -37,6 +38,41 @@ LSE_BUDGET_BY_DTYPE = {"fp8": 5e-3}
 # ints and index rows with them (`int row`, `lse[bh * nq + row]`): anything larger would wrap.
 INT32_MAX = 2**31 - 1
 
+# The masks: none; "causal", the top-left diagonal (SDPA's is_causal: query i sees keys j <= i); and
+# "causal_br", the bottom-right one (FlashAttention's, torch's causal_lower_right: query i sees keys
+# j <= i + Nk - Nq), what a KV cache or a chunked prefill needs. They differ only where Nq != Nk.
+MASKS = ("none", "causal", "causal_br")
+# How problem and bucket keys spell each mask ("full" and "causal" are what older keys say).
+MASK_KEYS = {"none": "full", "causal": "causal", "causal_br": "causal_br"}
+# The tokens `--shape` takes for each mask (case-insensitive).
+MASK_TOKENS = {
+    **dict.fromkeys(("none", "full", "0", "false", "noncausal"), "none"),
+    **dict.fromkeys(("causal", "c", "1", "true", "top_left"), "causal"),
+    **dict.fromkeys(("causal_br", "bottom_right", "br"), "causal_br"),
+}
+SHAPE_FORMAT = "B,H[:KVH],NQ[:NK],D[,MASK]"
+
+
+def mask_of(value: object) -> str:
+    """A mask name from a mask name or a bool (True: SDPA's is_causal, the top-left diagonal)."""
+    if isinstance(value, bool):
+        return "causal" if value else "none"
+    if value not in MASKS:
+        raise ValueError(f"mask must be one of {', '.join(MASKS)} (or a bool), got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def visible_pairs(nq: int, nk: int, mask: str) -> int:
+    """(query, key) pairs a mask leaves visible, exactly: a causal row i sees min(Nk, max(0, i +
+    shift + 1)) keys, shift 0 top-left and Nk - Nq bottom-right (rows before -shift see none)."""
+    if mask == "none":
+        return nq * nk
+    shift = nk - nq if mask == "causal_br" else 0
+    first = min(nq, max(0, -shift))                # the first row that sees a key
+    full = min(nq, max(first, nk - shift - 1))     # the first row that sees every key
+    partial = full - first                         # rows first..full-1 see i + shift + 1 keys
+    return partial * (shift + 1) + partial * (first + full - 1) // 2 + (nq - full) * nk
+
 
 @dataclass(frozen=True, order=True)
 class Problem:
@@ -46,7 +82,8 @@ class Problem:
     seqlen_k: int
     head_dim: int
     dtype: str = "fp32"
-    causal: bool = False
+    # MASKS; a bool is read as SDPA's is_causal (True: "causal"), the field's meaning before masks
+    mask: str = "none"
     kv_heads: int = 0  # 0 means "same as heads"
     # The error a kernel may have against float64 (relative, of O); 0 means the dtype's default
     # (REL_BUDGET). A larger budget lets fp32 problems run at tf32 or bf16 precision on tensor cores.
@@ -71,8 +108,7 @@ class Problem:
                            ("batch x kv_heads x seqlen_k", self.batch * self.kv_heads * self.seqlen_k)):
             if rows > INT32_MAX:
                 raise ValueError(f"{what} = {rows} rows must be below 2^31 (the kernels index rows with 32-bit ints)")
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"causal must be True or False, got {self.causal!r}")
+        object.__setattr__(self, "mask", mask_of(self.mask))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.heads % self.kv_heads:
@@ -80,26 +116,50 @@ class Problem:
 
     @classmethod
     def parse(cls, text: str, dtype: str = "fp32", max_error: float = 0.0) -> "Problem":
-        """Parse `B,H,N,D[,causal]` as the CLI's --shape takes it."""
-        parts = [p.strip() for p in text.split(",") if p.strip()]
-        if len(parts) not in (4, 5):
-            raise ValueError(f"shape {text!r} must be B,H,N,D or B,H,N,D,causal")
+        """Parse the CLI's --shape, SHAPE_FORMAT: `B,H[:KVH],NQ[:NK],D[,MASK]`, MASK one of
+        MASK_TOKENS (none, causal, causal_br, ...). `2,32:8,512:8192,128,causal_br`: 32 query heads
+        sharing 8 K/V heads, 512 queries against 8192 keys, bottom-right causal."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) not in (4, 5) or not all(parts):
+            raise ValueError(f"shape {text!r} must be {SHAPE_FORMAT}")
         try:
-            b, h, n, d = (int(p) for p in parts[:4])
+            (b,), (h, *kv), (nq, *nk), (d,) = (tuple(int(x) for x in p.split(":")) for p in parts[:4])
         except ValueError:
-            raise ValueError(f"shape {text!r}: B, H, N and D must be integers") from None
-        causal = False
+            raise ValueError(f"shape {text!r}: B, H, KVH, NQ, NK and D must be integers ({SHAPE_FORMAT})") from None
+        if len(kv) > 1 or len(nk) > 1:
+            raise ValueError(f"shape {text!r}: H and N take at most one ':' ({SHAPE_FORMAT})")
+        mask = "none"
         if len(parts) == 5:
-            flag = parts[4].lower()
-            if flag not in ("causal", "c", "1", "true", "0", "false", "noncausal"):
-                raise ValueError(f"shape {text!r}: the fifth field must be 'causal' (or 1/0)")
-            causal = flag in ("causal", "c", "1", "true")
-        return cls(b, h, n, n, d, dtype, causal, max_error=max_error)
+            mask = MASK_TOKENS.get(parts[4].lower(), "")
+            if not mask:
+                raise ValueError(f"shape {text!r}: the mask field must be one of {', '.join(MASK_TOKENS)}")
+        return cls(b, h, nq, nk[0] if nk else nq, d, dtype, mask, kv[0] if kv else 0, max_error=max_error)
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "Problem":
+        """The problem in a record holding to_dict's fields among others (a bench row, a recorded
+        call), or an older record's (a `causal` bool, no `mask`)."""
+        d = {k: v for k, v in record.items() if k in _FIELDS or k == "causal"}
+        if "causal" in d:
+            if "mask" in d:
+                raise ValueError("a problem has a mask or a causal flag, not both")
+            d["mask"] = d.pop("causal")
+        return cls(**d)
+
+    @property
+    def causal(self) -> bool:
+        """Any causal mask (top-left or bottom-right)."""
+        return self.mask != "none"
+
+    @property
+    def bottom_right(self) -> bool:
+        """The causal diagonal is the bottom-right one (the kernels' MASK_BR)."""
+        return self.mask == "causal_br"
 
     def flops(self) -> float:
-        """4·B·H·Nq·Nk·d (two matrix products), halved for causal, as docs/benchmarks.md counts."""
-        f = 4.0 * self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim
-        return f / 2 if self.causal else f
+        """4·d per visible (query, key) pair (two matrix products), counted exactly for every mask
+        (square causal: N(N+1)/2 pairs, docs/benchmarks.md)."""
+        return 4.0 * self.batch * self.heads * self.head_dim * visible_pairs(self.seqlen_q, self.seqlen_k, self.mask)
 
     def tflops(self, ms: float) -> float:
         return self.flops() / (ms * 1e-3) / 1e12
@@ -129,61 +189,99 @@ class Problem:
     @property
     def key(self) -> str:
         kv = f"/kv{self.kv_heads}" if self.kv_heads != self.heads else ""
-        mask = "causal" if self.causal else "full"
+        mask = MASK_KEYS[self.mask]
         nq = str(self.seqlen_q) if self.seqlen_q == self.seqlen_k else f"{self.seqlen_q}x{self.seqlen_k}"
         err = f"-err{self.max_error:g}" if self.max_error else ""
         return f"B{self.batch}-H{self.heads}{kv}-N{nq}-D{self.head_dim}-{self.dtype}-{mask}{err}"
 
+    @classmethod
+    def from_key(cls, key: str) -> "Problem":
+        """The problem a `key` names (keys round-trip: Problem.from_key(p.key) == p)."""
+        m = _PROBLEM_KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(f"not a problem key: {key!r}")
+        nq = int(m["nq"])
+        return cls(int(m["b"]), int(m["h"]), nq, int(m["nk"] or nq), int(m["d"]), m["dtype"],
+                   _MASK_OF_KEY[m["mask"]], int(m["kv"] or 0), float(m["err"] or 0))
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+_FIELDS = {f.name for f in fields(Problem)}
 
 
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
 
 
+def _seqlen_bucket(n: int) -> int:
+    return max(128, _pow2_ceil(n))
+
+
 @dataclass(frozen=True, order=True)
 class Bucket:
     """The shape class a tuned config serves.
 
-    Configs depend on the head dim, dtype and masking exactly, and on the sequence length and the
-    amount of parallel work only coarsely, so seqlen is rounded up to a power of two (min 128) and
-    the work (batch x heads) to one of three sizes.
+    Configs depend on the head dim, dtype and mask exactly, and on the sequence lengths and the
+    amount of parallel work only coarsely, so each length is rounded up to a power of two (min
+    128) and the work (batch x heads) to one of three sizes. Nq and Nk are rounded apart: a chunk
+    of 512 queries against a cache of 8192 keys wants another config than 8192 against 8192.
     """
 
     dtype: str
     head_dim: int
-    causal: bool
-    seqlen: int
+    mask: str           # MASKS (a bool: SDPA's is_causal, as in Problem)
+    seqlen: int         # Nk rounded
     work: str
     max_error: float = 0.0  # as Problem.max_error: configs tuned under another budget serve other calls
+    seqlen_q: int = 0   # Nq rounded; 0 means the same as seqlen
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mask", mask_of(self.mask))
+        if self.seqlen_q == self.seqlen:
+            object.__setattr__(self, "seqlen_q", 0)
 
     @classmethod
     def of(cls, p: Problem) -> "Bucket":
-        n = max(128, _pow2_ceil(max(p.seqlen_q, p.seqlen_k)))
         bh = p.batch * p.heads
         work = "small" if bh < 32 else ("medium" if bh < 256 else "large")
-        return cls(p.dtype, p.head_dim, p.causal, n, work, p.max_error)
+        return cls(p.dtype, p.head_dim, p.mask, _seqlen_bucket(p.seqlen_k), work, p.max_error,
+                   _seqlen_bucket(p.seqlen_q))
+
+    @property
+    def causal(self) -> bool:
+        return self.mask != "none"
+
+    @property
+    def queries(self) -> int:
+        """Nq rounded (seqlen_q, or seqlen where they agree)."""
+        return self.seqlen_q or self.seqlen
 
     @property
     def key(self) -> str:
-        mask = "causal" if self.causal else "full"
         err = f"/err{self.max_error:g}" if self.max_error else ""
-        return f"{self.dtype}/d{self.head_dim}/{mask}/n{self.seqlen}/{self.work}{err}"
+        n = f"{self.seqlen_q}x{self.seqlen}" if self.seqlen_q else str(self.seqlen)
+        return f"{self.dtype}/d{self.head_dim}/{MASK_KEYS[self.mask]}/n{n}/{self.work}{err}"
 
     @classmethod
     def from_key(cls, key: str) -> "Bucket":
+        m = _BUCKET_KEY.fullmatch(key)
+        if m is None:
+            raise ValueError(f"not a shape-bucket key: {key!r}")
         try:
-            parts = key.split("/")
-            err = 0.0
-            if len(parts) == 6 and parts[5].startswith("err"):
-                err = float(parts.pop()[3:])
-            dtype, d, mask, n, work = parts
-            if not (d.startswith("d") and n.startswith("n") and mask in ("causal", "full")):
-                raise ValueError
-            return cls(dtype, int(d[1:]), mask == "causal", int(n[1:]), work, err)
+            return cls(m["dtype"], int(m["d"]), _MASK_OF_KEY[m["mask"]], int(m["nk"]), m["work"],
+                       float(m["err"] or 0), int(m["nq"] or 0))
         except ValueError:
             raise ValueError(f"not a shape-bucket key: {key!r}") from None
+
+
+_MASK_OF_KEY = {v: k for k, v in MASK_KEYS.items()}
+_MASK_RE = "|".join(sorted(_MASK_OF_KEY, key=len, reverse=True))
+_BUCKET_KEY = re.compile(rf"(?P<dtype>\w+)/d(?P<d>\d+)/(?P<mask>{_MASK_RE})/n(?:(?P<nq>\d+)x)?(?P<nk>\d+)"
+                         rf"/(?P<work>\w+)(?:/err(?P<err>[0-9.e+-]+))?")
+_PROBLEM_KEY = re.compile(rf"B(?P<b>\d+)-H(?P<h>\d+)(?:/kv(?P<kv>\d+))?-N(?P<nq>\d+)(?:x(?P<nk>\d+))?"
+                          rf"-D(?P<d>\d+)-(?P<dtype>\w+?)-(?P<mask>{_MASK_RE})(?:-err(?P<err>[0-9.e+-]+))?")
 
 
 GPT2_FP32 = (
@@ -202,9 +300,3 @@ def standard_grid(dtype: str) -> list[Problem]:
             for causal in (False, True):
                 out.append(Problem(16384 // n, 2048 // d, n, n, d, dtype, causal))
     return out
-
-
-def default_problems(dtype: str | None = None) -> list[Problem]:
-    if dtype in (None, "fp32"):
-        return list(GPT2_FP32)
-    return standard_grid(dtype)

@@ -107,6 +107,7 @@ class ProblemResult:
     peers: dict[str, Measurement] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     reused: int = 0
+    dropped: str = ""   # why the search stopped at this family's starting configs (Search.tune_all)
 
 
 def new_run_id() -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .problem import LSE_BUDGET
+from .problem import LSE_BUDGET, mask_of
+
 _CHUNK_BYTES = 2 << 30  # bound the float64 score matrix a chunk may hold
 
 
@@ -23,8 +24,22 @@ class Errors:
         )
 
 
-def attention_fp64(q, k, v, causal: bool, scale: float):
-    """O and LSE in float64 for (B, H, N, D) tensors; K/V heads broadcast for GQA."""
+def hidden_keys(nq: int, nk: int, mask: bool | str, device=None):
+    """The (Nq, Nk) bool matrix of the keys each query row must not see (None: none hidden).
+    Row i sees keys j <= i + shift: shift 0 top-left (SDPA's is_causal), Nk - Nq bottom-right."""
+    import torch
+
+    mask = mask_of(mask)
+    if mask == "none":
+        return None
+    shift = nk - nq if mask == "causal_br" else 0
+    return torch.ones(nq, nk, dtype=torch.bool, device=device).triu(1 + shift)
+
+
+def attention_fp64(q, k, v, mask: bool | str, scale: float):
+    """O and LSE in float64 for (B, H, N, D) tensors; K/V heads broadcast for GQA. `mask` is a
+    problem's mask (a bool: SDPA's is_causal). A row that sees no key at all (bottom-right with
+    Nq > Nk) has O = 0 and LSE = -inf (the log of an empty sum), what every kernel must write."""
     import torch
 
     b, h, nq, d = q.shape
@@ -36,16 +51,15 @@ def attention_fp64(q, k, v, causal: bool, scale: float):
     o = torch.empty(b * h, nq, d, dtype=torch.float64, device=q.device)
     lse = torch.empty(b * h, nq, dtype=torch.float64, device=q.device)
     step = max(1, _CHUNK_BYTES // (8 * nq * nk))
-    mask = None
-    if causal:
-        mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(1)  # top-left, as SDPA
+    hidden = hidden_keys(nq, nk, mask, q.device)
     for s in range(0, b * h, step):
         sl = slice(s, s + step)
         scores = torch.matmul(q2[sl].double(), k2[sl].double().transpose(1, 2)) * scale
-        if mask is not None:
-            scores.masked_fill_(mask, float("-inf"))
+        if hidden is not None:
+            scores.masked_fill_(hidden, float("-inf"))
         lse[sl] = torch.logsumexp(scores, dim=-1)
-        o[sl] = torch.matmul(torch.exp(scores - lse[sl, :, None]), v2[sl].double())
+        shift = torch.where(torch.isneginf(lse[sl]), 0.0, lse[sl])   # empty rows: exp(-inf) = 0, not NaN
+        o[sl] = torch.matmul(torch.exp(scores - shift[:, :, None]), v2[sl].double())
     return o.reshape(b, h, nq, d), lse.reshape(b, h, nq)
 
 
@@ -58,9 +72,11 @@ def compare(out, lse_out, ref_o, ref_lse) -> Errors:
     rel = float(torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(ref_o).clamp_min(1e-300))
     max_abs = float(diff.abs().max())
     lse_err = None
-    if lse_out is not None:
-        finite = finite and bool(torch.isfinite(lse_out).all())
-        lse_err = float((lse_out.double() - ref_lse).abs().max())
+    if lse_out is not None:   # -inf exactly where the reference has it (rows that see no key)
+        lse64, empty = lse_out.double(), torch.isneginf(ref_lse)
+        seen = ~empty
+        finite = finite and torch.equal(torch.isneginf(lse64), empty) and bool(torch.isfinite(lse64[seen]).all())
+        lse_err = float((lse64[seen] - ref_lse[seen]).abs().max()) if bool(seen.any()) else 0.0
     if not finite:
         rel = max_abs = float("inf")
     return Errors(rel=rel, max_abs=max_abs, lse=lse_err, finite=finite)

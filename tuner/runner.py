@@ -16,6 +16,9 @@ from .problem import Problem
 from .records import CompiledKernel, Measurement, SideBySide
 
 
+PREFETCH_JOBS = 4   # compiler processes beside the search (NVRTC runs a point in seconds, the GPU in less)
+
+
 class Runner(Protocol):
     gpu: GpuSpec
 
@@ -25,6 +28,9 @@ class Runner(Protocol):
         """None means "this runner cannot answer" (a replay miss); nothing is recorded then."""
 
     def peer(self, backend: str, problem: Problem) -> Measurement | None: ...
+
+    def prefetch(self, family: KernelFamily, points: list[dict], problem: Problem) -> None:
+        """Points that will be measured soon: a runner may start on them (compile) meanwhile."""
 
     def bench(self, family: KernelFamily, params: dict, problem: Problem,
               backends: tuple[str, ...]) -> SideBySide | None:
@@ -43,9 +49,28 @@ class GpuRunner:
         self.gpu = gpu
         self._versions = run_versions()
         self._worker = Worker(gpu.index, gpu.l2_bytes, candidate_timeout)
+        self._compilers = None   # a process pool, made on the first prefetch
 
     def versions(self) -> dict:
         return self._versions
+
+    def prefetch(self, family: KernelFamily, points: list[dict], problem: Problem) -> None:
+        """Compile `points` in background processes into the on-disk cache while the GPU measures
+        what comes first: `measure` then finds them there (the cache writes are atomic, so one
+        compiled twice at once is only wasted work)."""
+        import multiprocessing as mp
+        import os
+        from concurrent.futures import ProcessPoolExecutor
+
+        from .compile import compile_job
+
+        if not points:
+            return
+        if self._compilers is None:
+            jobs = max(1, min(PREFETCH_JOBS, (os.cpu_count() or 2) - 1))
+            self._compilers = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"))
+        for params in points:
+            self._compilers.submit(compile_job, (family.name, params, problem, self.gpu.arch))
 
     def _seed(self) -> int:
         return time.time_ns() % (2**31)  # fresh inputs for every candidate
@@ -96,6 +121,8 @@ class GpuRunner:
 
     def close(self) -> None:
         self._worker.close()
+        if self._compilers is not None:
+            self._compilers.shutdown(wait=False, cancel_futures=True)
 
 
 class ReplayRunner:
@@ -149,6 +176,9 @@ class ReplayRunner:
         if m is not None:
             m.versions = self._versions
         return m
+
+    def prefetch(self, family: KernelFamily, points: list[dict], problem: Problem) -> None:
+        pass   # nothing to compile: the recording answers
 
     def measure(self, family: KernelFamily, params: dict, problem: Problem) -> Measurement | None:
         if self.delay > 0:

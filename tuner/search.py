@@ -2,7 +2,14 @@
 
 Optuna proposes, the family's `check` filters (invalid points are recorded, never compiled), the
 results DB answers anything already measured under the same versions, and only the rest reaches
-the runner. Every outcome is a measurement row; Optuna only ever sees TFLOP/s (0 for failures).
+the runner. Every outcome is a measurement row. Optuna sees TFLOP/s for what ran, a constraint
+violation for what `check` refuses (TPE learns to avoid the region), and a failed trial for what
+failed to compile, crashed or computed wrongly: never a made-up 0 TFLOP/s it would learn from.
+
+A new study starts from the best configs of the nearest problems this family was tuned on
+(tuner.nearest: same GPU, dtype, head dim, mask), then the family's default and seeds; those
+compile ahead of the GPU (Runner.prefetch). Over several families, `tune_all` measures every
+family's starts first and drops the ones far behind the best (DROP_BELOW) for that problem.
 """
 
 from __future__ import annotations
@@ -25,11 +32,17 @@ from .db import queries
 from .family import KernelFamily
 from .bench import Bench
 from .peers import PEERS_BY_DTYPE
+from .nearest import nearest
 from .problem import Problem
 from .records import Measurement, ProblemResult, new_run_id, params_key, versions_key
 from .runner import Runner
 
 ASK_LIMIT_FACTOR = 20  # asks per wanted trial before giving up on a space that is mostly invalid
+# A family whose starting configs reach less than this fraction of the best family's TFLOP/s on a
+# problem is not searched further there (on the H100 flash_fwd_mma reaches ~0.47x of the Hopper
+# kernel and flash_fwd_simt ~0.06x: half of a search's time went to them).
+DROP_BELOW = 0.6
+WARM_START = 3   # best configs of this many nearest tuned problems open a new study
 # A trial in flight records a heartbeat every HEARTBEAT_S; one whose process died (kill -9, power)
 # stops beating, and the next search of its study fails it once GRACE_S have passed.
 HEARTBEAT_S = 10
@@ -48,6 +61,7 @@ class Progress:
     best_tflops: float | None
     done: int
     wanted: int
+    family: str = ""
 
 
 def study_name(gpu_key: str, family: str, problem_key: str) -> str:
@@ -59,7 +73,8 @@ def study_name(gpu_key: str, family: str, problem_key: str) -> str:
 class Search:
     def __init__(self, runner: Runner, sessions, storage_url: str, *, seed: int | None = None, sampler: str = "tpe",
                  observer: Callable[[Progress], None] | None = None, run_id: str | None = None,
-                 retry_failed: bool = False, storage: optuna.storages.RDBStorage | None = None) -> None:
+                 retry_failed: bool = False, storage: optuna.storages.RDBStorage | None = None,
+                 drop_below: float = DROP_BELOW) -> None:
         self.runner, self.sessions = runner, sessions
         self.storage = storage or optuna_storage(storage_url)  # a worker passes its own, kept across jobs
         if sampler not in SAMPLERS:
@@ -71,6 +86,36 @@ class Search:
         # A stored failure (crash, timeout, launch or compile error, wrong result) normally answers
         # for its point; after fixing its cause (a driver, a host-side bug) the user asks again.
         self.retry_failed = retry_failed
+        self.drop_below = drop_below
+
+    # ---- several families on one problem ----
+    def tune_all(self, families: list[KernelFamily], problem: Problem, trials: int, deadline: float | None = None,
+                 on_drop: Callable[[KernelFamily, str], None] | None = None) -> list[ProblemResult]:
+        """Every family's starting configs first; a family whose best is under `drop_below` of
+        the best family's is dropped (`on_drop(family, why)`), the others searched to `trials`."""
+        results = {f.name: self.tune(f, problem, min(trials, len(self.starts(f, problem))), deadline) for f in families}
+        best = max((r.best.tflops for r in results.values() if r.best and r.best.tflops), default=None)
+        for fam in families:
+            r = results[fam.name]
+            mine = r.best.tflops if r.best and r.best.tflops else 0.0
+            if len(families) > 1 and best and mine < self.drop_below * best:
+                r.dropped = (f"its {len(self.starts(fam, problem))} starting configs reach {mine:.1f} TFLOP/s, "
+                             f"{mine / best:.2f}x the best family's {best:.1f} (under {self.drop_below:g}x)")
+                if on_drop is not None:
+                    on_drop(fam, r.dropped)
+                continue
+            results[fam.name] = self.tune(fam, problem, trials, deadline)
+        return list(results.values())
+
+    def starts(self, family: KernelFamily, problem: Problem) -> list[dict]:
+        """What a new study is opened with, each valid once, in order: the best configs of the
+        nearest problems this family was tuned on (this GPU), its default, its seeds."""
+        with self.sessions() as s:
+            tuned = [b for b in queries.best_rows(s, self.gpu.key, family=family.name) if b.problem != problem]
+        near = [b.params for _, b in nearest(problem, tuned, lambda b: b.problem, WARM_START)]
+        points = near + [family.default(self.gpu, problem)] + family.seeds(self.gpu, problem)
+        valid = {params_key(p): p for p in points if family.check(p, self.gpu, problem) is None}
+        return list(valid.values())
 
     # ---- one problem ----
     def tune(self, family: KernelFamily, problem: Problem, trials: int, deadline: float | None = None) -> ProblemResult:
@@ -92,7 +137,7 @@ class Search:
         study.set_user_attr("family", family.name)
         study.set_user_attr("problem", problem.to_dict())
         study.set_user_attr("gpu_key", self.gpu.key)
-        finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE and t.user_attrs.get("counted")]
+        finished = [t for t in study.trials if t.state in _DONE and t.user_attrs.get("counted")]
         finished = list({params_key(t.params): t for t in finished}.values())  # a point's latest trial speaks for it
         if self.retry_failed:  # the failed points are queued again and no longer count as done
             failed = [t for t in finished if t.user_attrs.get("status") not in ("ok", "invalid")]
@@ -101,10 +146,10 @@ class Search:
             finished = [t for t in finished if t not in failed]
         seen = {params_key(t.params) for t in finished}  # a point re-proposed in this study counts once
         if not study.trials:
-            study.enqueue_trial(family.default(self.gpu, problem))
-            for seed in family.seeds(self.gpu, problem):
-                if family.check(seed, self.gpu, problem) is None:
-                    study.enqueue_trial(seed, skip_if_exists=True)
+            starts = self.starts(family, problem)
+            for point in starts:
+                study.enqueue_trial(point, skip_if_exists=True)
+            self.runner.prefetch(family, starts[1:], problem)   # the first compiles now, in line
         dists = {k: optuna.distributions.CategoricalDistribution(list(v)) for k, v in family.space.items()}
         result = ProblemResult(problem, family.name, name)
         done, asks = len(finished), 0
@@ -131,12 +176,20 @@ class Search:
             trial.set_user_attr("status", m.status)
             trial.set_user_attr("source", source)
             trial.set_user_attr("counted", counted)
-            exhausted = _tell(study, trial, m.tflops if m.ok and m.tflops else 0.0)
+            if m.ok and m.tflops:
+                exhausted = _tell(study, trial, m.tflops)
+            elif m.status == "invalid":   # a constraint violation: its value (0) ranks nothing
+                trial.set_user_attr("violation", 1.0)
+                if _SET_CONSTRAINT:
+                    trial.set_constraint("check", 1.0)
+                exhausted = _tell(study, trial, 0.0)
+            else:   # it ran and failed: nothing to learn a speed from
+                exhausted = _tell(study, trial, state=optuna.trial.TrialState.FAIL)
             result.counts[m.status] = result.counts.get(m.status, 0) + 1
             result.reused += source == "database"
             done += counted
             self.observer(Progress(problem, trial.number, trial.params, m, source,
-                                   self._best_tflops(family, problem), done, trials))
+                                   self._best_tflops(family, problem), done, trials, family.name))
             if exhausted:
                 break
         self._fill_best(result, family, problem)
@@ -147,7 +200,8 @@ class Search:
             return optuna.samplers.GridSampler({k: list(v) for k, v in family.space.items()}, seed=self.seed)
         if self.sampler == "random":
             return optuna.samplers.RandomSampler(seed=self.seed)
-        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(10, max(1, trials // 3)))
+        older = {} if _SET_CONSTRAINT else {"constraints_func": _violation}   # Optuna 4 reads them so
+        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(10, max(1, trials // 3)), **older)
 
     def _evaluate(self, family: KernelFamily, problem: Problem, params: dict, vkey: str,
                   name: str, number: int) -> tuple[Measurement | None, str]:
@@ -202,6 +256,15 @@ class Search:
     # ---- the peers, measured in this run ----
     def measure_peers(self, problem: Problem, backends: tuple[str, ...] | None = None) -> dict[str, Measurement]:
         return self.bench.peers(problem, backends)
+
+
+_DONE = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL)   # a measured point, ok or not
+_SET_CONSTRAINT = hasattr(optuna.trial.Trial, "set_constraint")   # Optuna 5; 4 takes a constraints_func
+
+
+def _violation(trial: optuna.trial.FrozenTrial) -> tuple[float]:
+    """TPE's constraint: > 0 for a point `check` refused (set before it is told), 0 otherwise."""
+    return (float(trial.user_attrs.get("violation", 0.0)),)
 
 
 def optuna_storage(url: str, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> optuna.storages.RDBStorage:

@@ -5,8 +5,9 @@ Our kernels write O and the natural-log LSE per query row (B, H, Nq) in float32,
 FlashAttention-2's, cuDNN's and the memory-efficient backward kernels read. So a training step can
 run our tuned forward and torch's fastest backward on it, and a call with no tuned kernel can run
 torch's forward with the same LSE, for the same backward. Each backend says which cases it takes
-(`why_not`): dtype, head dim, causal with Nq != Nk (SDPA's `is_causal` is the top-left diagonal;
-FlashAttention-2's is the bottom-right one), and GQA (K/V heads shared by several query heads:
+(`why_not`): dtype, head dim, the causal diagonal where Nq != Nk (SDPA's `is_causal` is the top-left
+one, FlashAttention-2's the bottom-right one; a `causal` argument here is a problem mask, a bool
+meaning SDPA's), and GQA (K/V heads shared by several query heads:
 expanded for the kernels that need equal heads, their gradients summed back).
 
 These call private aten ops (`torch.ops.aten._scaled_dot_product_*`, `_efficient_attention_*`),
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .problem import mask_of
+from .reference import hidden_keys
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 HALF = (torch.float16, torch.bfloat16)
@@ -36,11 +40,25 @@ class Case:
     causal: bool
     gqa: bool
     cc: tuple[int, int]
+    bottom_right: bool = False   # the causal diagonal is the bottom-right one, and it differs (Nq != Nk)
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool) -> "Case":
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool | str) -> "Case":
         cc = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0)
-        return cls(q.dtype, q.shape[-1], q.shape[2], k.shape[2], bool(causal), k.shape[1] != q.shape[1], cc)
+        mask, nq, nk = mask_of(causal), q.shape[2], k.shape[2]
+        return cls(q.dtype, q.shape[-1], nq, nk, mask != "none", k.shape[1] != q.shape[1], cc,
+                   mask == "causal_br" and nq != nk)
+
+
+def sdpa_mask_kwargs(causal: bool | str, nq: int, nk: int) -> dict:
+    """scaled_dot_product_attention's arguments for a mask: is_causal for the top-left diagonal,
+    torch's causal_lower_right bias for the bottom-right one (where it differs)."""
+    mask = mask_of(causal)
+    if mask == "causal_br" and nq != nk:
+        from torch.nn.attention.bias import causal_lower_right
+
+        return {"attn_mask": causal_lower_right(nq, nk)}
+    return {"is_causal": mask != "none"}
 
 
 def expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -124,14 +142,15 @@ def _cudnn_backward(grad, q, k, v, o, lse, causal, scale):
 def _flash_why_not(c: Case) -> str | None:
     if c.cc < (8, 0):
         return "needs compute capability 8.0+"
-    if c.causal and c.nq != c.nk:
+    if c.causal and c.nq != c.nk and not c.bottom_right:
         return "its causal mask is the bottom-right diagonal, SDPA's the top-left: they differ where Nq != Nk"
     return _half_dim(c, 256)
 
 
 def _flash_forward(q, k, v, causal, scale):
-    k, v = expand_kv(q, k), expand_kv(q, v)
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    k, v = expand_kv(q, k), expand_kv(q, v)   # its causal is the bottom-right diagonal (why_not sees to it)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, mask_of(causal) != "none", False,
+                                                             scale=scale)
     return out[0], out[1]
 
 
@@ -140,14 +159,19 @@ def _flash_backward(grad, q, k, v, o, lse, causal, scale):
     ke, ve = expand_kv(q, k), expand_kv(q, v)
     empty = torch.empty(0, dtype=torch.int64, device=q.device)   # dropout's RNG state: unused at p=0
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad, q, ke, ve, o, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, empty, empty, scale=scale)
+        grad, q, ke, ve, o, lse, None, None, q.shape[2], k.shape[2], 0.0, mask_of(causal) != "none", empty, empty,
+        scale=scale)
     return dq, reduce_kv(dk, hk), reduce_kv(dv, hk)
 
 
 # ---- memory-efficient (CUTLASS; fp32 too, either causal diagonal) ----
 
-_TOP_LEFT = 1   # sdp::CustomMaskType::CausalFromTopLeft
+_TOP_LEFT, _BOTTOM_RIGHT = 1, 2   # sdp::CustomMaskType::CausalFromTopLeft, CausalFromBottomRight
 _LSE_ALIGN = 32
+
+
+def _mask_type(causal: bool | str) -> int:
+    return {"none": 0, "causal": _TOP_LEFT, "causal_br": _BOTTOM_RIGHT}[mask_of(causal)]
 
 
 def _efficient_why_not(c: Case) -> str | None:
@@ -162,7 +186,7 @@ def _efficient_forward(q, k, v, causal, scale):
     k, v = expand_kv(q, k), expand_kv(q, v)
     o, lse = torch.ops.aten._efficient_attention_forward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, 0.0,
-        _TOP_LEFT if causal else 0, True, scale=scale)[:2]
+        _mask_type(causal), True, scale=scale)[:2]
     return o.transpose(1, 2), lse[:, :, : q.shape[2]]
 
 
@@ -182,7 +206,7 @@ def _efficient_backward(grad, q, k, v, o, lse, causal, scale):
     out = t(o) if t(o).is_contiguous() else t(o).contiguous()
     dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
         t(grad), t(q), t(ke), t(ve), None, out, None, None, nq, k.shape[2], lse, 0.0, empty, empty,
-        _TOP_LEFT if causal else 0, False, scale=scale)
+        _mask_type(causal), False, scale=scale)
     return t(dq), reduce_kv(t(dk), hk), reduce_kv(t(dv), hk)
 
 
@@ -196,10 +220,8 @@ def _math_why_not(c: Case) -> str | None:
 
 def _scores(q, k, causal, scale):
     s = (q.float() @ expand_kv(q, k).float().transpose(-1, -2)) * scale
-    if causal:
-        nq, nk = q.shape[2], k.shape[2]
-        s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return s
+    hidden = hidden_keys(q.shape[2], k.shape[2], causal, q.device)
+    return s if hidden is None else s.masked_fill(hidden, float("-inf"))
 
 
 def _math_forward(q, k, v, causal, scale):
@@ -226,5 +248,10 @@ CUDNN = Backend("cudnn", _cudnn_why_not, _cudnn_forward, _cudnn_backward)
 FLASH = Backend("flash", _flash_why_not, _flash_forward, _flash_backward)
 EFFICIENT = Backend("efficient", _efficient_why_not, _efficient_forward, _efficient_backward)
 MATH = Backend("math", _math_why_not, _math_forward, _math_backward)
+def no_key_rows(q, k, causal: bool | str) -> int:
+    """How many leading query rows see no key at all: Nq - Nk under the bottom-right mask."""
+    return max(0, q.shape[2] - k.shape[2]) if mask_of(causal) == "causal_br" else 0
+
+
 # Fastest first, as measured on the H100 (benchmarks/PERF_NOTES.md, "backward").
 BACKENDS: dict[str, Backend] = {b.name: b for b in (CUDNN, FLASH, EFFICIENT, MATH)}

@@ -29,7 +29,7 @@ def _staleness(file_doc: dict, db_doc: dict, path: str) -> None:
 
 def render(ctx: nav.Ctx) -> None:
     st.header("Best-config lookup")
-    st.markdown("What the dispatcher sees: one entry per (GPU, dtype, head dim, causal, shape bucket, family), "
+    st.markdown("What the dispatcher sees: one entry per (GPU, dtype, head dim, mask, shape bucket, family), "
                 "fastest first in each group.")
     st.subheader("From this database (as `tuner export` would write it now)")
     doc = data.lookup(ctx.url)

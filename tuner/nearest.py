@@ -1,0 +1,47 @@
+"""How near two attention shapes are, for borrowing what was measured on one for the other.
+
+A config's fitness depends exactly on the GPU, dtype, head dim, mask and error budget (another of
+any of these is another kernel), and smoothly on the sequence lengths and the parallel work. So
+shapes are comparable only where the first agree, and their distance is in octaves: |log2| of the
+Nq ratio, plus that of Nk, plus half that of the work (batch x heads). Tuned problems and shape
+buckets both have these coordinates; a bucket's are its rounded lengths and a work size that
+stands for its class.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from .problem import Bucket, Problem
+
+T = TypeVar("T")
+# What a bucket's work class stands for, in batch x heads (Bucket.of: < 32, < 256, above).
+WORK_BH = {"small": 16, "medium": 128, "large": 512}
+WORK_WEIGHT = 0.5   # an octave of work moves a config's fitness less than an octave of length
+
+
+def _coords(x: Problem | Bucket) -> tuple[tuple, tuple[float, float, float]]:
+    if isinstance(x, Problem):
+        exact = (x.dtype, x.head_dim, x.mask, x.max_error)
+        return exact, (math.log2(x.seqlen_q), math.log2(x.seqlen_k), math.log2(x.batch * x.heads))
+    exact = (x.dtype, x.head_dim, x.mask, x.max_error)
+    return exact, (math.log2(x.queries), math.log2(x.seqlen), math.log2(WORK_BH[x.work]))
+
+
+def distance(a: Problem | Bucket, b: Problem | Bucket) -> float | None:
+    """Octaves between two shapes, or None where they are not comparable (another dtype, head dim,
+    mask or error budget)."""
+    (ea, (qa, ka, wa)), (eb, (qb, kb, wb)) = _coords(a), _coords(b)
+    if ea != eb:
+        return None
+    return abs(qa - qb) + abs(ka - kb) + WORK_WEIGHT * abs(wa - wb)
+
+
+def nearest(target: Problem | Bucket, candidates: Iterable[T], shape: Callable[[T], Problem | Bucket],
+            limit: int | None = None) -> list[tuple[float, T]]:
+    """The comparable candidates, nearest first (ties keep the candidates' order), with their distance."""
+    found = [(d, i, c) for i, c in enumerate(candidates) if (d := distance(target, shape(c))) is not None]
+    found.sort(key=lambda t: (t[0], t[1]))
+    return [(d, c) for d, _, c in found[:limit]]
