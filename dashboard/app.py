@@ -10,7 +10,6 @@ names (dashboard/views/, one file a page, listed in dashboard/nav.py).
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -52,7 +51,6 @@ def main() -> None:
     if summ.empty:
         _stop_with(data.DbState(url, "the database holds no measurements yet",
                                 f"run `{data.SEARCH_HINT}` (with `--db {masked(url)}`) to fill it"))
-    summ = summ.assign(mask=summ["mask"].map(MASK_KEYS))   # the keys' words: full, causal, causal_br
     page = nav.navigation()
     filtered = _sidebar_filters(summ)
     st.sidebar.caption(f"database: {md(masked(url))}; refreshed every {data.TTL_S} s")

@@ -207,7 +207,7 @@ def test_filters_change_what_is_shown(db_url: str) -> None:
 
     _go(at, "explore")
     assert at.selectbox(key="study").options == [STUDY]
-    at.sidebar.multiselect(key="f_mask").set_value(["full"]).run()
+    at.sidebar.multiselect(key="f_mask").set_value(["none"]).run()
     assert at.selectbox(key="study").options == [f"{GPU_KEY}|flash_fwd_simt|{EXTRA.key}"]
     assert not at.exception
     trials = _frame(at, "trial", "outcome")

@@ -238,9 +238,9 @@ def test_every_family_checks_every_mask(fam, problem):
         assert fam.check(some, gpu, problem) == why
 
 
-def test_simt_and_mma_run_bottom_right_and_sm90_not_yet():
-    assert "causal_br" in get_family("flash_fwd_simt").masks and "causal_br" in get_family("flash_fwd_mma").masks
-    assert get_family("flash_fwd_sm90").masks == ("none", "causal")
+def test_every_family_runs_every_mask():
+    for name in ("flash_fwd_simt", "flash_fwd_mma", "flash_fwd_sm90"):
+        assert get_family(name).masks == ("none", "causal", "causal_br"), name
 
 
 @pytest.mark.parametrize("fam", FAMILIES.values(), ids=lambda f: f.name)
