@@ -114,7 +114,8 @@ def _cudnn_why_not(c: Case) -> str | None:
 
 def _cudnn_forward(q, k, v, causal, scale):
     k, v = expand_kv(q, k), expand_kv(q, v)
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, mask_of(causal) != "none",
+                                                            False, scale=scale)
     return out[0], out[1].reshape(q.shape[:3])
 
 
@@ -133,7 +134,8 @@ def _cudnn_backward(grad, q, k, v, o, lse, causal, scale):
         lse = lse.contiguous()
     empty = torch.empty(0, dtype=torch.int64, device=q.device)   # dropout's seed and offset: unused at p=0
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, ke, ve, o, lse, empty, empty, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+        grad, q, ke, ve, o, lse, empty, empty, None, None, None, q.shape[2], k.shape[2], 0.0, mask_of(causal) != "none",
+        scale=scale)
     return dq, reduce_kv(dk, hk), reduce_kv(dv, hk)
 
 
