@@ -16,16 +16,15 @@
 // epilogue. The counter is two ints per stream (kernel_templates/sm90_tile_counter.py); it resets itself: the last
 // CTA to run out of work zeroes it for the stream's next launch.
 #pragma once
-#include "sm90_pipeline.cuh"
+#include "common.cuh"
 
 struct WorkTile {
   int q0, b, h, hk, ntiles;   // first query row, batch, head, K/V head, K/V tiles to run
-  int diag;                   // causal: row r sees keys up to r + diag (0 top-left, nk - nq bottom-right)
 };
 
 // ROWS x COLS: the query block and the K/V tile (the kernels' BR and BC, which are macros).
 // BOTTOM_RIGHT: the causal diagonal ends at the last key (a KV cache: query row r is token
-// nk - nq + r); with nq > nk its first rows see no key, and a block of only such rows still runs
+// nk - nq + r, so it sees keys up to r + nk - nq); with nq > nk its first rows see no key, and a block of only such rows still runs
 // one K/V tile, all masked, so that its O (0) and LSE (-inf) are written like any other's.
 template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT = false>
 FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, int nk) {
@@ -36,8 +35,7 @@ FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, 
   w.b = bh / heads;
   w.h = bh % heads;
   w.hk = w.h / kv_group;
-  w.diag = BOTTOM_RIGHT ? nk - nq : 0;
-  const int kv_end = CAUSAL ? min(nk, w.q0 + ROWS + w.diag) : nk;
+  const int kv_end = CAUSAL ? min(nk, w.q0 + ROWS + (BOTTOM_RIGHT ? nk - nq : 0)) : nk;
   w.ntiles = (kv_end + COLS - 1) / COLS;
   if constexpr (BOTTOM_RIGHT) w.ntiles = max(1, w.ntiles);
   return w;
@@ -55,74 +53,8 @@ FT_DEVICE int next_tile_dynamic(int* counter, int it, int total) {
   return tile;
 }
 
-// The producer publishes each tile to the other roles through a two-slot ring in shared memory: the
-// CTA's it-th tile in slot it & 1, its phase (it >> 1) & 1 (`it` counts up from 0: shifts, not the
-// signed division of PipeState).
+// The producer publishes each tile to the consumers through a two-slot ring in shared memory.
 struct TileRing {
   int tile[2];
   unsigned long long full[2], empty[2];
-
-  FT_DEVICE void init(unsigned readers) {
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], readers);
-    }
-  }
-  // The producer: slot it & 1, once its readers have taken tile it - 2.
-  FT_DEVICE void acquire(int it) {
-    if (it >= 2) mbar_wait(&empty[it & 1], ((it >> 1) - 1) & 1);
-  }
-  FT_DEVICE void publish(int it, int t) {
-    tile[it & 1] = t;
-    mbar_arrive(&full[it & 1]);
-  }
-  // Every other role: the CTA's it-th tile.
-  FT_DEVICE int take(int it) {
-    const int s = it & 1;
-    mbar_wait(&full[s], (it >> 1) & 1);
-    const int t = tile[s];
-    mbar_arrive(&empty[s]);
-    return t;
-  }
-};
-
-// The CTA's work tiles in turn (it = 0, 1, ...; a tile index >= total(): none left). DYNAMIC (the
-// kernel's PERSISTENT): the dynamic schedule above, the producer fetching each tile and publishing it
-// to the other roles through a TileRing; otherwise the grid's one tile, (blockIdx.x, blockIdx.y) =
-// (query block, batch-head). ROWS x COLS: the query block and the K/V tile (the kernel's BR and BC,
-// which are macros, as PERSISTENT is). Every role holds its own copy (by value: see the kernel).
-template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool DYNAMIC, bool BOTTOM_RIGHT = false>
-struct TileScheduler {
-  int batch, heads, kv_group, nq, nk;
-
-  FT_DEVICE int n_qblk() const { return (nq + ROWS - 1) / ROWS; }
-  // a constant on the grid, so the roles' loops fold to one pass
-  FT_DEVICE int total() const { return DYNAMIC ? n_qblk() * (batch * heads) : 1; }
-  FT_DEVICE bool done(int tile) const { return tile >= total(); }
-  FT_DEVICE WorkTile work(int tile) const {
-    return work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(DYNAMIC ? tile % n_qblk() : blockIdx.x,
-                                                   DYNAMIC ? tile / n_qblk() : blockIdx.y, heads, kv_group, nq, nk);
-  }
-  // The producer's: the CTA's it-th tile, published to the ring's readers. `leader` asks the
-  // counter and publishes; WARP: the producer is a whole warp, whose other lanes get the tile by
-  // shuffle (warp-uniform values stay in uniform registers).
-  template <bool WARP>
-  FT_DEVICE int fetch(TileRing& ring, int* counter, int it, bool leader) const {
-    int tile = it;
-    if constexpr (DYNAMIC) {
-      ring.acquire(it);
-      if (leader) {
-        tile = next_tile_dynamic(counter, it, total());
-        ring.publish(it, tile);
-      }
-      if constexpr (WARP) tile = __shfl_sync(0xffffffffu, tile, 0);
-    }
-    return tile;
-  }
-  // Every other role's: the CTA's it-th tile, as the producer published it.
-  FT_DEVICE int next(TileRing& ring, int it) const {
-    int tile = it;
-    if constexpr (DYNAMIC) tile = ring.take(it);
-    return tile;
-  }
 };

@@ -91,7 +91,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, max_error):
-        o, lse = _dispatcher().forward(q, k, v, mask, scale, max_error, True)
+        o, lse = _forward(q, k, v, mask != "none", scale, max_error, True, mask == "causal_br")
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.mask, ctx.scale = mask, scale
         return o
