@@ -13,6 +13,17 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
+def _gpt2_args() -> list[str]:
+    """The GPT-2 fp32 shapes on the command line (the default problem set is the bf16 grid and models)."""
+    from tuner.problem import GPT2_FP32
+
+    shapes = [f"{p.batch},{p.heads},{p.seqlen_q},{p.head_dim}{',causal' if p.causal else ''}" for p in GPT2_FP32]
+    return [a for s in shapes for a in ("--shape", s)] + ["--dtype", "fp32"]
+
+
+GPT2_ARGS = _gpt2_args()
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     d = tmp_path_factory.mktemp("e2e")
@@ -20,7 +31,8 @@ def tuned(tmp_path_factory):
     lookup = d / "best.json"
     env = dict(os.environ, TUNER_DB=db)
     trials = os.environ.get("FLASHTUNE_E2E_TRIALS", "30")
-    cmd = [sys.executable, "-m", "tuner.cli", "search", "--gpu", "auto", "--trials", trials, "--lookup", str(lookup)]
+    cmd = [sys.executable, "-m", "tuner.cli", "search", "--gpu", "auto", *GPT2_ARGS, "--trials", trials,
+           "--lookup", str(lookup)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     print(out.stdout[-5000:], out.stderr[-3000:])
     assert out.returncode == 0, out.stderr
@@ -61,7 +73,7 @@ def test_bench_times_the_winner_beside_the_peers(tuned, tmp_path):
 
     db, _, _ = tuned
     out_json = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "tuner.cli", "bench", "--gpu", "auto", "--dtype", "fp32", "--json", str(out_json)]
+    cmd = [sys.executable, "-m", "tuner.cli", "bench", "--gpu", "auto", *GPT2_ARGS, "--json", str(out_json)]
     out = subprocess.run(cmd, env=dict(os.environ, TUNER_DB=db), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out_json.read_text())["rows"]
