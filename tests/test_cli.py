@@ -350,3 +350,30 @@ def test_bench_replays_a_recording(cli, tmp_path):
         got = queries.measurements(s)
     assert {r["family"] for r in got} == {"flash_fwd_simt", "sdpa_efficient", "sdpa_math"}
     assert len({r["run_id"] for r in got}) == 1   # one bench, one run
+
+
+def test_submit_takes_the_problems_search_takes(cli, tmp_path):
+    """`tuner submit` queues what `tuner search` would tune: model-table names with --seqlen, a
+    recording of `tuner record`, a config.json and shapes, one job per (problem, family)."""
+    import json
+    import sqlite3
+
+    from tuner.models import model_problems
+    from tuner.problem import Problem
+    from tuner.recording import Recorder
+
+    rec = tmp_path / "rec.jsonl"
+    recorded = Problem(1, 8, 7, 300, 128, "bf16", "causal_br", 2)
+    Recorder(rec).note(recorded)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_attention_heads": 12, "num_key_value_heads": 4, "hidden_size": 768}))
+    db = tmp_path / "q.db"
+    out = cli("submit", "--model", "llama3-8b", "--seqlen", "2048", "--model", str(cfg), "--recorded", str(rec),
+              "--shape", "2,4,512,64,causal", "--dtype", "bf16", "--gpu-key", "NVIDIA-H100-80GB-HBM3/sm_90",
+              "--family", "flash_fwd_sm90", "--db", f"sqlite:///{db}")
+    assert out.code == 0, out.text
+    with sqlite3.connect(db) as c:
+        keys = {k for (k,) in c.execute("SELECT problem_key FROM ft_jobs WHERE family = 'flash_fwd_sm90'")}
+    want = {p.key for p in model_problems(["llama3-8b"], "bf16", ["2048"])} | {recorded.key}
+    want |= {Problem(2, 4, 512, 512, 64, "bf16", "causal").key}
+    assert want <= keys and "B8-H12/kv4-N2048-D64-bf16-causal" in keys, keys   # the config at --seqlen, 16k tokens

@@ -102,9 +102,15 @@ def test_four_workers_twenty_jobs(pg_url, tmp_path):
           f"{f['workers_per_job']} workers")
 
 
+# A worker silent this long is lost. Short, so a test sees lost workers soon, but several beats long:
+# on a loaded CI machine (2 cores, other tests beside) a live worker's beat can be a second late,
+# and a live worker taken for lost runs its job twice.
+GRACE = "6"
+
+
 def _worker(url: str, rec: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tuner.cli", "worker", "--replay", str(rec), "--heartbeat", "1",
-                             "--grace", "2", "--poll", "0.2"], env=_env(url, 0.1), stdout=subprocess.DEVNULL,
+                             "--grace", GRACE, "--poll", "0.2"], env=_env(url, 0.1), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
@@ -146,7 +152,7 @@ def test_kill_9_at_random_moments_leaves_nothing_stuck(pg_url, tmp_path):
     assert mid["jobs"].get("done", 0) < 20, "the queue drained before the kills: nothing was tested"
     # restarted workers resume: every job finishes, the lost workers' jobs after the grace period
     out = tuner(pg_url, "worker", "--replay", str(rec), "--workers", "2", "--exit-when-idle", "--heartbeat", "1",
-                "--grace", "2", "--poll", "0.2", timeout=600)
+                "--grace", GRACE, "--poll", "0.2", timeout=600)
     assert out.returncode == 0, out.stderr
     f = _facts(pg_url)
     assert f["jobs"] == {"done": 20}, f["jobs"]

@@ -526,10 +526,13 @@ def _say(message: str) -> None:
 
 @app.command()
 def submit(
-    shape: list[str] = typer.Option([], "--shape", help="B,H,N,D[,causal]; repeatable"),
-    model: Optional[Path] = typer.Option(None, "--model", help="a Hugging Face config.json: its attention "
-                                                               "problems (causal, B x N = 16k tokens)"),
-    seqlen: list[int] = typer.Option([1024, 4096], "--seqlen", help="with --model: the sequence lengths; repeatable"),
+    shape: list[str] = typer.Option([], "--shape", help=SHAPE_HELP),
+    model: list[str] = typer.Option([], "--model", help=_model_help() + " Or a Hugging Face config.json: its "
+                                    "attention problems (causal, B x N = 16k tokens)."),
+    seqlen: Optional[str] = typer.Option(None, "--seqlen", help=SEQLEN_HELP),
+    batch: Optional[str] = typer.Option(None, "--batch", help=BATCH_HELP),
+    recorded: Optional[Path] = typer.Option(None, "--recorded", help="the problems a program met under `tuner "
+                                            "record` (its JSON-lines file)"),
     from_db: Optional[str] = typer.Option(None, "--from", help="the problems of a recorded results database "
                                                                "(URL or file)"),
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
@@ -547,9 +550,23 @@ def submit(
     from . import queue, service
     from .db.engine import make_engine, masked, session_factory
 
-    problems = _problems(shape, dtype, max_error) if shape or not (model or from_db) else []
-    if model is not None:
-        problems += service.model_problems(model, seqlen, _value(dtype) or "fp32", max_error)
+    names = [m for m in model if not m.endswith(".json")]   # the model table's, as `tuner search --model`
+    configs = [Path(m) for m in model if m.endswith(".json")]
+    if shape or names or not (configs or recorded or from_db):
+        problems = _problems(shape, dtype, max_error, names, seqlen if names else None, batch if names else None)
+    else:
+        problems = []
+    if configs:
+        try:
+            lengths = [int(n) for n in seqlen.split(",")] if seqlen else [1024, 4096]
+        except ValueError:
+            raise UserError(f"--seqlen {seqlen!r} for a config.json must be lengths N, comma-separated") from None
+        for c in configs:
+            problems += service.config_problems(c, lengths, _value(dtype) or _default_dtype(None), max_error)
+    if recorded is not None:
+        from .recording import read_recorded
+
+        problems += read_recorded(recorded)
     if from_db is not None:
         problems += service.recorded_problems(from_db)
     url = _db_url(db)

@@ -130,7 +130,7 @@ def child_env(url: str, slot: int, pin_gpu: bool) -> dict:
 
 # ---- what a submission means ----
 
-def model_problems(path: Path, seqlens: list[int], dtype: str, max_error: float | None = None) -> list[Problem]:
+def config_problems(path: Path, seqlens: list[int], dtype: str, max_error: float | None = None) -> list[Problem]:
     """The attention problems of a model from its Hugging Face config.json: its heads, KV heads and
     head dim, causal, at each sequence length with B x N = 16k tokens."""
     try:
