@@ -26,7 +26,7 @@ EXPECT = {
     "overview": ("", "at or above every peer on", 4),  # the app's root; 3 heatmaps (GPU x kind), the GPUs' bars
     "explore": (study_link(STUDY), "Every trial", 6),       # history, 3 params, importances, not measured
     "compare": ("compare", "Ceilings: docs/benchmarks.md", 2),
-    "live": ("live", "No worker or job tables", 1),
+    "live": ("live", "No worker has run on this database", 1),
     "lookup": ("lookup", "The file is stale", 0),
 }
 

@@ -66,7 +66,7 @@ def _facts(url: str) -> dict:
             "counted": dict(c.execute(text(
                 "SELECT s.study_name, COUNT(*) FROM trials t JOIN studies s ON s.study_id = t.study_id "
                 "JOIN trial_user_attributes a ON a.trial_id = t.trial_id AND a.key = 'counted' AND a.value_json = 'true' "
-                "WHERE t.state = 'COMPLETE' GROUP BY s.study_name")).all()),
+                "WHERE t.state IN ('COMPLETE', 'FAIL') GROUP BY s.study_name")).all()),   # measured points, ok or not
             "workers_per_job": c.execute(text("SELECT COUNT(DISTINCT worker_id) FROM ft_jobs WHERE state = 'done'"))
                                 .scalar(),
         }
