@@ -176,17 +176,17 @@ class AddressField:
         return base[:o] + word.to_bytes(8, "little") + base[o + 8:]
 
     @classmethod
-    def learn(cls, geometry: tuple, address: int) -> AddressField | None:
-        """The field of maps of `geometry`, or None where no such field reproduces the driver."""
+    def learn(cls, geometry: tuple, address: int, base: bytes) -> AddressField | None:
+        """The field of maps of `geometry` (`base`: the driver's map at `address`), or None where no
+        such field reproduces the driver."""
         probes = [address ^ (1 << bit) for bit in (4, 21, 39)] + [_random_address(i) for i in range(3)]
         try:
-            return cls._fit(geometry, address, probes)
+            return cls._fit(geometry, address, base, probes)
         except TmaError:   # a driver that refuses addresses it has not allocated: encode each one
             return None
 
     @classmethod
-    def _fit(cls, geometry: tuple, address: int, probes: list[int]) -> AddressField | None:
-        base = _encode_at(geometry, address)
+    def _fit(cls, geometry: tuple, address: int, base: bytes, probes: list[int]) -> AddressField | None:
         other = _encode_at(geometry, probes[0])
         words = [o for o in range(0, TMAP_BYTES, 8) if base[o:o + 8] != other[o:o + 8]]
         if len(words) != 1:
@@ -233,7 +233,8 @@ def _template(t, rows: int) -> _Template:
         geometry = _geometry(t, rows, box_cols(t))
         address = t.data_ptr()
         _check_address(address)
-        tpl = _Template(geometry, _encode_at(geometry, address), address, AddressField.learn(geometry, address))
+        base = _encode_at(geometry, address)
+        tpl = _Template(geometry, base, address, AddressField.learn(geometry, address, base))
         with _lock:
             _templates[key] = tpl
             while len(_templates) > _TEMPLATES:
