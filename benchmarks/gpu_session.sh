@@ -11,6 +11,12 @@
 # Narrowing for a short session: PYTEST_K (a pytest -k expression for the tests step),
 # TUNE_ARGS (replaces `--gpu auto` for precompile, search and bench; e.g. "--gpu auto --dtype bf16"),
 # TRIALS (per problem, default 30).
+# `ship` tunes the model table (tuner/models.py) and, with SHIP_GRID=1, the standard grid on the
+# Hopper family, exports the lookup (peers included) to $OUT/lookup.json, and benches what the
+# dispatcher serves from it for every model shape beside SDPA flash and cuDNN ($OUT/models.json).
+# On an H100 the committed grid results open it as stored bests; SEED_DB (a results database
+# carried from an earlier session, e.g. another GPU's) is copied in first, so its winners warm-start
+# the studies. SHIP_TIMEOUT bounds the search (seconds).
 set -o pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -24,6 +30,7 @@ export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 export TUNER_CACHE_DIR=${TUNER_CACHE_DIR:-/tmp/flashtune-cubin}
 export TUNER_DB=${TUNER_DB:-sqlite:////tmp/flashtune/results.db} TUNER_LOOKUP=${TUNER_LOOKUP:-/tmp/flashtune/best.json}
 mkdir -p /tmp/flashtune
+if [ -n "$SEED_DB" ] && [ ! -e /tmp/flashtune/results.db ]; then cp "$SEED_DB" /tmp/flashtune/results.db; fi
 tuner() { python3 -m tuner.cli "$@"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$OUT/gpu.log"
 python3 -c "import torch, cuda.core; print('torch', torch.__version__, 'cuda.core', cuda.core.__version__)" | tee -a "$OUT/gpu.log"
@@ -46,6 +53,22 @@ for step in $steps; do
               | grep -v -E "UserWarning|scaled_dot_product_attention" | tee "$OUT/grid-$dt.log"
           done
           cp /tmp/flashtune/grid.db "$OUT/grid.db" ;;&
+    ship) models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
+          grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json
+          if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100 80GB HBM3"; then
+            python3 benchmarks/results_db.py $grid "$TUNER_DB" | tee -a "$OUT/ship.log"
+          fi
+          tuner precompile --family flash_fwd_sm90 --dtype bf16 --shape 1,16:8,2048,128,causal --shape 1,16:8,2048,256,causal \
+            --shape 1,16,2048,64,causal --shape 1,16,2048,64 2>&1 | tail -1 | tee -a "$OUT/ship.log"
+          tuner search --gpu auto --family flash_fwd_sm90 $models --trials "${TRIALS:-16}" \
+            ${SHIP_GRID:+$(python3 benchmarks/results_db.py $grid --shapes --dtype bf16) --dtype bf16} \
+            --timeout "${SHIP_TIMEOUT:-330}" --lookup /tmp/flashtune/ship.json 2>&1 | grep -v -E "UserWarning|warnings.warn" \
+            | tail -40 | tee -a "$OUT/ship.log"
+          tuner export -o "$OUT/lookup.json" --force --gpu-key "$(python3 -c 'from tuner.gpu import detect; print(detect().key)')" \
+            2>&1 | tee -a "$OUT/ship.log"
+          FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models --lookup "$OUT/lookup.json" --peer sdpa_flash \
+            --peer sdpa_cudnn --json "$OUT/models.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/models.log"
+          cp /tmp/flashtune/results.db "$OUT/ship.db" ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"

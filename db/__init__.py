@@ -12,6 +12,7 @@ from .queries import (
     list_gpus,
     list_problems,
     measurements,
+    peer_best_rows,
     peer_rows,
     record_measurement,
     status_counts,
@@ -25,6 +26,6 @@ __all__ = [
     "SCHEMA_VERSION", "DatabaseError", "default_url", "make_engine", "session_factory",
     "Base", "BestRow", "ConfigRow", "GpuRow", "MeasurementRow", "MetaRow", "ProblemRow",
     "PEER_FAMILIES", "BestEntry", "GpuInfo", "PeerSummary", "best_rows", "find_measurement",
-    "list_gpus", "list_problems", "measurements", "peer_rows", "record_measurement",
+    "list_gpus", "list_problems", "measurements", "peer_best_rows", "peer_rows", "record_measurement",
     "status_counts", "update_best", "upsert_config", "upsert_gpu", "upsert_problem",
 ]

@@ -283,6 +283,27 @@ def peer_rows(s: Session, gpu_key: str, problem_key: str, run_id: str | None = N
     return out
 
 
+def peer_best_rows(s: Session, gpu_key: str | None = None, families: tuple[str, ...] = PEER_FAMILIES) -> list[BestEntry]:
+    """The latest ok measurement of each peer family per (GPU, problem), as best entries (params {}):
+    a peer has one config, and its latest timing is the one taken under today's torch."""
+    q = (
+        _joined()
+        .add_columns(GpuRow.key, ConfigRow.family, ProblemRow)
+        .where(ConfigRow.family.in_(families), MeasurementRow.status == "ok", MeasurementRow.tflops.is_not(None),
+               MeasurementRow.median_ms.is_not(None))
+        .order_by(MeasurementRow.created_at.desc(), MeasurementRow.id.desc())
+    )
+    if gpu_key is not None:
+        q = q.where(GpuRow.key == gpu_key)
+    out: dict[tuple[str, int, str], BestEntry] = {}
+    for row, key, family, p in s.execute(q):
+        slot = (key, p.id, family)
+        if slot not in out:
+            out[slot] = BestEntry(gpu_key=key, family=family, problem=_to_problem(p), bucket_key=p.bucket_key,
+                                  params={}, tflops=row.tflops, median_ms=row.median_ms, measurement_id=row.id)
+    return list(out.values())
+
+
 def status_counts(s: Session, gpu_key: str | None = None, family: str | None = None) -> dict[str, int]:
     """Count per status; every status word is present (0 where none) so tables line up."""
     q = (

@@ -47,6 +47,10 @@ def _shared_cache_dir(config: pytest.Config) -> Path:
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ["TUNER_CACHE_DIR"] = str(_shared_cache_dir(config))
+    # Every test sees only the lookups it writes: not the ones flashtune ships (a test of those
+    # turns them on), and no first-call autotuning unless the test asks for it.
+    os.environ["FLASHTUNE_SHIPPED_LOOKUPS"] = "0"
+    os.environ.pop("FLASHTUNE_AUTOTUNE", None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -314,3 +314,74 @@ def test_transformers_model_under_the_sdpa_switch(dispatcher):
     assert len(calls) == 2, calls   # each layer's attention went through flashtune
     for a, b in zip(ours, theirs):
         assert float((a - b).norm() / b.norm()) < 2e-2
+
+
+@pytest.mark.parametrize("peer", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"])
+def test_a_measured_peer_serves_without_a_warning(tmp_path, peer):
+    """A bucket whose lookup says an SDPA backend measured fastest runs that backend (no fallback
+    warning), with O and gradients as SDPA's, GQA and a ragged length included."""
+    from tuner import dispatch
+    from tuner.export import lookup_of, write_lookup
+    from tuner.gpu import detect
+
+    rng = random.Random()
+    p = Problem(2, 8, 333, 333, 128, "bf16", "causal", kv_heads=2)
+    path = tmp_path / "best.json"
+    write_lookup(lookup_of(detect().key, [(p, peer, {}, 1.0)]), path)
+    d = dispatch.reset(path)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="flashtune")
+            _check_against_sdpa(p, rng, served=True)
+            q, k, v = (t.detach() for t in _inputs(p, "bhnd", 1))
+            assert d.plan(q, k, v, True).peer == peer
+    finally:
+        dispatch.reset()
+
+
+def test_first_call_autotune_times_measures_and_stores(tmp_path, monkeypatch):
+    """With autotuning on, a shape of an untuned bucket has the nearest tuned configs and the SDPA
+    backends timed on it once: the output is right, the database holds the measurements, the
+    lookup the bucket's winners, and a second dispatcher serves the bucket without tuning again."""
+    import torch
+
+    import tuner
+    from models import lookup_with_defaults
+    from tuner import autotune, dispatch
+    from tuner.db.engine import make_engine, session_factory
+    from tuner.db.queries import measurements
+    from tuner.export import read_lookup
+    from tuner.gpu import detect
+
+    gpu = detect()
+    monkeypatch.setenv("TUNER_DB", f"sqlite:///{tmp_path / 'results.db'}")
+    path = tmp_path / "best.json"
+    near = Problem(1, 16, 2048, 2048, 128, "bf16", "causal")
+    lookup_with_defaults(path, [near], gpu)
+    p = Problem(2, 16, 3000, 3000, 128, "bf16", "causal", kv_heads=4)
+    assert p.bucket() != near.bucket()
+    dispatch.reset(path)
+    autotune.set_autotune(True)
+    try:
+        q, k, v = (t.detach() for t in _inputs(p, "bnhd", 7))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="flashtune")
+            o = tuner.attention(q, k, v, is_causal=True)
+        import torch.nn.functional as F
+
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+        assert float((o.double() - ref).norm() / ref.norm()) < FLOOR["bf16"]
+        with session_factory(make_engine(f"sqlite:///{tmp_path / 'results.db'}"))() as s:
+            rows = [r for r in measurements(s) if r["problem_key"] == p.key]
+        assert {r["family"] for r in rows} >= {"flash_fwd_sm90" if gpu.major == 9 else "flash_fwd_mma", "sdpa_flash"}
+        assert all(r["run_id"].startswith("autotune-") for r in rows) and any(r["status"] == "ok" for r in rows)
+        assert p.bucket().key in {e["bucket"] for e in read_lookup(path)["entries"]}
+        calls = []
+        monkeypatch.setattr(autotune, "tune", lambda *a, **kw: calls.append(a) or [])
+        d = dispatch.reset(path)
+        d.plan(q, k, v, True)
+        assert calls == []
+        torch.cuda.synchronize()
+    finally:
+        autotune.set_autotune(None)
+        dispatch.reset()

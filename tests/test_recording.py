@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tuner import recording
-from tuner.dispatch import Dispatcher
+from tuner.dispatch import Dispatcher, Plan
 from tuner.problem import Problem
 from tuner.recording import Recorder, read_recorded
 
@@ -50,7 +50,7 @@ def test_the_dispatcher_records_what_it_plans(tmp_path, monkeypatch):
     """Once per shape and mask, whatever it then runs (here nothing: no GPU, the plan fails later)."""
     path = tmp_path / "rec.jsonl"
     monkeypatch.setenv(recording.ENV, str(path))
-    monkeypatch.setattr(Dispatcher, "_plan", lambda self, problem, index: object())
+    monkeypatch.setattr(Dispatcher, "_plan", lambda self, problem, index: Plan(None, None))
     with FakeTensorMode():
         q, kv = torch.empty(1, 32, 512, 128, dtype=torch.bfloat16, device="cuda"), \
             torch.empty(1, 8, 8192, 128, dtype=torch.bfloat16, device="cuda")

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["attention", "sdpa_override", "set_sdpa_override"]
+__all__ = ["attention", "sdpa_override", "set_sdpa_override", "set_autotune"]
 
 
 def __getattr__(name: str):
     # `from tuner import attention` without importing torch/cuda for the CLI's light commands.
+    if name == "set_autotune":
+        from .autotune import set_autotune
+
+        value = globals()[name] = set_autotune
+        return value
     if name in __all__:
         from . import op
 

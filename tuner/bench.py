@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from . import interrupts
 from .db import queries
 from .db.queries import BestEntry
-from .peers import PEERS_BY_DTYPE
+from .peers import PEER_FAMILIES, PEERS_BY_DTYPE
 from .problem import Problem
 from .records import Measurement, ProblemResult, new_run_id
 from .runner import Runner
@@ -36,11 +36,17 @@ class Bench:
 
     def best(self, problem: Problem, best: BestEntry | None, backends: tuple[str, ...] | None = None) -> ProblemResult:
         """The stored best of `problem` (its params passed `check` already) and the peers, timed in
-        turns on the same inputs; without a best, the peers alone."""
+        turns on the same inputs; without a best, the peers alone; a best that is a peer (what a
+        lookup serves where SDPA measured fastest) is that peer's timing among the others."""
         backends = backends or PEERS_BY_DTYPE[problem.dtype]
         r = ProblemResult(problem, best.family if best else "-", "")
         if best is None:
             r.peers = self.peers(problem, backends)
+            return r
+        if best.family in PEER_FAMILIES:   # what the dispatcher serves is an SDPA backend: timed as a peer
+            r.peers = self.peers(problem, tuple(dict.fromkeys((*backends, best.family))))
+            r.best_params = {}
+            r.best = r.peers.get(best.family, Measurement("launch_error", message=f"{best.family} did not run"))
             return r
         from .kernel_templates import get_family
 

@@ -355,6 +355,12 @@ def bench(
     peer: list[str] = typer.Option([], "--peer", help="only these SDPA peers (e.g. sdpa_flash); repeatable"),
     replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB (URL or file), its "
                                                                 "stored bests included, instead of a GPU"),
+    model: list[str] = typer.Option([], "--model", help=_model_help()),
+    seqlen: Optional[str] = typer.Option(None, "--seqlen", help="with --model: N or NQ:NK lengths, comma-separated"),
+    batch: Optional[str] = typer.Option(None, "--batch", help="with --model: batch sizes, comma-separated"),
+    lookup: Optional[Path] = typer.Option(None, "--lookup", help="time what the dispatcher serves from this lookup "
+                                                                 "(and the shipped ones) for each problem: a tuned "
+                                                                 "config, a nearer bucket's, or an SDPA backend"),
 ) -> None:
     """Re-time the tuned best of each problem and the SDPA peers in turns, on the same inputs."""
     from .bench import Bench
@@ -365,7 +371,11 @@ def bench(
     family = _value(family)
     if unknown := [x for x in peer if x not in SDPA_BACKENDS]:
         raise typer.BadParameter(f"unknown peer {unknown[0]!r}; known: {', '.join(SDPA_BACKENDS)}", param_hint="--peer")
-    problems = _problems(shape, dtype, max_error)
+    problems = _problems(shape, dtype, max_error, model, seqlen, batch)
+    if lookup is not None:
+        from .export import read_lookup
+
+        read_lookup(lookup)   # a missing or unreadable lookup is one line, before any GPU
     runner = _runner(gpu, replay)
     g = runner.gpu
     sessions = session_factory(make_engine(_db_url(db)))
@@ -373,8 +383,11 @@ def bench(
     results = []
     try:
         b = Bench(runner, sessions)
-        with bests() as session:
-            best = _runnable_best(queries.best_rows(session, g.key), g, family)
+        if lookup is None:
+            with bests() as session:
+                best = _runnable_best(queries.best_rows(session, g.key), g, family)
+        else:
+            best = _served(lookup, problems, g)
         for p in problems:
             r = b.best(p, best.get(p.key), tuple(peer) or None)
             results.append(r)
@@ -391,6 +404,22 @@ def bench(
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps({"gpu": g.name, "gpu_key": g.key, "date": time.strftime("%Y-%m-%d"),
                                         "rows": rows}, indent=1))
+
+
+def _served(lookup: Path, problems, gpu) -> dict:
+    """What the dispatcher serves each problem from `lookup` on `gpu`, as the stored best bench
+    times: a tuned config as itself, an SDPA backend as a config {} of that peer's family."""
+    from .db.queries import BestEntry
+    from .dispatch import Dispatcher
+
+    d = Dispatcher(lookup)
+    served = {}
+    for p in problems:
+        e = d.select(p, gpu)
+        if e is not None:
+            served[p.key] = BestEntry(gpu.key, e["family"], p, p.bucket().key, e["params"], e["tflops"],
+                                      e["median_ms"], 0)
+    return served
 
 
 def _runnable_best(rows, gpu, family: str) -> dict:

@@ -1,15 +1,21 @@
-"""The runtime dispatcher: the best tuned kernel for a shape, or torch's own attention.
+"""The runtime dispatcher: the best measured kernel for a shape, tuned or torch's own.
 
 `Dispatcher.forward(q, k, v, ...)` is what the `flashtune::attention` op runs (tuner/op.py). Its
 hot path is a dictionary lookup, two allocations and a packed launch (tuner/launch.py). The first
-call for a shape reads the lookup file (once per process), compiles or loads the cubin (disk
-cache) and packs the kernel's launch into a plan. Where nothing tuned fits, torch answers, with
-one warning: scaled_dot_product_attention, or, where the backward will need the softmax's LSE,
-the fastest of torch's kernels that returns one (tuner/torch_attention.py).
+call for a shape reads the lookups (once per process: the user's, then the ones flashtune ships
+for common GPUs, tuner/lookups/, for buckets the user's lacks), picks the fastest measured entry
+of the shape's bucket or of the nearest tuned one, and compiles or loads its cubin (disk cache)
+into a plan. An entry is a tuned config or one of SDPA's backends, where that measured fastest
+(peers.DISPATCHED_PEERS): SDPA then runs by choice, without a word. Where nothing measured fits,
+torch answers with one warning: scaled_dot_product_attention, or, where the backward will need
+the softmax's LSE, the fastest of torch's kernels that returns one (tuner/torch_attention.py).
+With first-call autotuning on (tuner/autotune.py), a shape whose bucket the user never tuned has
+its few best candidates timed on the exact shape instead, once, outside CUDA-graph capture.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -18,14 +24,24 @@ from pathlib import Path
 
 import torch
 
-from . import recording
+from . import autotune, recording
 from .launch import Launcher, launch_on
 from .problem import TORCH_DTYPES, Problem, mask_of, torch_dtype
+from .records import one_line
 
 TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
 # How far (tuner.nearest's octaves) a tuned bucket may be from an untuned one and still serve it:
 # a length up to 4x off, or 2x off in both, or the work two classes off.
 NEAREST_OCTAVES = 2.0
+SHIPPED_ENV = "FLASHTUNE_SHIPPED_LOOKUPS"   # "0": use the user's lookup alone
+SHIPPED_DIR = Path(__file__).parent / "lookups"
+
+
+def shipped_lookups() -> list[Path]:
+    """The lookups flashtune ships (tuned on the GPUs they name), unless FLASHTUNE_SHIPPED_LOOKUPS=0."""
+    if os.environ.get(SHIPPED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return []
+    return sorted(SHIPPED_DIR.glob("*.json"))
 
 
 @dataclass
@@ -40,6 +56,8 @@ class Plan:
     out: torch.dtype | None = None  # O's dtype (Problem.out_dtype: bf16 for fp8 inputs)
     device: int = 0
     scratch_lse: torch.Tensor | None = None  # what the kernel writes its LSE to where nobody reads it
+    peer: str | None = None   # a measured SDPA peer (peers.DISPATCHED_PEERS) that runs instead of a kernel
+    provisional: bool = False  # made during CUDA-graph capture where autotuning was due: made again after
 
 
 def supported_head_dims() -> set[int]:
@@ -91,11 +109,6 @@ def problem_of(q, k, v, causal: bool | str, max_error: float | None = None) -> P
     return Problem(b, h, nq, k.shape[2], d, dtype, mask_of(causal), k.shape[1], max_error or 0.0)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def out_layout(q) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Size and strides of O for q: (B, N, H, D) storage where q's heads are inner to its rows (a
     model's projections viewed with transpose(1, 2)), so the model's transpose back is free, as
@@ -114,14 +127,24 @@ class Dispatcher:
         self._gpus: dict[int, object] = {}
         self._warned: set[str] = set()
         self._ignored = ""  # why the lookup file was ignored: the one warning its fallbacks give
+        self._user_buckets: set[tuple[str, str]] | None = None   # (GPU, bucket)s the user's own lookup serves
         self._lock = threading.Lock()
         self._warn_lock = threading.Lock()  # _warn runs under _lock (plan) and outside it (fallback)
 
     # ---- slow path, once per shape ----
     def _load_table(self) -> dict[tuple[str, str], list[dict]]:
-        from .export import default_lookup_path, read_lookup
+        """The user's lookup, then each shipped one for the (GPU, bucket)s the user's lacks."""
+        from .export import default_lookup_path
 
-        path = Path(self._path) if self._path else default_lookup_path()
+        table = self._read(Path(self._path) if self._path else default_lookup_path())
+        for path in shipped_lookups():
+            for slot, entries in self._read(path).items():
+                table.setdefault(slot, entries)
+        return table
+
+    def _read(self, path: Path) -> dict[tuple[str, str], list[dict]]:
+        from .export import read_lookup
+
         table: dict[tuple[str, str], list[dict]] = {}
         try:  # any lookup, however malformed, is one warning and the SDPA fallback, never a raise
             if not path.exists():
@@ -129,12 +152,24 @@ class Dispatcher:
             for e in read_lookup(path)["entries"]:
                 table.setdefault((e["gpu_key"], e["bucket"]), []).append(e)
         except Exception as exc:
-            self._ignored = f"ignoring the best-config lookup: {_one_line(exc)}"
+            self._ignored = f"ignoring the best-config lookup: {one_line(exc)}"
             self._warn(self._ignored)
             return {}
         for entries in table.values():
             entries.sort(key=lambda e: -e["tflops"])
         return table
+
+    def add_entries(self, gpu_key: str, entries: list[dict]) -> None:
+        """Serve these lookup entries from now on (what a first-call autotune measured)."""
+        if self._table is None:
+            self._table = self._load_table()
+        for e in entries:
+            slot = self._table.setdefault((gpu_key, e["bucket"]), [])
+            slot[:] = [x for x in slot if x["family"] != e["family"]] + [e]
+            slot.sort(key=lambda x: -x["tflops"])
+            if self._user_buckets is not None:
+                self._user_buckets.add((gpu_key, e["bucket"]))
+        self._plans.clear()   # shapes of these buckets choose again
 
     def _gpu(self, index: int):
         g = self._gpus.get(index)
@@ -145,47 +180,67 @@ class Dispatcher:
         return g
 
     def select(self, problem: Problem, gpu) -> dict | None:
-        """The lookup entry that serves `problem` on `gpu`: its bucket's fastest runnable family;
-        for a bucket nobody tuned, that of the nearest tuned bucket of the same GPU, dtype, head
-        dim, mask and error budget (tuner.nearest: octaves of Nq, Nk and half the work), up to
-        NEAREST_OCTAVES away; nearer buckets first, and in each the fastest config that runs."""
+        """The lookup entry that serves `problem` on `gpu`: its bucket's fastest runnable entry
+        (a tuned config, or an SDPA backend that measured faster); for a bucket nobody tuned,
+        that of the nearest tuned bucket of the same GPU, dtype, head dim, mask and error budget
+        (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away."""
+        return next((e for _, e in self.candidates(problem, gpu)), None)
+
+    def candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
+        """(octaves away, entry) for every runnable entry that could serve `problem`: its own
+        bucket's first (distance 0), fastest first; then those of tuned buckets up to `octaves`
+        away, nearer first."""
         from .nearest import nearest
         from .problem import Bucket
 
         if self._table is None:
             self._table = self._load_table()
         bucket = problem.bucket()
-        if (e := self._runnable(self._table.get((gpu.key, bucket.key), []), problem, gpu)) is not None:
-            return e
+        for e in self._table.get((gpu.key, bucket.key), []):
+            if self._runs(e, problem, gpu):
+                yield 0.0, e
         tuned = [Bucket.from_key(key) for g, key in self._table if g == gpu.key and key != bucket.key]
         for dist, other in nearest(bucket, tuned, lambda b: b):
-            if dist > NEAREST_OCTAVES:
+            if dist > octaves:
                 break
-            if (e := self._runnable(self._table[(gpu.key, other.key)], problem, gpu)) is not None:
-                return e
-        return None
+            for e in self._table[(gpu.key, other.key)]:
+                if self._runs(e, problem, gpu):
+                    yield dist, e
 
     @staticmethod
-    def _runnable(entries: list[dict], problem: Problem, gpu) -> dict | None:
+    def _runs(e: dict, problem: Problem, gpu) -> bool:
+        """Whether entry `e` can run `problem` on `gpu`: its family's check, or its SDPA backend's."""
         from .kernel_templates import FAMILIES
+        from .peers import DISPATCHED_PEERS
+        from .torch_attention import BACKENDS, Case
 
-        for e in entries:
-            fam = FAMILIES.get(e["family"])
-            if fam is not None and fam.check(e["params"], gpu, problem) is None:
-                return e
-        return None
+        if (backend := DISPATCHED_PEERS.get(e["family"])) is not None:
+            return BACKENDS[backend].why_not(Case.of_problem(problem, (gpu.major, gpu.minor))) is None
+        fam = FAMILIES.get(e["family"])
+        return fam is not None and fam.check(e["params"], gpu, problem) is None
 
     def _plan(self, problem: Problem, device_index: int) -> Plan:
         from .compile import compile_kernel
         from .kernel_templates import FAMILIES
         from .launch import LoadedKernel
+        from .peers import DISPATCHED_PEERS
 
         gpu = self._gpu(device_index)
-        entry = self.select(problem, gpu)
         out = torch_dtype(problem.out_dtype)
+        provisional = False
+        if autotune.enabled() and not self._user_tuned(gpu, problem):
+            if torch.cuda.is_current_stream_capturing():   # no timing inside a capture: the next eager call tunes
+                provisional = True
+            elif winners := autotune.tune(problem, gpu, [e for _, e in self.candidates(problem, gpu, autotune.OCTAVES)],
+                                          self._path):
+                self.add_entries(gpu.key, winners)
+        entry = self.select(problem, gpu)
         if entry is None:
             why = self._ignored or f"no tuned config for {problem.bucket().key} on {gpu.key}"
-            return Plan(None, None, why, problem.dtype, out=out, device=device_index)
+            return Plan(None, None, why, problem.dtype, out=out, device=device_index, provisional=provisional)
+        if entry["family"] in DISPATCHED_PEERS:
+            return Plan(None, entry["family"], dtype=problem.dtype, out=out, device=device_index,
+                        peer=entry["family"], provisional=provisional)
         fam, params = FAMILIES[entry["family"]], entry["params"]
         try:  # a looked-up config that fails to compile or load falls back like a missing one
             ck = compile_kernel(fam, params, problem, gpu.arch)
@@ -193,23 +248,32 @@ class Dispatcher:
             launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, fam.param_kinds(params))
         except Exception as exc:
             return Plan(None, None, f"the tuned {fam.name} config for {problem.bucket().key} on {gpu.key} "
-                                    f"cannot be used ({_one_line(exc)})", problem.dtype, out=out, device=device_index)
+                                    f"cannot be used ({one_line(exc)})", problem.dtype, out=out, device=device_index)
         scratch = torch.empty(problem.batch, problem.heads, problem.seqlen_q, dtype=torch.float32,
                               device=torch.device("cuda", device_index))
         return Plan(launcher, fam.name, dtype=problem.dtype, make_args=fam.arg_maker(params), out=out,
-                    device=device_index, scratch_lse=scratch)
+                    device=device_index, scratch_lse=scratch, provisional=provisional)
+
+    def _user_tuned(self, gpu, problem: Problem) -> bool:
+        """Whether the user's own lookup (or an autotune of this process) serves `problem`'s bucket;
+        the shipped lookups do not count: their entries are candidates to time, not answers."""
+        if self._user_buckets is None:
+            from .export import default_lookup_path
+
+            self._user_buckets = set(self._read(Path(self._path) if self._path else default_lookup_path()))
+        return (gpu.key, problem.bucket().key) in self._user_buckets
 
     def plan(self, q, k, v, causal: bool | str = False, max_error: float | None = None) -> Plan:
         """The plan for these inputs (made on the first call for their shapes, dtypes, devices and mask)."""
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask_of(causal),
                max_error)
         plan = self._plans.get(key)
-        if plan is None:
+        if plan is None or (plan.provisional and not torch.cuda.is_current_stream_capturing()):
             problem = problem_of(q, k, v, causal, max_error)
             recording.note(problem)   # FLASHTUNE_RECORD: once per shape, off the hot path
             with self._lock:
                 plan = self._plans.get(key)
-                if plan is None:
+                if plan is None or plan.provisional:
                     plan = self._plans[key] = self._plan(problem, q.device.index or 0)
         return plan
 
@@ -257,24 +321,38 @@ class Dispatcher:
 
     def _fallback(self, q, k, v, causal: bool | str, scale, plan: Plan, need_lse: bool):
         """torch's attention, on inputs in O's dtype: it takes no fp8, so e4m3 inputs go up to bf16
-        (exactly). With `need_lse`, the fastest of torch's kernels that returns the LSE and takes
-        the case; otherwise scaled_dot_product_attention, which picks its own backend (the
-        bottom-right mask as torch's causal_lower_right)."""
+        (exactly). A measured peer (plan.peer) runs pinned to its backend: SDPA itself, or with
+        `need_lse` that backend's kernel which returns the LSE. Otherwise, after the plan's one
+        warning: with `need_lse`, the fastest of torch's kernels that returns the LSE and takes the
+        case; without, scaled_dot_product_attention, which picks its own backend (the bottom-right
+        mask as torch's causal_lower_right)."""
         import torch.nn.functional as F
 
         from .backward import choose
-        from .torch_attention import Case, no_key_rows, sdpa_mask_kwargs
+        from .peers import DISPATCHED_PEERS
+        from .torch_attention import BACKENDS, Case, no_key_rows, sdpa_mask_kwargs
 
-        self._warn(plan.reason)
+        if plan.peer is None:
+            self._warn(plan.reason)
         if q.dtype != plan.out:
             q, k, v = (t.to(plan.out) for t in (q, k, v))
-        if need_lse:
-            o, lse = choose(Case.of(q, k, causal)).forward(q, k, v, causal, scale)
-        else:
-            gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-            o = F.scaled_dot_product_attention(q, k, v, scale=scale, **sdpa_mask_kwargs(causal, q.shape[2], k.shape[2]),
-                                               **gqa)
+        backend = BACKENDS[DISPATCHED_PEERS[plan.peer]] if plan.peer else None
+        o = None
+        if not need_lse:
+            kw = sdpa_mask_kwargs(causal, q.shape[2], k.shape[2])
+            if k.shape[1] != q.shape[1]:
+                kw["enable_gqa"] = True
+            if plan.peer is None:
+                o = F.scaled_dot_product_attention(q, k, v, scale=scale, **kw)
+            else:
+                try:   # a shape of the bucket the pinned backend refuses (GQA, say): its own kernel below
+                    with _pinned(plan.peer):
+                        o = F.scaled_dot_product_attention(q, k, v, scale=scale, **kw)
+                except RuntimeError:
+                    o = None
             lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+        if o is None:
+            o, lse = (backend or choose(Case.of(q, k, causal))).forward(q, k, v, causal, scale)
         if empty := no_key_rows(q, k, causal):   # torch leaves them NaN (SDPA) or LSE +inf (FA2)
             o, lse = o.clone(), lse.clone()
             o[:, :, :empty] = 0
@@ -283,6 +361,15 @@ class Dispatcher:
         if o.stride() != stride:
             o = torch.empty_strided(size, stride, dtype=o.dtype, device=o.device).copy_(o)
         return o, lse.contiguous()
+
+
+def _pinned(peer: str):
+    """SDPA pinned to one backend, as the peer `peer` (peers.SDPA_BACKENDS) was measured."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .peers import SDPA_BACKENDS
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[peer]))
 
 
 _default: Dispatcher | None = None

@@ -309,10 +309,13 @@ def publish_lookup(doc: dict[str, Any], path: str | os.PathLike[str], policy: st
 
 
 def lookup_from_db(session: Session, gpu_key: str | None = None) -> dict[str, Any]:
-    """The lookup ft_best makes (optionally one GPU's entries)."""
-    from .db.queries import best_rows
+    """The lookup ft_best makes (optionally one GPU's entries), with the SDPA backends the
+    dispatcher can run as entries of their own (peers.DISPATCHED_PEERS, each at its latest timing),
+    so that choosing SDPA for a bucket is a measured decision like choosing a tuned family."""
+    from .db.queries import best_rows, peer_best_rows
+    from .peers import DISPATCHED_PEERS
 
-    return build_lookup(best_rows(session, gpu_key))
+    return build_lookup(best_rows(session, gpu_key) + peer_best_rows(session, gpu_key, tuple(DISPATCHED_PEERS)))
 
 
 def export_from_db(session: Session, path: str | os.PathLike[str], gpu_key: str | None = None,

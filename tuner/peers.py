@@ -16,6 +16,11 @@ SDPA_BACKENDS = {
 # were installed: FlashAttention-4 (docs/benchmarks.md). Stored rows of these families are peers too.
 OTHER_PEERS = ("fa4",)
 PEER_FAMILIES = (*SDPA_BACKENDS, *OTHER_PEERS)
+# The peers the dispatcher may choose, where one measured fastest (the lookup carries them as
+# entries of these families): SDPA pinned to that backend, or its LSE-returning kernel
+# (tuner/torch_attention.BACKENDS) where the backward needs one. The math backend never wins;
+# FlashAttention-4 is a peer to measure against, not a kernel the dispatcher runs.
+DISPATCHED_PEERS = {"sdpa_cudnn": "cudnn", "sdpa_flash": "flash", "sdpa_efficient": "efficient"}
 
 # What each problem dtype is measured against. SDPA takes no fp8: an fp8 problem's peers are the
 # bf16 backends on bf16 copies of the same inputs (peer_dtype), what a user without an fp8 kernel

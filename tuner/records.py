@@ -110,6 +110,12 @@ class ProblemResult:
     dropped: str = ""   # why the search stopped at this family's starting configs (Search.tune_all)
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line for a message: its first line, or its type where it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def new_run_id() -> str:
     """The id every row of one search or bench run is stored under."""
     return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]

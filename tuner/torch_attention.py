@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .problem import mask_of
+from .problem import mask_of, torch_dtype
 from .reference import hidden_keys
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -48,6 +48,14 @@ class Case:
         mask, nq, nk = mask_of(causal), q.shape[2], k.shape[2]
         return cls(q.dtype, q.shape[-1], nq, nk, mask != "none", k.shape[1] != q.shape[1], cc,
                    mask == "causal_br" and nq != nk)
+
+    @classmethod
+    def of_problem(cls, problem, cc: tuple[int, int]) -> "Case":
+        """The case a Problem poses, run in its output dtype (fp8 inputs go up to bf16) on a GPU of
+        compute capability `cc`."""
+        nq, nk = problem.seqlen_q, problem.seqlen_k
+        return cls(torch_dtype(problem.out_dtype), problem.head_dim, nq, nk, problem.mask != "none",
+                   problem.kv_heads != problem.heads, cc, problem.mask == "causal_br" and nq != nk)
 
 
 def sdpa_mask_kwargs(causal: bool | str, nq: int, nk: int) -> dict:

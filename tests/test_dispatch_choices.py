@@ -1,0 +1,257 @@
+"""What the dispatcher chooses from, without a GPU: SDPA's backends as measured lookup entries,
+the lookups flashtune ships, and first-call autotuning (its shortlist, its plan during CUDA-graph
+capture, and what it stores)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tuner import autotune, dispatch
+from tuner.db.engine import make_engine, session_factory
+from tuner.db.queries import BestEntry, best_rows, measurements, record_measurement, update_best
+from tuner.dispatch import Dispatcher
+from tuner.export import build_lookup, lookup_from_db, read_lookup, write_lookup
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.kernel_templates import get_family
+from tuner.problem import Problem
+from tuner.records import Measurement
+
+SM90 = get_family("flash_fwd_sm90")
+BF16 = Problem(1, 32, 8192, 8192, 128, "bf16", "causal", kv_heads=8)
+FP32 = Problem(8, 12, 1024, 1024, 64, "fp32", "causal")
+SIMT = get_family("flash_fwd_simt")
+SIMT_PARAMS = dict(Br=128, Bc=64, TM=8, TN=4, stages=1, min_blocks=1)
+
+
+def entry(problem: Problem, family: str, params: dict, tflops: float, gpu=H100_SXM) -> BestEntry:
+    return BestEntry(gpu.key, family, problem, problem.bucket().key, params, tflops,
+                     problem.flops() / tflops / 1e9, 1)
+
+
+def lookup(path, entries) -> str:
+    write_lookup(build_lookup(entries), path)
+    return str(path)
+
+
+@pytest.fixture
+def sm90_params():
+    return SM90.default(H100_SXM, BF16)
+
+
+# ---- SDPA as a measured candidate ----
+
+def test_a_peer_that_measured_faster_is_chosen_where_its_backend_takes_the_case(tmp_path, sm90_params):
+    d = Dispatcher(lookup(tmp_path / "best.json", [entry(BF16, SM90.name, sm90_params, 400.0),
+                                                   entry(BF16, "sdpa_flash", {}, 450.0)]))
+    assert d.select(BF16, H100_SXM)["family"] == "sdpa_flash"
+    # another shape of the bucket that FlashAttention-2 cannot run (d=256 is fine, fp32 is not):
+    # the tuned config serves it, from the same bucket
+    fp32 = Dispatcher(lookup(tmp_path / "fp32.json", [entry(FP32, SIMT.name, SIMT_PARAMS, 20.0),
+                                                      entry(FP32, "sdpa_flash", {}, 90.0)]))
+    assert fp32.select(FP32, H100_SXM)["family"] == SIMT.name
+    # a GPU without FlashAttention-2's compute capability skips it too
+    old = replace(A100_SXM, major=7, minor=5)
+    d = Dispatcher(lookup(tmp_path / "old.json", [replace(entry(BF16, "sdpa_flash", {}, 450.0), gpu_key=old.key)]))
+    assert d.select(BF16, old) is None
+
+
+def test_a_peer_plan_runs_sdpa_without_the_fallback_warning(tmp_path, monkeypatch):
+    d = Dispatcher(lookup(tmp_path / "best.json", [entry(BF16, "sdpa_flash", {}, 450.0)]))
+    monkeypatch.setitem(d._gpus, 0, H100_SXM)
+    plan = d._plan(BF16, 0)
+    assert plan.launcher is None and plan.peer == "sdpa_flash" and plan.family == "sdpa_flash" and not plan.reason
+    nothing = Dispatcher(tmp_path / "absent.json")
+    monkeypatch.setitem(nothing._gpus, 0, H100_SXM)
+    plan = nothing._plan(BF16, 0)
+    assert plan.peer is None and "no tuned config" in plan.reason
+
+
+def test_export_carries_the_sdpa_backends_the_dispatcher_runs_at_their_latest_timing(tmp_path, sm90_params):
+    sessions = session_factory(make_engine(f"sqlite:///{tmp_path / 'r.db'}"))
+    ok = lambda tflops: Measurement("ok", median_ms=BF16.flops() / tflops / 1e9, tflops=tflops)
+    with sessions.begin() as s:
+        record_measurement(s, H100_SXM, BF16, SM90.name, sm90_params, ok(400.0), run_id="a")
+        update_best(s, H100_SXM.key, BF16.key, SM90.name)
+        record_measurement(s, H100_SXM, BF16, "sdpa_cudnn", {}, ok(500.0), run_id="a")
+        record_measurement(s, H100_SXM, BF16, "sdpa_cudnn", {}, ok(380.0), run_id="b")   # latest: this one
+        record_measurement(s, H100_SXM, BF16, "sdpa_cudnn", {}, Measurement("launch_error"), run_id="c")
+        record_measurement(s, H100_SXM, BF16, "sdpa_math", {}, ok(50.0), run_id="b")     # never dispatched
+        record_measurement(s, H100_SXM, BF16, "fa4", {}, ok(600.0), run_id="b")          # measured, not run
+    with sessions() as s:
+        doc = lookup_from_db(s, H100_SXM.key)
+        assert [b.family for b in best_rows(s)] == [SM90.name]   # ft_best stays the tuned families'
+    got = {e["family"]: e["tflops"] for e in doc["entries"]}
+    assert got == {SM90.name: 400.0, "sdpa_cudnn": 380.0}
+    assert next(e for e in doc["entries"] if e["family"] == "sdpa_cudnn")["params"] == {}
+
+
+# ---- the shipped lookups ----
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch, sm90_params):
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    lookup(folder / "h100.json", [entry(BF16, SM90.name, sm90_params, 300.0),
+                                  entry(replace(BF16, head_dim=64), SM90.name, SM90.default(H100_SXM, replace(BF16, head_dim=64)), 250.0)])
+    monkeypatch.setattr(dispatch, "SHIPPED_DIR", folder)
+    monkeypatch.setenv(dispatch.SHIPPED_ENV, "1")
+    return folder
+
+
+def test_shipped_lookups_serve_the_buckets_the_users_lacks(tmp_path, shipped, sm90_params):
+    mine = next(p for p in SM90.seeds(H100_SXM, BF16) if p != sm90_params)
+    d = Dispatcher(lookup(tmp_path / "mine.json", [entry(BF16, SM90.name, mine, 100.0)]))
+    assert d.select(BF16, H100_SXM)["params"] == mine            # the user's bucket wins, however slow
+    d64 = d.select(replace(BF16, head_dim=64), H100_SXM)
+    assert d64 is not None and d64["tflops"] == 250.0             # the user's lookup has no d=64
+    assert Dispatcher(tmp_path / "absent.json").select(BF16, H100_SXM)["tflops"] == 300.0
+
+
+def test_shipped_lookups_can_be_turned_off(tmp_path, shipped, monkeypatch):
+    monkeypatch.setenv(dispatch.SHIPPED_ENV, "0")
+    assert dispatch.shipped_lookups() == []
+    assert Dispatcher(tmp_path / "absent.json").select(BF16, H100_SXM) is None
+
+
+def test_the_package_ships_lookups_that_read():
+    """What the wheel carries under tuner/lookups/ is read by this version, one GPU per file."""
+    files = sorted(dispatch.SHIPPED_DIR.glob("*.json"))
+    for path in files:
+        doc = read_lookup(path)
+        assert doc["entries"] and len({e["gpu_key"] for e in doc["entries"]}) == 1, path
+
+
+# ---- first-call autotuning ----
+
+def test_autotune_is_off_unless_asked(monkeypatch):
+    monkeypatch.delenv(autotune.ENV, raising=False)
+    assert not autotune.enabled()
+    monkeypatch.setenv(autotune.ENV, "1")
+    assert autotune.enabled()
+    autotune.set_autotune(False)
+    try:
+        assert not autotune.enabled()
+    finally:
+        autotune.set_autotune(None)
+    assert autotune.enabled()
+
+
+def test_the_shortlist_is_the_nearest_distinct_configs_and_the_backends_that_take_the_case(sm90_params):
+    others = [p for p in SM90.seeds(H100_SXM, BF16) if p != sm90_params][:3]
+    entries = [{"family": SM90.name, "params": sm90_params}, {"family": "sdpa_flash", "params": {}},
+               {"family": SM90.name, "params": dict(sm90_params)}] + [{"family": SM90.name, "params": p} for p in others]
+    short = autotune.shortlist(BF16, H100_SXM, entries)
+    configs = [e["params"] for e in short if e["family"] == SM90.name]
+    assert configs == [sm90_params, *others[:autotune.MAX_CONFIGS - 1]]
+    peers = {e["family"] for e in short if e["family"] != SM90.name}
+    assert {"sdpa_flash", "sdpa_efficient"} <= peers and "sdpa_math" not in peers
+    fp32 = {e["family"] for e in autotune.shortlist(FP32, H100_SXM, [])}
+    assert fp32 == {"sdpa_efficient"}   # cuDNN and FlashAttention-2 take no fp32
+
+
+@pytest.fixture
+def tuned_by_hand(monkeypatch):
+    """autotune.tune replaced by one that records its calls and answers sdpa_flash at 500 TFLOP/s."""
+    calls = []
+
+    def fake_tune(problem, gpu, entries, lookup_path=None):
+        calls.append((problem, [e["family"] for e in entries]))
+        return build_lookup([entry(problem, "sdpa_flash", {}, 500.0)])["entries"]
+
+    monkeypatch.setattr(autotune, "tune", fake_tune)
+    monkeypatch.setattr(autotune, "_forced", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # a CPU build has no CUDA
+    return calls
+
+
+def test_autotune_runs_once_per_untuned_bucket_and_serves_its_winner(tmp_path, monkeypatch, tuned_by_hand,
+                                                                      sm90_params):
+    other = replace(BF16, seqlen_q=2048, seqlen_k=2048)
+    d = Dispatcher(lookup(tmp_path / "best.json", [entry(other, SM90.name, sm90_params, 400.0)]))
+    monkeypatch.setitem(d._gpus, 0, H100_SXM)
+    plan = d._plan(BF16, 0)
+    assert plan.peer == "sdpa_flash" and not plan.provisional
+    assert tuned_by_hand == [(BF16, [SM90.name])]   # the nearest bucket's config was a candidate
+    d._plan(replace(BF16, seqlen_q=8000, seqlen_k=8000), 0)   # same bucket: served, not tuned again
+    d._plan(other, 0)                                         # the user tuned this bucket
+    assert len(tuned_by_hand) == 1
+
+
+def test_no_autotune_during_graph_capture_and_the_plan_is_made_again_after(tmp_path, monkeypatch, tuned_by_hand):
+    d = Dispatcher(tmp_path / "absent.json")
+    monkeypatch.setitem(d._gpus, 0, H100_SXM)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    plan = d._plan(BF16, 0)
+    assert plan.provisional and plan.peer is None and tuned_by_hand == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    plan = d._plan(BF16, 0)
+    assert not plan.provisional and plan.peer == "sdpa_flash" and len(tuned_by_hand) == 1
+
+
+def test_autotune_stores_every_measurement_and_merges_the_winners_into_the_lookup(tmp_path, monkeypatch,
+                                                                                   sm90_params):
+    db = tmp_path / "results.db"
+    monkeypatch.setenv("TUNER_DB", f"sqlite:///{db}")
+    path = tmp_path / "best.json"
+    kept = entry(FP32, SIMT.name, SIMT_PARAMS, 20.0)
+    lookup(path, [kept])
+    ms = BF16.flops() / 450e9
+    measured = [(SM90.name, sm90_params, Measurement("ok", median_ms=ms, tflops=450.0)),
+                (SM90.name, dict(sm90_params, Bc=64), Measurement("wrong_result", message="error over budget")),
+                ("sdpa_flash", {}, Measurement("ok", median_ms=ms * 1.1, tflops=409.0))]
+    monkeypatch.setattr(autotune, "measure", lambda problem, gpu, shortlist, seed=0: measured)
+    got = autotune.tune(BF16, H100_SXM, [], path)
+    assert [(e["family"], e["tflops"]) for e in got] == [(SM90.name, 450.0), ("sdpa_flash", 409.0)]
+    doc = read_lookup(path)
+    assert {(e["family"], e["bucket"]) for e in doc["entries"]} == {
+        (SIMT.name, FP32.bucket().key), (SM90.name, BF16.bucket().key), ("sdpa_flash", BF16.bucket().key)}
+    sessions = session_factory(make_engine(f"sqlite:///{db}"))
+    with sessions() as s:
+        best = best_rows(s, H100_SXM.key)
+        assert [(b.family, b.params, b.tflops) for b in best] == [(SM90.name, sm90_params, 450.0)]
+        rows = measurements(s)
+    assert len(rows) == 3 and all(r["run_id"].startswith("autotune-") for r in rows)
+
+
+def test_autotune_that_cannot_store_still_serves_with_one_warning(tmp_path, monkeypatch, sm90_params):
+    monkeypatch.setenv("TUNER_DB", f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'r.db'}")
+    (tmp_path / "no").write_text("a file where a folder should be")
+    monkeypatch.setattr(autotune, "measure", lambda problem, gpu, shortlist, seed=0: [
+        (SM90.name, sm90_params, Measurement("ok", median_ms=1.0, tflops=450.0))])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = autotune.tune(BF16, H100_SXM, [], tmp_path / "best.json")
+    assert [e["family"] for e in got] == [SM90.name]
+    assert len(caught) == 1 and "used but not stored" in str(caught[0].message)
+
+
+# ---- timing what the dispatcher serves ----
+
+def test_bench_times_what_a_lookup_serves_a_peer_among_the_peers(tmp_path, sm90_params):
+    from tuner.bench import Bench
+    from tuner.cli import _served
+
+    near = replace(BF16, seqlen_q=4096, seqlen_k=4096)
+    path = lookup(tmp_path / "best.json", [entry(near, SM90.name, sm90_params, 400.0), entry(FP32, "sdpa_efficient", {}, 9.0)])
+    far = replace(BF16, head_dim=64)
+    served = _served(path, [BF16, FP32, far], H100_SXM)
+    assert served[BF16.key].family == SM90.name and served[BF16.key].params == sm90_params   # from the nearer bucket
+    assert served[FP32.key].family == "sdpa_efficient" and far.key not in served
+
+    class Peers:
+        gpu = H100_SXM
+        timed: list[str] = []
+
+        def peer(self, backend, problem):
+            self.timed.append(backend)
+            return Measurement("ok", median_ms=1.0, tflops={"sdpa_efficient": 9.5, "sdpa_math": 1.0}[backend])
+
+    runner = Peers()
+    sessions = session_factory(make_engine(f"sqlite:///{tmp_path / 'b.db'}"))
+    r = Bench(runner, sessions).best(FP32, served[FP32.key])
+    assert r.family == "sdpa_efficient" and r.best.tflops == 9.5 and set(r.peers) == {"sdpa_efficient", "sdpa_math"}
+    assert sorted(runner.timed) == ["sdpa_efficient", "sdpa_math"]
