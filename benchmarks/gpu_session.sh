@@ -16,7 +16,9 @@
 # dispatcher serves from it for every model shape beside SDPA flash and cuDNN ($OUT/models.json).
 # On an H100 the committed grid results open it as stored bests; SEED_DB (a results database
 # carried from an earlier session, e.g. another GPU's) is copied in first, so its winners warm-start
-# the studies. SHIP_TIMEOUT bounds the search (seconds).
+# the studies. SHIP_TIMEOUT bounds the search (seconds). OTHER_LOOKUP (another GPU's lookup, e.g.
+# a shipped one) is re-keyed to this GPU and benched the same way ($OUT/cross.json): the cost of
+# running that GPU's configs here.
 set -o pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -55,20 +57,27 @@ for step in $steps; do
           cp /tmp/flashtune/grid.db "$OUT/grid.db" ;;&
     ship) models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
           grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json
+          gridshapes=$(python3 benchmarks/results_db.py $grid --shapes --dtype bf16)
           if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100 80GB HBM3"; then
             python3 benchmarks/results_db.py $grid "$TUNER_DB" | tee -a "$OUT/ship.log"
           fi
           tuner precompile --family flash_fwd_sm90 --dtype bf16 --shape 1,16:8,2048,128,causal --shape 1,16:8,2048,256,causal \
-            --shape 1,16,2048,64,causal --shape 1,16,2048,64 2>&1 | tail -1 | tee -a "$OUT/ship.log"
-          tuner search --gpu auto --family flash_fwd_sm90 $models --trials "${TRIALS:-16}" \
-            ${SHIP_GRID:+$(python3 benchmarks/results_db.py $grid --shapes --dtype bf16) --dtype bf16} \
+            --shape 1,16,2048,64,causal --shape 1,16,2048,64 ${SHIP_GRID:+--shape 1,16,2048,128} 2>&1 | tail -1 | tee -a "$OUT/ship.log"
+          tuner search --gpu auto --family flash_fwd_sm90 $models ${SHIP_GRID:+$gridshapes} --dtype bf16 --trials "${TRIALS:-16}" \
             --timeout "${SHIP_TIMEOUT:-330}" --lookup /tmp/flashtune/ship.json 2>&1 | grep -v -E "UserWarning|warnings.warn" \
             | tail -40 | tee -a "$OUT/ship.log"
-          tuner export -o "$OUT/lookup.json" --force --gpu-key "$(python3 -c 'from tuner.gpu import detect; print(detect().key)')" \
-            2>&1 | tee -a "$OUT/ship.log"
-          FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models --lookup "$OUT/lookup.json" --peer sdpa_flash \
-            --peer sdpa_cudnn --json "$OUT/models.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" | tee "$OUT/models.log"
-          cp /tmp/flashtune/results.db "$OUT/ship.db" ;;&
+          key=$(python3 -c 'from tuner.gpu import detect; print(detect().key)')
+          tuner export -o "$OUT/lookup.json" --force --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
+          FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} --dtype bf16 --lookup "$OUT/lookup.json" \
+            --peer sdpa_flash --peer sdpa_cudnn --json "$OUT/models.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" \
+            | tee -a "$OUT/ship.log"
+          if [ -n "$OTHER_LOOKUP" ]; then   # another GPU's configs on this one: what per-GPU tuning buys
+            python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [e.update(gpu_key=sys.argv[2]) for e in d['entries']]; json.dump(d, open('/tmp/flashtune/other.json', 'w'))" "$OTHER_LOOKUP" "$key"
+            FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} --dtype bf16 \
+              --lookup /tmp/flashtune/other.json --peer sdpa_cudnn --json "$OUT/cross.json" 2>&1 \
+              | grep -v -E "UserWarning|warnings.warn" | tail -45 | tee -a "$OUT/ship.log"
+          fi
+          gzip -c /tmp/flashtune/results.db > "$OUT/ship.db.gz" ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
@@ -83,4 +92,4 @@ for step in $steps; do
                  cp /tmp/flashtune/fixture.db "$OUT/h100_simt.db" ;;
   esac
 done
-cp /tmp/flashtune/results.db "$OUT/results.db" 2>/dev/null || true
+case " $steps " in *" ship "*) ;; *) cp /tmp/flashtune/results.db "$OUT/results.db" 2>/dev/null || true ;; esac

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tuner import autotune, dispatch
+from tuner import autotune, export
 from tuner.db.engine import make_engine, session_factory
 from tuner.db.queries import BestEntry, best_rows, measurements, record_measurement, update_best
 from tuner.dispatch import Dispatcher
@@ -97,8 +97,8 @@ def shipped(tmp_path, monkeypatch, sm90_params):
     folder.mkdir()
     lookup(folder / "h100.json", [entry(BF16, SM90.name, sm90_params, 300.0),
                                   entry(replace(BF16, head_dim=64), SM90.name, SM90.default(H100_SXM, replace(BF16, head_dim=64)), 250.0)])
-    monkeypatch.setattr(dispatch, "SHIPPED_DIR", folder)
-    monkeypatch.setenv(dispatch.SHIPPED_ENV, "1")
+    monkeypatch.setattr(export, "SHIPPED_DIR", folder)
+    monkeypatch.setenv(export.SHIPPED_ENV, "1")
     return folder
 
 
@@ -112,14 +112,14 @@ def test_shipped_lookups_serve_the_buckets_the_users_lacks(tmp_path, shipped, sm
 
 
 def test_shipped_lookups_can_be_turned_off(tmp_path, shipped, monkeypatch):
-    monkeypatch.setenv(dispatch.SHIPPED_ENV, "0")
-    assert dispatch.shipped_lookups() == []
+    monkeypatch.setenv(export.SHIPPED_ENV, "0")
+    assert export.shipped_lookups() == []
     assert Dispatcher(tmp_path / "absent.json").select(BF16, H100_SXM) is None
 
 
 def test_the_package_ships_lookups_that_read():
     """What the wheel carries under tuner/lookups/ is read by this version, one GPU per file."""
-    files = sorted(dispatch.SHIPPED_DIR.glob("*.json"))
+    files = sorted(export.SHIPPED_DIR.glob("*.json"))
     for path in files:
         doc = read_lookup(path)
         assert doc["entries"] and len({e["gpu_key"] for e in doc["entries"]}) == 1, path
@@ -255,3 +255,21 @@ def test_bench_times_what_a_lookup_serves_a_peer_among_the_peers(tmp_path, sm90_
     r = Bench(runner, sessions).best(FP32, served[FP32.key])
     assert r.family == "sdpa_efficient" and r.best.tflops == 9.5 and set(r.peers) == {"sdpa_efficient", "sdpa_math"}
     assert sorted(runner.timed) == ["sdpa_efficient", "sdpa_math"]
+
+
+def test_a_search_on_another_gpu_of_the_architecture_starts_from_the_shipped_configs(tmp_path, shipped, sm90_params):
+    """An H200 (no stored bests) opens its study with the shipped H100 winner of the nearest
+    problem, before the family's default and seeds; an A100 (another architecture) does not."""
+    from types import SimpleNamespace
+
+    from tuner.search import Search
+
+    h200 = replace(H100_SXM, name="NVIDIA H200", memory_bytes=141 << 30)
+    shipped_params = next(p for p in SM90.seeds(H100_SXM, BF16) if p != SM90.default(h200, BF16))
+    lookup(shipped / "h100.json", [entry(replace(BF16, seqlen_q=4096, seqlen_k=4096), SM90.name, shipped_params, 500.0)])
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    search = Search(SimpleNamespace(gpu=h200), session_factory(make_engine(url)), url)
+    starts = search.starts(SM90, BF16)
+    assert starts[0] == shipped_params and SM90.default(h200, BF16) in starts[1:]
+    a100 = Search(SimpleNamespace(gpu=A100_SXM), session_factory(make_engine(url)), url)
+    assert a100.starts(get_family("flash_fwd_mma"), BF16)[0] == get_family("flash_fwd_mma").default(A100_SXM, BF16)

@@ -15,7 +15,6 @@ its few best candidates timed on the exact shape instead, once, outside CUDA-gra
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 from collections.abc import Callable
@@ -33,15 +32,6 @@ TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float
 # How far (tuner.nearest's octaves) a tuned bucket may be from an untuned one and still serve it:
 # a length up to 4x off, or 2x off in both, or the work two classes off.
 NEAREST_OCTAVES = 2.0
-SHIPPED_ENV = "FLASHTUNE_SHIPPED_LOOKUPS"   # "0": use the user's lookup alone
-SHIPPED_DIR = Path(__file__).parent / "lookups"
-
-
-def shipped_lookups() -> list[Path]:
-    """The lookups flashtune ships (tuned on the GPUs they name), unless FLASHTUNE_SHIPPED_LOOKUPS=0."""
-    if os.environ.get(SHIPPED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return []
-    return sorted(SHIPPED_DIR.glob("*.json"))
 
 
 @dataclass
@@ -134,7 +124,7 @@ class Dispatcher:
     # ---- slow path, once per shape ----
     def _load_table(self) -> dict[tuple[str, str], list[dict]]:
         """The user's lookup, then each shipped one for the (GPU, bucket)s the user's lacks."""
-        from .export import default_lookup_path
+        from .export import default_lookup_path, shipped_lookups
 
         table = self._read(Path(self._path) if self._path else default_lookup_path())
         for path in shipped_lookups():

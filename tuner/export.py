@@ -34,6 +34,31 @@ _ENTRY_FIELDS: dict[str, tuple[type, ...]] = {
 }
 
 
+SHIPPED_ENV = "FLASHTUNE_SHIPPED_LOOKUPS"   # "0": the user's lookup alone
+SHIPPED_DIR = Path(__file__).parent / "lookups"
+
+
+def shipped_lookups() -> list[Path]:
+    """The lookups flashtune ships (tuner/lookups/, one GPU each, tuned on it), unless
+    FLASHTUNE_SHIPPED_LOOKUPS=0."""
+    if os.environ.get(SHIPPED_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return []
+    return sorted(SHIPPED_DIR.glob("*.json"))
+
+
+def shipped_entries(family: str) -> list[BestEntry]:
+    """The shipped lookups' entries of one family, as stored bests (a search's warm starts)."""
+    from .db.queries import BestEntry
+
+    out = []
+    for path in shipped_lookups():
+        for e in read_lookup(path)["entries"]:
+            if e["family"] == family:
+                out.append(BestEntry(e["gpu_key"], family, Problem.from_dict(e["problem"]), e["bucket"], e["params"],
+                                     e["tflops"], e["median_ms"], 0))
+    return out
+
+
 def default_lookup_path() -> Path:
     """TUNER_LOOKUP wins; otherwise best.json in the per-user flashtune data dir."""
     env = os.environ.get("TUNER_LOOKUP")

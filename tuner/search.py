@@ -109,15 +109,20 @@ class Search:
 
     def starts(self, family: KernelFamily, problem: Problem) -> list[dict]:
         """What a new study is opened with, each valid once, in order: the best configs of the
-        nearest problems this family was tuned on (this GPU), then those of the same and nearest
+        nearest problems this family was tuned on (this GPU); those of the same and nearest
         problems tuned on other GPUs of its architecture (an H100's winners open an H200's
-        search), its default, its seeds."""
+        search); those of the lookups flashtune ships for GPUs of its architecture; its
+        default; its seeds."""
+        from .export import shipped_entries
+
         arch = self.gpu.key.rsplit("/", 1)[-1]
         with self.sessions() as s:
             rows = queries.best_rows(s, family=family.name)
         mine = [b for b in rows if b.gpu_key == self.gpu.key and b.problem != problem]
         kin = [b for b in rows if b.gpu_key != self.gpu.key and b.gpu_key.rsplit("/", 1)[-1] == arch]
-        near = [b.params for tuned in (mine, kin) for _, b in nearest(problem, tuned, lambda b: b.problem, WARM_START)]
+        shipped = [b for b in shipped_entries(family.name) if b.gpu_key.rsplit("/", 1)[-1] == arch]
+        near = [b.params for tuned in (mine, kin, shipped)
+                for _, b in nearest(problem, tuned, lambda b: b.problem, WARM_START)]
         points = near + [family.default(self.gpu, problem)] + family.seeds(self.gpu, problem)
         valid = {params_key(p): p for p in points if family.check(p, self.gpu, problem) is None}
         return list(valid.values())
