@@ -11,14 +11,15 @@
 # Narrowing for a short session: PYTEST_K (a pytest -k expression for the tests step),
 # TUNE_ARGS (replaces `--gpu auto` for precompile, search and bench; e.g. "--gpu auto --dtype bf16"),
 # TRIALS (per problem, default 30).
-# `ship` tunes the model table (tuner/models.py) and, with SHIP_GRID=1, the standard grid on the
-# Hopper family, exports the lookup (peers included) to $OUT/lookup.json, and benches what the
-# dispatcher serves from it for every model shape beside SDPA flash and cuDNN ($OUT/models.json).
+# `ship` tunes the model table (tuner/models.py; SHIP_MODELS=0: not) and, with SHIP_GRID=1, the
+# standard grid on the Hopper family, in SHIP_DTYPE (default bf16), exports the lookup (peers
+# included) to $OUT/lookup.json, and benches what the dispatcher serves from it for those shapes
+# beside SDPA flash and cuDNN ($OUT/bench-<dtype>.json).
 # On an H100 the committed grid results open it as stored bests; SEED_DB (a results database
 # carried from an earlier session, e.g. another GPU's) is copied in first, so its winners warm-start
 # the studies. SHIP_TIMEOUT bounds the search (seconds). OTHER_LOOKUP (another GPU's lookup, e.g.
 # a shipped one) is re-keyed to this GPU and benched the same way ($OUT/cross.json): the cost of
-# running that GPU's configs here.
+# running that GPU's configs here ($OUT/cross-<dtype>.json).
 set -o pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -55,26 +56,27 @@ for step in $steps; do
               | grep -v -E "UserWarning|scaled_dot_product_attention" | tee "$OUT/grid-$dt.log"
           done
           cp /tmp/flashtune/grid.db "$OUT/grid.db" ;;&
-    ship) models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
+    ship) dt=${SHIP_DTYPE:-bf16}
+          models=$([ "${SHIP_MODELS:-1}" = 1 ] && python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
           grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json
-          gridshapes=$(python3 benchmarks/results_db.py $grid --shapes --dtype bf16)
+          gridshapes=$(python3 benchmarks/results_db.py $grid --shapes --dtype $dt)
           if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100 80GB HBM3"; then
             python3 benchmarks/results_db.py $grid "$TUNER_DB" | tee -a "$OUT/ship.log"
           fi
-          tuner precompile --family flash_fwd_sm90 --dtype bf16 --shape 1,16:8,2048,128,causal --shape 1,16:8,2048,256,causal \
+          tuner precompile --family flash_fwd_sm90 --dtype $dt --shape 1,16:8,2048,128,causal --shape 1,16:8,2048,256,causal \
             --shape 1,16,2048,64,causal --shape 1,16,2048,64 ${SHIP_GRID:+--shape 1,16,2048,128} 2>&1 | tail -1 | tee -a "$OUT/ship.log"
-          tuner search --gpu auto --family flash_fwd_sm90 $models ${SHIP_GRID:+$gridshapes} --dtype bf16 --trials "${TRIALS:-16}" \
+          tuner search --gpu auto --family flash_fwd_sm90 $models ${SHIP_GRID:+$gridshapes} --dtype $dt --trials "${TRIALS:-16}" \
             --timeout "${SHIP_TIMEOUT:-330}" --lookup /tmp/flashtune/ship.json 2>&1 | grep -v -E "UserWarning|warnings.warn" \
             | tail -40 | tee -a "$OUT/ship.log"
           key=$(python3 -c 'from tuner.gpu import detect; print(detect().key)')
           tuner export -o "$OUT/lookup.json" --force --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
-          FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} --dtype bf16 --lookup "$OUT/lookup.json" \
-            --peer sdpa_flash --peer sdpa_cudnn --json "$OUT/models.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" \
+          FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} --dtype $dt --lookup "$OUT/lookup.json" \
+            --peer sdpa_flash --peer sdpa_cudnn --json "$OUT/bench-$dt.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" \
             | tee -a "$OUT/ship.log"
           if [ -n "$OTHER_LOOKUP" ]; then   # another GPU's configs on this one: what per-GPU tuning buys
             python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [e.update(gpu_key=sys.argv[2]) for e in d['entries']]; json.dump(d, open('/tmp/flashtune/other.json', 'w'))" "$OTHER_LOOKUP" "$key"
-            FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} --dtype bf16 \
-              --lookup /tmp/flashtune/other.json --peer sdpa_cudnn --json "$OUT/cross.json" 2>&1 \
+            FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} --dtype $dt \
+              --lookup /tmp/flashtune/other.json --peer sdpa_cudnn --json "$OUT/cross-$dt.json" 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | tail -45 | tee -a "$OUT/ship.log"
           fi
           gzip -c /tmp/flashtune/results.db > "$OUT/ship.db.gz" ;;&
