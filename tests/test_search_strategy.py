@@ -137,3 +137,50 @@ def test_a_new_study_starts_from_the_nearest_tuned_problems(tmp_path):
     for other in (Problem(4, 8, 2048, 2048, 64, "bf16", "none"), Problem(4, 8, 2048, 2048, 128, "bf16", "causal"),
                   Problem(4, 8, 2048, 2048, 64, "fp16", "causal"), Problem(4, 8, 2048, 4096, 64, "bf16", "causal_br")):
         assert s.starts(MMA, other)[0] == MMA.default(H100_SXM, other), other.key   # nothing comparable tuned
+
+
+class CompilingRunner(TableRunner):
+    """A runner whose prefetch compiles (as the GPU runner's does): the search asks ahead for it."""
+
+    compiles = True
+
+    def measure(self, family, params, problem) -> Measurement:
+        self.events.append(("measure", dict(params)))
+        return super().measure(family, params, problem)
+
+    def prefetch(self, family, points, problem) -> None:
+        self.events.extend(("prefetch", dict(p)) for p in points)
+        super().prefetch(family, points, problem)
+
+
+def test_the_next_point_compiles_while_this_one_is_measured(tmp_path):
+    """With a compiling runner, each point but the first is prefetched while an earlier one is
+    measured; the one asked ahead when the search ends is a failed trial that does not count,
+    and no trial is left running."""
+    runner = CompilingRunner({MMA.name: 100.0})
+    runner.events = []
+    s, url = _search(runner, tmp_path)
+    result = s.tune(MMA, P, trials=12)
+    measured = [p for what, p in runner.events if what == "measure"]
+    assert len(measured) == 12 and result.best is not None
+    at = lambda event: runner.events.index(event)
+    # every point is compiled before it is measured, most while the point before it was measured
+    # (not where a refused point, never measured, came between them); not the first (it compiles
+    # in line) nor the last (with one trial to go nothing is asked ahead that may not be needed)
+    assert all(at(("prefetch", p)) < at(("measure", p)) for p in measured[1:-1])
+    overlapped = sum(at(("prefetch", p)) < at(("measure", q)) for q, p in zip(measured, measured[1:-1]))
+    assert overlapped >= 6, overlapped
+    trials = _trials(url, MMA, P)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    counted = [t for t in trials if t.user_attrs.get("counted")]
+    assert len(counted) == 12
+    left = [t for t in trials if t.user_attrs.get("status") == "unmeasured"]
+    assert all(t.state == optuna.trial.TrialState.FAIL for t in left) and len(left) <= 1
+
+
+def test_a_replay_does_not_ask_ahead(tmp_path):
+    runner = TableRunner({MMA.name: 100.0})
+    s, url = _search(runner, tmp_path)
+    s.tune(MMA, P, trials=8)
+    assert not [t for t in _trials(url, MMA, P) if t.user_attrs.get("status") == "unmeasured"]
+    assert len(runner.prefetched) == 1   # the starts only, once, when the study opens

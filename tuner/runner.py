@@ -42,6 +42,8 @@ class Runner(Protocol):
 class GpuRunner:
     """Compile here (NVRTC needs no GPU), measure in the worker process."""
 
+    compiles = True   # prefetch compiles: worth asking a search's next point ahead
+
     def __init__(self, gpu: GpuSpec, candidate_timeout: float = 60.0) -> None:
         from .versions import run_versions
         from .worker import Worker

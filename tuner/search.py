@@ -8,7 +8,9 @@ failed to compile, crashed or computed wrongly: never a made-up 0 TFLOP/s it wou
 
 A new study starts from the best configs of the nearest problems this family was tuned on
 (tuner.nearest: same GPU, dtype, head dim, mask), then the family's default and seeds; those
-compile ahead of the GPU (Runner.prefetch). Over several families, `tune_all` measures every
+compile ahead of the GPU (Runner.prefetch), and so does every later point: where the runner
+compiles, the next trial is asked before this one is measured (TPE with a constant liar, so it
+looks elsewhere), and its kernel compiles in the background meanwhile. Over several families, `tune_all` measures every
 family's starts first and drops the ones far behind the best (DROP_BELOW) for that problem.
 """
 
@@ -87,6 +89,10 @@ class Search:
         # for its point; after fixing its cause (a driver, a host-side bug) the user asks again.
         self.retry_failed = retry_failed
         self.drop_below = drop_below
+        # Ask the next trial before measuring this one, so its kernel compiles meanwhile: only where
+        # the runner compiles (not a replay, which would then differ from the search it replays)
+        # and the sampler is not the grid (a sweep visits each point once, in order).
+        self._ask_ahead = getattr(runner, "compiles", False) and sampler != "grid"
 
     # ---- several families on one problem ----
     def tune_all(self, families: list[KernelFamily], problem: Problem, trials: int, deadline: float | None = None,
@@ -164,46 +170,79 @@ class Search:
         result = ProblemResult(problem, family.name, name)
         done, asks = len(finished), 0
         vkey = versions_key(self.runner.versions())
-        while done < trials and asks < trials * ASK_LIMIT_FACTOR:
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            interrupts.checkpoint()  # a signal held during the last trial's bookkeeping stops here
-            asks += 1
-            with _quiet_heartbeat():
-                trial = study.ask(dists)
-            try:
-                with _heartbeat(self.storage, trial._trial_id):
-                    m, source = self._evaluate(family, problem, trial.params, vkey, name, trial.number)
-            except BaseException:
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                raise
-            if m is None:  # replay miss: nothing known about this point
-                if _tell(study, trial, state=optuna.trial.TrialState.FAIL):
+        ahead: optuna.Trial | None = None   # the next trial, asked before this one is measured
+        beating = contextlib.ExitStack()       # its heartbeat while it waits (a killed search leaves it stale)
+        try:
+            while done < trials and asks < trials * ASK_LIMIT_FACTOR:
+                if deadline is not None and time.monotonic() > deadline:
                     break
-                continue
-            counted = source != "invalid" and params_key(trial.params) not in seen
-            seen.add(params_key(trial.params))
-            trial.set_user_attr("status", m.status)
-            trial.set_user_attr("source", source)
-            trial.set_user_attr("counted", counted)
-            if m.ok and m.tflops:
-                exhausted = _tell(study, trial, m.tflops)
-            elif m.status == "invalid":   # a constraint violation: its value (0) ranks nothing
-                trial.set_user_attr("violation", 1.0)
-                if _SET_CONSTRAINT:
-                    trial.set_constraint("check", 1.0)
-                exhausted = _tell(study, trial, 0.0)
-            else:   # it ran and failed: nothing to learn a speed from
-                exhausted = _tell(study, trial, state=optuna.trial.TrialState.FAIL)
-            result.counts[m.status] = result.counts.get(m.status, 0) + 1
-            result.reused += source == "database"
-            done += counted
-            self.observer(Progress(problem, trial.number, trial.params, m, source,
-                                   self._best_tflops(family, problem), done, trials, family.name))
-            if exhausted:
-                break
+                interrupts.checkpoint()  # a signal held during the last trial's bookkeeping stops here
+                asks += 1
+                trial, ahead = ahead or self._ask(study, dists), None
+                beating.close()
+                if self._ask_ahead and done + 1 < trials:   # another trial follows: it compiles while this one runs
+                    ahead = self._ask(study, dists)
+                    beating.enter_context(_heartbeat(self.storage, ahead._trial_id))
+                    self._prefetch(family, problem, ahead.params, vkey)
+                exhausted, counted = self._trial(study, trial, family, problem, vkey, name, seen, result,
+                                                 done, trials)
+                done += counted
+                if exhausted:
+                    break
+        finally:
+            beating.close()
+            if ahead is not None:   # asked, never measured: failed, not counted, so no sampler learns from it
+                ahead.set_user_attr("status", "unmeasured")
+                ahead.set_user_attr("counted", False)
+                _tell(study, ahead, state=optuna.trial.TrialState.FAIL)
         self._fill_best(result, family, problem)
         return result
+
+    @staticmethod
+    def _ask(study: optuna.Study, dists: dict) -> optuna.Trial:
+        with _quiet_heartbeat():
+            return study.ask(dists)
+
+    def _prefetch(self, family: KernelFamily, problem: Problem, params: dict, vkey: str) -> None:
+        """Compile a point asked ahead, unless `check` refuses it or the database already answers it."""
+        if family.check(params, self.gpu, problem) is not None:
+            return
+        with self.sessions() as s:
+            if self._reusable(queries.find_measurement(s, self.gpu.key, problem.key, family.name, params, vkey)):
+                return
+        self.runner.prefetch(family, [params], problem)
+
+    def _trial(self, study: optuna.Study, trial: optuna.Trial, family: KernelFamily, problem: Problem, vkey: str,
+               name: str, seen: set[str], result: ProblemResult, done: int, trials: int) -> tuple[bool, bool]:
+        """Evaluate one asked trial, tell Optuna and the observer: (the sampler is exhausted, the
+        trial counts towards `trials`)."""
+        try:
+            with _heartbeat(self.storage, trial._trial_id):
+                m, source = self._evaluate(family, problem, trial.params, vkey, name, trial.number)
+        except BaseException:
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            raise
+        if m is None:  # replay miss: nothing known about this point
+            return _tell(study, trial, state=optuna.trial.TrialState.FAIL), False
+        counted = source != "invalid" and params_key(trial.params) not in seen
+        seen.add(params_key(trial.params))
+        trial.set_user_attr("status", m.status)
+        trial.set_user_attr("source", source)
+        trial.set_user_attr("counted", counted)
+        if m.ok and m.tflops:
+            exhausted = _tell(study, trial, m.tflops)
+        elif m.status == "invalid":   # a constraint violation: its value (0) ranks nothing
+            trial.set_user_attr("violation", 1.0)
+            if _SET_CONSTRAINT:
+                trial.set_constraint("check", 1.0)
+            exhausted = _tell(study, trial, 0.0)
+        else:   # it ran and failed: nothing to learn a speed from
+            exhausted = _tell(study, trial, state=optuna.trial.TrialState.FAIL)
+        result.counts[m.status] = result.counts.get(m.status, 0) + 1
+        result.reused += source == "database"
+        self.observer(Progress(problem, trial.number, trial.params, m, source,
+                               self._best_tflops(family, problem), done + counted, trials, family.name))
+        return exhausted, counted
 
     def _sampler(self, family: KernelFamily, trials: int) -> optuna.samplers.BaseSampler:
         if self.sampler == "grid":  # every point once, in a fixed order: sweeps and replay fixtures
@@ -211,7 +250,10 @@ class Search:
         if self.sampler == "random":
             return optuna.samplers.RandomSampler(seed=self.seed)
         older = {} if _SET_CONSTRAINT else {"constraints_func": _violation}   # Optuna 4 reads them so
-        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(10, max(1, trials // 3)), **older)
+        # constant_liar: the trial asked ahead (still running) counts as a poor one, so the next
+        # proposal looks elsewhere instead of proposing the same point again
+        return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(10, max(1, trials // 3)),
+                                          constant_liar=self._ask_ahead, **older)
 
     def _evaluate(self, family: KernelFamily, problem: Problem, params: dict, vkey: str,
                   name: str, number: int) -> tuple[Measurement | None, str]:
