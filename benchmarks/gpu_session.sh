@@ -33,6 +33,12 @@ export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 export TUNER_CACHE_DIR=${TUNER_CACHE_DIR:-/tmp/flashtune-cubin}
 export TUNER_DB=${TUNER_DB:-sqlite:////tmp/flashtune/results.db} TUNER_LOOKUP=${TUNER_LOOKUP:-/tmp/flashtune/best.json}
 mkdir -p /tmp/flashtune
+# FlashAttention-4 as a peer, where ../shared/device/fa4-wheels.sh's two halves came (an earlier call
+# copied .fa4a/part-aa to /tmp/fa4.part-aa; this one carries .fa4b and the FA4 wheels in .whl)
+if [ -f /tmp/fa4.part-aa ] && [ -f .fa4b/part-ab ] && [ ! -d /tmp/site/flash_attn ]; then
+  cat /tmp/fa4.part-aa .fa4b/part-ab | xz -T0 -dc | tar -x -C /tmp/site && echo "FlashAttention-4 unpacked" | tee -a "$OUT/gpu.log"
+fi
+[ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 if [ -n "$SEED_DB" ] && [ ! -e /tmp/flashtune/results.db ]; then cp "$SEED_DB" /tmp/flashtune/results.db; fi
 tuner() { python3 -m tuner.cli "$@"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$OUT/gpu.log"
@@ -80,6 +86,25 @@ for step in $steps; do
               | grep -v -E "UserWarning|warnings.warn" | tail -45 | tee -a "$OUT/ship.log"
           fi
           gzip -c /tmp/flashtune/results.db > "$OUT/ship.db.gz" ;;&
+    fa4bench) # the issue-22 figure: grid (d=256 tuned here first) and model shapes, served from the lookup,
+              # against SDPA flash, SDPA cuDNN and FlashAttention-4 in the same run
+          grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json
+          shapes() { python3 -c "import sys; from tuner.problem import standard_grid as g; print(' '.join(f'--shape {p.batch},{p.heads},{p.seqlen_q},{p.head_dim}' + (',causal' if p.causal else '') for p in g(sys.argv[1]) if p.head_dim in eval(sys.argv[2])))" "$@"; }
+          if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100 80GB HBM3"; then
+            python3 benchmarks/results_db.py $grid "$TUNER_DB" | tee -a "$OUT/fa4.log"
+          fi
+          for dt in bf16 fp16; do
+            tuner precompile --family flash_fwd_sm90 --dtype $dt --shape 1,8,2048,256 --shape 1,8,2048,256,causal 2>&1 | tail -1
+            timeout 150 python3 -m tuner.cli search --gpu auto --family flash_fwd_sm90 --dtype $dt $(shapes $dt "(256,)") \
+              --trials "${TRIALS:-12}" --timeout 100 --lookup /tmp/flashtune/fa4.json 2>&1 | grep -E "^│" | tee -a "$OUT/fa4.log"
+          done
+          models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
+          for what in "bf16:$(shapes bf16 '(64, 128, 256)')" "fp16:$(shapes fp16 '(64, 128, 256)')" "models:$models"; do
+            name=${what%%:*}; args=${what#*:}; dt=$([ "$name" = fp16 ] && echo fp16 || echo bf16)
+            timeout ${FA4_BENCH_TIMEOUT:-200} python3 -m tuner.cli bench --gpu auto --dtype $dt $args --lookup /tmp/flashtune/fa4.json \
+              --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name.json" 2>&1 \
+              | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"
+          done ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"

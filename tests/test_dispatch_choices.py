@@ -273,3 +273,46 @@ def test_a_search_on_another_gpu_of_the_architecture_starts_from_the_shipped_con
     assert starts[0] == shipped_params and SM90.default(h200, BF16) in starts[1:]
     a100 = Search(SimpleNamespace(gpu=A100_SXM), session_factory(make_engine(url)), url)
     assert a100.starts(get_family("flash_fwd_mma"), BF16)[0] == get_family("flash_fwd_mma").default(A100_SXM, BF16)
+
+
+# ---- FlashAttention-4 as a peer ----
+
+def test_fa4_is_a_default_peer_only_where_installed_and_it_runs_the_case(monkeypatch):
+    import importlib.util
+    import types
+
+    from tuner import peers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn.cute" else real(name, *a))
+    assert peers.fa4_missing() and "pip install 'flashtune[fa4]'" in peers.fa4_missing()
+    assert "fa4" not in peers.peers_for(BF16, (9, 0))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: types.SimpleNamespace() if name == "flash_attn.cute" else real(name, *a))
+    assert peers.fa4_missing() is None
+    assert peers.peers_for(BF16, (9, 0))[-1] == "fa4"
+    assert "fa4" not in peers.peers_for(BF16, (8, 0))                      # an A100: no FA4 forward
+    assert "fa4" not in peers.peers_for(FP32, (9, 0))                      # fp32
+    top_left = replace(BF16, seqlen_q=512)                                # SDPA's causal, Nq != Nk
+    assert "fa4" not in peers.peers_for(top_left, (9, 0))
+    assert "fa4" in peers.peers_for(replace(top_left, mask="causal_br"), (9, 0))
+    assert "fa4" in peers.peers_for(replace(BF16, dtype="fp8"), (9, 0))    # its peers run bf16 copies
+
+
+def test_bench_peer_fa4_without_it_installed_says_so_in_one_line(monkeypatch, tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    code = ("import importlib.util as u; real = u.find_spec; "
+            "u.find_spec = lambda n, *a: None if n == 'flash_attn.cute' else real(n, *a); "
+            "from tuner.cli import main; import sys; sys.argv = ['tuner', 'bench', '--peer', 'fa4', '--shape', "
+            "'1,8,1024,128', '--dtype', 'bf16', '--db', 'sqlite:///" + str(tmp_path / "b.db") + "']; main()")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "NO_COLOR": "1"})
+    out = run.stdout + run.stderr
+    assert "--peer fa4 skipped: FlashAttention-4 is not installed" in out
+    assert run.returncode != 0 and "no CUDA GPU is visible" in out   # then the CPU-only machine says so
+    bad = subprocess.run([sys.executable, "-m", "tuner.cli", "bench", "--peer", "fa3"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "unknown peer 'fa3'" in bad.stdout + bad.stderr and "fa4" in bad.stdout + bad.stderr

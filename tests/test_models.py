@@ -49,7 +49,7 @@ def test_the_default_set_is_bf16_grid_and_models_on_tensor_core_gpus():
     assert default_dtype(H100_SXM) == default_dtype(A100_SXM) == default_dtype(None) == "bf16"
     assert default_dtype(old) == "fp16"
     got = default_problems(None, H100_SXM)
-    assert got[:12] == standard_grid("bf16") and set(model_problems(list(MODELS), "bf16")) <= set(got)
+    assert got[:18] == standard_grid("bf16") and set(model_problems(list(MODELS), "bf16")) <= set(got)
     assert len({p.key for p in got}) == len(got) and {p.dtype for p in got} == {"bf16"}
     assert {p.dtype for p in default_problems(None, old)} == {"fp16"}
     assert default_problems("fp32") == list(GPT2_FP32)

@@ -219,10 +219,10 @@ def test_bucket_from_bad_key(key):
 
 def test_standard_grid():
     grid = standard_grid("bf16")
-    assert len(grid) == 12 and all(p.dtype == "bf16" for p in grid)
+    assert len(grid) == 18 and all(p.dtype == "bf16" for p in grid) and {p.head_dim for p in grid} == {64, 128, 256}
     assert {p.batch * p.seqlen_q for p in grid} == {16384}
     assert {p.heads * p.head_dim for p in grid} == {2048}
-    assert len({p.key for p in grid}) == 12
+    assert len({p.key for p in grid}) == 18
 
 
 def test_to_dict_round_trip():

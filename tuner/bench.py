@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from . import interrupts
 from .db import queries
 from .db.queries import BestEntry
-from .peers import PEER_FAMILIES, PEERS_BY_DTYPE
+from .peers import PEER_FAMILIES, peers_for
 from .problem import Problem
 from .records import Measurement, ProblemResult, new_run_id
 from .runner import Runner
@@ -25,7 +25,7 @@ class Bench:
         backend is being measured (tuner.interrupts)."""
         with interrupts.deferred():
             out = {}
-            for backend in backends or PEERS_BY_DTYPE[problem.dtype]:
+            for backend in backends or self._peers(problem):
                 interrupts.checkpoint()
                 with interrupts.allowed():
                     m = self.runner.peer(backend, problem)
@@ -38,7 +38,7 @@ class Bench:
         """The stored best of `problem` (its params passed `check` already) and the peers, timed in
         turns on the same inputs; without a best, the peers alone; a best that is a peer (what a
         lookup serves where SDPA measured fastest) is that peer's timing among the others."""
-        backends = backends or PEERS_BY_DTYPE[problem.dtype]
+        backends = backends or self._peers(problem)
         r = ProblemResult(problem, best.family if best else "-", "")
         if best is None:
             r.peers = self.peers(problem, backends)
@@ -60,6 +60,10 @@ class Bench:
         r.peers = side.peers
         r.best = side.kernel if side.kernel.ok else Measurement("ok", median_ms=best.median_ms, tflops=None)
         return r
+
+    def _peers(self, problem: Problem) -> tuple[str, ...]:
+        gpu = self.runner.gpu
+        return peers_for(problem, (gpu.major, gpu.minor))
 
     def _store(self, problem: Problem, family: str | None = None, params: dict | None = None,
                kernel: Measurement | None = None, peers: dict[str, Measurement] | None = None) -> None:

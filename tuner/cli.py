@@ -352,7 +352,9 @@ def bench(
     family: Family = typer.Option("auto", "--family", help="a kernel family, or auto: the best of all"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="also write the rows as JSON here"),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
-    peer: list[str] = typer.Option([], "--peer", help="only these SDPA peers (e.g. sdpa_flash); repeatable"),
+    peer: list[str] = typer.Option([], "--peer", help="only these peers: sdpa_flash, sdpa_cudnn, sdpa_efficient, "
+                                                      "sdpa_math, fa4 (FlashAttention-4, where installed); repeatable. "
+                                                      "Default: SDPA's backends, and fa4 where installed"),
     replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB (URL or file), its "
                                                                 "stored bests included, instead of a GPU"),
     model: list[str] = typer.Option([], "--model", help=_model_help()),
@@ -366,11 +368,14 @@ def bench(
     from .bench import Bench
     from .db import queries
     from .db.engine import make_engine, session_factory
-    from .peers import SDPA_BACKENDS, peer_dtype
+    from .peers import FA4, MEASURED_PEERS, fa4_missing, peer_dtype
 
     family = _value(family)
-    if unknown := [x for x in peer if x not in SDPA_BACKENDS]:
-        raise typer.BadParameter(f"unknown peer {unknown[0]!r}; known: {', '.join(SDPA_BACKENDS)}", param_hint="--peer")
+    if unknown := [x for x in peer if x not in MEASURED_PEERS]:
+        raise typer.BadParameter(f"unknown peer {unknown[0]!r}; known: {', '.join(MEASURED_PEERS)}", param_hint="--peer")
+    if FA4 in peer and (why := fa4_missing()) and not replay:
+        console.print(f"--peer fa4 skipped: {why}", highlight=False, markup=False)
+        peer = [x for x in peer if x != FA4]   # none left: the default peers
     problems = _problems(shape, dtype, max_error, model, seqlen, batch)
     if lookup is not None:
         from .export import read_lookup

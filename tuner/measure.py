@@ -9,7 +9,7 @@ from typing import Callable
 from .family import KernelFamily
 from .gpu import GpuSpec
 from .launch import LaunchError, LoadedKernel, launch_on, raw_stream
-from .peers import SDPA_BACKENDS, peer_dtype
+from .peers import FA4, SDPA_BACKENDS, peer_dtype
 from .problem import Problem, torch_dtype
 from .records import CompiledKernel, Measurement, SideBySide
 from .reference import attention_fp64, compare
@@ -91,8 +91,50 @@ def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
     return (lambda: launcher(stream, *args)), Measurement("ok", **figures, **base)
 
 
+def prepare_fa4(problem: Problem, seed: int) -> Prepared:
+    """FlashAttention-4's forward on the inputs `seed` makes (in peer_dtype, laid out (B, N, H, D)
+    as it takes them), run once (its first call compiles) and checked against the fp64 reference."""
+    import torch
+
+    from .peers import fa4_why_not
+
+    cc = torch.cuda.get_device_capability()
+    if why := fa4_why_not(problem, cc):
+        return None, Measurement("launch_error", message=why)
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as exc:
+        return None, Measurement("launch_error", message=f"cannot import FlashAttention-4: {exc}"[:300])
+    q, k, v = (t.to(torch_dtype(peer_dtype(problem))) for t in random_inputs(problem, seed))
+    qn, kn, vn = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    causal = problem.mask != "none"   # its causal is the bottom-right diagonal: fa4_why_not saw to it
+
+    def run() -> None:
+        flash_attn_func(qn, kn, vn, causal=causal)
+
+    try:
+        out = flash_attn_func(qn, kn, vn, causal=causal)
+        o = (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+        _sync_or_fault()
+        ref_o, _ = attention_fp64(q, k, v, problem.mask, 1.0 / math.sqrt(problem.head_dim))
+        err = compare(o, None, ref_o, None)
+        del ref_o, o
+    except DeviceFault:
+        raise
+    except Exception as exc:
+        return None, Measurement("launch_error", message=str(exc).strip().splitlines()[0][:300] if str(exc).strip()
+                                 else type(exc).__name__)
+    if not err.within(problem.rel_budget):
+        return None, Measurement("wrong_result", message=f"error over budget: rel {err.rel:.3g}", rel_err=err.rel,
+                                 max_abs_err=err.max_abs)
+    return run, Measurement("ok", rel_err=err.rel, max_abs_err=err.max_abs)
+
+
 def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:
-    """One torch SDPA backend, pinned, on the inputs `seed` makes (in peer_dtype), run once and checked."""
+    """One peer on the inputs `seed` makes (in peer_dtype), run once and checked: a torch SDPA
+    backend, pinned, or FlashAttention-4 (prepare_fa4)."""
+    if backend == FA4:
+        return prepare_fa4(problem, seed)
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -115,8 +115,8 @@ def default_dtype(gpu=None) -> str:
     return "fp16" if gpu is not None and (gpu.major, gpu.minor) < (8, 0) else "bf16"
 
 
-DEFAULT_HELP = ("With no --shape and no --model: docs/benchmarks.md's standard grid (12 shapes: 16k tokens, hidden 2048, "
-                "d 64 and 128, N 1024/4096/16384, full and causal) and every model of the table (tuner/models.py) at "
+DEFAULT_HELP = ("With no --shape and no --model: docs/benchmarks.md's standard grid (18 shapes: 16k tokens, hidden 2048, "
+                "d 64, 128 and 256, N 1024/4096/16384, full and causal) and every model of the table (tuner/models.py) at "
                 "its default lengths and batch, in bf16 (fp16 on GPUs before sm_80); with --dtype fp32, the three "
                 "GPT-2 fp32 shapes (B8 N1024, B6 N4096, B1 N8192; H12 d64 causal)")
 

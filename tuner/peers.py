@@ -12,9 +12,10 @@ SDPA_BACKENDS = {
     "sdpa_efficient": "EFFICIENT_ATTENTION",
     "sdpa_math": "MATH",
 }
-# Peers that no SDPA backend runs, recorded (params {}) by the tool that measured them where they
-# were installed: FlashAttention-4 (docs/benchmarks.md). Stored rows of these families are peers too.
-OTHER_PEERS = ("fa4",)
+# Peers that no SDPA backend runs: FlashAttention-4 (the flash-attn-4 package, `flash_attn.cute`;
+# its Hopper forward runs on sm90), measured where it is installed (`pip install 'flashtune[fa4]'`).
+FA4 = "fa4"
+OTHER_PEERS = (FA4,)
 PEER_FAMILIES = (*SDPA_BACKENDS, *OTHER_PEERS)
 # The peers the dispatcher may choose, where one measured fastest (the lookup carries them as
 # entries of these families): SDPA pinned to that backend, or its LSE-returning kernel
@@ -31,6 +32,39 @@ PEERS_BY_DTYPE = {
     "bf16": ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math"),
 }
 PEERS_BY_DTYPE["fp8"] = PEERS_BY_DTYPE["bf16"]
+MEASURED_PEERS = (*SDPA_BACKENDS, FA4)   # what `tuner bench --peer` and a search can measure
+
+
+def fa4_missing() -> str | None:
+    """Why FlashAttention-4 cannot be measured in this environment, or None where it can: a cheap
+    check (its kernels compile on first use, in the worker)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else "FlashAttention-4 is not installed (pip install 'flashtune[fa4]')"
+
+
+def fa4_why_not(problem: Problem, cc: tuple[int, int]) -> str | None:
+    """Why FA4 does not run `problem` on a GPU of compute capability `cc` (None: it does)."""
+    if cc[0] not in (9, 10):
+        return f"FlashAttention-4 runs on sm90 and sm100, not sm{cc[0]}{cc[1]}"
+    if peer_dtype(problem) not in ("fp16", "bf16"):
+        return f"FlashAttention-4 takes fp16/bf16, not {problem.dtype}"
+    if problem.mask == "causal" and problem.seqlen_q != problem.seqlen_k:
+        return "FlashAttention-4's causal mask is the bottom-right diagonal; this problem's is the top-left (Nq != Nk)"
+    if problem.head_dim % 8 or problem.head_dim > 256:
+        return f"FlashAttention-4 takes head dims that are multiples of 8 up to 256, not {problem.head_dim}"
+    return None
+
+
+def peers_for(problem: Problem, cc: tuple[int, int]) -> tuple[str, ...]:
+    """The peers a search or bench measures by default: SDPA's backends for the dtype, and FA4
+    where it is installed and runs the problem."""
+    extra = (FA4,) if fa4_missing() is None and fa4_why_not(problem, cc) is None else ()
+    return PEERS_BY_DTYPE[problem.dtype] + extra
 
 
 def peer_dtype(problem: Problem) -> str:

@@ -292,10 +292,10 @@ GPT2_FP32 = (
 
 
 def standard_grid(dtype: str) -> list[Problem]:
-    """docs/benchmarks.md's grid, its 12 shapes for one dtype (24 over fp16 and bf16): 16k tokens per
-    batch, hidden 2048."""
+    """docs/benchmarks.md's grid, its 18 shapes for one dtype (36 over fp16 and bf16): 16k tokens per
+    batch, hidden 2048, d in {64, 128, 256}."""
     out = []
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for n in (1024, 4096, 16384):
             for causal in (False, True):
                 out.append(Problem(16384 // n, 2048 // d, n, n, d, dtype, causal))
