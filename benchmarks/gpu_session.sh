@@ -22,8 +22,9 @@
 # running that GPU's configs here ($OUT/cross-<dtype>.json).
 set -o pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
+WHEELS=${WHEELS:-.whl}   # the carried wheels: our runtime deps (../shared/device/wheelhouse.sh), FA4's too where brought
+if [ -d "$WHEELS" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl 2>/dev/null \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
 fi
 # flashtune itself, from this working tree (no network there: no build isolation, no deps)
