@@ -36,8 +36,9 @@ export TUNER_DB=${TUNER_DB:-sqlite:////tmp/flashtune/results.db} TUNER_LOOKUP=${
 mkdir -p /tmp/flashtune
 # FlashAttention-4 as a peer, where ../shared/device/fa4-wheels.sh's two halves came (an earlier call
 # copied .fa4a/part-aa to /tmp/fa4.part-aa; this one carries .fa4b and the FA4 wheels in .whl)
-if [ -f /tmp/fa4.part-aa ] && [ -f .fa4b/part-ab ] && [ ! -d /tmp/site/flash_attn ]; then
-  cat /tmp/fa4.part-aa .fa4b/part-ab | xz -T0 -dc | tar -x -C /tmp/site && echo "FlashAttention-4 unpacked" | tee -a "$OUT/gpu.log"
+if [ -f /tmp/fa4.part-aa ] && [ -f .fa4b/part-ab ] && [ ! -f /tmp/site/.fa4-cu13 ]; then
+  cat /tmp/fa4.part-aa .fa4b/part-ab | xz -T0 -dc | tar -x -C /tmp/site && touch /tmp/site/.fa4-cu13 \
+    && echo "FlashAttention-4's compiler library unpacked" | tee -a "$OUT/gpu.log"
 fi
 [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 if [ -n "$SEED_DB" ] && [ ! -e /tmp/flashtune/results.db ]; then cp "$SEED_DB" /tmp/flashtune/results.db; fi
