@@ -81,11 +81,14 @@ def test_export_carries_the_sdpa_backends_the_dispatcher_runs_at_their_latest_ti
         record_measurement(s, H100_SXM, BF16, "sdpa_cudnn", {}, Measurement("launch_error"), run_id="c")
         record_measurement(s, H100_SXM, BF16, "sdpa_math", {}, ok(50.0), run_id="b")     # never dispatched
         record_measurement(s, H100_SXM, BF16, "fa4", {}, ok(600.0), run_id="b")          # measured, not run
+        benched = replace(BF16, seqlen_q=2048, seqlen_k=2048)   # peers timed, no family tuned: not exported
+        record_measurement(s, H100_SXM, benched, "sdpa_cudnn", {}, ok(300.0), run_id="b")
     with sessions() as s:
         doc = lookup_from_db(s, H100_SXM.key)
         assert [b.family for b in best_rows(s)] == [SM90.name]   # ft_best stays the tuned families'
     got = {e["family"]: e["tflops"] for e in doc["entries"]}
     assert got == {SM90.name: 400.0, "sdpa_cudnn": 380.0}
+    assert {e["bucket"] for e in doc["entries"]} == {BF16.bucket().key}
     assert next(e for e in doc["entries"] if e["family"] == "sdpa_cudnn")["params"] == {}
 
 

@@ -335,12 +335,19 @@ def publish_lookup(doc: dict[str, Any], path: str | os.PathLike[str], policy: st
 
 def lookup_from_db(session: Session, gpu_key: str | None = None) -> dict[str, Any]:
     """The lookup ft_best makes (optionally one GPU's entries), with the SDPA backends the
-    dispatcher can run as entries of their own (peers.DISPATCHED_PEERS, each at its latest timing),
-    so that choosing SDPA for a bucket is a measured decision like choosing a tuned family."""
+    dispatcher can run as entries of their own (peers.DISPATCHED_PEERS, each at its latest timing)
+    for the problems a family was tuned on, so that choosing SDPA for a bucket is a measured
+    decision like choosing a tuned family."""
     from .db.queries import best_rows, peer_best_rows
     from .peers import DISPATCHED_PEERS
 
-    return build_lookup(best_rows(session, gpu_key) + peer_best_rows(session, gpu_key, tuple(DISPATCHED_PEERS)))
+    tuned = best_rows(session, gpu_key)
+    # a peer only where a family was tuned on the same problem: a problem that was only benched
+    # (peers and no search) would otherwise fill a bucket with SDPA alone, and hide the tuned
+    # configs another lookup (a shipped one) holds for it
+    searched = {(b.gpu_key, b.problem.key) for b in tuned}
+    peers = [b for b in peer_best_rows(session, gpu_key, tuple(DISPATCHED_PEERS)) if (b.gpu_key, b.problem.key) in searched]
+    return build_lookup(tuned + peers)
 
 
 def export_from_db(session: Session, path: str | os.PathLike[str], gpu_key: str | None = None,
