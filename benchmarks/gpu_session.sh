@@ -103,6 +103,7 @@ for step in $steps; do
           models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
           for what in "bf16:$(shapes bf16 '(64, 128, 256)')" "fp16:$(shapes fp16 '(64, 128, 256)')" "models:$models"; do
             name=${what%%:*}; args=${what#*:}; dt=$([ "$name" = fp16 ] && echo fp16 || echo bf16)
+            case " ${FA4_WHAT:-bf16 fp16 models} " in *" $name "*) ;; *) continue ;; esac
             timeout ${FA4_BENCH_TIMEOUT:-200} python3 -m tuner.cli bench --gpu auto --dtype $dt $args --lookup /tmp/flashtune/fa4.json \
               --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name.json" 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"
