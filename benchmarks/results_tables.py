@@ -2,6 +2,8 @@
 
     python3 benchmarks/results_tables.py models benchmarks/results/<gpu>-models.json
         what the dispatcher served for each model shape, beside SDPA cuDNN and flash (same run)
+    python3 benchmarks/results_tables.py peers FILE
+        every shape of a bench with FlashAttention-4 among the peers: ours against cuDNN and FA4
     python3 benchmarks/results_tables.py cross OWN.json [OWN.json ...] OTHER.json
         the same shapes served by this GPU's lookup (OWN, one file or several) and by another GPU's
         lookup re-keyed to this one (OTHER, `gpu_session.sh ship` with OTHER_LOOKUP): where the winners differ, and
@@ -47,6 +49,22 @@ def models(path: str) -> str:
     return "\n".join(out)
 
 
+def peers(path: str) -> str:
+    out = ["| shape | served by | TFLOP/s | SDPA cuDNN | SDPA flash | FA4 | vs cuDNN | vs FA4 |", "|---" * 8 + "|"]
+    wins = []
+    for r in _rows(path):
+        fa4, cudnn = r.get("fa4_tflops"), r.get("sdpa_cudnn_tflops")
+        ratio = lambda peer: f"{r['tuned_tflops'] / peer:.2f}x" if peer and r["tuned_tflops"] else "-"
+        num = lambda x: f"{x:.0f}" if x else "-"
+        out.append(f"| {_shape(r)} | {_served(r)} | {num(r['tuned_tflops'])} | {num(cudnn)} | "
+                   f"{num(r.get('sdpa_flash_tflops'))} | {num(fa4)} | {ratio(cudnn)} | {ratio(fa4)} |")
+        if fa4 and r["tuned_tflops"]:
+            wins.append(r["tuned_tflops"] >= fa4)
+    out.append("")
+    out.append(f"At or above FA4 on {sum(wins)} of {len(wins)} shapes.")
+    return "\n".join(out)
+
+
 def _pick(x: dict, other: dict) -> str:
     """A served config by what sets it apart from `other`'s: the SDPA backend, or the differing params."""
     if x["family"] != "flash_fwd_sm90" or other["family"] != x["family"]:
@@ -79,12 +97,13 @@ def cross(own_paths: list[str], other_path: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("models", "cross"))
+    ap.add_argument("what", choices=("models", "peers", "cross"))
     ap.add_argument("files", nargs="+")
     a = ap.parse_args(argv)
     if a.what == "cross" and len(a.files) < 2:
         ap.error("cross takes this GPU's bench files, then the other GPU's")
-    print(models(a.files[0]) if a.what == "models" else cross(a.files[:-1], a.files[-1]))
+    print(models(a.files[0]) if a.what == "models" else peers(a.files[0]) if a.what == "peers"
+          else cross(a.files[:-1], a.files[-1]))
     return 0
 
 
