@@ -108,6 +108,15 @@ for step in $steps; do
               --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name.json" 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"
           done ;;&
+    sweep) # every valid flash_fwd_sm90 point of SWEEP_SHAPES (bf16), one database: replay fixtures for sampler studies
+          rm -f /tmp/flashtune/sweep.db
+          for sh in ${SWEEP_SHAPES:-1,16,16384,128,causal 4,8,4096,256,causal}; do
+            tuner precompile --family flash_fwd_sm90 --dtype bf16 --shape $sh 2>&1 | tail -1
+            TUNER_DB=sqlite:////tmp/flashtune/sweep.db timeout ${SWEEP_TIMEOUT:-330} python3 -m tuner.cli search --gpu auto \
+              --family flash_fwd_sm90 --dtype bf16 --shape $sh --sampler grid --trials 5000 --no-peers \
+              --lookup /tmp/flashtune/sweep.json 2>&1 | grep -E "^│" | tee -a "$OUT/sweep.log"
+          done
+          gzip -c /tmp/flashtune/sweep.db > "$OUT/sweep.db.gz" ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
