@@ -112,11 +112,13 @@ for step in $steps; do
           rm -f /tmp/flashtune/sweep.db
           for sh in ${SWEEP_SHAPES:-1,16,16384,128,causal 4,8,4096,256,causal}; do
             tuner precompile --family flash_fwd_sm90 --dtype bf16 --shape $sh 2>&1 | tail -1
-            TUNER_DB=sqlite:////tmp/flashtune/sweep.db timeout ${SWEEP_TIMEOUT:-330} python3 -m tuner.cli search --gpu auto \
+            # --timeout stops asking for points (graceful: every measured point is stored); the
+            # database goes to $OUT after each shape, so a call cut short keeps what it measured
+            TUNER_DB=sqlite:////tmp/flashtune/sweep.db python3 -m tuner.cli search --gpu auto \
               --family flash_fwd_sm90 --dtype bf16 --shape $sh --sampler grid --trials 5000 --no-peers \
-              --lookup /tmp/flashtune/sweep.json 2>&1 | grep -E "^│" | tee -a "$OUT/sweep.log"
-          done
-          gzip -c /tmp/flashtune/sweep.db > "$OUT/sweep.db.gz" ;;&
+              --timeout ${SWEEP_TIMEOUT:-240} --lookup /tmp/flashtune/sweep.json 2>&1 | grep -E "^│" | tee -a "$OUT/sweep.log"
+            gzip -c /tmp/flashtune/sweep.db > "$OUT/sweep.db.gz"
+          done ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
