@@ -230,6 +230,8 @@ class Search:
         trial.set_user_attr("source", source)
         trial.set_user_attr("counted", counted)
         if m.ok and m.tflops:
+            if _SET_CONSTRAINT:   # every complete trial carries the constraint (GPSampler requires it)
+                trial.set_constraint("check", 0.0)
             exhausted = _tell(study, trial, m.tflops)
         elif m.status == "invalid":   # a constraint violation: its value (0) ranks nothing
             trial.set_user_attr("violation", 1.0)
