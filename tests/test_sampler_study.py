@@ -30,14 +30,14 @@ def test_first_within():
 
 @pytest.mark.parametrize("sampler", ["tpe", "random"])
 def test_a_replayed_search_reproduces_the_reported_trial_counts(sampler):
-    """Seeds 0 and 1 of the committed report, run again through the replay of the sweep."""
+    """Seed 0 of the committed report, run again through the replay of the sweep (each sampler)."""
     from tuner.problem import Problem
 
     study = _study()
     report = json.loads(REPORT.read_text())
     url = f"sqlite:///{FIXTURE}"
     problem = Problem.from_key(report["problem"])
-    for seed in (0, 1):
+    for seed in (0,):
         curve = study.run(url, report["family"], problem, sampler, seed, report["budget"])
         assert curve == sorted(curve) and len(curve) <= report["budget"]
         for within, trials in report["samplers"][sampler].items():
