@@ -278,7 +278,8 @@ def test_cli_problems_take_fp8():
     from tuner.cli import UserError, _problems
 
     defaults = _problems([], "fp8")   # the standard grid first, then the model table's shapes
-    assert defaults[:12] == standard_grid("fp8") and len(defaults) > 12 and {p.dtype for p in defaults} == {"fp8"}
+    grid = standard_grid("fp8")
+    assert defaults[:len(grid)] == grid and len(defaults) > len(grid) and {p.dtype for p in defaults} == {"fp8"}
     assert _problems(["1,2,128,64,causal"], "fp8") == [Problem(1, 2, 128, 128, 64, "fp8", True)]
     with pytest.raises(UserError, match="--dtype must be one of fp32, fp16, bf16, fp8, got 'e4m3'"):
         _problems([], "e4m3")
