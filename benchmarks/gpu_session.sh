@@ -91,17 +91,18 @@ for step in $steps; do
     fa4bench) # the issue-22 figure: grid (d=256 tuned here first) and model shapes, served from the lookup,
               # against SDPA flash, SDPA cuDNN and FlashAttention-4 in the same run
           grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json
-          shapes() { python3 -c "import sys; from tuner.problem import standard_grid as g; print(' '.join(f'--shape {p.batch},{p.heads},{p.seqlen_q},{p.head_dim}' + (',causal' if p.causal else '') for p in g(sys.argv[1]) if p.head_dim in eval(sys.argv[2])))" "$@"; }
+          shapes() {   # the standard grid of dtype $1 at the head dims that follow, as --shape arguments
+            python3 -c "import sys; from tuner.problem import standard_grid as g; print(' '.join(f'--shape {p.batch},{p.heads},{p.seqlen_q},{p.head_dim}' + (',causal' if p.causal else '') for p in g(sys.argv[1]) if str(p.head_dim) in sys.argv[2:]))" "$@"; }
           if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100 80GB HBM3"; then
             python3 benchmarks/results_db.py $grid "$TUNER_DB" | tee -a "$OUT/fa4.log"
           fi
           for dt in bf16 fp16; do
             tuner precompile --family flash_fwd_sm90 --dtype $dt --shape 1,8,2048,256 --shape 1,8,2048,256,causal 2>&1 | tail -1
-            timeout 150 python3 -m tuner.cli search --gpu auto --family flash_fwd_sm90 --dtype $dt $(shapes $dt "(256,)") \
+            timeout 150 python3 -m tuner.cli search --gpu auto --family flash_fwd_sm90 --dtype $dt $(shapes $dt 256) \
               --trials "${TRIALS:-12}" --timeout 100 --lookup /tmp/flashtune/fa4.json 2>&1 | grep -E "^│" | tee -a "$OUT/fa4.log"
           done
           models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
-          for what in "bf16:$(shapes bf16 '(64, 128, 256)')" "fp16:$(shapes fp16 '(64, 128, 256)')" "models:$models"; do
+          for what in "bf16:$(shapes bf16 64 128 256)" "fp16:$(shapes fp16 64 128 256)" "models:$models"; do
             name=${what%%:*}; args=${what#*:}; dt=$([ "$name" = fp16 ] && echo fp16 || echo bf16)
             case " ${FA4_WHAT:-bf16 fp16 models} " in *" $name "*) ;; *) continue ;; esac
             timeout ${FA4_BENCH_TIMEOUT:-200} python3 -m tuner.cli bench --gpu auto --dtype $dt $args --lookup /tmp/flashtune/fa4.json \

@@ -48,15 +48,15 @@ def shortlist(problem: Problem, gpu: GpuSpec, entries: list[dict]) -> list[dict]
     """What to time: the first MAX_CONFIGS distinct tuned configs of `entries` (nearest first),
     and every SDPA backend the dispatcher can run that takes the case."""
     from .records import params_key
-    from .torch_attention import BACKENDS, Case
+    from .torch_attention import takes_problem
 
     configs: dict[tuple[str, str], dict] = {}
     for e in entries:
         if e["family"] in DISPATCHED_PEERS or len(configs) >= MAX_CONFIGS:
             continue
         configs.setdefault((e["family"], params_key(e["params"])), e)
-    case = Case.of_problem(problem, (gpu.major, gpu.minor))
-    peers = [{"family": f, "params": {}} for f, b in DISPATCHED_PEERS.items() if BACKENDS[b].why_not(case) is None]
+    cc = (gpu.major, gpu.minor)
+    peers = [{"family": f, "params": {}} for f, b in DISPATCHED_PEERS.items() if takes_problem(b, problem, cc)]
     return list(configs.values()) + peers
 
 

@@ -117,7 +117,7 @@ class Dispatcher:
         self._gpus: dict[int, object] = {}
         self._warned: set[str] = set()
         self._ignored = ""  # why the lookup file was ignored: the one warning its fallbacks give
-        self._user_buckets: set[tuple[str, str]] | None = None   # (GPU, bucket)s the user's own lookup serves
+        self._user_buckets: set[tuple[str, str]] = set()   # (GPU, bucket)s the user's own lookup serves (_load_table)
         self._lock = threading.Lock()
         self._warn_lock = threading.Lock()  # _warn runs under _lock (plan) and outside it (fallback)
 
@@ -127,6 +127,7 @@ class Dispatcher:
         from .export import default_lookup_path, shipped_lookups
 
         table = self._read(Path(self._path) if self._path else default_lookup_path())
+        self._user_buckets = set(table)
         for path in shipped_lookups():
             for slot, entries in self._read(path).items():
                 table.setdefault(slot, entries)
@@ -157,8 +158,7 @@ class Dispatcher:
             slot = self._table.setdefault((gpu_key, e["bucket"]), [])
             slot[:] = [x for x in slot if x["family"] != e["family"]] + [e]
             slot.sort(key=lambda x: -x["tflops"])
-            if self._user_buckets is not None:
-                self._user_buckets.add((gpu_key, e["bucket"]))
+            self._user_buckets.add((gpu_key, e["bucket"]))
         self._plans.clear()   # shapes of these buckets choose again
 
     def _gpu(self, index: int):
@@ -202,10 +202,10 @@ class Dispatcher:
         """Whether entry `e` can run `problem` on `gpu`: its family's check, or its SDPA backend's."""
         from .kernel_templates import FAMILIES
         from .peers import DISPATCHED_PEERS
-        from .torch_attention import BACKENDS, Case
+        from .torch_attention import takes_problem
 
         if (backend := DISPATCHED_PEERS.get(e["family"])) is not None:
-            return BACKENDS[backend].why_not(Case.of_problem(problem, (gpu.major, gpu.minor))) is None
+            return takes_problem(backend, problem, (gpu.major, gpu.minor))
         fam = FAMILIES.get(e["family"])
         return fam is not None and fam.check(e["params"], gpu, problem) is None
 
@@ -247,10 +247,8 @@ class Dispatcher:
     def _user_tuned(self, gpu, problem: Problem) -> bool:
         """Whether the user's own lookup (or an autotune of this process) serves `problem`'s bucket;
         the shipped lookups do not count: their entries are candidates to time, not answers."""
-        if self._user_buckets is None:
-            from .export import default_lookup_path
-
-            self._user_buckets = set(self._read(Path(self._path) if self._path else default_lookup_path()))
+        if self._table is None:
+            self._table = self._load_table()
         return (gpu.key, problem.bucket().key) in self._user_buckets
 
     def plan(self, q, k, v, causal: bool | str = False, max_error: float | None = None) -> Plan:

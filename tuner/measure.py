@@ -11,7 +11,7 @@ from .gpu import GpuSpec
 from .launch import LaunchError, LoadedKernel, launch_on, raw_stream
 from .peers import FA4, SDPA_BACKENDS, peer_dtype
 from .problem import Problem, torch_dtype
-from .records import CompiledKernel, Measurement, SideBySide
+from .records import CompiledKernel, Measurement, SideBySide, one_line
 from .reference import attention_fp64, compare
 from .timing import Timer, Timing
 
@@ -122,8 +122,7 @@ def prepare_fa4(problem: Problem, seed: int) -> Prepared:
     except DeviceFault:
         raise
     except Exception as exc:
-        return None, Measurement("launch_error", message=str(exc).strip().splitlines()[0][:300] if str(exc).strip()
-                                 else type(exc).__name__)
+        return None, Measurement("launch_error", message=one_line(exc)[:300])
     if not err.within(problem.rel_budget):
         return None, Measurement("wrong_result", message=f"error over budget: rel {err.rel:.3g}", rel_err=err.rel,
                                  max_abs_err=err.max_abs)
@@ -161,7 +160,7 @@ def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:
     except DeviceFault:
         raise
     except Exception as exc:  # backend not available for this shape/dtype/GPU
-        return None, Measurement("launch_error", message=str(exc).strip().splitlines()[0][:300])
+        return None, Measurement("launch_error", message=one_line(exc)[:300])
     return run, Measurement("ok", rel_err=err.rel, max_abs_err=err.max_abs)
 
 

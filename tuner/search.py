@@ -10,8 +10,9 @@ A new study starts from the best configs of the nearest problems this family was
 (tuner.nearest: same GPU, dtype, head dim, mask), then the family's default and seeds; those
 compile ahead of the GPU (Runner.prefetch), and so does every later point: where the runner
 compiles, the next trial is asked before this one is measured (TPE with a constant liar, so it
-looks elsewhere), and its kernel compiles in the background meanwhile. Over several families, `tune_all` measures every
-family's starts first and drops the ones far behind the best (DROP_BELOW) for that problem.
+looks elsewhere), and its kernel compiles in the background meanwhile. Over several families,
+`tune_all` measures every family's starts first and drops the ones far behind the best
+(DROP_BELOW) for that problem.
 """
 
 from __future__ import annotations

@@ -258,6 +258,11 @@ CUDNN = Backend("cudnn", _cudnn_why_not, _cudnn_forward, _cudnn_backward)
 FLASH = Backend("flash", _flash_why_not, _flash_forward, _flash_backward)
 EFFICIENT = Backend("efficient", _efficient_why_not, _efficient_forward, _efficient_backward)
 MATH = Backend("math", _math_why_not, _math_forward, _math_backward)
+def takes_problem(name: str, problem, cc: tuple[int, int]) -> bool:
+    """Whether backend `name` (BACKENDS) runs `problem` on a GPU of compute capability `cc`."""
+    return BACKENDS[name].why_not(Case.of_problem(problem, cc)) is None
+
+
 def no_key_rows(q, k, causal: bool | str) -> int:
     """How many leading query rows see no key at all: Nq - Nk under the bottom-right mask."""
     return max(0, q.shape[2] - k.shape[2]) if mask_of(causal) == "causal_br" else 0
