@@ -182,10 +182,23 @@ def test_bucket_rounds_seqlen_and_work():
     assert Problem(2, 128, 128, 128, 64).bucket().work == "large"
 
 
-@pytest.mark.parametrize("a,b", [(1000, 1024), (513, 1024), (129, 256), (1, 128), (4097, 8192)])
+@pytest.mark.parametrize("a,b", [(1000, 1024), (513, 1024), (129, 256), (65, 128), (4097, 8192)])
 def test_same_bucket(a, b):
     pa, pb = Problem(4, 12, a, a, 64, "fp16", True), Problem(4, 12, b, b, 64, "fp16", True)
     assert pa.bucket() == pb.bucket() and pa.bucket().key == pb.bucket().key
+
+
+def test_decode_buckets_its_queries_from_one():
+    """Up to DECODE_QUERIES queries, Nq rounds to a power of two from 1: one token against a cache
+    is not bucketed with a prefill of 128 queries, which other configs serve."""
+    key = lambda nq: Problem(32, 32, nq, 8192, 128, "bf16", "causal_br", 8).bucket().key
+    assert key(1) == "bf16/d128/causal_br/n1x8192/large"
+    assert key(3) == key(4) == "bf16/d128/causal_br/n4x8192/large"
+    assert key(16) != key(17) and key(64) == "bf16/d128/causal_br/n64x8192/large"
+    assert key(65) == key(128) == "bf16/d128/causal_br/n128x8192/large"
+    for nq in (1, 2, 5, 16, 64):
+        b = Problem(32, 32, nq, 8192, 128, "bf16", "causal_br", 8).bucket()
+        assert Bucket.from_key(b.key) == b
 
 
 @pytest.mark.parametrize("a,b", [(1024, 1025), (2048, 1024), (128, 129)])

@@ -219,13 +219,24 @@ def _seqlen_bucket(n: int) -> int:
     return max(128, _pow2_ceil(n))
 
 
+# Up to this many queries a call is decode (one token, or a few speculated ones, per sequence):
+# its Nq is bucketed by powers of two from 1, not from 128, since its configs (flash_decode's) are
+# not a prefill's.
+DECODE_QUERIES = 64
+
+
+def _query_bucket(n: int) -> int:
+    return _pow2_ceil(n) if n <= DECODE_QUERIES else _seqlen_bucket(n)
+
+
 @dataclass(frozen=True, order=True)
 class Bucket:
     """The shape class a tuned config serves.
 
     Configs depend on the head dim, dtype and mask exactly, and on the sequence lengths and the
     amount of parallel work only coarsely, so each length is rounded up to a power of two (min
-    128) and the work (batch x heads) to one of three sizes. Nq and Nk are rounded apart: a chunk
+    128; Nq of a decode call, up to DECODE_QUERIES, from 1) and the work (batch x heads) to one of
+    three sizes. Nq and Nk are rounded apart: a chunk
     of 512 queries against a cache of 8192 keys wants another config than 8192 against 8192.
     """
 
@@ -247,7 +258,7 @@ class Bucket:
         bh = p.batch * p.heads
         work = "small" if bh < 32 else ("medium" if bh < 256 else "large")
         return cls(p.dtype, p.head_dim, p.mask, _seqlen_bucket(p.seqlen_k), work, p.max_error,
-                   _seqlen_bucket(p.seqlen_q))
+                   _query_bucket(p.seqlen_q))
 
     @property
     def causal(self) -> bool:
