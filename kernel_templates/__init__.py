@@ -14,11 +14,12 @@ import os
 
 from tuner.family import KernelFamily
 
+from .flash_decode import FAMILY as _DECODE
 from .flash_fwd_mma import FAMILY as _MMA
 from .flash_fwd_sm90 import FAMILY as _SM90
 from .flash_fwd_simt import FAMILY as _SIMT
 
-FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA, _SM90)}
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA, _SM90, _DECODE)}
 EXTRA_ENV = "TUNER_EXTRA_FAMILIES"
 
 

@@ -61,7 +61,11 @@ class KernelFamily(ABC):
     head_dims: tuple[int, ...] = ()
     # The masks its kernel runs (problem.MASKS): IS_CAUSAL, and MASK_BR for the bottom-right diagonal.
     masks: tuple[str, ...] = MASKS
+    max_queries: int = 0   # the most queries per sequence it serves (a decode family); 0: any
     space: dict[str, tuple] = {}
+    # Parameters that only shape the launch (flash_decode's splits): points differing in them alone
+    # share one cubin.
+    launch_params: tuple[str, ...] = ()
 
     # ---- what the search explores ----
     def points(self) -> list[dict]:
@@ -82,6 +86,8 @@ class KernelFamily(ABC):
             return f"{self.name} supports head dim {', '.join(map(str, self.head_dims))}, not {problem.head_dim}"
         if problem.mask not in self.masks:
             return f"{self.name} runs the masks {', '.join(self.masks)}, not {problem.mask}"
+        if self.max_queries and problem.seqlen_q > self.max_queries:
+            return f"{self.name} serves at most {self.max_queries} queries per sequence (decode), not {problem.seqlen_q}"
         return None
 
     @staticmethod

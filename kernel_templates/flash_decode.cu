@@ -1,0 +1,306 @@
+// flash_decode: attention for a few queries against many keys (decode, speculative decode, short
+// chunks against a KV cache), on tensor cores (mma.sync m16n8k16), fp16/bf16 in, fp32 accumulation.
+//
+// Memory-bound by design: each key's K and V row must cross from memory once, so
+// - the query rows of all heads that share one K/V head are packed into one tile (row r is query
+//   r / group of head hk * group + r % group): a K/V head is read once for its whole group, not once
+//   per query head;
+// - the keys are split across CTAs (gridDim.z splits of whole tiles) so that a small batch still
+//   fills the GPU; each split writes its O (normalized, fp32) and LSE to a workspace, and the last
+//   split of a tile to finish (a self-resetting arrival counter) merges them by their LSE;
+// - inside a CTA, the WARPS warps take different keys of each stage (BC each) rather than
+//   different rows, and their partial softmax states are merged through shared memory at the end.
+// K/V stages come through a STAGES-deep cp.async ring; rows are addressed one by one, so a paged
+// cache (PAGED=1: key j of sequence b lives in page block_table[b][j / page_size], row j % page_size;
+// k_sb / v_sb are then the page strides) costs one table read per row. `seqused_k` (where not null)
+// gives each sequence its own number of valid keys; the causal diagonal is that length's.
+//
+// Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM IN_DTYPE IS_CAUSAL MASK_BR PAGED.
+#include "mma.cuh"
+#include "softmax.cuh"
+
+using T = typename Elem<IN_DTYPE>::type;
+constexpr int NT = WARPS * 32;
+constexpr int ROWS = 16 * MT;             // packed query rows per CTA
+constexpr int TK = WARPS * BC;            // keys per stage
+constexpr int NTILES = BC / 8;            // n8 tiles of a warp's S
+constexpr int DTILES = HEAD_DIM / 8;      // n8 tiles of O
+constexpr int KSTEPS = HEAD_DIM / 16;     // k16 steps of S = Q K^T
+constexpr int PSTEPS = BC / 16;           // k16 steps of O += P V
+constexpr int CHUNKS = HEAD_DIM / 8;      // 16-byte chunks per row
+constexpr int STAGE_ELEMS = TK * HEAD_DIM;
+
+static_assert(BC % 16 == 0, "BC must be a multiple of 16");
+static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
+static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "16-bit inputs");
+
+FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8; }
+
+// The first element of key j's row of K or V for sequence b, K/V head hk.
+FT_DEVICE const T* key_row(const T* base, long long sb, long long sh, long long sn, int b, int hk, int j,
+                           const int* __restrict__ block_table, int page_size, int bt_stride) {
+  if constexpr (PAGED) {
+    const int page = __ldg(block_table + static_cast<long long>(b) * bt_stride + j / page_size);
+    return base + page * sb + hk * sh + (j % page_size) * sn;
+  } else {
+    return base + b * sb + hk * sh + static_cast<long long>(j) * sn;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1)
+flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restrict__ part_lse,
+             int* __restrict__ arrivals, const int* __restrict__ seqused_k, const int* __restrict__ block_table,
+             int page_size, int bt_stride) {
+  extern __shared__ float4 smem4[];
+  T* Qs = reinterpret_cast<T*>(smem4);
+  T* Ks = Qs + ROWS * HEAD_DIM;
+  T* Vs = Ks + STAGES * STAGE_ELEMS;
+  __shared__ float row_m[ROWS], row_l[ROWS];
+  __shared__ int last_flag;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int hkv = heads / kv_group;
+  const int b = blockIdx.x / hkv, hk = blockIdx.x % hkv;
+  const int split = blockIdx.z, splits = gridDim.z;
+  const int packed = kv_group * nq;                 // query rows that share this K/V head
+  const int r0 = blockIdx.y * ROWS;                 // this CTA's first packed row
+  const int nk_b = seqused_k != nullptr ? min(seqused_k[b], nk) : nk;
+  const int shift = MASK_BR ? nk_b - nq : 0;        // the diagonal: key j <= query + shift
+  const int last_query = min(nq - 1, (r0 + ROWS - 1) / kv_group);
+  const int kv_end = IS_CAUSAL ? max(0, min(nk_b, last_query + shift + 1)) : nk_b;
+  const int ntiles = (kv_end + TK - 1) / TK;
+  const int per_split = (ntiles + splits - 1) / splits;
+  const int t_begin = split * per_split, t_end = min(ntiles, t_begin + per_split);
+  const float c = scale_log2;
+
+  // ---- Q: the packed rows, zeros past the group's last ----
+  for (int idx = tid; idx < ROWS * CHUNKS; idx += NT) {
+    const int r = idx / CHUNKS, ch = idx % CHUNKS, pr = r0 + r;
+    const bool ok = pr < packed;
+    const int qi = ok ? pr / kv_group : 0, h = hk * kv_group + (ok ? pr % kv_group : 0);
+    cp_async16(at(Qs, r, ch), q + b * q_sb + h * q_sh + qi * q_sn + ch * 8, ok);
+  }
+  auto issue_kv = [&](int t) {
+    if (t < t_end) {
+      T* kd = Ks + (t % STAGES) * STAGE_ELEMS;
+      T* vd = Vs + (t % STAGES) * STAGE_ELEMS;
+      // not unrolled: unrolled, ptxas keeps every iteration's row offsets in registers across
+      // stages (2 x 64-bit per row, +40-70 registers at BC=32-64) for a loop that waits on memory
+#pragma unroll 1
+      for (int idx = tid; idx < TK * CHUNKS; idx += NT) {
+        const int r = idx / CHUNKS, ch = idx % CHUNKS, j = t * TK + r;
+        const bool ok = j < nk_b;
+        const int jj = ok ? j : 0;
+        cp_async16(at(kd, r, ch), key_row(k, k_sb, k_sh, k_sn, b, hk, jj, block_table, page_size, bt_stride) + ch * 8, ok);
+        cp_async16(at(vd, r, ch), key_row(v, v_sb, v_sh, v_sn, b, hk, jj, block_table, page_size, bt_stride) + ch * 8, ok);
+      }
+    }
+    cp_async_commit();   // empty groups keep the wait counts uniform
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_kv(t_begin + s);
+
+  // Each thread's last visible key per fragment row (mt, half): the sequence's end, and the diagonal.
+  int lim[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int pr = r0 + mt * 16 + lane / 4 + hh * 8;
+      lim[mt][hh] = IS_CAUSAL ? min(nk_b - 1, min(pr / kv_group, nq - 1) + shift) : nk_b - 1;
+    }
+
+  float o_acc[MT][DTILES][4], m[MT][2], l[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) { m[mt][hh] = FT_NEG_INF; l[mt][hh] = 0.f; }
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[mt][dt][e] = 0.f;
+  }
+
+  for (int t = t_begin; t < t_end; ++t) {
+    cp_async_wait<STAGES - 2>();   // stage t (and Q) have landed
+    __syncthreads();
+    issue_kv(t + STAGES - 1);      // into the buffer stage t-1 just freed
+    const T* Kt = Ks + (t % STAGES) * STAGE_ELEMS;
+    const T* Vt = Vs + (t % STAGES) * STAGE_ELEMS;
+    const int krow0 = warp * BC;               // this warp's keys within the stage
+    const int key0 = t * TK + krow0;           // ... and their absolute index
+    if (key0 > kv_end - 1) continue;           // nothing visible for this warp in this stage
+
+    float s[MT][NTILES][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      unsigned qf[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(qf[mt], smem_addr(at(Qs, mt * 16 + lane % 16, ks * 2 + lane / 16)));
+#pragma unroll
+      for (int np = 0; np < NTILES / 2; ++np) {
+        unsigned bf[4];
+        ldmatrix_x4(bf, smem_addr(at(const_cast<T*>(Kt), krow0 + np * 16 + lane % 8 + (lane / 16) * 8, ks * 2 + (lane / 8) % 2)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<IN_DTYPE>(s[mt][2 * np], qf[mt], bf[0], bf[1]);
+          mma16816<IN_DTYPE>(s[mt][2 * np + 1], qf[mt], bf[2], bf[3]);
+        }
+      }
+    }
+    // mask: past the sequence's end, and (causal) past each row's diagonal
+    const int c0 = key0 + 2 * (lane % 4);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (c0 + nt * 8 + (e & 1) > lim[mt][e / 2]) s[mt][nt][e] = FT_NEG_INF;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) softmax_step(s[mt], o_acc[mt], m[mt], l[mt], c);
+#pragma unroll
+    for (int ps = 0; ps < PSTEPS; ++ps) {
+      unsigned pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) p_fragment<IN_DTYPE>(pa[mt], s[mt], ps);
+#pragma unroll
+      for (int dp = 0; dp < DTILES / 2; ++dp) {
+        unsigned bf[4];
+        ldmatrix_x4_trans(bf, smem_addr(at(const_cast<T*>(Vt), krow0 + ps * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16)));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma16816<IN_DTYPE>(o_acc[mt][2 * dp], pa[mt], bf[0], bf[1]);
+          mma16816<IN_DTYPE>(o_acc[mt][2 * dp + 1], pa[mt], bf[2], bf[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();   // every warp is done with the K/V ring: it becomes the merge buffer
+
+  // ---- merge the warps: per row, M = max of the warps' maxima, each warp's O scaled to M ----
+  float* red_m = reinterpret_cast<float*>(Ks);          // [WARPS][ROWS]
+  float* red_l = red_m + WARPS * ROWS;                  // [WARPS][ROWS]
+  float* red_o = red_l + WARPS * ROWS;                  // [WARPS][ROWS][HEAD_DIM]
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float lsum = group_sum<4>(l[mt][hh]);
+      if (lane % 4 == 0) {
+        const int r = mt * 16 + lane / 4 + hh * 8;
+        red_m[warp * ROWS + r] = m[mt][hh];
+        red_l[warp * ROWS + r] = lsum;
+      }
+    }
+  __syncthreads();
+  if (tid < ROWS) {   // the row's merged max and sum, in base-2 units of the scaled scores
+    float mx = FT_NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, red_m[w * ROWS + tid]);
+    const float mu = mx == FT_NEG_INF ? 0.f : mx * c;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) sum += red_l[w * ROWS + tid] * fast_exp2(red_m[w * ROWS + tid] * c - mu);
+    row_m[tid] = mu;
+    row_l[tid] = sum;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = mt * 16 + lane / 4 + hh * 8;
+      const float f = fast_exp2(m[mt][hh] * c - row_m[r]);   // 0 for a warp that saw nothing of the row
+#pragma unroll
+      for (int dt = 0; dt < DTILES; ++dt)
+        *reinterpret_cast<float2*>(red_o + (warp * ROWS + r) * HEAD_DIM + dt * 8 + 2 * (lane % 4)) =
+            make_float2(o_acc[mt][dt][2 * hh] * f, o_acc[mt][dt][2 * hh + 1] * f);
+    }
+  __syncthreads();
+
+  // ---- this split's rows: O / l and the LSE, final where there is one split ----
+  const long long bhq0 = static_cast<long long>(b) * heads * nq;   // (b, 0, 0) in the (B, H, Nq) rows
+  const long long all_rows = static_cast<long long>(gridDim.x / hkv) * heads * nq;
+  for (int idx = tid; idx < ROWS * (HEAD_DIM / 4); idx += NT) {
+    const int r = idx / (HEAD_DIM / 4), c4 = idx % (HEAD_DIM / 4) * 4, pr = r0 + r;
+    if (pr >= packed) continue;
+    const int qi = pr / kv_group, h = hk * kv_group + pr % kv_group;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float4 x = *reinterpret_cast<const float4*>(red_o + (w * ROWS + r) * HEAD_DIM + c4);
+      acc[0] += x.x; acc[1] += x.y; acc[2] += x.z; acc[3] += x.w;
+    }
+    const float inv = inv_row_sum(row_l[r]);
+    const float lse_row = row_l[r] > 0.f ? (row_m[r] + __log2f(row_l[r])) * FT_LN2 : FT_NEG_INF;
+    const long long grow = bhq0 + static_cast<long long>(h) * nq + qi;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] *= inv;
+    if (splits == 1) {
+      store_n<IN_DTYPE, 4>(o + b * o_sb + h * o_sh + qi * o_sn + c4, acc);
+      if (c4 == 0) lse[grow] = lse_row;
+    } else {
+      *reinterpret_cast<float4*>(part_o + (split * all_rows + grow) * HEAD_DIM + c4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      if (c4 == 0) part_lse[split * all_rows + grow] = lse_row;
+    }
+  }
+  if (splits == 1) return;
+
+  // ---- the last split of this (sequence, K/V head, row block) to arrive merges all of them ----
+  __threadfence();   // this split's partials are visible device-wide before it counts itself in
+  __syncthreads();
+  int* arrival = arrivals + blockIdx.x * gridDim.y + blockIdx.y;
+  if (tid == 0) {
+    const int before = atomicAdd(arrival, 1);
+    last_flag = before == splits - 1;
+    if (last_flag) *arrival = 0;   // ready for the next launch on this stream: no memset
+  }
+  __syncthreads();
+  if (!last_flag) return;
+  __threadfence();
+  // per row: the merged LSE over the splits (a warp per row, lanes over splits)
+  for (int r = warp; r < ROWS; r += WARPS) {
+    const int pr = r0 + r;
+    if (pr >= packed) break;
+    const long long grow = bhq0 + static_cast<long long>(hk * kv_group + pr % kv_group) * nq + pr / kv_group;
+    float mx = FT_NEG_INF;
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(part_lse + s * all_rows + grow));
+    mx = group_max<32>(mx);
+    float sum = 0.f;
+    if (mx != FT_NEG_INF)
+      for (int s = lane; s < splits; s += 32) sum += fast_exp2((__ldcg(part_lse + s * all_rows + grow) - mx) * (1.f / FT_LN2));
+    sum = group_sum<32>(sum);
+    if (lane == 0) {
+      const float merged = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
+      row_m[r] = merged;
+      lse[grow] = merged;
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < ROWS * (HEAD_DIM / 4); idx += NT) {
+    const int r = idx / (HEAD_DIM / 4), c4 = idx % (HEAD_DIM / 4) * 4, pr = r0 + r;
+    if (pr >= packed) continue;
+    const int qi = pr / kv_group, h = hk * kv_group + pr % kv_group;
+    const long long grow = bhq0 + static_cast<long long>(h) * nq + qi;
+    const float merged = row_m[r];
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    if (merged != FT_NEG_INF) {
+      for (int s = 0; s < splits; ++s) {
+        const float ls = __ldcg(part_lse + s * all_rows + grow);
+        if (ls == FT_NEG_INF) continue;
+        const float w = fast_exp2((ls - merged) * (1.f / FT_LN2));
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(part_o + (s * all_rows + grow) * HEAD_DIM + c4));
+        acc[0] += w * x.x; acc[1] += w * x.y; acc[2] += w * x.z; acc[3] += w * x.w;
+      }
+    }
+    store_n<IN_DTYPE, 4>(o + b * o_sb + h * o_sh + qi * o_sn + c4, acc);
+  }
+}

@@ -1,0 +1,206 @@
+"""flash_decode: a few queries against many keys (decode), split across CTAs by keys.
+
+Parameters: BC keys per warp per stage, the warps of a CTA (each takes its own keys of a stage),
+the depth of the cp.async ring, `MT` m16 tiles of packed query rows per CTA (the query rows of the
+heads that share a K/V head, all queries of a sequence: group x Nq rows), and `splits`, how many
+CTAs share one sequence's keys (0: as many as fill the GPU once, `auto_splits`). Serves problems
+of at most MAX_QUERIES queries; prefill belongs to the other families.
+"""
+
+from __future__ import annotations
+
+from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div
+from tuner.gpu import GpuSpec
+from tuner.launch import ATTENTION_PARAMS
+from tuner.problem import DECODE_QUERIES, Problem
+
+MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decode (~16), short chunks
+MAX_SPLITS = 128
+_MAX_REGS = 255
+
+
+def stage_keys(params: dict) -> int:
+    """Keys a CTA reads per stage: BC for each warp."""
+    return params["Bc"] * params["warps"]
+
+
+def row_blocks(params: dict, problem: Problem) -> int:
+    """CTAs per (sequence, K/V head) along the packed query rows."""
+    group = problem.heads // problem.kv_heads
+    return ceil_div(group * problem.seqlen_q, 16 * params["MT"])
+
+
+def auto_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int) -> int:
+    """The fewest splits whose last wave of CTAs is nearly as full as the best count's: a partly
+    filled last wave leaves SMs idle on a memory-bound kernel (B8 x 8 K/V heads on 132 SMs: 3
+    splits are 1.45 waves, 2 splits 0.97), and each split beyond that adds partials to merge.
+    Each split keeps at least one stage of keys."""
+    ctas = problem.batch * problem.kv_heads * row_blocks(params, problem)
+    per_sm = max(1, min(gpu.smem_per_sm // (smem + 1024) if gpu.smem_per_sm else 1, 2048 // (32 * params["warps"])))
+    slots = gpu.sm_count * per_sm
+    most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, stage_keys(params)), ceil_div(4 * slots, ctas)))
+
+    def fill(s: int) -> float:   # busy share of the SM slots over the waves of ctas x s CTAs
+        return ctas * s / (ceil_div(ctas * s, slots) * slots)
+
+    best = max(fill(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if fill(s) >= 0.85 * best)
+
+
+class FlashDecode(KernelFamily):
+    name = "flash_decode"
+    kernel_name = "flash_decode"
+    source_file = "flash_decode.cu"
+    min_cc = (8, 0)
+    max_queries = MAX_QUERIES
+    paged = False   # K/V rows through a page table (PagedFlashDecode)
+    dtypes = ("fp16", "bf16")
+    head_dims = (32, 64, 96, 128, 256)
+    space = {
+        "Bc": (16, 32, 64),
+        "warps": (2, 4, 8),
+        "stages": (2, 3, 4),
+        "MT": (1, 2),
+        "splits": (0, 1, 2, 4, 8, 16, 32, 64),
+    }
+    launch_params = ("splits",)
+
+    @staticmethod
+    def register_estimate(params: dict, problem: Problem) -> int:
+        """Fitted to ptxas's reports for sm_90a (d=64/128/256, every point): O's and S's accumulators
+        per m16 tile, and K's fragments that ptxas loads ahead across the k-steps of S = Q K^T
+        (d x Bc / 64 of them, capped where it stops doing so)."""
+        d, bc = problem.head_dim, params["Bc"]
+        return 40 + params["MT"] * (d // 2 + bc) + min(d * bc // 64, 80)
+
+    def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        regs = self.register_estimate(params, problem)
+        if regs > _MAX_REGS:
+            return f"needs about {regs} registers per thread (limit {_MAX_REGS}): it would spill"
+        rows = (problem.heads // problem.kv_heads) * problem.seqlen_q
+        if params["MT"] > 1 and rows <= 16 * (params["MT"] - 1):
+            return f"MT={params['MT']} tiles of 16 rows for {rows} packed query rows: a tile would be empty"
+        tiles = ceil_div(problem.seqlen_k, stage_keys(params))
+        if params["splits"] > tiles:
+            return f"splits={params['splits']} exceeds the {tiles} stages of {stage_keys(params)} keys in Nk={problem.seqlen_k}"
+        return None
+
+    def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
+        # FlashDecoding's shape of work: 4 warps each on its own 16-32 keys, a ring that keeps
+        # 32-64 KB of K/V in flight per CTA in at most ~100 KB (two CTAs per SM), splits picked from
+        # the occupancy
+        mt = 1 if (problem.heads // problem.kv_heads) * problem.seqlen_q <= 16 else 2
+        cands = [(16, 4, 3, mt), (32, 4, 2, mt), (16, 8, 2, mt), (32, 4, 3, mt), (16, 4, 4, mt), (64, 2, 2, 1), (16, 4, 2, 1)]
+        return [dict(Bc=a, warps=b, stages=c, MT=d, splits=0) for a, b, c, d in cands]
+
+    def defines(self, params: dict, problem: Problem) -> dict[str, int]:
+        # `splits` is not here: it is the grid's z, so points that differ in it share one cubin
+        return {
+            "BC": params["Bc"],
+            "WARPS": params["warps"],
+            "STAGES": params["stages"],
+            "MT": params["MT"],
+            "HEAD_DIM": problem.head_dim,
+            "IN_DTYPE": ELEM_CODE[problem.dtype],
+            "PAGED": int(self.paged),
+            **self.mask_defines(problem),
+        }
+
+    def smem_bytes(self, params: dict, problem: Problem) -> int:
+        d, rows = problem.head_dim, 16 * params["MT"]
+        ring = 2 * 2 * params["stages"] * stage_keys(params) * d          # K and V, 2-byte elements
+        merge = 4 * params["warps"] * rows * (d + 2)                       # the warps' O, m and l in fp32
+        return 2 * rows * d + max(ring, merge)
+
+    def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
+        if params["splits"]:
+            return params["splits"]
+        return auto_splits(params, problem, gpu, self.smem_bytes(params, problem))
+
+    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
+        return Launch(
+            grid=(problem.batch * problem.kv_heads, row_blocks(params, problem), self.splits(params, problem, gpu)),
+            block=(params["warps"] * 32, 1, 1),
+            smem_bytes=self.smem_bytes(params, problem),
+        )
+
+    def param_kinds(self, params: dict) -> tuple[str, ...]:
+        # the splits' O and LSE, their arrival counters, the per-sequence key counts and the page
+        # table (null where absent), the page size and the table's row stride
+        return ATTENTION_PARAMS + ("ptr",) * 5 + ("i32",) * 2
+
+    def arg_maker(self, params: dict):
+        from tuner.kernel_templates.decode_workspace import workspace
+        from tuner.launch import attention_args
+
+        shapes: dict[tuple, tuple[int, int, int]] = {}
+
+        def make(q, k, v, o, lse, scale):
+            args = attention_args(q, k, v, o, lse, scale)
+            if args is None:
+                return None
+            key = (q.shape, k.shape, q.dtype, q.device)
+            geometry = shapes.get(key)
+            if geometry is None:
+                geometry = shapes[key] = self._geometry(params, q, k)
+            ctas, splits, rows = geometry
+            if splits == 1:
+                return args + (0, 0, 0, 0, 0, 0, 0)
+            part_o, part_lse, arrivals = workspace(q.device, splits * rows * q.shape[3], splits * rows, ctas)
+            return args + (part_o, part_lse, arrivals, 0, 0, 0, 0)
+
+        return make
+
+    def cache_args(self, params: dict, launch: Launch, q, k, v, o, lse, scale, nk: int, cache_seqlens,
+                   block_table) -> tuple | None:
+        """The kernel's values for a KV-cache call (tuner/kvcache.py): k, v as (B, Hk, N, D) views of
+        dense caches, or of the pages ((num_pages, Hk, page_size, D)) where this family is paged;
+        `nk` the keys a sequence can hold, `cache_seqlens` (B,) int32 how many it holds (or None),
+        `block_table` (B, pages) int32 for a paged cache. None where q, k or v is not kernel-ready."""
+        from tuner.kernel_templates.decode_workspace import workspace
+        from tuner.launch import attention_args
+
+        args = attention_args(q, k, v, o, lse, scale)
+        if args is None:
+            return None
+        args = args[:8] + (nk,) + args[9:]   # the cache's capacity, not a page's rows
+        seqlens = cache_seqlens.data_ptr() if cache_seqlens is not None else 0
+        table = (block_table.data_ptr(), k.shape[2], block_table.stride(0)) if self.paged else (0, 0, 0)
+        grid = launch.grid
+        if grid[2] == 1:
+            return args + (0, 0, 0, seqlens) + table
+        rows = q.shape[0] * q.shape[1] * q.shape[2]
+        part_o, part_lse, arrivals = workspace(q.device, grid[2] * rows * q.shape[3], grid[2] * rows, grid[0] * grid[1])
+        return args + (part_o, part_lse, arrivals, seqlens) + table
+
+    def _geometry(self, params: dict, q, k) -> tuple[int, int, int]:
+        """(CTAs per split, splits, rows of LSE) of a launch on these tensors, as `launch` sizes it."""
+        from tuner.dispatch import problem_of
+        from tuner.gpu import _from_torch
+
+        problem = problem_of(q, k, k, False)
+        grid = self.launch(params, problem, _gpu(q.device.index or 0, _from_torch)).grid
+        return grid[0] * grid[1], grid[2], problem.batch * problem.heads * problem.seqlen_q
+
+
+_gpus: dict[int, GpuSpec] = {}
+
+
+def _gpu(index: int, make) -> GpuSpec:
+    g = _gpus.get(index)
+    if g is None:
+        g = _gpus[index] = make(index)
+    return g
+
+
+class PagedFlashDecode(FlashDecode):
+    """flash_decode on a paged KV cache: the same configs (a tuned flash_decode entry serves it),
+    each K/V row found through the page table. Not searched on its own: tuner/kvcache.py builds it
+    from a flash_decode config."""
+
+    name = "flash_decode_paged"
+    paged = True
+
+
+FAMILY = FlashDecode()
+PAGED = PagedFlashDecode()

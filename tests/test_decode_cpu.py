@@ -1,0 +1,113 @@
+"""The decode path without a GPU: flash_decode's space, checks, split counts and rendering, and
+kvcache_attention's input checks (tests/test_gpu_decode.py runs them)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.kernel_templates import get_family
+from tuner.kernel_templates.flash_decode import MAX_QUERIES, PAGED, auto_splits, stage_keys
+from tuner.kvcache import check_cache_inputs
+from tuner.problem import Problem
+
+FAM = get_family("flash_decode")
+LLAMA_DECODE = Problem(1, 32, 1, 8192, 128, "bf16", "causal_br", 8)
+
+
+def test_prefill_is_refused_by_name():
+    why = FAM.supports(H100_SXM, replace(LLAMA_DECODE, seqlen_q=MAX_QUERIES + 1))
+    assert why and "at most 64 queries" in why
+    assert FAM.supports(H100_SXM, replace(LLAMA_DECODE, seqlen_q=MAX_QUERIES)) is None
+    assert "fp32" in FAM.supports(H100_SXM, replace(LLAMA_DECODE, dtype="fp32"))
+
+
+@pytest.mark.parametrize("gpu", [A100_SXM, H100_SXM], ids=lambda g: g.arch)
+@pytest.mark.parametrize("batch", [1, 8, 32, 128])
+@pytest.mark.parametrize("nk", [1, 1000, 8192, 32768])
+def test_auto_splits_fill_the_gpu_without_empty_splits(gpu, batch, nk):
+    """Splits from the occupancy: at least one stage of keys each, and a last wave at least 85% as
+    full as the best count up to 4 waves would give."""
+    p = replace(LLAMA_DECODE, batch=batch, seqlen_k=nk)
+    params = FAM.default(gpu, p)
+    smem = FAM.smem_bytes(params, p)
+    s = auto_splits(params, p, gpu, smem)
+    tiles = -(-nk // stage_keys(params))
+    assert 1 <= s <= tiles
+    per_sm = min(gpu.smem_per_sm // (smem + 1024), 2048 // (32 * params["warps"]))
+    slots, ctas = gpu.sm_count * per_sm, batch * 8
+    fill = lambda n: ctas * n / (-(-ctas * n // slots) * slots)
+    assert fill(s) >= 0.85 * max(fill(n) for n in range(1, min(tiles, -(-4 * slots // ctas)) + 1)) - 1e-9
+    assert FAM.launch(params, p, gpu).grid == (batch * 8, 1, s)
+
+
+def test_explicit_splits_beyond_the_keys_are_refused():
+    p = replace(LLAMA_DECODE, seqlen_k=100)
+    params = dict(FAM.default(H100_SXM, p), splits=64)
+    why = FAM.check(params, H100_SXM, p)
+    assert why and "splits=64" in why
+
+
+def test_every_valid_point_fits_shared_memory_and_splits_share_a_cubin():
+    for gpu in (A100_SXM, H100_SXM):
+        for d in FAM.head_dims:
+            p = replace(LLAMA_DECODE, head_dim=d, seqlen_q=5)
+            valid = FAM.valid_points(gpu, p)
+            assert valid, (gpu.arch, d)
+            for params in valid:
+                assert FAM.smem_bytes(params, p) <= gpu.smem_per_block_optin
+            a = dict(valid[0], splits=0)
+            b = dict(valid[0], splits=1)
+            assert FAM.render(a, p).split("\n", 1)[1] == FAM.render(b, p).split("\n", 1)[1]
+
+
+def test_packed_rows_decide_the_row_tiles():
+    """Row tiles hold group x Nq packed rows: a second m16 tile must have rows in it."""
+    p = Problem(2, 8, 1, 4096, 128, "bf16", "none", 8)   # one row per K/V head
+    assert "empty" in FAM.check(dict(FAM.default(H100_SXM, p), MT=2), H100_SXM, p)
+    p = Problem(2, 32, 16, 4096, 128, "bf16", "causal_br", 8)   # 4 x 16 = 64 rows: 2 CTAs of 32
+    params = dict(FAM.default(H100_SXM, p), MT=2)
+    assert FAM.check(params, H100_SXM, p) is None
+    assert FAM.launch(params, p, H100_SXM).grid[1] == 2
+
+
+def test_paged_variant_differs_in_one_define():
+    params = FAM.default(H100_SXM, LLAMA_DECODE)
+    a, b = FAM.render(params, LLAMA_DECODE).splitlines(), PAGED.render(params, LLAMA_DECODE).splitlines()
+    assert [(x, y) for x, y in zip(a[1:], b[1:]) if x != y] == [("#define PAGED 0", "#define PAGED 1")]
+    assert PAGED.name not in __import__("tuner.kernel_templates", fromlist=["FAMILIES"]).FAMILIES   # never searched
+
+
+def _cache(b=2, hk=2, n=64, d=64, dtype=torch.float16):
+    q = torch.randn(b, 2 * hk, 1, d, dtype=dtype)
+    k = torch.randn(b, hk, n, d, dtype=dtype)
+    return q, k, k.clone()
+
+
+def test_kvcache_inputs_are_checked_with_one_line_errors():
+    q, k, v = _cache()
+    assert check_cache_inputs(q, k, v, None, None, cuda=False) == (64, 0)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        check_cache_inputs(q, k, v, None, None)
+    lens = torch.tensor([3, 64], dtype=torch.int32)
+    assert check_cache_inputs(q, k, v, lens, None, cuda=False) == (64, 0)
+    bad = [
+        ((q[0], k, v, None, None), "4-D"),
+        ((q, k, v[..., :32], None, None), "shapes differ"),
+        ((q, k[:, :1].expand(2, 3, 64, 64), v[:, :1].expand(2, 3, 64, 64), None, None), "divide"),
+        ((q, k, v, lens.long(), None), "int32"),
+        ((q, k, v, lens[:1], None), "1 rows for a batch of 2"),
+        ((q.float(), k, v, None, None), "share one of"),
+        ((q, k[:1], v[:1], None, None), "block_table"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            check_cache_inputs(*args, cuda=False)
+    pages = torch.randn(10, 2, 16, 64, dtype=torch.float16)   # (num_pages, Hk, page, D)
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    assert check_cache_inputs(q, pages, pages, lens, table, cuda=False) == (64, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        check_cache_inputs(q, pages, pages, lens, table.t().contiguous().t(), cuda=False)
