@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["attention", "sdpa_override", "set_sdpa_override", "set_autotune"]
+__all__ = ["attention", "kvcache_attention", "sdpa_override", "set_sdpa_override", "set_autotune"]
 
 
 def __getattr__(name: str):
@@ -11,6 +11,11 @@ def __getattr__(name: str):
         from .autotune import set_autotune
 
         value = globals()[name] = set_autotune
+        return value
+    if name == "kvcache_attention":
+        from .kvcache import kvcache_attention
+
+        value = globals()[name] = kvcache_attention
         return value
     if name in __all__:
         from . import op

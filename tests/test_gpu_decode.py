@@ -1,0 +1,157 @@
+"""On the GPU: the decode path (flash_decode, kvcache_attention) against float64, on fresh random
+shapes: few queries (1, 2, 5, 16), ragged key counts up to 32k, GQA ratios 1 to 8, per-sequence
+cache lengths (0 and 1 among them), dense and paged caches of several page sizes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from tuner.problem import Problem
+
+pytestmark = pytest.mark.gpu
+
+
+def _random_decode_problem(rng: random.Random, dtype: str, mask: str) -> Problem:
+    kvh, group = rng.choice([1, 2]), rng.choice([1, 2, 4, 8])
+    nk = rng.choice([1, 17, 1000, 4097, rng.randint(1, 32768)])
+    return Problem(rng.randint(1, 3), kvh * group, rng.choice([1, 2, 5, 16]), nk, rng.choice([64, 128, 256]), dtype,
+                   mask, kvh)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal_br", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_decode_family_matches_reference(dtype, mask):
+    """The default config and random ones (explicit split counts among them), NaN-poisoned outputs,
+    O and LSE within budget, through the search's own measuring path."""
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import prepare_kernel
+
+    fam, gpu, rng = get_family("flash_decode"), detect(), random.Random()
+    for _ in range(3):
+        problem = _random_decode_problem(rng, dtype, mask)
+        valid = fam.valid_points(gpu, problem)
+        for params in [fam.default(gpu, problem)] + rng.sample(valid, min(3, len(valid))):
+            ck = compile_kernel(fam, params, problem, gpu.arch)
+            run, m = prepare_kernel(fam, params, problem, ck, rng.randrange(2**31), gpu)
+            splits = fam.launch(params, problem, gpu).grid[2]
+            assert m.status == "ok" and run is not None, f"{problem.key} {params} ({splits} splits): {m.message}"
+
+
+def _cache(rng: random.Random, torch, b: int, kvh: int, d: int, cap: int, page: int, dt):
+    """K and V caches holding `cap` keys per sequence: dense (B, Hk, cap, D) views of (B, cap, Hk, D)
+    storage, or pages (num_pages, Hk, page, D) of (num_pages, page, Hk, D) storage with a shuffled
+    block table (and spare pages nobody owns)."""
+    if not page:
+        k, v = (torch.randn(b, cap, kvh, d, device="cuda", dtype=dt).transpose(1, 2) for _ in range(2))
+        return k, v, None
+    per = -(-cap // page)
+    pool = b * per + 3
+    k, v = (torch.randn(pool, page, kvh, d, device="cuda", dtype=dt).transpose(1, 2) for _ in range(2))
+    table = torch.randperm(pool, device="cuda")[: b * per].view(b, per).to(torch.int32)
+    return k, v, table
+
+
+@pytest.mark.parametrize("page", [0, 16, 64, 256], ids=["dense", "page16", "page64", "page256"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_kvcache_ragged_lengths_dense_and_paged(dtype, page):
+    """Each sequence holds its own number of keys (0 and 1 among them); the queries are its last
+    positions (bottom-right causal), or see all it holds; against float64 on the keys gathered."""
+    import torch
+
+    from tuner import kvcache_attention
+    from tuner.kvcache import gather_sequence
+    from tuner.reference import attention_fp64, compare
+
+    rng = random.Random()
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    for causal in (True, False):
+        b, kvh, group, d = rng.randint(3, 6), rng.choice([1, 2, 8]), rng.choice([1, 4, 8]), rng.choice([64, 128])
+        nq = rng.choice([1, 2, 5, 16])
+        cap = rng.choice([1000, 5000, 32768])
+        lens = [0, 1] + [rng.randint(0, cap) for _ in range(b - 2)]
+        rng.shuffle(lens)
+        k, v, table = _cache(rng, torch, b, kvh, d, cap, page, dt)
+        if page:
+            cap = table.shape[1] * page
+        q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=dt).transpose(1, 2)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
+        torch.cuda.synchronize()
+        mask = "causal_br" if causal else "none"
+        what = f"B{b} H{kvh * group}/kv{kvh} nq{nq} d{d} lens {lens} page {page} causal {causal}"
+        for i in range(b):
+            if lens[i] == 0:   # nothing held: every row sees no key
+                assert torch.equal(o[i], torch.zeros_like(o[i])) and bool(torch.isneginf(lse[i]).all()), what
+                continue
+            ks = gather_sequence(k, seqlens, table, i, cap)[None]
+            vs = gather_sequence(v, seqlens, table, i, cap)[None]
+            ref_o, ref_lse = attention_fp64(q[i:i + 1], ks, vs, mask, 1.0 / math.sqrt(d))
+            err = compare(o[i:i + 1], lse[i:i + 1], ref_o, ref_lse)
+            p = Problem(1, kvh * group, nq, lens[i], d, dtype, mask, kvh)
+            assert err.finite, f"{what}: sequence {i} ({lens[i]} keys) not finite or not -inf where empty"
+            assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence {i}: {err}"
+
+
+def test_split_workspace_is_reused_and_graph_capture_replays():
+    """Several splits per sequence merge through the workspace's self-resetting counters: repeated
+    launches give the same bits, and a captured CUDA graph replays on new inputs written in place."""
+    import torch
+
+    from tuner import kvcache_attention
+    from tuner.kvcache import _plans
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8, 16384, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([12345], dtype=torch.int32, device="cuda")
+    first = kvcache_attention(q, k, v, lens)
+    plan = next(p for key, p in _plans.items() if key[0] == q.shape and key[1] == k.shape)
+    assert plan.launch.grid[2] > 1, "a batch of one should be split across CTAs"
+    for _ in range(3):
+        assert torch.equal(kvcache_attention(q, k, v, lens), first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = kvcache_attention(q, k, v, lens)
+    torch.cuda.current_stream().wait_stream(side)
+    q.copy_(torch.randn_like(q))
+    lens.fill_(777)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, kvcache_attention(q, k, v, lens))
+
+
+def test_attention_serves_decode_from_a_tuned_flash_decode_entry(tmp_path):
+    """`attention` with a handful of queries runs the flash_decode config the lookup holds for its
+    bucket, and agrees with float64."""
+    import torch
+
+    from tuner import dispatch
+    from tuner.export import lookup_of, write_lookup
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.reference import attention_fp64, compare
+
+    gpu, fam = detect(), get_family("flash_decode")
+    problem = Problem(4, 32, 1, 8000, 128, "bf16", "causal_br", 8)
+    params = dict(fam.default(gpu, problem), splits=2)
+    path = tmp_path / "lookup.json"
+    write_lookup(lookup_of(gpu.key, [(problem, fam.name, params, 1.0)]), path)
+    d = dispatch.reset(path)
+    try:
+        q = torch.randn(4, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(4, 8, 8000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        o, lse = d(q, k, v, "causal_br", return_lse=True)
+        assert d.plan(q, k, v, "causal_br").family == "flash_decode"
+        ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(128))
+        err = compare(o, lse, ref_o, ref_lse)
+        assert err.within(problem.rel_budget, problem.lse_budget), err
+    finally:
+        dispatch.reset()

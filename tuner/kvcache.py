@@ -1,0 +1,182 @@
+"""Decode against a KV cache: a few new queries per sequence against the keys cached so far, each
+sequence with its own length, the cache dense or paged (a block table of fixed-size pages, as
+vLLM and FlashAttention lay it out).
+
+Served by flash_decode (kernel_templates/flash_decode.py): the config the lookup holds for the
+call's bucket (the dense problem of the same shape: a paged cache reads the same bytes), else the
+family's default, which needs no tuning to be right. Where flash_decode cannot serve (more than
+its MAX_QUERIES queries, fp32, a head dim it lacks, a GPU before sm_80) torch answers, with one
+warning: each sequence's held keys gathered and attended in float32 (slow, exact).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .dispatch import TORCH_TO_DTYPE, out_layout
+from .launch import Launch, Launcher, launch_on
+from .problem import Problem, mask_of
+from .records import one_line
+
+
+@dataclass
+class _Plan:
+    launcher: Launcher | None
+    family: object = None
+    params: dict | None = None
+    launch: Launch | None = None
+    reason: str = ""
+
+
+_plans: dict[tuple, _Plan] = {}
+_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def kvcache_attention(q, k_cache, v_cache, cache_seqlens=None, block_table=None, *, causal: bool | str = True,
+                      scale: float | None = None, return_lse: bool = False):
+    """Attention of q (B, H, Nq, D) against cached keys and values, O as q's layout (and the
+    natural-log LSE (B, H, Nq) with `return_lse`). Inference only: no gradient flows.
+
+    - Dense cache: k_cache, v_cache (B, Hk, N, D) views (any strides, the last dim contiguous; a
+      (B, N, Hk, D) cache as `.transpose(1, 2)`), Hk dividing H.
+    - Paged cache: with `block_table` (B, pages) int32, k_cache and v_cache are (num_pages, Hk,
+      page_size, D) views (a vLLM/FlashAttention (num_pages, page_size, Hk, D) cache as
+      `.transpose(1, 2)`); sequence b's key j is row j % page_size of page block_table[b, j // page_size].
+    - `cache_seqlens` (B,) int32: the keys each sequence holds, the new queries' included (at most
+      the cache's capacity); None: all of them.
+    - `causal` (default True) is the bottom-right diagonal against each sequence's own length: the
+      Nq queries are its last Nq positions. False: every held key is visible. Rows that see no key
+      (a length of 0) are O = 0, LSE = -inf.
+    """
+    mask = "causal_br" if causal is True else mask_of(causal)
+    nk, _ = check_cache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
+    b, h, nq, d = q.shape
+    problem = Problem(b, h, nq, nk, d, TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")], mask, k_cache.shape[1])
+    paged = block_table is not None
+    key = (q.shape, k_cache.shape, q.dtype, q.device, mask, paged, block_table.shape if paged else None)
+    plan = _plans.get(key)
+    if plan is None:
+        with _lock:
+            plan = _plans.get(key) or _plans.setdefault(key, _plan(problem, paged, q.device.index or 0))
+    if plan.launcher is None:
+        _warn(plan.reason)
+        o, lse = _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, mask, scale)
+        return (o, lse) if return_lse else o
+    size, stride = out_layout(q)
+    o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    args = plan.family.cache_args(plan.params, plan.launch, q, k_cache, v_cache, o, lse, scale, nk, cache_seqlens,
+                                  block_table)
+    if args is None:   # misaligned rows or a strided last dim: copies the kernel can read
+        args = plan.family.cache_args(plan.params, plan.launch, q.contiguous(), k_cache.contiguous(),
+                                      v_cache.contiguous(), o, lse, scale, nk, cache_seqlens, block_table)
+    launch_on(plan.launcher, q.device.index or 0, *args)
+    return (o, lse) if return_lse else o
+
+
+def check_cache_inputs(q, k, v, cache_seqlens, block_table, *, cuda: bool = True) -> tuple[int, int]:
+    """Validate the inputs (each mistake a one-line ValueError; `cuda=False` leaves the device
+    alone); (keys a sequence can hold, page size or 0)."""
+    for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        if cuda and t.device.type != "cuda":
+            raise ValueError(f"{name} is on {t.device}; kvcache_attention runs on CUDA tensors")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k_cache, v_cache are on different devices: {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q, k_cache, v_cache must share one of float16, bfloat16, float32: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    b, h, nq, d = q.shape
+    if k.shape[3] != d or k.shape[1] == 0 or h % k.shape[1]:
+        raise ValueError(f"k_cache {tuple(k.shape)} does not fit q {tuple(q.shape)}: the head dim must match and "
+                         "the cache's heads divide q's")
+    if b == 0 or h == 0 or nq == 0:
+        raise ValueError(f"empty q: {tuple(q.shape)}")
+    for name, t, dims in (("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != dims or t.device != q.device:
+            raise ValueError(f"{name} must be a {dims}-D int32 tensor on {q.device}")
+        if t.shape[0] != b:
+            raise ValueError(f"{name} has {t.shape[0]} rows for a batch of {b}")
+    if cache_seqlens is not None and not cache_seqlens.is_contiguous():
+        raise ValueError("cache_seqlens must be contiguous")
+    if block_table is None:
+        if k.shape[0] != b:
+            raise ValueError(f"k_cache's batch {k.shape[0]} is not q's {b} (a paged cache needs block_table)")
+        return k.shape[2], 0
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table's rows must be contiguous")
+    return block_table.shape[1] * k.shape[2], k.shape[2]
+
+
+def _plan(problem: Problem, paged: bool, device_index: int) -> _Plan:
+    from .compile import compile_kernel
+    from .dispatch import default
+    from .kernel_templates.flash_decode import FAMILY, PAGED
+    from .launch import LoadedKernel
+
+    dispatcher = default()
+    gpu = dispatcher._gpu(device_index)
+    fam = PAGED if paged else FAMILY
+    if why := FAMILY.supports(gpu, problem):
+        return _Plan(None, reason=why)
+    tuned = [e for _, e in dispatcher.candidates(problem, gpu) if e["family"] == FAMILY.name]
+    params = tuned[0]["params"] if tuned else FAMILY.default(gpu, problem)
+    try:
+        ck = compile_kernel(fam, params, problem, gpu.arch)
+        launch = fam.launch(params, problem, gpu)
+        launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, fam.param_kinds(params))
+    except Exception as exc:
+        return _Plan(None, reason=f"{fam.name} {params} cannot be used ({one_line(exc)})")
+    return _Plan(launcher, fam, params, launch)
+
+
+def _warn(message: str) -> None:
+    if message in _warned:
+        return
+    _warned.add(message)
+    warnings.warn(f"flashtune: {message}; using torch's matmuls per sequence", stacklevel=3)
+
+
+def gather_sequence(k_cache, cache_seqlens, block_table, index: int, nk: int):
+    """Sequence `index`'s held keys (or values) as a (Hk, n, D) tensor: what the kernel reads."""
+    n = nk if cache_seqlens is None else min(int(cache_seqlens[index]), nk)
+    if block_table is None:
+        return k_cache[index, :, :n]
+    page = k_cache.shape[2]
+    pages = block_table[index, : -(-n // page)].long()
+    return k_cache[pages].permute(1, 0, 2, 3).reshape(k_cache.shape[1], -1, k_cache.shape[3])[:, :n]
+
+
+def _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, mask: str, scale):
+    """The fallback, per sequence in float32 (host syncs: it reads the lengths): O and the LSE."""
+    nk = k_cache.shape[2] * (block_table.shape[1] if block_table is not None else 1)
+    size, stride = out_layout(q)
+    o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    s = scale if scale is not None else q.shape[3] ** -0.5
+    for i in range(q.shape[0]):
+        k = gather_sequence(k_cache, cache_seqlens, block_table, i, nk)
+        v = gather_sequence(v_cache, cache_seqlens, block_table, i, nk)
+        qi = q[i].float()
+        group = q.shape[1] // k.shape[0]
+        kf, vf = (t.float().repeat_interleave(group, 0) for t in (k, v))
+        scores = qi @ kf.transpose(-1, -2) * s
+        if mask != "none":
+            shift = k.shape[1] - q.shape[2] if mask == "causal_br" else 0
+            rows = torch.arange(q.shape[2], device=q.device)[:, None]
+            cols = torch.arange(k.shape[1], device=q.device)[None, :]
+            scores = scores.masked_fill(cols > rows + shift, float("-inf"))
+        m = torch.logsumexp(scores, -1)
+        p = torch.exp(scores - m[..., None]).nan_to_num(0.0)
+        o[i] = (p @ vf).to(q.dtype)
+        lse[i] = m
+    return o, lse
