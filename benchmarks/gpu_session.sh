@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|all]...
 # `tests` runs `pytest -m gpu` as four processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -50,7 +50,7 @@ for step in $steps; do
   case $step in
     tests|all) groups=("tests/test_gpu_op.py tests/test_tma.py" "tests/test_gpu_kernel.py::test_family_matches_reference"
                        "tests/test_gpu_kernel.py --deselect tests/test_gpu_kernel.py::test_family_matches_reference"
-                       "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_dashboard.py")
+                       "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py")
                i=0; for g in "${groups[@]}"; do i=$((i + 1))
                  FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -q -rA \
                    ${PYTEST_K:+-k "$PYTEST_K"} $g > "$OUT/pytest_gpu_$i.log" 2>&1 &
@@ -88,6 +88,8 @@ for step in $steps; do
               | grep -v -E "UserWarning|warnings.warn" | tail -45 | tee -a "$OUT/ship.log"
           fi
           gzip -c /tmp/flashtune/results.db > "$OUT/ship.db.gz" ;;&
+    decode) # the issue-23 figure: decode against a KV cache beside SDPA cuDNN, SDPA flash and FA4, as TB/s
+            python3 benchmarks/decode_bench.py ${DECODE_ARGS:-} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
     fa4bench) # the issue-22 figure: grid (d=256 tuned here first) and model shapes, served from the lookup,
               # against SDPA flash, SDPA cuDNN and FlashAttention-4 in the same run
           grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json

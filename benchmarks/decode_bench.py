@@ -1,0 +1,145 @@
+"""Decode against a KV cache, in one run: flashtune's flash_decode beside SDPA cuDNN, SDPA flash and
+FlashAttention-4 (where installed), as achieved TB/s, against the GPU's measured copy bandwidth.
+
+    python3 benchmarks/decode_bench.py [--batch 1,8,32,128] [--keys 1024,8192,32768] [--json OUT]
+
+Shapes: one query per sequence, 32 query heads sharing 8 K/V heads, d=128, bf16 (a Llama-3-8B
+decode step), a cache of Nk keys. TB/s is Problem.bytes_moved (q, K, V read once, O written once)
+over the median time, L2 flushed before every repetition (tuner.timing). flashtune's config: a
+short search on the spot (the family's seeds with splits from the occupancy, then the best seed's
+split counts), then timed in turns with the peers. Each output is checked against SDPA's (max abs
+difference), since a float64 reference of the large shapes does not fit in memory; the kernel's
+correctness against float64 is tests/test_gpu_decode.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+
+def copy_bandwidth(timer) -> float:
+    """TB/s of a 2 GiB device-to-device copy (read + write)."""
+    import torch
+
+    a = torch.empty(1 << 29, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    t = timer(lambda: b.copy_(a))
+    return 2 * a.numel() * 4 / (t.median_ms * 1e-3) / 1e12
+
+
+def ours(fam, params, problem, gpu, q, k, v):
+    """A launch of one config on these inputs (compiled, loaded, arguments packed), and its O."""
+    import torch
+
+    from tuner.compile import compile_kernel
+    from tuner.launch import LoadedKernel, raw_stream
+
+    ck = compile_kernel(fam, params, problem, gpu.arch)
+    launch = fam.launch(params, problem, gpu)
+    launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, fam.param_kinds(params))
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
+    args = fam.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim))
+    stream = raw_stream(gpu.index)
+    return (lambda: launcher(stream, *args)), o
+
+
+def peers(problem, q, k, v) -> dict:
+    """The peers that run this case: name -> (callable, O)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for name, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        try:
+            o = run()
+            torch.cuda.synchronize()
+            out[name] = (run, o)
+        except Exception as exc:   # the backend refuses the case
+            print(f"  {name}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
+    try:
+        from flash_attn.cute import flash_attn_func
+
+        qn, kn, vn = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+
+        def fa4():
+            r = flash_attn_func(qn, kn, vn, causal=True)
+            return (r[0] if isinstance(r, tuple) else r).transpose(1, 2)
+        o = fa4()
+        torch.cuda.synchronize()
+        out["fa4"] = (fa4, o)
+    except Exception as exc:
+        print(f"  fa4: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", default="1,8,32,128")
+    ap.add_argument("--keys", default="1024,8192,32768")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    import torch
+
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.problem import Problem
+    from tuner.timing import Timer
+
+    if not torch.cuda.is_available():
+        print("decode_bench needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    gpu, fam = detect(), get_family("flash_decode")
+    screen, timer = Timer(target_seconds=0.1), Timer()
+    copy = copy_bandwidth(timer)
+    print(f"{gpu.name}: device-to-device copy {copy:.2f} TB/s", flush=True)
+    rows = []
+    for b in map(int, args.batch.split(",")):
+        for nk in map(int, args.keys.split(",")):
+            problem = Problem(b, 32, 1, nk, 128, "bf16", "causal_br", 8)
+            g = torch.Generator(device="cuda").manual_seed(b * 100003 + nk)
+            q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            k, v = (torch.randn(b, nk, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+                    for _ in range(2))
+            cands = [p for p in fam.seeds(gpu, problem) if fam.check(p, gpu, problem) is None]
+            runs = {json.dumps(p, sort_keys=True): ours(fam, p, problem, gpu, q, k, v)[0] for p in cands}
+            t = {key: screen(fn).median_ms for key, fn in runs.items()}
+            best = json.loads(min(t, key=t.get))
+            for s in fam.space["splits"][1:]:
+                p = dict(best, splits=s)
+                if fam.check(p, gpu, problem) is None:
+                    t[json.dumps(p, sort_keys=True)] = screen(ours(fam, p, problem, gpu, q, k, v)[0]).median_ms
+            best = json.loads(min(t, key=t.get))
+            run, o = ours(fam, best, problem, gpu, q, k, v)
+            default, o_default = ours(fam, fam.default(gpu, problem), problem, gpu, q, k, v)
+            others = peers(problem, q, k, v)
+            fns = {"flashtune": run, "flashtune_default": default} | {n: fn for n, (fn, _) in others.items()}
+            timings = timer.interleaved(fns)
+            ref = next(iter(others.values()))[1] if others else None
+            diff = float((o.float() - ref.float()).abs().max()) if ref is not None else float("nan")
+            tbs = {n: problem.bytes_moved() / (tm.median_ms * 1e-3) / 1e12 for n, tm in timings.items()}
+            splits = fam.launch(best, problem, gpu).grid[2]
+            row = dict(batch=b, keys=nk, config=best, splits=splits, tb_s=tbs,
+                       ms={n: tm.median_ms for n, tm in timings.items()}, max_abs_diff=diff, copy_tb_s=copy)
+            rows.append(row)
+            peer_best = max((v for n, v in tbs.items() if not n.startswith("flashtune")), default=float("nan"))
+            print(f"B{b:<4} Nk{nk:<6} " + "  ".join(f"{n} {v:.2f}" for n, v in tbs.items())
+                  + f"  | ours/copy {tbs['flashtune'] / copy:.2f} ours/best peer {tbs['flashtune'] / peer_best:.2f}"
+                  + f"  splits {splits} {best}  maxdiff {diff:.3g}", flush=True)
+            del q, k, v, runs, run, default, others, o, o_default, ref
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(gpu=gpu.name, copy_tb_s=copy, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
