@@ -88,8 +88,14 @@ for step in $steps; do
               | grep -v -E "UserWarning|warnings.warn" | tail -45 | tee -a "$OUT/ship.log"
           fi
           gzip -c /tmp/flashtune/results.db > "$OUT/ship.db.gz" ;;&
-    decode) # the issue-23 figure: decode against a KV cache beside SDPA cuDNN, SDPA flash and FA4, as TB/s
-            python3 benchmarks/decode_bench.py ${DECODE_ARGS:-} --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
+    decode) # the issue-23 figures: decode against a KV cache beside SDPA cuDNN, SDPA flash and FA4, as TB/s;
+            # then a chunked prefill (512 queries after 3584 cached keys), searched and benched beside them
+            python3 benchmarks/decode_bench.py ${DECODE_ARGS:-} --json "$OUT/decode.json" 2>&1 | grep -v Warning | tee "$OUT/decode.log"
+            chunk="--shape ${CHUNK_SHAPE:-8,32:8,512:4096,128,causal_br} --dtype bf16"
+            tuner search --gpu auto $chunk --family flash_fwd_sm90 --trials ${TRIALS:-40} --timeout ${CHUNK_TIMEOUT:-150} \
+              > "$OUT/chunk-search.log" 2>&1; tail -n 6 "$OUT/chunk-search.log"
+            peers="--peer sdpa_cudnn --peer sdpa_flash"; [ -f /tmp/site/.fa4-cu13 ] && peers="$peers --peer fa4"
+            tuner bench --gpu auto $chunk --family flash_fwd_sm90 $peers --json "$OUT/chunked.json" 2>&1 | grep -v Warning | tail -n 8 ;;
     fa4bench) # the issue-22 figure: grid (d=256 tuned here first) and model shapes, served from the lookup,
               # against SDPA flash, SDPA cuDNN and FlashAttention-4 in the same run
           grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json

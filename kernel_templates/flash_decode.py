@@ -16,6 +16,7 @@ from tuner.problem import DECODE_QUERIES, Problem
 
 MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decode (~16), short chunks
 MAX_SPLITS = 128
+MAX_CTAS_PER_SM = 32   # sm_80 and sm_90: 32 resident blocks, 64 warps
 _MAX_REGS = 255
 
 
@@ -36,7 +37,8 @@ def auto_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int) -> int:
     splits are 1.45 waves, 2 splits 0.97), and each split beyond that adds partials to merge.
     Each split keeps at least one stage of keys."""
     ctas = problem.batch * problem.kv_heads * row_blocks(params, problem)
-    per_sm = max(1, min(gpu.smem_per_sm // (smem + 1024) if gpu.smem_per_sm else 1, 2048 // (32 * params["warps"])))
+    per_sm = max(1, min(gpu.smem_per_sm // (smem + 1024) if gpu.smem_per_sm else 1, 64 // params["warps"],
+                        MAX_CTAS_PER_SM, gpu.regs_per_sm // (32 * params["warps"] * FlashDecode.register_estimate(params, problem))))
     slots = gpu.sm_count * per_sm
     most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, stage_keys(params)), ceil_div(4 * slots, ctas)))
 
@@ -58,7 +60,7 @@ class FlashDecode(KernelFamily):
     head_dims = (32, 64, 96, 128, 256)
     space = {
         "Bc": (16, 32, 64),
-        "warps": (2, 4, 8),
+        "warps": (1, 2, 4, 8),
         "stages": (2, 3, 4),
         "MT": (1, 2),
         "splits": (0, 1, 2, 4, 8, 16, 32, 64),

@@ -37,7 +37,8 @@ def test_auto_splits_fill_the_gpu_without_empty_splits(gpu, batch, nk):
     s = auto_splits(params, p, gpu, smem)
     tiles = -(-nk // stage_keys(params))
     assert 1 <= s <= tiles
-    per_sm = min(gpu.smem_per_sm // (smem + 1024), 2048 // (32 * params["warps"]))
+    per_sm = min(gpu.smem_per_sm // (smem + 1024), 64 // params["warps"], 32,
+                 gpu.regs_per_sm // (32 * params["warps"] * FAM.register_estimate(params, p)))
     slots, ctas = gpu.sm_count * per_sm, batch * 8
     fill = lambda n: ctas * n / (-(-ctas * n // slots) * slots)
     assert fill(s) >= 0.85 * max(fill(n) for n in range(1, min(tiles, -(-4 * slots // ctas)) + 1)) - 1e-9
@@ -111,3 +112,23 @@ def test_kvcache_inputs_are_checked_with_one_line_errors():
     assert check_cache_inputs(q, pages, pages, lens, table, cuda=False) == (64, 16)
     with pytest.raises(ValueError, match="contiguous"):
         check_cache_inputs(q, pages, pages, lens, table.t().contiguous().t(), cuda=False)
+
+
+def test_an_untuned_decode_call_gets_flash_decode_default_not_a_prefill_config(tmp_path):
+    """A lookup tuned only for prefill does not serve one query against 8192 keys (its buckets are
+    7 octaves of Nq away); the dispatcher's last resort there is flash_decode's default, and for
+    what flash_decode cannot run (prefill, fp32) nothing."""
+    from tuner.dispatch import Dispatcher, _decode_default
+    from tuner.export import lookup_of, write_lookup
+
+    sm90 = get_family("flash_fwd_sm90")
+    prefill = replace(LLAMA_DECODE, seqlen_q=8192, batch=1)
+    path = tmp_path / "lookup.json"
+    write_lookup(lookup_of(H100_SXM.key, [(prefill, sm90.name, sm90.default(H100_SXM, prefill), 500.0)]), path)
+    d = Dispatcher(path)
+    assert d.select(prefill, H100_SXM)["family"] == "flash_fwd_sm90"
+    assert d.select(LLAMA_DECODE, H100_SXM) is None
+    entry = _decode_default(LLAMA_DECODE, H100_SXM)
+    assert entry == {"family": "flash_decode", "params": FAM.default(H100_SXM, LLAMA_DECODE)}
+    assert _decode_default(prefill, H100_SXM) is None
+    assert _decode_default(replace(LLAMA_DECODE, dtype="fp32"), H100_SXM) is None

@@ -155,3 +155,28 @@ def test_attention_serves_decode_from_a_tuned_flash_decode_entry(tmp_path):
         assert err.within(problem.rel_budget, problem.lse_budget), err
     finally:
         dispatch.reset()
+
+
+def test_attention_runs_flash_decode_default_where_nothing_is_tuned(tmp_path):
+    """No lookup at all: a decode call still runs our kernel (flash_decode's default), with no
+    fallback warning, gradients aside; against float64."""
+    import warnings
+
+    import torch
+
+    from tuner import dispatch
+    from tuner.reference import attention_fp64, compare
+
+    d = dispatch.reset(tmp_path / "none.json")
+    try:
+        q = torch.randn(3, 16, 2, 64, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(3, 4, 3001, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            o, lse = d(q, k, v, "causal_br", return_lse=True)
+        assert d.plan(q, k, v, "causal_br").family == "flash_decode"
+        ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(64))
+        p = Problem(3, 16, 2, 3001, 64, "fp16", "causal_br", 4)
+        assert compare(o, lse, ref_o, ref_lse).within(p.rel_budget, p.lse_budget)
+    finally:
+        dispatch.reset()
