@@ -127,10 +127,15 @@ def test_gradients_through_tuned_kernels(dispatcher, dtype, causal):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_gradients_through_the_fallback(dispatcher, dtype):
-    """No tuned config: torch's forward with an LSE, then the same backward seam."""
+    """No tuned config: torch's forward with an LSE, then the same backward seam (a prefill: a
+    decode call of up to DECODE_QUERIES queries runs flash_decode's default instead)."""
+    from tuner.problem import DECODE_QUERIES
+
     rng = random.Random()
     for causal in (False, True):
         p = _random_problem(rng, dtype, causal)
+        while p.seqlen_q <= DECODE_QUERIES:
+            p = _random_problem(rng, dtype, causal)
         with pytest.warns(UserWarning, match="no tuned config"):
             _check_against_sdpa(p, rng, served=False)
 
