@@ -65,7 +65,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
             plan = _plans.get(key) or _plans.setdefault(key, _plan(problem, paged, q.device.index or 0))
     if plan.launcher is None:
         _warn(plan.reason)
-        o, lse = _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, mask, scale)
+        o, lse = _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk, mask, scale)
         return (o, lse) if return_lse else o
     size, stride = out_layout(q)
     o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
@@ -156,9 +156,10 @@ def gather_sequence(k_cache, cache_seqlens, block_table, index: int, nk: int):
     return k_cache[pages].permute(1, 0, 2, 3).reshape(k_cache.shape[1], -1, k_cache.shape[3])[:, :n]
 
 
-def _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, mask: str, scale):
+def _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk: int, mask: str, scale):
     """The fallback, per sequence in float32 (host syncs: it reads the lengths): O and the LSE."""
-    nk = k_cache.shape[2] * (block_table.shape[1] if block_table is not None else 1)
+    from .reference import hidden_keys
+
     size, stride = out_layout(q)
     o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -170,11 +171,9 @@ def _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, mask: str,
         group = q.shape[1] // k.shape[0]
         kf, vf = (t.float().repeat_interleave(group, 0) for t in (k, v))
         scores = qi @ kf.transpose(-1, -2) * s
-        if mask != "none":
-            shift = k.shape[1] - q.shape[2] if mask == "causal_br" else 0
-            rows = torch.arange(q.shape[2], device=q.device)[:, None]
-            cols = torch.arange(k.shape[1], device=q.device)[None, :]
-            scores = scores.masked_fill(cols > rows + shift, float("-inf"))
+        hidden = hidden_keys(q.shape[2], k.shape[1], mask, q.device)
+        if hidden is not None:
+            scores = scores.masked_fill(hidden, float("-inf"))
         m = torch.logsumexp(scores, -1)
         p = torch.exp(scores - m[..., None]).nan_to_num(0.0)
         o[i] = (p @ vf).to(q.dtype)
