@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from tuner.launch import raw_stream
+
 _lock = threading.Lock()
 
 
@@ -25,19 +27,16 @@ class _Workspace:
 _spaces: dict[tuple[int, int], _Workspace] = {}
 
 
-def workspace(device, o_floats: int, lse_floats: int, counters: int) -> tuple[int, int, int]:
+def workspace(index: int, o_floats: int, lse_floats: int, counters: int) -> tuple[int, int, int]:
     """Device pointers (the splits' O, their LSE, the arrival counters) for torch's current stream
-    on `device`, each at least as large as asked."""
-    import torch
-
-    from tuner.launch import raw_stream
-
+    on device `index`, each at least as large as asked."""
     o_floats = -(-o_floats // 4) * 4   # the LSE block after O's, 16-byte aligned (O's rows are float4 stores)
     need = o_floats + lse_floats
-    index = device.index or 0
     key = (index, raw_stream(index))
     ws = _spaces.get(key)
     if ws is None or ws.floats.numel() < need or ws.counters.numel() < counters:
+        import torch
+
         with _lock:
             ws = _spaces.setdefault(key, _Workspace())
             dev = torch.device("cuda", index)

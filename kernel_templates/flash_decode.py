@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div
 from tuner.gpu import GpuSpec
-from tuner.launch import ATTENTION_PARAMS
+from tuner.kernel_templates.decode_workspace import workspace
+from tuner.launch import ATTENTION_PARAMS, AttentionArgs, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
 
 MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decode (~16), short chunks
@@ -132,26 +133,7 @@ class FlashDecode(KernelFamily):
         return ATTENTION_PARAMS + ("ptr",) * 5 + ("i32",) * 2
 
     def arg_maker(self, params: dict):
-        from tuner.kernel_templates.decode_workspace import workspace
-        from tuner.launch import attention_args
-
-        shapes: dict[tuple, tuple[int, int, int]] = {}
-
-        def make(q, k, v, o, lse, scale):
-            args = attention_args(q, k, v, o, lse, scale)
-            if args is None:
-                return None
-            key = (q.shape, k.shape, q.dtype, q.device)
-            geometry = shapes.get(key)
-            if geometry is None:
-                geometry = shapes[key] = self._geometry(params, q, k)
-            ctas, splits, rows = geometry
-            if splits == 1:
-                return args + (0, 0, 0, 0, 0, 0, 0)
-            part_o, part_lse, arrivals = workspace(q.device, splits * rows * q.shape[3], splits * rows, ctas)
-            return args + (part_o, part_lse, arrivals, 0, 0, 0, 0)
-
-        return make
+        return _DecodeArgs(self, params)
 
     def cache_args(self, params: dict, launch: Launch, q, k, v, o, lse, scale, nk: int, cache_seqlens,
                    block_table) -> tuple | None:
@@ -159,7 +141,6 @@ class FlashDecode(KernelFamily):
         dense caches, or of the pages ((num_pages, Hk, page_size, D)) where this family is paged;
         `nk` the keys a sequence can hold, `cache_seqlens` (B,) int32 how many it holds (or None),
         `block_table` (B, pages) int32 for a paged cache. None where q, k or v is not kernel-ready."""
-        from tuner.kernel_templates.decode_workspace import workspace
         from tuner.launch import attention_args
 
         args = attention_args(q, k, v, o, lse, scale)
@@ -172,7 +153,7 @@ class FlashDecode(KernelFamily):
         if grid[2] == 1:
             return args + (0, 0, 0, seqlens) + table
         rows = q.shape[0] * q.shape[1] * q.shape[2]
-        part_o, part_lse, arrivals = workspace(q.device, grid[2] * rows * q.shape[3], grid[2] * rows, grid[0] * grid[1])
+        part_o, part_lse, arrivals = workspace(q.get_device(), grid[2] * rows * q.shape[3], grid[2] * rows, grid[0] * grid[1])
         return args + (part_o, part_lse, arrivals, seqlens) + table
 
     def _geometry(self, params: dict, q, k) -> tuple[int, int, int]:
@@ -183,6 +164,28 @@ class FlashDecode(KernelFamily):
         problem = problem_of(q, k, k, False)
         grid = self.launch(params, problem, _gpu(q.device.index or 0, _from_torch)).grid
         return grid[0] * grid[1], grid[2], problem.batch * problem.heads * problem.seqlen_q
+
+
+class _DecodeArgs(AttentionArgs):
+    """flash_decode's arguments: the shared ones, then (where the keys are split) the workspace of
+    the splits' partial results, on the current stream, and no cache (null lengths and table)."""
+
+    def __init__(self, family: FlashDecode, params: dict) -> None:
+        super().__init__()
+        self._family, self._params = family, params
+
+    def bind(self, q, k, v, o, scale):
+        shared = layout_args(q, k, v, o, scale)
+        if shared is None:
+            return None
+        ctas, splits, rows = self._family._geometry(self._params, q, k)
+        return shared, splits, (splits * rows * q.shape[3], splits * rows, ctas)
+
+    def values(self, bound, pointers, q):
+        shared, splits, sizes = bound
+        if splits == 1:
+            return pointers + shared + (0, 0, 0, 0, 0, 0, 0)
+        return pointers + shared + workspace(q.get_device(), *sizes) + (0, 0, 0, 0)
 
 
 _gpus: dict[int, GpuSpec] = {}

@@ -21,9 +21,11 @@ use the 64-byte swizzle.
 from __future__ import annotations
 
 from tuner.family import ELEM_CODE, KernelFamily, ceil_div
-from tuner.launch import Launch
+from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem
+from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
+from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot
 from tuner.kernel_templates.wgmma_gen import wrappers
 
 _REGS_PER_BLOCK = 65536
@@ -186,21 +188,31 @@ class FlashFwdSm90(KernelFamily):
         return super().param_kinds(params) + ("tmap",) * 4 + ("i32", "ptr")
 
     def arg_maker(self, params: dict):
-        from tuner.kernel_templates.sm90_tile_counter import tile_counter
-        from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, tensor_map
+        return _Sm90Args(64 * params["cwg"], params["Bc"], bool(params["tma_store"]), bool(params["persistent"]))
 
-        shared = super().arg_maker(params)
-        q_rows, kv_rows, tma_store, persistent = 64 * params["cwg"], params["Bc"], params["tma_store"], params["persistent"]
 
-        def make(q, k, v, o, lse, scale):
-            args = shared(q, k, v, o, lse, scale)
-            if args is None:
-                return None
-            return args + (tensor_map(q, q_rows), tensor_map(k, kv_rows), tensor_map(v, kv_rows),
-                           tensor_map(o, O_BOX_ROWS) if tma_store else NO_MAP, q.shape[0],
-                           tile_counter(q.device).data_ptr() if persistent else 0)
+class _Sm90Args(AttentionArgs):
+    """flash_fwd_sm90's arguments: the shared ones, then the maps of q, k, v and O (a MapSlot per
+    layout, so a new address is patched, not encoded), the batch and the tile counter."""
 
-        return make
+    def __init__(self, q_rows: int, kv_rows: int, tma_store: bool, persistent: bool) -> None:
+        super().__init__()
+        self._rows, self._tma_store, self._persistent = (q_rows, kv_rows), tma_store, persistent
+
+    def bind(self, q, k, v, o, scale):
+        shared = super().bind(q, k, v, o, scale)
+        if shared is None:
+            return None
+        q_rows, kv_rows = self._rows
+        slots = (MapSlot(q, q_rows), MapSlot(k, kv_rows), MapSlot(v, kv_rows),
+                 MapSlot(o, O_BOX_ROWS) if self._tma_store else None)
+        return shared, slots, q.shape[0]
+
+    def values(self, bound, pointers, q):
+        shared, (qm, km, vm, om), batch = bound
+        qp, kp, vp, op, _ = pointers
+        return pointers + shared + (qm.at(qp), km.at(kp), vm.at(vp), om.at(op) if om is not None else NO_MAP, batch,
+                                    tile_counter_ptr(q.get_device()) if self._persistent else 0)
 
 
 FAMILY = FlashFwdSm90()

@@ -169,10 +169,13 @@ class AddressField:
     shift: int
     position: int
 
+    def moved(self, word: int, base_address: int, address: int) -> int:
+        """The field's word `word` (of the map at `base_address`) for a map at `address`."""
+        return (word + (((address >> self.shift) - (base_address >> self.shift)) << self.position)) & _U64
+
     def patch(self, base: bytes, base_address: int, address: int) -> bytes:
         o = self.offset
-        word = int.from_bytes(base[o:o + 8], "little")
-        word = (word + (((address >> self.shift) - (base_address >> self.shift)) << self.position)) & _U64
+        word = self.moved(int.from_bytes(base[o:o + 8], "little"), base_address, address)
         return base[:o] + word.to_bytes(8, "little") + base[o + 8:]
 
     @classmethod
@@ -242,20 +245,49 @@ def _template(t, rows: int) -> _Template:
     return tpl
 
 
-def tensor_map(t, rows: int) -> bytes:
-    """The 128-byte tensor map of a (B, H, N, D) view with boxes of `rows` x box_cols(t), cached on
-    what it depends on (a hit, as a model's activations come back at the same addresses from torch's
-    caching allocator, is one dict lookup); a miss is its geometry's map with t's address patched
-    in, or, where the driver's address field is not known, the driver's encoding."""
-    address = t.data_ptr()
-    key = (address, t.shape, t.stride(), t.dtype, rows)
+class MapSlot:
+    """The maps of one tensor geometry at whatever address a call brings: a plan's q, k, v or O.
+    With the driver's address field known, a map is the geometry's map with the address written
+    into that field (integer arithmetic and one bytes join, the same cost for a new address as for
+    a seen one); without, the driver's encoding of each new address, cached on it."""
+
+    __slots__ = ("_geometry", "_patched", "_head", "_word", "_tail", "_origin", "_shift", "_position")
+
+    def __init__(self, t, rows: int) -> None:
+        tpl = _template(t, rows)
+        self._geometry, f = tpl.geometry, tpl.field
+        self._patched = f is not None
+        if f is not None:   # AddressField.moved, with what it needs of the template kept at hand
+            o = f.offset
+            self._head, self._tail = tpl.base[:o], tpl.base[o + 8:]
+            self._word = int.from_bytes(tpl.base[o:o + 8], "little")
+            self._origin, self._shift, self._position = tpl.address >> f.shift, f.shift, f.position
+
+    def at(self, address: int) -> bytes:
+        if address & 15:
+            _check_address(address)
+        if not self._patched:
+            return _encoded(self._geometry, address)
+        word = (self._word + (((address >> self._shift) - self._origin) << self._position)) & _U64
+        return self._head + word.to_bytes(8, "little") + self._tail
+
+
+def _encoded(geometry: tuple, address: int) -> bytes:
+    """The driver's map of `geometry` at `address`, through a cache (a model's activations come
+    back at the same addresses from torch's caching allocator)."""
+    key = (geometry, address)
     m = _cache.get(key)
     if m is None:
-        tpl = _template(t, rows)
-        _check_address(address)
-        m = tpl.field.patch(tpl.base, tpl.address, address) if tpl.field is not None else _encode_at(tpl.geometry, address)
+        m = _encode_at(geometry, address)
         with _lock:
             _cache[key] = m
             while len(_cache) > _CACHE_SIZE:
                 _cache.popitem(last=False)
     return m
+
+
+def tensor_map(t, rows: int) -> bytes:
+    """The 128-byte tensor map of a (B, H, N, D) view with boxes of `rows` x box_cols(t): its
+    geometry's map with t's address patched in, or, where the driver's address field is not known,
+    the driver's encoding (MapSlot; a plan keeps its slots, this makes one per call)."""
+    return MapSlot(t, rows).at(t.data_ptr())

@@ -125,3 +125,38 @@ def test_patched_maps_match_the_driver_on_fresh_tensors():
         assert tma.tensor_map(t, rows) == tma._encode(t, rows, tma.box_cols(t))
         learnt += tma._template(t, rows).field is not None
     assert learnt == 40, "the driver's address field was not learnt: every new address is encoded"
+
+
+def test_a_plans_arguments_follow_each_calls_tensors(monkeypatch):
+    """flash_fwd_sm90's argument maker keeps what a layout fixes and patches each call's addresses:
+    its values at fresh tensors are attention_args' and the driver's own maps of those tensors,
+    with no encode after the first call of a layout; a misaligned q is refused (None)."""
+    from tuner.kernel_templates import sm90_tma as tma
+    from tuner.kernel_templates.flash_fwd_sm90 import FAMILY
+    from tuner.launch import attention_args
+
+    encode = _fake_driver(lambda a: (a >> 4) << 8 | 0x5)
+    calls = []
+    monkeypatch.setattr(tma, "_encode_at", lambda g, a: calls.append(a) or encode(g, a))
+    monkeypatch.setattr(tma, "_templates", type(tma._templates)())
+    make = FAMILY.arg_maker({"cwg": 2, "Bc": 128, "tma_store": 1, "persistent": 1})
+    monkeypatch.setattr("tuner.kernel_templates.flash_fwd_sm90.tile_counter_ptr", lambda index: 0xC0FFEE)
+    learnt = None
+    for i in range(12):
+        b, h, n, d = 2, 4, 300, 128
+        q, k, v = (torch.randn(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+        o = torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)
+        lse = torch.empty(b, h, n)
+        scale = 0.1 if i % 3 == 0 else None
+        args = make(q, k, v, o, lse, scale)
+        assert args[:22] == attention_args(q, k, v, o, lse, scale)
+        want = (encode(tma._geometry(q, 128, 64), q.data_ptr()), encode(tma._geometry(k, 128, 64), k.data_ptr()),
+                encode(tma._geometry(v, 128, 64), v.data_ptr()), encode(tma._geometry(o, 16, 64), o.data_ptr()))
+        assert args[22:26] == want
+        assert args[26:] == (b, 0xC0FFEE)
+        if learnt is None:
+            learnt = len(calls)
+        assert len(calls) == learnt, "a new address was encoded, not patched"
+    flat = torch.empty(2 * 4 * 300 * 128 + 8, dtype=torch.bfloat16)
+    shifted = flat[1:1 + 2 * 4 * 300 * 128].view(2, 300, 4, 128).transpose(1, 2)
+    assert make(shifted, k, v, o, lse, None) is None

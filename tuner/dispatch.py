@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ class Plan:
     scratch_lse: torch.Tensor | None = None  # what the kernel writes its LSE to where nobody reads it
     peer: str | None = None   # a measured SDPA peer (peers.DISPATCHED_PEERS) that runs instead of a kernel
     provisional: bool = False  # made during CUDA-graph capture where autotuning was due: made again after
+    out_layouts: dict = field(default_factory=dict)   # q's strides -> out_layout(q): the hot path's, kept
 
 
 def supported_head_dims() -> set[int]:
@@ -253,8 +254,8 @@ class Dispatcher:
 
     def plan(self, q, k, v, causal: bool | str = False, max_error: float | None = None) -> Plan:
         """The plan for these inputs (made on the first call for their shapes, dtypes, devices and mask)."""
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, mask_of(causal),
-               max_error)
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.get_device(), k.get_device(), v.get_device(),
+               causal, max_error)
         plan = self._plans.get(key)
         if plan is None or (plan.provisional and not torch.cuda.is_current_stream_capturing()):
             problem = problem_of(q, k, v, causal, max_error)
@@ -293,8 +294,11 @@ class Dispatcher:
         return self._launch(plan, q, k, v, scale, plan.scratch_lse)
 
     def _launch(self, plan: Plan, q, k, v, scale, lse):
-        size, stride = out_layout(q)
-        o = torch.empty_strided(size, stride, dtype=plan.out, device=q.device)
+        strides = q.stride()
+        layout = plan.out_layouts.get(strides)
+        if layout is None:
+            layout = plan.out_layouts[strides] = out_layout(q)
+        o = torch.empty_strided(*layout, dtype=plan.out, device=q.device)
         args = plan.make_args(q, k, v, o, lse, scale)
         if args is None:   # not laid out as the kernel reads (misaligned rows, a strided last dim)
             args = plan.make_args(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, scale)

@@ -159,10 +159,11 @@ class KernelFamily(ABC):
     def arg_maker(self, params: dict) -> Callable[..., tuple | None]:
         """Made once per plan: (q, k, v, o, lse, scale) -> the values of `param_kinds`, in order, as
         plain Python ints, floats and bytes; or None where q, k or v is not laid out as the kernels
-        read it (16-byte aligned rows, the last dim contiguous), for the caller to copy and ask again."""
-        from .launch import attention_args
+        read it (16-byte aligned rows, the last dim contiguous), for the caller to copy and ask again.
+        What a layout fixes is worked out once per layout (launch.AttentionArgs)."""
+        from .launch import AttentionArgs
 
-        return attention_args
+        return AttentionArgs()
 
     def kernel_args(self, params: dict, q, k, v, o, lse, scale: float | None) -> tuple:
         """`arg_maker`'s values for one call (inputs that are not kernel-ready raise ValueError)."""

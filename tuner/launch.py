@@ -185,16 +185,29 @@ def raw_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+_device_getter: list = []
+
+
+def current_device() -> int:
+    """torch's current CUDA device (its private getter where it has one: a fifth of the public
+    function's cost, on every launch)."""
+    if not _device_getter:
+        import torch
+
+        torch.cuda.init()
+        _device_getter.append(getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device))
+    return _device_getter[0]()
+
+
 def launch_on(launcher: Launcher, device_index: int, *values) -> None:
     """Launch on `device_index`'s current stream. A thread whose current device is another one, or
     that has no CUDA context yet, gets the device's for the launch and its own back afterwards."""
-    import torch
-
-    if torch.cuda.current_device() == device_index:
+    if current_device() == device_index:
         try:
             return launcher(raw_stream(device_index), *values)
         except NoContextError:
             pass
+    import torch
     from cuda.core import Device
 
     with torch.cuda.device(device_index):
@@ -267,14 +280,58 @@ def attention_args(q, k, v, o, lse, scale: float | None) -> tuple | None:
     where q, k or v is not as the kernels read it: 16-byte chunks, so the last dim contiguous and
     the pointer and the other strides 16-byte aligned. Tensors are (B, H, N, D) views; any B/H/N
     strides work, so (B, N, H, D) storage needs no copy."""
+    fixed = layout_args(q, k, v, o, scale)
+    if fixed is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return None
+    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr()) + fixed
+
+
+def layout_args(q, k, v, o, scale: float | None) -> tuple | None:
+    """ATTENTION_PARAMS' values after the five pointers (what a layout and a scale fix), or None
+    where the strides are not as the kernels read them (attention_args)."""
     _, h, nq, d = q.shape
     _, hk, nk, _ = k.shape
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
-    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
     chunk = 16 // q.element_size() - 1
-    if ((qp | kp | vp) & 15 or (qs[0] | qs[1] | qs[2] | ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & chunk
+    if ((qs[0] | qs[1] | qs[2] | ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & chunk
             or qs[3] != 1 or ks[3] != 1 or vs[3] != 1):
         return None
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    return (qp, kp, vp, o.data_ptr(), lse.data_ptr(), h, h // hk, nq, nk,
+    return (h, h // hk, nq, nk,
             qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2], scale * LOG2E)
+
+
+_UNSEEN = object()
+
+
+class AttentionArgs:
+    """A plan's maker of its kernel's argument values, `(q, k, v, o, lse, scale) -> tuple | None`
+    as attention_args: what a layout fixes (shapes, strides, the scale; a family's tensor-map
+    geometries) is worked out on the first call of each layout and kept, so a call with new
+    tensors costs their pointers and little else. Families whose kernels take more parameters
+    subclass it: `bind` adds what a layout fixes, `values` what each call brings."""
+
+    _LAYOUTS = 64   # a plan sees a handful (layouts, scales); more are worked out again
+
+    def __init__(self) -> None:
+        self._layouts: dict[tuple, object] = {}
+
+    def __call__(self, q, k, v, o, lse, scale: float | None) -> tuple | None:
+        key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), scale)
+        bound = self._layouts.get(key, _UNSEEN)
+        if bound is _UNSEEN:
+            if len(self._layouts) >= self._LAYOUTS:
+                self._layouts.clear()
+            bound = self._layouts[key] = self.bind(q, k, v, o, scale)
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if bound is None or (qp | kp | vp) & 15:
+            return None
+        return self.values(bound, (qp, kp, vp, o.data_ptr(), lse.data_ptr()), q)
+
+    def bind(self, q, k, v, o, scale: float | None):
+        """What a layout fixes (None: not as the kernel reads it); layout_args' values here."""
+        return layout_args(q, k, v, o, scale)
+
+    def values(self, bound, pointers: tuple[int, int, int, int, int], q) -> tuple:
+        """One call's values from its layout's `bound` and its five pointers (q, k, v, o, lse)."""
+        return pointers + bound

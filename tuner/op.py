@@ -162,10 +162,10 @@ def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool =
 def _mask(is_causal: bool, mask: str | None) -> str:
     """The problem mask of attention's arguments: `mask` (a MASK_TOKENS word) where given, else
     SDPA's is_causal; both given must agree."""
-    from .problem import MASK_TOKENS
-
     if mask is None:
         return "causal" if is_causal else "none"
+    from .problem import MASK_TOKENS
+
     chosen = MASK_TOKENS.get(mask.lower()) if isinstance(mask, str) else None
     if chosen is None:
         raise ValueError(f"mask must be one of none, causal, causal_br (or bottom_right, top_left), got {mask!r}")
