@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|all]...
 # `tests` runs `pytest -m gpu` as four processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -48,7 +48,7 @@ python3 -c "import torch, cuda.core; print('torch', torch.__version__, 'cuda.cor
 steps=${*:-all}
 for step in $steps; do
   case $step in
-    tests|all) groups=("tests/test_gpu_op.py tests/test_tma.py" "tests/test_gpu_kernel.py::test_family_matches_reference"
+    tests|all) groups=("tests/test_gpu_op.py tests/test_tma.py tests/test_gpu_varlen.py" "tests/test_gpu_kernel.py::test_family_matches_reference"
                        "tests/test_gpu_kernel.py --deselect tests/test_gpu_kernel.py::test_family_matches_reference"
                        "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py")
                i=0; for g in "${groups[@]}"; do i=$((i + 1))
@@ -96,6 +96,8 @@ for step in $steps; do
               > "$OUT/chunk-search.log" 2>&1; tail -n 6 "$OUT/chunk-search.log"
             peers="--peer sdpa_cudnn --peer sdpa_flash"; [ -f /tmp/site/.fa4-cu13 ] && peers="$peers --peer fa4"
             tuner bench --gpu auto $chunk --family flash_fwd_sm90 $peers --json "$OUT/chunked.json" 2>&1 | grep -v Warning | tail -n 8 ;;
+    varlen) # issue 23's varlen figure: packed sequences against the same padded, beside FA2's and FA4's varlen
+            python3 benchmarks/varlen_bench.py --json "$OUT/varlen.json" 2>&1 | grep -v Warning | tee "$OUT/varlen.log" ;;&
     fa4bench) # the issue-22 figure: grid (d=256 tuned here first) and model shapes, served from the lookup,
               # against SDPA flash, SDPA cuDNN and FlashAttention-4 in the same run
           grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json

@@ -155,5 +155,33 @@ FT_DEVICE float fast_exp2(float x) {
       long long q_sh, long long q_sn, long long k_sb, long long k_sh, long long k_sn, long long v_sb, \
       long long v_sh, long long v_sn, long long o_sb, long long o_sh, long long o_sn, float scale_log2
 
+// VARLEN (a define, 0 where absent): the batch is packed sequences, as FlashAttention's varlen API
+// takes them. q, k, v, o are (1, H, total, D) views of (total, H, D) tensors; sequence b is rows
+// [cu_q[b], cu_q[b + 1]) of q and o and [cu_k[b], cu_k[b + 1]) of k and v; nq and nk are the longest
+// lengths (the grid's size) and the LSE is (H, total_q), FlashAttention-2's varlen layout. A kernel
+// appends FT_VARLEN_PARAMS to its parameters and reads its sequence with `sequence`.
+#ifndef VARLEN
+#define VARLEN 0
+#endif
+#if VARLEN
+#define FT_VARLEN_PARAMS , const int* __restrict__ cu_q, const int* __restrict__ cu_k, int total_q
+#else
+#define FT_VARLEN_PARAMS
+#endif
+
+// One sequence of the batch: its lengths and its first rows in the packed tensors (0 unless VARLEN).
+struct Sequence {
+  int nq, nk, q0, k0;
+};
+FT_DEVICE Sequence sequence_of(const int* cu_q, const int* cu_k, int b) {
+  const int q0 = cu_q[b], k0 = cu_k[b];
+  return Sequence{cu_q[b + 1] - q0, cu_k[b + 1] - k0, q0, k0};
+}
+#if VARLEN
+#define FT_SEQUENCE(b) sequence_of(cu_q, cu_k, (b))
+#else
+#define FT_SEQUENCE(b) (Sequence{nq, nk, 0, 0})
+#endif
+
 constexpr float FT_LN2 = 0.6931471805599453f;
 #define FT_NEG_INF (__int_as_float(0xff800000))

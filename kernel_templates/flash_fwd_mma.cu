@@ -22,7 +22,10 @@
 // and nk - nq for the bottom-right one (MASK_BR=1: a KV cache). A row that sees no key (bottom-right
 // with nq > nk) writes O = 0 and LSE = -inf (its l stays 0).
 //
-// Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE COMPUTE IS_CAUSAL MASK_BR.
+// VARLEN (common.cuh): packed sequences of their own lengths; a block past its sequence's rows exits.
+//
+// Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE COMPUTE IS_CAUSAL MASK_BR
+// (VARLEN where the varlen variant is built).
 #include "mma.cuh"
 #include "softmax.cuh"
 
@@ -75,34 +78,39 @@ FT_DEVICE void mma_k(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigne
   else mma16816<COMPUTE>(d, a, b0, b1);
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_PARAMS(In)) {
+extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_PARAMS(In) FT_VARLEN_PARAMS) {
   extern __shared__ float4 smem4[];
   T* Qs = reinterpret_cast<T*>(smem4);
   T* Ks = Qs + BR * HEAD_DIM;
   T* Vs = Ks + STAGES * BC * HEAD_DIM;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int qblk = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heaviest first
-  const int q0 = qblk * BR;
   const int b = blockIdx.y / heads, h = blockIdx.y % heads, hk = h / kv_group;
-  const In* qp = q + b * q_sb + h * q_sh;
-  const In* kp = k + b * k_sb + hk * k_sh;
-  const In* vp = v + b * v_sb + hk * v_sh;
-  const int shift = IS_CAUSAL && MASK_BR ? nk - nq : 0;   // the diagonal: key j <= row + shift
-  const int kv_end = IS_CAUSAL ? min(nk, q0 + BR + shift) : nk;
+  // this block's sequence: the batch's own lengths, or (VARLEN) its packed sequence's, whose
+  // blocks past its length do nothing
+  const Sequence seq = FT_SEQUENCE(b);
+  const int qblks = VARLEN ? (seq.nq + BR - 1) / BR : gridDim.x;
+  const int qblk = IS_CAUSAL ? (qblks - 1 - static_cast<int>(blockIdx.x)) : blockIdx.x;  // heaviest first
+  if (VARLEN && (qblk < 0 || qblk >= qblks)) return;
+  const int q0 = qblk * BR;
+  const In* qp = q + (VARLEN ? seq.q0 * q_sn : b * q_sb) + h * q_sh;
+  const In* kp = k + (VARLEN ? seq.k0 * k_sn : b * k_sb) + hk * k_sh;
+  const In* vp = v + (VARLEN ? seq.k0 * v_sn : b * v_sb) + hk * v_sh;
+  const int shift = IS_CAUSAL && MASK_BR ? seq.nk - seq.nq : 0;   // the diagonal: key j <= row + shift
+  const int kv_end = IS_CAUSAL ? min(seq.nk, q0 + BR + shift) : seq.nk;
   const int ntiles = max(0, (kv_end + BC - 1) / BC);
   const int wrow0 = warp * WROWS;
 
   auto issue_kv = [&](int t) {
     if (t < ntiles) {
-      load_tile<BC>(Ks + (t % STAGES) * BC * HEAD_DIM, kp, k_sn, t * BC, nk, tid);
-      load_tile<BC>(Vs + (t % STAGES) * BC * HEAD_DIM, vp, v_sn, t * BC, nk, tid);
+      load_tile<BC>(Ks + (t % STAGES) * BC * HEAD_DIM, kp, k_sn, t * BC, seq.nk, tid);
+      load_tile<BC>(Vs + (t % STAGES) * BC * HEAD_DIM, vp, v_sn, t * BC, seq.nk, tid);
     }
     cp_async_commit();   // empty groups keep the wait counts uniform
   };
 
   // ---- load: Q with the first K/V tiles (one cp.async group per tile) ----
-  load_tile<BR>(Qs, qp, q_sn, q0, nq, tid);
+  load_tile<BR>(Qs, qp, q_sn, q0, seq.nq, tid);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_kv(s);
   if constexpr (STAGES == 1) cp_async_commit();
@@ -176,9 +184,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
 
     // ---- mask: the K/V tail, and above the diagonal on the tiles that cross it ----
     // (mask_slab's causal limit is its row0's diagonal: the rows passed shifted by `shift`)
-    if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0 + shift)) {
+    if (k0 + BC > seq.nk || (IS_CAUSAL && k0 + BC - 1 > q0 + wrow0 + shift)) {
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) mask_slab<NTILES, IS_CAUSAL>(s[mt], lane, q0 + wrow0 + mt * 16 + shift, k0, nk);
+      for (int mt = 0; mt < MT; ++mt) mask_slab<NTILES, IS_CAUSAL>(s[mt], lane, q0 + wrow0 + mt * 16 + shift, k0, seq.nk);
     }
 
     // ---- online softmax on the accumulators ----
@@ -225,9 +233,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
   }
 
   // ---- epilogue: O = acc / l in the input precision, LSE per row ----
+  // (VARLEN: the sequence read again rather than held in registers through the loop)
+#if VARLEN
+  const int row0 = __ldcg(cu_q + b), rows = __ldcg(cu_q + b + 1) - row0;
+  In* op = o + row0 * o_sn + h * o_sh;
+  float* lse_row = lse + static_cast<long long>(h) * total_q + row0;
+#else
+  const int rows = nq;
   In* op = o + b * o_sb + h * o_sh;
+  float* lse_row = lse + static_cast<long long>(blockIdx.y) * nq;
+#endif
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-    store_slab<IN_DTYPE>(op, o_sn, lse + static_cast<long long>(blockIdx.y) * nq, o_acc[mt], m[mt], l[mt], lane,
-                         q0 + wrow0 + mt * 16, nq, scale_log2);
+    store_slab<IN_DTYPE>(op, o_sn, lse_row, o_acc[mt], m[mt], l[mt], lane, q0 + wrow0 + mt * 16, rows, scale_log2);
 }

@@ -9,7 +9,7 @@ has to reach what that precision costs, so that the default fp32 budget keeps fp
 
 from __future__ import annotations
 
-from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div
+from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.problem import Problem
 
@@ -125,4 +125,19 @@ class FlashFwdMma(KernelFamily):
         )
 
 
+
+class VarlenFlashFwdMma(VarlenVariant, FlashFwdMma):
+    """flash_fwd_mma on packed sequences: the grid's blocks past a sequence's rows exit at once."""
+
+    name = "flash_fwd_mma_varlen"
+
+    def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        if problem.head_dim == 256 and (gpu.major, gpu.minor) >= (9, 0):
+            # at d=256 the family sits at 255 registers on sm_90a, and the sequence's offsets
+            # spill 16-48 B there; flash_fwd_sm90_varlen serves Hopper
+            return "at d=256 on Hopper the varlen offsets spill: flash_fwd_sm90_varlen serves it"
+        return super()._check(params, gpu, problem)
+
+
 FAMILY = FlashFwdMma()
+VARLEN_FAMILY = VarlenFlashFwdMma()

@@ -30,8 +30,13 @@
 // permuted so that P packs straight from S's registers; V's stage is freed once transposed, V^T's
 // once P V has read it.
 //
+// VARLEN (common.cuh): packed sequences of their own lengths, read through maps of the packed
+// tensors at each sequence's first row; rows a tile reads past its sequence are the next one's,
+// masked like the keys past N (K) or computed and never stored (Q). Grid schedule, ordinary O
+// stores; a CTA past its sequence's rows exits at once.
+//
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right);
+// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
@@ -77,6 +82,7 @@ static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, 
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
 static_assert(!TMA_STORE || (QBUF * Q_BYTES + (FP8 ? 3 : 2) * STAGES * KV_BYTES) % 1024 == 0, "O slabs on the swizzle's 1024 B");
 static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tiles: persistent, overlapped, two consumers");
+static_assert(!VARLEN || (!PERSISTENT && !TMA_STORE && !FP8), "varlen: a grid of work tiles, O by ordinary stores, 16-bit inputs");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 
 struct Barriers {
@@ -90,7 +96,7 @@ struct Barriers {
 extern "C" __global__ void __launch_bounds__(NT, 1)
     flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_k,
                    const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_o, int batch,
-                   int* __restrict__ tile_counter) {
+                   int* __restrict__ tile_counter FT_VARLEN_PARAMS) {
   extern __shared__ unsigned char smem_raw[];
   // swizzle atoms repeat every 1024 bytes: the descriptors assume tiles start on that boundary
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -103,14 +109,23 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   const int n_qblk = (nq + BR - 1) / BR, n_bh = batch * heads;
+  // the batch's lengths, or (VARLEN: one work tile per CTA) this CTA's packed sequence's
+  const Sequence seq = FT_SEQUENCE(PERSISTENT ? 0 : static_cast<int>(blockIdx.y) / heads);
 
   // PERSISTENT: one CTA per SM takes work tiles from the dynamic scheduler (tile_scheduler.cuh)
   // until it runs out; otherwise the grid has one CTA per work tile and this loop runs once.
   const int total = PERSISTENT ? n_qblk * n_bh : 1;
   auto work = [&](int tile) {
-    return work_tile<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR>(PERSISTENT ? tile % n_qblk : blockIdx.x,
-                                                  PERSISTENT ? tile / n_qblk : blockIdx.y, heads, kv_group, nq, nk);
+    WorkTile w = work_tile<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR>(PERSISTENT ? tile % n_qblk : blockIdx.x,
+                                                  PERSISTENT ? tile / n_qblk : blockIdx.y, heads, kv_group, seq.nq, seq.nk);
+    if constexpr (VARLEN) w.ntiles = max(1, w.ntiles);   // a sequence with no keys: one masked tile (O 0, LSE -inf)
+    return w;
   };
+  // VARLEN: the grid is sized for the longest sequence; a CTA past its own sequence's rows leaves
+  if (VARLEN) {
+    const WorkTile w = work(0);
+    if (w.q0 >= seq.nq || w.q0 + BR <= 0) return;
+  }
 
   if (tid == 0) {
     for (int s = 0; s < QBUF; ++s) {
@@ -176,7 +191,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
           mbar_expect_tx(&full[s], KV_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
-            tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * PANEL_COLS, tmap, &full[s], p * PANEL_COLS, t * BC, w.hk, w.b);
+            tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * PANEL_COLS, tmap, &full[s], p * PANEL_COLS, seq.k0 + t * BC, w.hk,
+                        VARLEN ? 0 : w.b);
         };
         // The first K goes ahead of Q: it only needs a free ring slot, while Q waits for the last
         // work tile's final S.
@@ -187,7 +203,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
           mbar_expect_tx(&bar.q_full[qs], Q_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
-            tma_load_4d(Qs + qs * BR * HEAD_DIM + p * BR * PANEL_COLS, tq, &bar.q_full[qs], p * PANEL_COLS, w.q0, w.h, w.b);
+            tma_load_4d(Qs + qs * BR * HEAD_DIM + p * BR * PANEL_COLS, tq, &bar.q_full[qs], p * PANEL_COLS, seq.q0 + w.q0, w.h,
+                        VARLEN ? 0 : w.b);
         }
         for (int t = 1; t < w.ntiles; ++t) {
           load(Ks, tk, bar.k_full, bar.k_empty, t);
@@ -301,8 +318,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     };
     auto mask = [&](int t) {
       const int k0 = t * BC;
-      const int diag0 = w.q0 + wrow0 + (MASK_BR ? nk - nq : 0);   // the warp's first row's last key (params: no register held)
-      if (k0 + BC > nk || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, diag0, k0, nk);
+      const int diag0 = w.q0 + wrow0 + (MASK_BR ? seq.nk - seq.nq : 0);   // the warp's first row's last key (params: no register held)
+      if (k0 + BC > seq.nk || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, diag0, k0, seq.nk);
     };
     // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the
     // next work tile's Q streams in under this one's last softmax, P V and epilogue.
@@ -326,21 +343,25 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
       make_p();
     };
     auto write_o = [&] {
+#if VARLEN
+      float* lse_bh = lse + static_cast<long long>(w.h) * total_q + seq.q0;
+#else
       float* lse_bh = lse + static_cast<long long>(w.b * heads + w.h) * nq;
+#endif
       if constexpr (TMA_STORE) {
         store_slab_tma<OUT_DTYPE, DTILES>(o_slab, &tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
       } else {
-        store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + w.b * o_sb + w.h * o_sh, o_sn, lse_bh, o_acc, m, l, lane,
-                              w.q0 + wrow0, nq, scale_log2);
+        store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + (VARLEN ? seq.q0 * o_sn : w.b * o_sb) + w.h * o_sh, o_sn, lse_bh,
+                              o_acc, m, l, lane, w.q0 + wrow0, seq.nq, scale_log2);
       }
     };
 
     // OWN_TILES: how many of the work tile's K/V tiles this consumer's rows [r0, r1) need
     auto own_tiles = [&] {
-      const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, nq);
+      const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, seq.nq);
       if (!OWN_TILES) return w.ntiles;
-      if (r1 <= 0 || r0 >= nq) return 0;
-      if constexpr (IS_CAUSAL && MASK_BR) return max(1, min(w.ntiles, (r1 - 1 + nk - nq) / BC + 1));   // no key seen: one masked tile
+      if (r1 <= 0 || r0 >= seq.nq) return 0;
+      if constexpr (IS_CAUSAL && MASK_BR) return max(1, min(w.ntiles, (r1 - 1 + seq.nk - seq.nq) / BC + 1));   // no key seen: one masked tile
       return IS_CAUSAL ? min(w.ntiles, (r1 - 1) / BC + 1) : w.ntiles;
     };
     // OWN_TILES: tiles [from, ntiles) are not this consumer's. It computes nothing for them, but

@@ -20,7 +20,7 @@ use the 64-byte swizzle.
 
 from __future__ import annotations
 
-from tuner.family import ELEM_CODE, KernelFamily, ceil_div
+from tuner.family import ELEM_CODE, KernelFamily, VarlenVariant, ceil_div
 from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem
@@ -215,4 +215,23 @@ class _Sm90Args(AttentionArgs):
                                     tile_counter_ptr(q.get_device()) if self._persistent else 0)
 
 
+
+class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
+    """flash_fwd_sm90 on packed sequences: one work tile per CTA (a persistent CTA would have to
+    find its tiles' sequences), O by ordinary stores (a TMA store box could cross into the next
+    sequence), 16-bit inputs."""
+
+    name = "flash_fwd_sm90_varlen"
+
+    def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        if params["persistent"] or params["tma_store"] or params["chain"]:
+            return "varlen runs a grid of work tiles with O by ordinary stores: persistent, tma_store and chain 0"
+        return super()._check(params, gpu, problem)
+
+    def from_tuned(self, params: dict) -> dict:
+        # the grid schedule of the same tile; split 32 exists only for the persistent producer
+        return dict(params, persistent=0, tma_store=0, chain=0, split=24 if params["split"] == 32 else params["split"])
+
+
 FAMILY = FlashFwdSm90()
+VARLEN_FAMILY = VarlenFlashFwdSm90()

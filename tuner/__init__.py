@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["attention", "kvcache_attention", "sdpa_override", "set_sdpa_override", "set_autotune"]
+__all__ = ["attention", "kvcache_attention", "sdpa_override", "set_sdpa_override", "set_autotune", "varlen_attention"]
 
 
 def __getattr__(name: str):

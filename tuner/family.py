@@ -203,3 +203,30 @@ def is_pow2(n: int) -> bool:
 
 def log2_int(n: int) -> int:
     return int(math.log2(n))
+
+
+class VarlenVariant:
+    """A family's kernel on packed sequences (VARLEN, kernel_templates/common.cuh: FlashAttention's
+    varlen layout, each sequence its own lengths, the LSE (H, total_q)). Mixed in before the family
+    it varies; built from that family's tuned configs (`from_tuned`), never searched on its own.
+    Its launch takes the family's arguments for (1, H, total, D) views of the packed tensors, then
+    the longest lengths in place of nq and nk and the sequences' offsets (`packed_args`)."""
+
+    varlen = True
+    dtypes: tuple[str, ...] = ("fp16", "bf16")
+
+    def defines(self, params: dict, problem: Problem) -> dict[str, int]:
+        return {**super().defines(params, problem), "VARLEN": 1}
+
+    def param_kinds(self, params: dict) -> tuple[str, ...]:
+        return super().param_kinds(params) + ("ptr", "ptr", "i32")   # cu_seqlens_q, cu_seqlens_k, total_q
+
+    def from_tuned(self, params: dict) -> dict:
+        """The point of this variant closest to a tuned config of its family."""
+        return dict(params)
+
+    @staticmethod
+    def packed_args(args: tuple, max_q: int, max_k: int, cu_q: int, cu_k: int, total_q: int) -> tuple:
+        """The family's argument values for the packed views, made the varlen kernel's: the longest
+        lengths as nq and nk (ATTENTION_PARAMS' 8th and 9th), then the offsets and total_q."""
+        return args[:7] + (max_q, max_k) + args[9:] + (cu_q, cu_k, total_q)

@@ -21,6 +21,7 @@ from .backward import attention_backward
 from .dispatch import default as _dispatcher
 from .dispatch import out_layout
 from .torch_attention import sdpa_mask_kwargs
+from .varlen import check_varlen_inputs, varlen_attention, varlen_backward, varlen_forward
 
 LIB = "flashtune"
 _lib = torch.library.Library(LIB, "DEF")
@@ -30,6 +31,12 @@ _lib.define("attention(Tensor q, Tensor k, Tensor v, bool is_causal=False, float
             "float? max_error=None, bool need_lse=True, bool bottom_right=False) -> (Tensor, Tensor)")
 _lib.define("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "bool is_causal, float? scale, bool bottom_right=False) -> (Tensor, Tensor, Tensor)")
+# packed sequences (tuner/varlen.py): q (total_q, H, D), O the same, the LSE (H, total_q)
+_lib.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+            "int max_seqlen_q, int max_seqlen_k, str mask='none', float? scale=None) -> (Tensor, Tensor)")
+_lib.define("attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, str mask, float? scale) "
+            "-> (Tensor, Tensor, Tensor)")
 
 
 def op_mask(is_causal: bool, bottom_right: bool = False) -> str:
@@ -47,6 +54,8 @@ def _backward(grad_out, q, k, v, out, lse, is_causal, scale, bottom_right=False)
 
 _lib.impl("attention", _forward, "CUDA")
 _lib.impl("attention_backward", _backward, "CUDA")
+_lib.impl("attention_varlen", varlen_forward, "CUDA")
+_lib.impl("attention_varlen_backward", varlen_backward, "CUDA")
 
 
 @torch.library.register_fake(f"{LIB}::attention")
@@ -86,6 +95,36 @@ def _autograd_backward(ctx, grad_o, _grad_lse):
 torch.library.register_autograd(f"{LIB}::attention", _autograd_backward, setup_context=_setup_context)
 
 
+@torch.library.register_fake(f"{LIB}::attention_varlen")
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask="none", scale=None):
+    check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, cuda=False)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((q.shape[1], q.shape[0]),
+                                                                                    dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{LIB}::attention_varlen_backward")
+def _attention_varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, mask, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, mask, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
+    ctx.args = (max_q, max_k, mask, scale)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _varlen_autograd_backward(ctx, grad_o, _grad_lse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashtune.attention_varlen_backward(grad_o, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+torch.library.register_autograd(f"{LIB}::attention_varlen", _varlen_autograd_backward,
+                                setup_context=_varlen_setup_context)
+
+
 class _Attention(torch.autograd.Function):
     """The eager path with gradients: the op's forward and backward without the dispatcher's cost."""
 
@@ -119,7 +158,8 @@ def _warn_once(message: str) -> None:
 
 def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False, *, causal: bool | None = None, mask: str | None = None,
-              max_error: float | None = None):
+              max_error: float | None = None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None):
     """Attention on CUDA tensors of shape (B, H, N, D), as torch.nn.functional.scaled_dot_product_attention.
 
     Computed by the best tuned kernel for this GPU and shape bucket, or by torch's attention (with
@@ -134,12 +174,21 @@ def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool =
     `max_error` picks configs tuned under that error budget (`tuner search --max-error`): for fp32
     inputs, the tf32 or bf16 tensor-core kernels. O has q's dtype (bf16 for float8_e4m3fn inputs)
     and, like SDPA's, q's layout: (B, N, H, D) storage where q is such a view.
+    With `cu_seqlens_q` and `cu_seqlens_k` (int32, B + 1 offsets), q, k, v are packed sequences,
+    (total, H, D) as FlashAttention's varlen API takes them, each masked on its own
+    (tuner.varlen_attention, which says more); O is (total_q, H, D).
     """
     if causal is not None:
         if is_causal and not causal:
             raise ValueError("is_causal=True and causal=False disagree: pass one of them")
         is_causal = bool(causal)
     chosen = _mask(is_causal, mask)
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("packed sequences take both cu_seqlens_q and cu_seqlens_k (the same tensor for self-attention)")
+        if attn_mask is not None or dropout_p or max_error is not None:
+            raise ValueError("packed sequences (cu_seqlens) take no attn_mask, dropout_p or max_error")
+        return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask=chosen, scale=scale)
     if attn_mask is not None or dropout_p:
         what = "an attn_mask" if attn_mask is not None else "dropout"
         if attn_mask is not None and chosen == "causal_br":

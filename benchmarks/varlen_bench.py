@@ -1,0 +1,129 @@
+"""Packed sequences against the same sequences padded, in one run: flashtune's varlen path
+(tuner.attention with cu_seqlens) beside flashtune on the padded batch, torch's FlashAttention-2
+varlen kernel and FlashAttention-4's varlen call (where installed), bf16, causal self-attention.
+
+    python3 benchmarks/varlen_bench.py [--json OUT]
+
+Batches: ragged lengths drawn from a long-tailed mix (documents packed for training, prompts of a
+serving batch), fixed seeds. "useful" TFLOP/s counts each sequence's own causal work only; the
+padded batch (every sequence at the longest length, right-padded: causal rows never see the
+padding) does (1 - useful share) more. The bar: varlen time <= padded time x useful share, i.e.
+faster than the padded batch by at least the padding's share. Timed in turns, L2 flushed
+(tuner.timing). Each output is checked against FA2's varlen (max abs difference per run); the
+kernel's correctness against float64 is tests/test_gpu_varlen.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+CASES = {   # name: (heads, kv heads, head dim, sequences, length range, seed)
+    "train docs 32k, H32/kv8 d128": (32, 8, 128, 16, (64, 8192), 1),
+    "serve prompts, H32/kv8 d128": (32, 8, 128, 64, (16, 2048), 2),
+    "train docs 16k, H16 d64": (16, 16, 64, 24, (32, 4096), 3),
+    "train docs 32k, H8/kv1 d256": (8, 1, 256, 16, (64, 8192), 4),
+}
+
+
+def lengths(count: int, low: int, high: int, seed: int) -> list[int]:
+    """Long-tailed: log-uniform between low and high."""
+    rng = random.Random(seed)
+    return [int(round(low * (high / low) ** rng.random())) for _ in range(count)]
+
+
+def main(argv=None) -> int:
+    import torch
+
+    import tuner
+    from tuner.gpu import detect
+    from tuner.timing import Timer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    gpu = detect()
+    timer = Timer(gpu.l2_bytes)
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as exc:   # noqa: BLE001 - any import failure: the peer is absent
+        flash_attn_varlen_func = None
+        print(f"fa4: not run ({str(exc).splitlines()[0][:100]})", file=sys.stderr)
+    rows = []
+    for name, (h, hk, d, count, (low, high), seed) in CASES.items():
+        lens = lengths(count, low, high, seed)
+        total, longest = sum(lens), max(lens)
+        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(count)], dtype=torch.int32, device="cuda")
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        q = torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        # the padded batch: (B, longest, H, D) storage, each sequence's rows first, viewed (B, H, N, D)
+        pads = []
+        for t in (q, k, v):
+            p = torch.zeros(count, longest, t.shape[1], d, device="cuda", dtype=t.dtype)
+            for i, n in enumerate(lens):
+                p[i, :n] = t[cu[i]:cu[i] + n]
+            pads.append(p.transpose(1, 2))
+        fns, outs = {}, {}
+
+        def varlen():
+            return tuner.attention(q, k, v, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                   max_seqlen_k=longest)
+
+        def padded():
+            return tuner.attention(*pads, is_causal=True)
+
+        def fa2():
+            return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, True, False)[0]
+
+        fns.update(flashtune_varlen=varlen, flashtune_padded=padded, fa2_varlen=fa2)
+        if flash_attn_varlen_func is not None:
+            def fa4():
+                r = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                           max_seqlen_k=longest, causal=True)
+                return r[0] if isinstance(r, tuple) else r
+            fns["fa4_varlen"] = fa4
+        for key, fn in list(fns.items()):
+            try:
+                outs[key] = fn()
+            except Exception as exc:   # noqa: BLE001 - a peer that refuses the case is left out, said so
+                print(f"  {key}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
+                del fns[key]
+        ref = outs["fa2_varlen"]
+        got = outs["flashtune_padded"].transpose(1, 2)
+        padded_out = torch.cat([got[i, :n] for i, n in enumerate(lens)])
+        diffs = {key: float((o - ref).abs().max()) for key, o in outs.items() if key != "flashtune_padded"}
+        diffs["flashtune_padded"] = float((padded_out - ref).abs().max())
+        timings = timer.interleaved(fns)
+        useful = sum(4 * n * n * d * h / 2 for n in lens)
+        padded_work = count * 4 * longest * longest * d * h / 2
+        share = useful / padded_work
+        row = dict(case=name, heads=h, kv_heads=hk, head_dim=d, lengths=lens, total=total, longest=longest,
+                   useful_share=share, **{f"{k} ms": t.median_ms for k, t in timings.items()},
+                   **{f"{k} useful TFLOP/s": useful / (t.median_ms * 1e-3) / 1e12 for k, t in timings.items()},
+                   **{f"{k} max diff vs fa2": x for k, x in diffs.items()})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v, pads, outs
+        torch.cuda.empty_cache()
+
+    print(f"\n{gpu.name}: packed sequences, bf16, causal; ms (median), useful TFLOP/s; "
+          "bar: varlen ms <= padded ms x useful share")
+    impls = ("flashtune_varlen", "flashtune_padded", "fa2_varlen", "fa4_varlen")
+    print("| case | tokens | longest | useful share | " + " | ".join(impls) + " | varlen / (padded x share) |")
+    print("| --- " * (5 + len(impls)) + "|")
+    for r in rows:
+        cells = [f"{r[f'{i} ms']:.3f} ms ({r[f'{i} useful TFLOP/s']:.0f})" if f"{i} ms" in r else "-" for i in impls]
+        bar = r["flashtune_varlen ms"] / (r["flashtune_padded ms"] * r["useful_share"])
+        print(f"| {r['case']} | {r['total']} | {r['longest']} | {r['useful_share']:.2f} | " + " | ".join(cells)
+              + f" | {bar:.2f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"gpu": gpu.name, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""On the GPU: packed sequences (tuner/varlen.py) against float64, sequence by sequence, on fresh
+random batches: ragged lengths up to 3000 with 0 and 1 among them, queries and keys of their own
+lengths or shared offsets, GQA ratios 1 to 8, head dims 64/128/256, the three masks; each varlen
+variant at its default and random points with NaN-poisoned outputs; the public call with its
+gradients, under torch.compile and in a CUDA graph."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from tuner.problem import Problem
+
+pytestmark = pytest.mark.gpu
+
+
+def _lengths(rng: random.Random, b: int) -> list[int]:
+    pool = [0, 1, 63, 64, 65, 127, 192, 1000, rng.randint(1, 3000), rng.randint(1, 3000)]
+    return [rng.choice(pool) for _ in range(b)]
+
+
+def _batch(rng: random.Random, torch, dt, d: int, cross: bool):
+    """Packed q, k, v with their offsets: keys of their own lengths (cross) or the queries' (self)."""
+    b, kvh, group = rng.randint(1, 6), rng.choice([1, 2]), rng.choice([1, 2, 4, 8])
+    lens_q = _lengths(rng, b)
+    lens_k = _lengths(rng, b) if cross else lens_q
+    off = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    cu_q = off(lens_q)
+    cu_k = off(lens_k) if cross else cu_q
+    q = torch.randn(sum(lens_q), kvh * group, d, device="cuda", dtype=dt)
+    k, v = (torch.randn(sum(lens_k), kvh, d, device="cuda", dtype=dt) for _ in range(2))
+    return q, k, v, cu_q, cu_k, lens_q, lens_k
+
+
+def _check_sequences(o, lse, q, k, v, lens_q, lens_k, mask, dtype, scale, what):
+    """Each sequence of O (total_q, H, D) and LSE (H, total_q) against float64 within its budget."""
+    import torch
+
+    from tuner.reference import attention_fp64, compare
+
+    assert not bool(torch.isnan(o).any()), f"{what}: rows of O left unwritten (NaN)"
+    a = c = 0
+    for nq, nk in zip(lens_q, lens_k):
+        if nq:
+            oi, li = o[a:a + nq].transpose(0, 1)[None], lse[:, a:a + nq][None]
+            if nk == 0:
+                assert torch.equal(oi, torch.zeros_like(oi)) and bool(torch.isneginf(li).all()), f"{what}: empty keys"
+            else:
+                qi = q[a:a + nq].transpose(0, 1)[None]
+                ki, vi = (t[c:c + nk].transpose(0, 1)[None] for t in (k, v))
+                ref_o, ref_lse = attention_fp64(qi, ki, vi, mask, scale)
+                err = compare(oi, li, ref_o, ref_lse)
+                p = Problem(1, q.shape[1], nq, nk, q.shape[2], dtype, mask, k.shape[1])
+                assert err.finite, f"{what}: sequence ({nq}, {nk}) not finite, or LSE not -inf where no key is seen"
+                assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence ({nq}, {nk}): {err}"
+        a, c = a + nq, c + nk
+
+
+def _variant_points(rng, base, variant, gpu, problem):
+    points, valid = {}, base.valid_points(gpu, problem)
+    for p in [variant.from_tuned(x) for x in base.seeds(gpu, problem) + rng.sample(valid, min(6, len(valid)))]:
+        if variant.check(p, gpu, problem) is None:
+            points.setdefault(tuple(sorted(p.items())), p)
+    chosen = list(points.values())
+    return chosen[:1] + rng.sample(chosen[1:], min(2, len(chosen) - 1))
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("family", ["flash_fwd_sm90", "flash_fwd_mma"])
+def test_varlen_variant_matches_reference(family, dtype, mask):
+    import torch
+
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.kernel_templates import FAMILIES, VARLEN_VARIANTS
+    from tuner.launch import LoadedKernel, launch_on
+
+    gpu, rng = detect(), random.Random()
+    base, variant = FAMILIES[family], VARLEN_VARIANTS[family]
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    if why := variant.supports(gpu, Problem(1, 8, 128, 128, 64, dtype, mask)):
+        pytest.skip(f"{variant.name} on {gpu.name}: {why}")
+    for cross in (False, True):
+        # (flash_fwd_mma_varlen leaves d=256 on Hopper to flash_fwd_sm90_varlen)
+        d = rng.choice([64, 128] if family == "flash_fwd_mma" and gpu.major >= 9 else [64, 128, 256])
+        q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross)
+        problem = Problem(len(lens_q), q.shape[1], max(max(lens_q), 1), max(max(lens_k), 1), d, dtype, mask, k.shape[1])
+        scale = rng.choice([None, 0.1])
+        points = _variant_points(rng, base, variant, gpu, problem)
+        assert points, f"no {variant.name} point for {problem.key}"
+        for params in points:
+            ck = compile_kernel(variant, params, problem, gpu.arch)
+            launch = variant.launch(params, problem, gpu)
+            launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, variant.param_kinds(params))
+            o = torch.full_like(q, float("nan"))
+            lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
+            views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
+            args = variant.arg_maker(params)(*views, lse, scale)
+            args = variant.packed_args(args, max(lens_q), max(lens_k), cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0])
+            launch_on(launcher, gpu.index, *args)
+            torch.cuda.synchronize()
+            what = f"{variant.name} {params} d{d} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask}"
+            _check_sequences(o, lse, q, k, v, lens_q, lens_k, mask, dtype, 1 / math.sqrt(d) if scale is None else scale,
+                             what)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+def test_varlen_attention_and_its_gradients(mask):
+    """The public call (the dispatcher's varlen plan) and autograd against float64 autograd, per
+    sequence: FA2's varlen backward, and each sequence in float32 where it does not take the case
+    (top-left causal with queries and keys of different lengths)."""
+    import torch
+
+    import tuner
+    from tuner.reference import attention_fp64
+
+    rng = random.Random()
+    for dt, cross in ((torch.bfloat16, False), (torch.float16, True)):
+        d = rng.choice([64, 128])
+        q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o = tuner.attention(q, k, v, mask=mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        grad = torch.randn_like(o)
+        o.backward(grad)
+        a = c = 0
+        for nq, nk in zip(lens_q, lens_k):
+            if nq and nk:
+                qi, ki, vi = (t.detach()[s:s + n].double().transpose(0, 1)[None].requires_grad_()
+                              for t, s, n in ((q, a, nq), (k, c, nk), (v, c, nk)))
+                ref, _ = attention_fp64(qi, ki, vi, mask, 1 / math.sqrt(d))
+                gq, gk, gv = torch.autograd.grad(ref, (qi, ki, vi), grad[a:a + nq].double().transpose(0, 1)[None])
+                for name, got, want in (("O", o.detach()[a:a + nq], ref), ("dq", q.grad[a:a + nq], gq),
+                                        ("dk", k.grad[c:c + nk], gk), ("dv", v.grad[c:c + nk], gv)):
+                    want = want[0].transpose(0, 1)
+                    rel = float((got.double() - want).norm() / want.norm().clamp_min(1e-12))
+                    assert rel < 2e-2, f"{name} of sequence ({nq}, {nk}), {dt}, {mask}, lens {lens_q}/{lens_k}: rel {rel:.3g}"
+            a, c = a + nq, c + nk
+
+
+def test_varlen_under_compile_and_in_a_cuda_graph():
+    import torch
+
+    import tuner
+
+    rng = random.Random()
+    q, k, v, cu, _, lens, _ = _batch(rng, torch, torch.bfloat16, 128, False)
+    longest = max(lens)
+
+    def f(q, k, v):
+        return tuner.attention(q, k, v, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                               max_seqlen_k=longest) * 2
+
+    eager = f(q, k, v)
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        f(q, k, v)   # plans made outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = f(q, k, v)
+    torch.cuda.current_stream().wait_stream(side)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, f(q, k, v))
+
+
+def test_fp32_packed_batch_falls_back_with_one_warning():
+    import warnings
+
+    import torch
+
+    import tuner
+
+    rng = random.Random()
+    q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, torch.float32, 64, True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o, lse = tuner.varlen_attention(q, k, v, cu_q, cu_k, mask="causal_br", return_lse=True)
+        tuner.varlen_attention(q, k, v, cu_q, cu_k, mask="causal_br")
+    assert sum("flashtune" in str(w.message) for w in caught) <= 1
+    _check_sequences(o, lse, q, k, v, lens_q, lens_k, "causal_br", "fp32", 1 / 8, "fp32 fallback")

@@ -1,0 +1,215 @@
+"""Packed sequences (tuner/varlen.py) without a GPU: the varlen variants compile for sm_80 and
+sm_90a with no spills, the inputs are checked in one line each, the flashtune::attention_varlen op
+passes opcheck with a CPU stand-in and traces under torch.compile(fullgraph=True) on fake CUDA
+tensors, and torch's per-sequence answer (forward and gradients) matches float64 sequence by
+sequence, lengths 0 and 1, GQA and the three masks included.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import tuner
+import tuner.op  # noqa: F401  (registers the ops)
+from tuner import varlen as V
+from tuner.compile import compile_kernel
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.kernel_templates import FAMILIES, VARLEN_VARIANTS
+from tuner.problem import Problem
+from tuner.reference import attention_fp64
+
+
+def _offsets(lengths) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def _packed(lens_q, lens_k, h, hk, d, dtype=torch.float32, grad=False):
+    q = torch.randn(sum(lens_q), h, d, dtype=dtype, requires_grad=grad)
+    k = torch.randn(sum(lens_k), hk, d, dtype=dtype, requires_grad=grad)
+    v = torch.randn(sum(lens_k), hk, d, dtype=dtype, requires_grad=grad)
+    return q, k, v, _offsets(lens_q), _offsets(lens_k)
+
+
+# ---- the variants compile ----
+
+def _variant_points(base, variant, gpu, problem):
+    """The variant's point of each seed of its family (several seeds fold into one)."""
+    seen, out = set(), []
+    for seed in base.seeds(gpu, problem):
+        p = variant.from_tuned(seed)
+        key = tuple(sorted(p.items()))
+        if key not in seen and variant.check(p, gpu, problem) is None:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def _compile_cases():
+    cases = []
+    for name, gpu, arch in (("flash_fwd_sm90", H100_SXM, "sm_90a"), ("flash_fwd_mma", A100_SXM, "sm_80"),
+                            ("flash_fwd_mma", H100_SXM, "sm_90a")):
+        base, variant = FAMILIES[name], VARLEN_VARIANTS[name]
+        for d in (64, 128, 256):
+            for mask in ("none", "causal", "causal_br"):
+                problem = Problem(3, 8, 1000, 1000, d, "bf16", mask, 2)
+                points = _variant_points(base, variant, gpu, problem)
+                # every seed's point where the mask changes the most code (causal: FROM_END blocks) on
+                # the arch each family serves, one elsewhere
+                every = mask == "causal" and (name == "flash_fwd_sm90" or arch == "sm_80")
+                for p in points if every else points[:1]:
+                    cases.append(pytest.param(variant, p, problem, arch, id=f"{variant.name}-{arch}-d{d}-{mask}-{len(cases)}"))
+    return cases
+
+
+@pytest.mark.parametrize("variant,params,problem,arch", _compile_cases())
+def test_varlen_variants_compile_without_spills(variant, params, problem, arch):
+    """No spill the family's own kernel does not have at the same point (flash_fwd_mma at d=256 on
+    sm_80 and sm_90a has some: its O alone is 128 registers per m16 tile); none at all in the
+    Hopper kernel."""
+    got = compile_kernel(variant, params, problem, arch).resources
+    assert got.registers > 0
+    if variant is VARLEN_VARIANTS["flash_fwd_sm90"]:
+        assert (got.spill_bytes, got.stack_bytes) == (0, 0), (params, got)
+    elif got.spill_bytes or got.stack_bytes:   # the family's own kernel at the same point
+        base = compile_kernel(FAMILIES[variant.name.removesuffix("_varlen")], params, problem, arch).resources
+        assert got.spill_bytes <= base.spill_bytes and got.stack_bytes <= base.stack_bytes, (params, got, base)
+
+
+def test_every_hopper_seed_has_a_varlen_point():
+    """A tuned config of any kind (persistent, TMA-stored, chained) turns into a valid varlen point."""
+    base, variant = FAMILIES["flash_fwd_sm90"], VARLEN_VARIANTS["flash_fwd_sm90"]
+    for d in (64, 128, 256):
+        problem = Problem(2, 8, 2048, 2048, d, "bf16", "causal")
+        for seed in base.seeds(H100_SXM, problem):
+            p = variant.from_tuned(seed)
+            assert variant.check(p, H100_SXM, problem) is None, (seed, variant.check(p, H100_SXM, problem))
+            assert not (p["persistent"] or p["tma_store"] or p["chain"])
+
+
+def test_varlen_defines_and_parameters():
+    variant = VARLEN_VARIANTS["flash_fwd_mma"]
+    problem = Problem(2, 8, 512, 512, 64, "fp16", "none")
+    p = variant.default(A100_SXM, problem)
+    assert variant.defines(p, problem)["VARLEN"] == 1
+    assert "VARLEN" not in FAMILIES["flash_fwd_mma"].defines(p, problem)
+    assert variant.param_kinds(p)[-3:] == ("ptr", "ptr", "i32")
+    args = tuple(range(22))
+    assert variant.packed_args(args, 70, 80, 1000, 2000, 300) == (*range(7), 70, 80, *range(9, 22), 1000, 2000, 300)
+    assert variant.supports(A100_SXM, Problem(2, 8, 512, 512, 64, "fp32", "none")) is not None   # 16-bit only
+
+
+# ---- inputs ----
+
+def _good():
+    q, k, v, cu_q, cu_k = _packed([3, 4], [3, 4], 4, 2, 64)
+    return dict(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, max_q=4, max_k=4)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda a: a.update(q=a["q"][None]), "3-D"),
+    (lambda a: a.update(k=a["k"].half(), v=a["v"].half()), "share one of"),
+    (lambda a: a.update(v=a["v"][:, :1]), "shapes differ"),
+    (lambda a: a.update(k=torch.randn(7, 3, 64), v=torch.randn(7, 3, 64)), "divide"),
+    (lambda a: a.update(q=torch.randn(7, 4, 72), k=torch.randn(7, 2, 72), v=torch.randn(7, 2, 72)), "head dim"),
+    (lambda a: a.update(cu_q=a["cu_q"].long()), "int32"),
+    (lambda a: a.update(cu_k=torch.tensor([0], dtype=torch.int32)), "at least 2"),
+    (lambda a: a.update(cu_k=torch.tensor([0, 3, 5, 7], dtype=torch.int32)), "sequences"),
+    (lambda a: a.update(max_q=4.0), "max_seqlen_q"),
+    (lambda a: a.update(max_k=-1), "max_seqlen_k"),
+])
+def test_inputs_are_checked_in_one_line(change, words):
+    a = _good()
+    change(a)
+    with pytest.raises(ValueError, match=words) as info:
+        V.check_varlen_inputs(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], a["max_q"], a["max_k"], cuda=False)
+    assert "\n" not in str(info.value)
+
+
+def test_attention_routes_packed_inputs_and_refuses_what_they_do_not_take():
+    a = _good()
+    with pytest.raises(ValueError, match="both cu_seqlens_q and cu_seqlens_k"):
+        tuner.attention(a["q"], a["k"], a["v"], cu_seqlens_q=a["cu_q"])
+    with pytest.raises(ValueError, match="no attn_mask, dropout_p or max_error"):
+        tuner.attention(a["q"], a["k"], a["v"], dropout_p=0.1, cu_seqlens_q=a["cu_q"], cu_seqlens_k=a["cu_k"])
+    with pytest.raises(ValueError, match="on CUDA tensors"):   # checked before anything runs
+        tuner.attention(a["q"], a["k"], a["v"], cu_seqlens_q=a["cu_q"], cu_seqlens_k=a["cu_k"], max_seqlen_q=4,
+                        max_seqlen_k=4)
+
+
+def test_longest_reads_the_offsets():
+    assert V.longest(_offsets([3, 0, 9, 1])) == 9
+
+
+# ---- torch's per-sequence answer against float64 ----
+
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+def test_per_sequence_forward_and_gradients_match_float64(mask):
+    lens_q, lens_k = [5, 0, 1, 17, 9], [7, 3, 1, 17, 0]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 32, grad=True)
+    scale = 0.2
+    o, lse = V.torch_varlen_forward(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 17, 17, mask, scale)
+    grad = torch.randn_like(o)
+    dq, dk, dv = V.varlen_backward(grad, q.detach(), k.detach(), v.detach(), o, lse, cu_q, cu_k, 17, 17, mask, scale)
+    for (a, b), (c, d) in V._spans(cu_q, cu_k):
+        if b == a:
+            continue
+        if d == c:   # no keys: O 0, LSE -inf, and nothing flows
+            assert o[a:b].abs().max() == 0 and bool((lse[:, a:b] == float("-inf")).all())
+            assert dq[a:b].abs().max() == 0
+            continue
+        qd, kd, vd = (t.detach().double().transpose(0, 1)[None].requires_grad_() for t in (q[a:b], k[c:d], v[c:d]))
+        ref_o, ref_lse = attention_fp64(qd, kd.repeat_interleave(2, 1), vd.repeat_interleave(2, 1), mask, scale)
+        ref_o = ref_o.nan_to_num(0.0)   # rows that see no key: 0
+        assert torch.allclose(o[a:b].double(), ref_o[0].transpose(0, 1), atol=1e-5), (mask, a, b)
+        assert torch.allclose(lse[:, a:b].double(), ref_lse[0], atol=1e-5), (mask, a, b)
+        gq, gk, gv = torch.autograd.grad(ref_o, (qd, kd, vd), grad[a:b].double().transpose(0, 1)[None])
+        assert torch.allclose(dq[a:b].double(), gq[0].transpose(0, 1), atol=1e-4)
+        assert torch.allclose(dk[c:d].double(), gk[0].transpose(0, 1), atol=1e-4)
+        assert torch.allclose(dv[c:d].double(), gv[0].transpose(0, 1), atol=1e-4)
+
+
+# ---- the operator ----
+
+@pytest.fixture()
+def cpu_varlen():
+    """The varlen ops on the CPU through torch's per-sequence path, so opcheck runs them for real."""
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, mask="none", scale=None):
+        return V.torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale)
+
+    lib = torch.library.Library("flashtune", "IMPL")
+    lib.impl("attention_varlen", forward, "CPU")
+    lib.impl("attention_varlen_backward", V.varlen_backward, "CPU")
+    yield
+    lib._destroy()
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+def test_opcheck_varlen(cpu_varlen, mask):
+    q, k, v, cu_q, cu_k = _packed([4, 1, 6], [5, 2, 6], 4, 2, 64, grad=True)
+    result = torch.library.opcheck(torch.ops.flashtune.attention_varlen, (q, k, v, cu_q, cu_k, 6, 6, mask, None))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_compile_fullgraph_traces_the_varlen_op():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, v, cu):
+        return tuner.attention(q, k, v, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300,
+                               max_seqlen_k=300) * 2
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(700, 8, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(700, 2, 128, device="cuda", dtype=torch.bfloat16)
+        cu = torch.empty(4, device="cuda", dtype=torch.int32)
+        y = torch.compile(f, fullgraph=True, backend=backend)(q, k, k, cu)
+    assert len(graphs) == 1
+    assert "flashtune.attention_varlen" in [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert y.shape == (700, 8, 128) and y.dtype == torch.bfloat16
