@@ -22,7 +22,7 @@
 // and nk - nq for the bottom-right one (MASK_BR=1: a KV cache). A row that sees no key (bottom-right
 // with nq > nk) writes O = 0 and LSE = -inf (its l stays 0).
 //
-// VARLEN (common.cuh): packed sequences of their own lengths; a block past its sequence's rows exits.
+// VARLEN (common.cuh): packed sequences of their own lengths, a grid of their query blocks.
 //
 // Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE COMPUTE IS_CAUSAL MASK_BR
 // (VARLEN where the varlen variant is built).
@@ -85,13 +85,19 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
   T* Vs = Ks + STAGES * BC * HEAD_DIM;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int b = blockIdx.y / heads, h = blockIdx.y % heads, hk = h / kv_group;
-  // this block's sequence: the batch's own lengths, or (VARLEN) its packed sequence's, whose
-  // blocks past its length do nothing
+  // this block's sequence and query block: blockIdx (x, y) = (query block, batch-head), or
+  // (VARLEN) (block of all sequences' blocks, head)
+#if VARLEN
+  const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x);
+  if (blk.x < 0) return;
+  const int b = blk.x, h = blockIdx.y, qi = blk.y;
+#else
+  const int b = blockIdx.y / heads, h = blockIdx.y % heads, qi = blockIdx.x;
+#endif
+  const int hk = h / kv_group;
   const Sequence seq = FT_SEQUENCE(b);
   const int qblks = VARLEN ? (seq.nq + BR - 1) / BR : gridDim.x;
-  const int qblk = IS_CAUSAL ? (qblks - 1 - static_cast<int>(blockIdx.x)) : blockIdx.x;  // heaviest first
-  if (VARLEN && (qblk < 0 || qblk >= qblks)) return;
+  const int qblk = IS_CAUSAL ? (qblks - 1 - qi) : qi;  // heaviest first
   const int q0 = qblk * BR;
   const In* qp = q + (VARLEN ? seq.q0 * q_sn : b * q_sb) + h * q_sh;
   const In* kp = k + (VARLEN ? seq.k0 * k_sn : b * k_sb) + hk * k_sh;

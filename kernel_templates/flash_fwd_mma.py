@@ -131,6 +131,9 @@ class VarlenFlashFwdMma(VarlenVariant, FlashFwdMma):
 
     name = "flash_fwd_mma_varlen"
 
+    def block_rows(self, params: dict) -> int:
+        return params["Br"]
+
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         if problem.head_dim == 256 and (gpu.major, gpu.minor) >= (9, 0):
             # at d=256 the family sits at 255 registers on sm_90a, and the sequence's offsets

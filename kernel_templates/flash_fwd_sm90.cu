@@ -32,8 +32,8 @@
 //
 // VARLEN (common.cuh): packed sequences of their own lengths, read through maps of the packed
 // tensors at each sequence's first row; rows a tile reads past its sequence are the next one's,
-// masked like the keys past N (K) or computed and never stored (Q). Grid schedule, ordinary O
-// stores; a CTA past its sequence's rows exits at once.
+// masked like the keys past N (K) or computed and never stored (Q). Grid schedule (one CTA per
+// query block of each sequence, varlen_block), ordinary O stores.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN;
@@ -109,23 +109,26 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   const int n_qblk = (nq + BR - 1) / BR, n_bh = batch * heads;
-  // the batch's lengths, or (VARLEN: one work tile per CTA) this CTA's packed sequence's
-  const Sequence seq = FT_SEQUENCE(PERSISTENT ? 0 : static_cast<int>(blockIdx.y) / heads);
+  // the batch's lengths, or (VARLEN: one work tile per CTA, blockIdx (x, y) = (block of all the
+  // sequences' query blocks, head)) this CTA's sequence's
+#if VARLEN
+  const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x);
+  if (blk.x < 0) return;
+#else
+  const int2 blk = make_int2(0, 0);
+#endif
+  const Sequence seq = FT_SEQUENCE(blk.x);
 
   // PERSISTENT: one CTA per SM takes work tiles from the dynamic scheduler (tile_scheduler.cuh)
   // until it runs out; otherwise the grid has one CTA per work tile and this loop runs once.
   const int total = PERSISTENT ? n_qblk * n_bh : 1;
   auto work = [&](int tile) {
-    WorkTile w = work_tile<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR>(PERSISTENT ? tile % n_qblk : blockIdx.x,
-                                                  PERSISTENT ? tile / n_qblk : blockIdx.y, heads, kv_group, seq.nq, seq.nk);
+    WorkTile w = work_tile<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR>(
+        VARLEN ? blk.y : (PERSISTENT ? tile % n_qblk : blockIdx.x),
+        VARLEN ? blk.x * heads + blockIdx.y : (PERSISTENT ? tile / n_qblk : blockIdx.y), heads, kv_group, seq.nq, seq.nk);
     if constexpr (VARLEN) w.ntiles = max(1, w.ntiles);   // a sequence with no keys: one masked tile (O 0, LSE -inf)
     return w;
   };
-  // VARLEN: the grid is sized for the longest sequence; a CTA past its own sequence's rows leaves
-  if (VARLEN) {
-    const WorkTile w = work(0);
-    if (w.q0 >= seq.nq || w.q0 + BR <= 0) return;
-  }
 
   if (tid == 0) {
     for (int s = 0; s < QBUF; ++s) {

@@ -223,6 +223,9 @@ class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
 
     name = "flash_fwd_sm90_varlen"
 
+    def block_rows(self, params: dict) -> int:
+        return 64 * params["cwg"]
+
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         if params["persistent"] or params["tma_store"] or params["chain"]:
             return "varlen runs a grid of work tiles with O by ordinary stores: persistent, tma_store and chain 0"

@@ -94,13 +94,14 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
         assert points, f"no {variant.name} point for {problem.key}"
         for params in points:
             ck = compile_kernel(variant, params, problem, gpu.arch)
-            launch = variant.launch(params, problem, gpu)
+            launch = variant.packed_launch(params, problem, gpu, q.shape[0])
             launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, variant.param_kinds(params))
             o = torch.full_like(q, float("nan"))
             lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
             views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
             args = variant.arg_maker(params)(*views, lse, scale)
-            args = variant.packed_args(args, max(lens_q), max(lens_k), cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0])
+            args = variant.packed_args(args, max(lens_q), max(lens_k), cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0],
+                                       len(lens_q))
             launch_on(launcher, gpu.index, *args)
             torch.cuda.synchronize()
             what = f"{variant.name} {params} d{d} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask}"
@@ -136,7 +137,9 @@ def test_varlen_attention_and_its_gradients(mask):
                 for name, got, want in (("O", o.detach()[a:a + nq], ref), ("dq", q.grad[a:a + nq], gq),
                                         ("dk", k.grad[c:c + nk], gk), ("dv", v.grad[c:c + nk], gv)):
                     want = want[0].transpose(0, 1)
-                    rel = float((got.double() - want).norm() / want.norm().clamp_min(1e-12))
+                    # relative, with a floor of 0.01 per element: a sequence whose gradient is ~0
+                    # (one key seen by one row) is rounding noise against nothing
+                    rel = float((got.double() - want).norm() / (want.norm() + 0.01 * want.numel() ** 0.5))
                     assert rel < 2e-2, f"{name} of sequence ({nq}, {nk}), {dt}, {mask}, lens {lens_q}/{lens_k}: rel {rel:.3g}"
             a, c = a + nq, c + nk
 

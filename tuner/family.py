@@ -219,14 +219,27 @@ class VarlenVariant:
         return {**super().defines(params, problem), "VARLEN": 1}
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
-        return super().param_kinds(params) + ("ptr", "ptr", "i32")   # cu_seqlens_q, cu_seqlens_k, total_q
+        return super().param_kinds(params) + ("ptr", "ptr", "i32", "i32")   # cu_seqlens_q, cu_seqlens_k, total_q, nseq
 
     def from_tuned(self, params: dict) -> dict:
         """The point of this variant closest to a tuned config of its family."""
         return dict(params)
 
+    @abstractmethod
+    def block_rows(self, params: dict) -> int:
+        """Query rows per block."""
+
+    def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int) -> Launch:
+        """The launch for `problem.batch` sequences of `total_q` queries in all: one block per query
+        block of each sequence, by head; the count rounded up to 32 (the extra blocks exit at
+        once), so that batches of nearby sizes share a launch."""
+        base = self.launch(params, problem, gpu)
+        blocks = ceil_div(total_q, self.block_rows(params)) + problem.batch
+        return Launch(grid=(-(-blocks // 32) * 32, problem.heads, 1), block=base.block, smem_bytes=base.smem_bytes)
+
     @staticmethod
-    def packed_args(args: tuple, max_q: int, max_k: int, cu_q: int, cu_k: int, total_q: int) -> tuple:
+    def packed_args(args: tuple, max_q: int, max_k: int, cu_q: int, cu_k: int, total_q: int, nseq: int) -> tuple:
         """The family's argument values for the packed views, made the varlen kernel's: the longest
-        lengths as nq and nk (ATTENTION_PARAMS' 8th and 9th), then the offsets and total_q."""
-        return args[:7] + (max_q, max_k) + args[9:] + (cu_q, cu_k, total_q)
+        lengths as nq and nk (ATTENTION_PARAMS' 8th and 9th), then the offsets, total_q and the
+        number of sequences."""
+        return args[:7] + (max_q, max_k) + args[9:] + (cu_q, cu_k, total_q, nseq)

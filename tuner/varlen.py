@@ -27,7 +27,7 @@ from .problem import Problem, mask_of
 from .records import one_line
 
 HALF = (torch.float16, torch.bfloat16)
-_GRIDS = 256   # launch geometries a plan keeps (a batch and its longest sequence make one)
+_GRIDS = 256   # launch geometries a plan keeps (VarlenVariant.packed_launch)
 
 
 @dataclass
@@ -37,7 +37,7 @@ class _Plan:
     kernel: LoadedKernel | None = None
     make_args: object = None
     reason: str = ""
-    launchers: dict = field(default_factory=dict)   # (batch, longest q) -> Launcher
+    launchers: dict = field(default_factory=dict)   # grid -> Launcher
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -109,8 +109,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
     if args is None:   # misaligned rows or a strided last dim: copies the kernel reads
         views[:3] = [t.contiguous().unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
         args = plan.make_args(*views, lse, scale)
-    args = plan.family.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0])
-    launch_on(_launcher(plan, problem, q.device.index or 0), q.device.index or 0, *args)
+    args = plan.family.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0], problem.batch)
+    launch_on(_launcher(plan, problem, q.shape[0], q.device.index or 0), q.device.index or 0, *args)
     return o, lse
 
 
@@ -158,18 +158,16 @@ def _plan(problem: Problem, device_index: int) -> _Plan:
     return _Plan(variant, params, kernel, variant.arg_maker(params))
 
 
-def _launcher(plan: _Plan, problem: Problem, device_index: int) -> Launcher:
-    """The plan's launch for this batch and longest query: the grid covers it, smaller sequences'
-    extra blocks exit at once."""
-    key = (problem.batch, problem.seqlen_q)
-    launcher = plan.launchers.get(key)
-    if launcher is None:
-        from .dispatch import default
+def _launcher(plan: _Plan, problem: Problem, total_q: int, device_index: int) -> Launcher:
+    """The plan's launch for this many sequences and queries (VarlenVariant.packed_launch)."""
+    from .dispatch import default
 
-        launch = plan.family.launch(plan.params, problem, default()._gpu(device_index))
+    launch = plan.family.packed_launch(plan.params, problem, default()._gpu(device_index), total_q)
+    launcher = plan.launchers.get(launch.grid)
+    if launcher is None:
         if len(plan.launchers) >= _GRIDS:
             plan.launchers.clear()
-        launcher = plan.launchers[key] = plan.kernel.launcher(launch, plan.family.param_kinds(plan.params))
+        launcher = plan.launchers[launch.grid] = plan.kernel.launcher(launch, plan.family.param_kinds(plan.params))
     return launcher
 
 
