@@ -158,17 +158,15 @@ FT_DEVICE float fast_exp2(float x) {
 // VARLEN (a define, 0 where absent): the batch is packed sequences, as FlashAttention's varlen API
 // takes them. q, k, v, o are (1, H, total, D) views of (total, H, D) tensors; sequence b is rows
 // [cu_q[b], cu_q[b + 1]) of q and o and [cu_k[b], cu_k[b + 1]) of k and v; nq and nk are the longest
-// lengths and the LSE is (H, total_q), FlashAttention-2's varlen layout. The work is the query
-// blocks of all sequences, listed in `blocks` in the order they should run (tuner/varlen.py:
-// longest sequences first): blocks[0] is their number, blocks[1 + 2j] and blocks[2 + 2j] the
-// sequence and query block (numbered as the kernel numbers a sequence's blocks) of block j. A
-// kernel appends FT_VARLEN_PARAMS to its parameters and reads its sequence with FT_SEQUENCE.
+// lengths and the LSE is (H, total_q), FlashAttention-2's varlen layout. The grid is (query blocks
+// of all `nseq` sequences, at most total_q / rows + nseq, by heads): a block finds its sequence
+// with `varlen_block`, so no block is spent on a short sequence's missing rows. A kernel appends
+// FT_VARLEN_PARAMS to its parameters and reads its sequence with FT_SEQUENCE.
 #ifndef VARLEN
 #define VARLEN 0
 #endif
 #if VARLEN
-#define FT_VARLEN_PARAMS , const int* __restrict__ cu_q, const int* __restrict__ cu_k, int total_q, \
-      const int* __restrict__ blocks
+#define FT_VARLEN_PARAMS , const int* __restrict__ cu_q, const int* __restrict__ cu_k, int total_q, int nseq
 #else
 #define FT_VARLEN_PARAMS
 #endif
@@ -187,9 +185,38 @@ FT_DEVICE Sequence sequence_of(const int* cu_q, const int* cu_k, int b) {
 #define FT_SEQUENCE(b) (Sequence{nq, nk, 0, 0})
 #endif
 
-// VARLEN: (sequence, query block) of block j of the list, (-1, 0) past its end.
-FT_DEVICE int2 varlen_block(const int* blocks, int j) {
-  return j < blocks[0] ? make_int2(blocks[1 + 2 * j], blocks[2 + 2 * j]) : make_int2(-1, 0);
+// VARLEN: (sequence, its query block) of a head's block j, sequence b owning the next
+// ceil(n_b / ROWS) blocks after those of the ones before it; (-1, 0) past the last. Warp 0 walks
+// the offsets 32 sequences at a time (a prefix sum by shuffles); every thread gets the answer
+// through shared memory, so all of the block must call it.
+template <int ROWS>
+FT_DEVICE int2 varlen_block(const int* cu_q, int nseq, int j) {
+  __shared__ int2 found;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    int2 r = make_int2(-1, 0);
+    for (int s0 = 0, before = 0; s0 < nseq; s0 += 32) {
+      const int s = s0 + lane;
+      const int blocks = s < nseq ? (cu_q[s + 1] - cu_q[s] + ROWS - 1) / ROWS : 0;
+      int upto = blocks;   // inclusive prefix over the chunk
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, upto, off);
+        if (lane >= off) upto += t;
+      }
+      const int first = before + upto - blocks;
+      const unsigned hit = __ballot_sync(0xffffffffu, j >= first && j < first + blocks);
+      if (hit) {
+        const int src = __ffs(hit) - 1;
+        r = make_int2(s0 + src, j - __shfl_sync(0xffffffffu, first, src));
+        break;
+      }
+      before += __shfl_sync(0xffffffffu, upto, 31);
+    }
+    if (lane == 0) found = r;
+  }
+  __syncthreads();
+  return found;
 }
 
 constexpr float FT_LN2 = 0.6931471805599453f;

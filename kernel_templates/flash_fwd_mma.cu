@@ -22,7 +22,7 @@
 // and nk - nq for the bottom-right one (MASK_BR=1: a KV cache). A row that sees no key (bottom-right
 // with nq > nk) writes O = 0 and LSE = -inf (its l stays 0).
 //
-// VARLEN (common.cuh): packed sequences of their own lengths, a grid of their query blocks by head.
+// VARLEN (common.cuh): packed sequences of their own lengths, a grid of their query blocks.
 //
 // Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE COMPUTE IS_CAUSAL MASK_BR
 // (VARLEN where the varlen variant is built).
@@ -88,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
   // this block's sequence and query block: blockIdx (x, y) = (query block, batch-head), or
   // (VARLEN) (block of all sequences' blocks, head)
 #if VARLEN
-  const int2 blk = varlen_block(blocks, blockIdx.x);
+  const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x);
   if (blk.x < 0) return;
   const int b = blk.x, h = blockIdx.y, qi = blk.y;
 #else

@@ -32,10 +32,8 @@
 //
 // VARLEN (common.cuh): packed sequences of their own lengths, read through maps of the packed
 // tensors at each sequence's first row; rows a tile reads past its sequence are the next one's,
-// masked like the keys past N (K) or computed and never stored (Q). Work tiles are the listed
-// query blocks by head, on the grid or the persistent scheduler; each work tile carries its
-// sequence (`seq`, the producer's `ps`); ordinary O stores (a TMA store box could cross into the
-// next sequence), no chaining.
+// masked like the keys past N (K) or computed and never stored (Q). Grid schedule (one CTA per
+// query block of each sequence, varlen_block), ordinary O stores.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN;
@@ -84,7 +82,7 @@ static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, 
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
 static_assert(!TMA_STORE || (QBUF * Q_BYTES + (FP8 ? 3 : 2) * STAGES * KV_BYTES) % 1024 == 0, "O slabs on the swizzle's 1024 B");
 static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tiles: persistent, overlapped, two consumers");
-static_assert(!VARLEN || (!TMA_STORE && !CHAIN && !FP8), "varlen: O by ordinary stores, no chained tiles, 16-bit inputs");
+static_assert(!VARLEN || (!PERSISTENT && !TMA_STORE && !FP8), "varlen: a grid of work tiles, O by ordinary stores, 16-bit inputs");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 
 struct Barriers {
@@ -111,34 +109,25 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
 
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
   const int n_qblk = (nq + BR - 1) / BR, n_bh = batch * heads;
-  // The current work tile's sequence: the batch's lengths, or (VARLEN) the one work(tile, seq) finds.
-  Sequence seq = FT_SEQUENCE(0);
+  // the batch's lengths, or (VARLEN: one work tile per CTA, blockIdx (x, y) = (block of all the
+  // sequences' query blocks, head)) this CTA's sequence's
 #if VARLEN
-  if (!PERSISTENT && static_cast<int>(blockIdx.x) >= blocks[0]) return;   // the grid covers the most blocks there can be
+  const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x);
+  if (blk.x < 0) return;
+#else
+  const int2 blk = make_int2(0, 0);
 #endif
+  const Sequence seq = FT_SEQUENCE(blk.x);
 
   // PERSISTENT: one CTA per SM takes work tiles from the dynamic scheduler (tile_scheduler.cuh)
   // until it runs out; otherwise the grid has one CTA per work tile and this loop runs once.
-  // VARLEN: tile t is head t % H of block t / H of the list (persistent), or head blockIdx.y of
-  // block blockIdx.x (grid)
-#if VARLEN
-  const int total = PERSISTENT ? blocks[0] * heads : 1;
-#else
   const int total = PERSISTENT ? n_qblk * n_bh : 1;
-#endif
-  auto work = [&](int tile, Sequence& s) {
-#if VARLEN
-    const int2 blk = varlen_block(blocks, PERSISTENT ? tile / heads : blockIdx.x);
-    if (blk.x < 0) return WorkTile{0, 0, 0, 0, 1};   // past the last tile: never run
-    s = sequence_of(cu_q, cu_k, blk.x);
+  auto work = [&](int tile) {
     WorkTile w = work_tile<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR>(
-        blk.y, blk.x * heads + (PERSISTENT ? tile % heads : blockIdx.y), heads, kv_group, s.nq, s.nk);
-    w.ntiles = max(1, w.ntiles);   // a sequence with no keys: one masked tile (O 0, LSE -inf)
+        VARLEN ? blk.y : (PERSISTENT ? tile % n_qblk : blockIdx.x),
+        VARLEN ? blk.x * heads + blockIdx.y : (PERSISTENT ? tile / n_qblk : blockIdx.y), heads, kv_group, seq.nq, seq.nk);
+    if constexpr (VARLEN) w.ntiles = max(1, w.ntiles);   // a sequence with no keys: one masked tile (O 0, LSE -inf)
     return w;
-#else
-    return work_tile<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR>(PERSISTENT ? tile % n_qblk : blockIdx.x,
-                                                  PERSISTENT ? tile / n_qblk : blockIdx.y, heads, kv_group, s.nq, s.nk);
-#endif
   };
 
   if (tid == 0) {
@@ -195,8 +184,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
           if constexpr (WARP_PRODUCER) tile = __shfl_sync(0xffffffffu, tile, 0);
         }
         if (tile >= total) break;
-        Sequence ps = seq;   // the producer's tile's sequence
-        const WorkTile w = work(tile, ps);
+        const WorkTile w = work(tile);
         // K and V have their own rings and their own releases (K is free once S is computed, V
         // only after P V), and V runs one tile behind K, the order the consumers use them in.
         auto load = [&](T* ring, const TmaMap* tmap, unsigned long long* full, unsigned long long* empty, int t) {
@@ -206,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
           mbar_expect_tx(&full[s], KV_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
-            tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * PANEL_COLS, tmap, &full[s], p * PANEL_COLS, ps.k0 + t * BC, w.hk,
+            tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * PANEL_COLS, tmap, &full[s], p * PANEL_COLS, seq.k0 + t * BC, w.hk,
                         VARLEN ? 0 : w.b);
         };
         // The first K goes ahead of Q: it only needs a free ring slot, while Q waits for the last
@@ -218,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
           mbar_expect_tx(&bar.q_full[qs], Q_BYTES);
 #pragma unroll
           for (int p = 0; p < PANELS; ++p)
-            tma_load_4d(Qs + qs * BR * HEAD_DIM + p * BR * PANEL_COLS, tq, &bar.q_full[qs], p * PANEL_COLS, ps.q0 + w.q0, w.h,
+            tma_load_4d(Qs + qs * BR * HEAD_DIM + p * BR * PANEL_COLS, tq, &bar.q_full[qs], p * PANEL_COLS, seq.q0 + w.q0, w.h,
                         VARLEN ? 0 : w.b);
         }
         for (int t = 1; t < w.ntiles; ++t) {
@@ -243,8 +231,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
           mbar_arrive(&bar.ring.empty[s]);
         }
         if (tile >= total) break;
-        Sequence ts = seq;
-        for (const int end = g + work(tile, ts).ntiles; g < end; ++g) {
+        for (const int end = g + work(tile).ntiles; g < end; ++g) {
           const int s = g % STAGES;
           mbar_wait(&bar.v_full[s], (g / STAGES) & 1);
           if (g >= STAGES) mbar_wait(&bar.vt_empty[s], ((g / STAGES) - 1) & 1);
@@ -297,7 +284,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
       return tile;
     };
     int g0 = 0, qs = 0, tile = fetch(0);
-    WorkTile w = work(tile, seq);
+    WorkTile w = work(tile);
     int own = w.ntiles;   // of them this consumer's (OWN_TILES, below)
     auto reset = [&] {
 #pragma unroll
@@ -360,16 +347,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     };
     auto write_o = [&] {
 #if VARLEN
-      const int row0 = __ldcg(cu_q + w.b);   // the sequence's first row, read again rather than held through the tile
-      float* lse_bh = lse + static_cast<long long>(w.h) * total_q + row0;
+      float* lse_bh = lse + static_cast<long long>(w.h) * total_q + seq.q0;
 #else
-      constexpr int row0 = 0;
       float* lse_bh = lse + static_cast<long long>(w.b * heads + w.h) * nq;
 #endif
       if constexpr (TMA_STORE) {
         store_slab_tma<OUT_DTYPE, DTILES>(o_slab, &tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
       } else {
-        store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + (VARLEN ? row0 * o_sn : w.b * o_sb) + w.h * o_sh, o_sn, lse_bh,
+        store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + (VARLEN ? seq.q0 * o_sn : w.b * o_sb) + w.h * o_sh, o_sn, lse_bh,
                               o_acc, m, l, lane, w.q0 + wrow0, seq.nq, scale_log2);
       }
     };
@@ -415,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     auto advance = [&](int it, int next) {
       g0 += w.ntiles;
       tile = next;
-      w = work(tile, seq);
+      w = work(tile);
       own = w.ntiles;
       qs = (it + 1) % QBUF;
     };

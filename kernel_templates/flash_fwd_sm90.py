@@ -217,8 +217,9 @@ class _Sm90Args(AttentionArgs):
 
 
 class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
-    """flash_fwd_sm90 on packed sequences: O by ordinary stores (a TMA store box could cross into the
-    next sequence), no chained work tiles, 16-bit inputs."""
+    """flash_fwd_sm90 on packed sequences: one work tile per CTA (every block finds its own
+    sequence; the persistent scheduler's CTAs would have to for each tile), O by ordinary stores
+    (a TMA store box could cross into the next sequence), 16-bit inputs."""
 
     name = "flash_fwd_sm90_varlen"
 
@@ -226,17 +227,13 @@ class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
         return 64 * params["cwg"]
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
-        if params["tma_store"] or params["chain"]:
-            return "varlen stores O by ordinary stores and chains no work tiles: tma_store and chain 0"
-        if params["persistent"] and problem.head_dim == 64:
-            return "persistent varlen at d=64 spills 12-16 B (ptxas, the tile's sequence beside the scheduler state): grid only"
+        if params["persistent"] or params["tma_store"] or params["chain"]:
+            return "varlen runs a grid of work tiles with O by ordinary stores: persistent, tma_store and chain 0"
         return super()._check(params, gpu, problem)
 
     def from_tuned(self, params: dict, problem: Problem) -> dict:
-        p = dict(params, tma_store=0, chain=0)
-        if problem.head_dim == 64:   # the grid schedule of the same tile; split 32 is the persistent producer's
-            p.update(persistent=0, split=24 if p["split"] == 32 else p["split"])
-        return p
+        # the grid schedule of the same tile; split 32 exists only for the persistent producer
+        return dict(params, persistent=0, tma_store=0, chain=0, split=24 if params["split"] == 32 else params["split"])
 
 
 FAMILY = FlashFwdSm90()

@@ -78,7 +78,6 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
     from tuner.gpu import detect
     from tuner.kernel_templates import FAMILIES, VARLEN_VARIANTS
     from tuner.launch import LoadedKernel, launch_on
-    from tuner.varlen import block_list
 
     gpu, rng = detect(), random.Random()
     base, variant = FAMILIES[family], VARLEN_VARIANTS[family]
@@ -101,9 +100,8 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
             lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
             views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
             args = variant.arg_maker(params)(*views, lse, scale)
-            blocks = block_list(cu_q, variant.block_rows(params), variant.block_count(params, len(lens_q), q.shape[0]))
             args = variant.packed_args(args, max(lens_q), max(lens_k), cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0],
-                                       blocks.data_ptr())
+                                       len(lens_q))
             launch_on(launcher, gpu.index, *args)
             torch.cuda.synchronize()
             what = f"{variant.name} {params} d{d} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask}"

@@ -219,7 +219,7 @@ class VarlenVariant:
         return {**super().defines(params, problem), "VARLEN": 1}
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
-        return super().param_kinds(params) + ("ptr", "ptr", "i32", "ptr")   # cu_seqlens_q, cu_seqlens_k, total_q, blocks
+        return super().param_kinds(params) + ("ptr", "ptr", "i32", "i32")   # cu_seqlens_q, cu_seqlens_k, total_q, nseq
 
     def from_tuned(self, params: dict, problem: Problem) -> dict:
         """The point of this variant closest to a tuned config of its family for `problem`."""
@@ -229,23 +229,17 @@ class VarlenVariant:
     def block_rows(self, params: dict) -> int:
         """Query rows per block."""
 
-    def block_count(self, params: dict, batch: int, total_q: int) -> int:
-        """The most query blocks `batch` sequences of `total_q` queries in all can have, rounded up
-        to 32 (so that batches of nearby sizes share a launch): the length of the block list."""
-        return -(-(ceil_div(total_q, self.block_rows(params)) + batch) // 32) * 32
-
     def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int) -> Launch:
-        """The launch for `problem.batch` sequences of `total_q` queries in all: a grid of the block
-        list by head (its blocks past the list's end exit at once), or one CTA per SM where the
-        config is persistent."""
+        """The launch for `problem.batch` sequences of `total_q` queries in all: a grid of at most
+        total_q / rows + batch query blocks (each block finds its sequence, kernel_templates/
+        common.cuh), rounded up to 32 so that batches of nearby sizes share a launch, by head."""
         base = self.launch(params, problem, gpu)
-        blocks = self.block_count(params, problem.batch, total_q)
-        grid = (min(blocks * problem.heads, gpu.sm_count), 1, 1) if params.get("persistent") else (blocks, problem.heads, 1)
-        return Launch(grid=grid, block=base.block, smem_bytes=base.smem_bytes)
+        blocks = ceil_div(total_q, self.block_rows(params)) + problem.batch
+        return Launch(grid=(-(-blocks // 32) * 32, problem.heads, 1), block=base.block, smem_bytes=base.smem_bytes)
 
     @staticmethod
-    def packed_args(args: tuple, max_q: int, max_k: int, cu_q: int, cu_k: int, total_q: int, blocks: int) -> tuple:
+    def packed_args(args: tuple, max_q: int, max_k: int, cu_q: int, cu_k: int, total_q: int, nseq: int) -> tuple:
         """The family's argument values for the packed views, made the varlen kernel's: the longest
         lengths as nq and nk (ATTENTION_PARAMS' 8th and 9th), then the offsets, total_q and the
-        block list (tuner.varlen.block_list)."""
-        return args[:7] + (max_q, max_k) + args[9:] + (cu_q, cu_k, total_q, blocks)
+        number of sequences."""
+        return args[:7] + (max_q, max_k) + args[9:] + (cu_q, cu_k, total_q, nseq)

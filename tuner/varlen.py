@@ -37,7 +37,7 @@ class _Plan:
     kernel: LoadedKernel | None = None
     make_args: object = None
     reason: str = ""
-    launchers: dict = field(default_factory=dict)   # (block list length, heads) -> Launcher
+    launchers: dict = field(default_factory=dict)   # grid -> Launcher
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -109,30 +109,9 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
     if args is None:   # misaligned rows or a strided last dim: copies the kernel reads
         views[:3] = [t.contiguous().unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
         args = plan.make_args(*views, lse, scale)
-    launcher, count = _launcher(plan, problem, q.shape[0], q.device.index or 0)
-    blocks = block_list(cu_q, plan.family.block_rows(plan.params), count)
-    args = plan.family.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0], blocks.data_ptr())
-    launch_on(launcher, q.device.index or 0, *args)
+    args = plan.family.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0], problem.batch)
+    launch_on(_launcher(plan, problem, q.shape[0], q.device.index or 0), q.device.index or 0, *args)
     return o, lse
-
-
-def block_list(cu_q: torch.Tensor, rows: int, count: int) -> torch.Tensor:
-    """The query blocks of all sequences in the order they should run, as the varlen kernels read
-    them (kernel_templates/common.cuh): [n, (sequence, block) x count] int32, the longest sequences
-    first (their blocks take longest: on a causal mask block 0 is a sequence's heaviest), the
-    `count - n` entries past the n real ones unread. Made on the device with no host sync."""
-    lens = cu_q[1:] - cu_q[:-1]
-    per = (lens + (rows - 1)) // rows
-    order = torch.argsort(lens, descending=True, stable=True)
-    per = per[order]
-    ends = torch.cumsum(per, 0)
-    j = torch.arange(count, device=cu_q.device, dtype=ends.dtype)
-    pos = torch.searchsorted(ends, j, right=True).clamp_(max=lens.numel() - 1)
-    out = torch.empty(1 + 2 * count, dtype=torch.int32, device=cu_q.device)
-    out[0] = ends[-1]
-    out[1::2] = order[pos]
-    out[2::2] = j - (ends - per)[pos]
-    return out
 
 
 def _plan_for(problem: Problem, q) -> _Plan:
@@ -179,21 +158,17 @@ def _plan(problem: Problem, device_index: int) -> _Plan:
     return _Plan(variant, params, kernel, variant.arg_maker(params))
 
 
-def _launcher(plan: _Plan, problem: Problem, total_q: int, device_index: int) -> tuple[Launcher, int]:
-    """The plan's launch for this many sequences and queries (VarlenVariant.packed_launch), and
-    the length of its block list."""
+def _launcher(plan: _Plan, problem: Problem, total_q: int, device_index: int) -> Launcher:
+    """The plan's launch for this many sequences and queries (VarlenVariant.packed_launch)."""
     from .dispatch import default
 
-    family, params = plan.family, plan.params
-    count = family.block_count(params, problem.batch, total_q)
-    key = (count, problem.heads)
-    launcher = plan.launchers.get(key)
+    launch = plan.family.packed_launch(plan.params, problem, default()._gpu(device_index), total_q)
+    launcher = plan.launchers.get(launch.grid)
     if launcher is None:
-        launch = family.packed_launch(params, problem, default()._gpu(device_index), total_q)
         if len(plan.launchers) >= _GRIDS:
             plan.launchers.clear()
-        launcher = plan.launchers[key] = plan.kernel.launcher(launch, family.param_kinds(params))
-    return launcher, count
+        launcher = plan.launchers[launch.grid] = plan.kernel.launcher(launch, plan.family.param_kinds(plan.params))
+    return launcher
 
 
 def _warn(message: str) -> None:
