@@ -132,3 +132,56 @@ def test_an_untuned_decode_call_gets_flash_decode_default_not_a_prefill_config(t
     assert entry == {"family": "flash_decode", "params": FAM.default(H100_SXM, LLAMA_DECODE)}
     assert _decode_default(prefill, H100_SXM) is None
     assert _decode_default(replace(LLAMA_DECODE, dtype="fp32"), H100_SXM) is None
+
+
+# ---- flashtune::kvcache_attention: the operator torch.compile traces ----
+
+def test_kvcache_attention_traces_under_compile_fullgraph():
+    """Inside torch.compile(fullgraph=True) the call is the registered operator, its fake giving O
+    in q's layout and the LSE: no graph break, on fake CUDA tensors (paged, with lengths)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import tuner.op  # noqa: F401  (registers the operators)
+    from tuner import kvcache_attention
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(q, k, v, lens, table):
+        return kvcache_attention(q, k, v, lens, table) * 2
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.empty(64, 16, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        lens = torch.empty(4, device="cuda", dtype=torch.int32)
+        table = torch.empty(4, 16, device="cuda", dtype=torch.int32)
+        y = torch.compile(step, fullgraph=True, backend=backend)(q, k, k, lens, table)
+    assert len(graphs) == 1
+    assert "flashtune.kvcache_attention" in [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert y.shape == (4, 32, 1, 128) and y.dtype == torch.bfloat16
+
+
+def test_kvcache_operator_opcheck_with_a_cpu_stand_in():
+    """opcheck (schema, fake, dispatch) with torch's per-sequence answer as the CPU kernel."""
+    from tuner import kvcache
+
+    def forward(q, k, v, lens=None, table=None, mask="causal_br", scale=None):
+        nk, _ = check_cache_inputs(q, k, v, lens, table, cuda=False)
+        return kvcache._torch_attention(q, k, v, lens, table, nk, mask, scale)
+
+    import tuner.op  # noqa: F401
+
+    lib = torch.library.Library("flashtune", "IMPL")
+    lib.impl("kvcache_attention", forward, "CPU")
+    try:
+        q = torch.randn(3, 4, 2, 64)
+        k, v = torch.randn(3, 2, 50, 64), torch.randn(3, 2, 50, 64)
+        lens = torch.tensor([0, 17, 50], dtype=torch.int32)
+        for mask in ("causal_br", "none"):
+            result = torch.library.opcheck(torch.ops.flashtune.kvcache_attention, (q, k, v, lens, None, mask, None))
+            assert set(result.values()) == {"SUCCESS"}, result
+    finally:
+        lib._destroy()

@@ -52,8 +52,22 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
     - `causal` (default True) is the bottom-right diagonal against each sequence's own length: the
       Nq queries are its last Nq positions. False: every held key is visible. Rows that see no key
       (a length of 0) are O = 0, LSE = -inf.
+
+    Under torch.compile it is the operator flashtune::kvcache_attention (traced by its fake, no
+    graph break); CUDA graphs capture it. No gradient flows: it is for inference.
     """
     mask = "causal_br" if causal is True else mask_of(causal)
+    if torch.compiler.is_compiling():   # the registered operator, which the compiler traces by its fake
+        from . import op  # noqa: F401  (registers flashtune::kvcache_attention)
+
+        o, lse = torch.ops.flashtune.kvcache_attention(q, k_cache, v_cache, cache_seqlens, block_table, mask, scale)
+    else:
+        o, lse = kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, mask, scale)
+    return (o, lse) if return_lse else o
+
+
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, mask: str, scale: float | None):
+    """O and the LSE of kvcache_attention for a problem mask (flashtune::kvcache_attention's kernel)."""
     nk, _ = check_cache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     b, h, nq, d = q.shape
     problem = Problem(b, h, nq, nk, d, TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")], mask, k_cache.shape[1])
@@ -65,8 +79,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
             plan = _plans.get(key) or _plans.setdefault(key, _plan(problem, paged, q.device.index or 0))
     if plan.launcher is None:
         _warn(plan.reason)
-        o, lse = _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk, mask, scale)
-        return (o, lse) if return_lse else o
+        return _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk, mask, scale)
     size, stride = out_layout(q)
     o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -76,7 +89,7 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
         args = plan.family.cache_args(plan.params, plan.launch, q.contiguous(), k_cache.contiguous(),
                                       v_cache.contiguous(), o, lse, scale, nk, cache_seqlens, block_table)
     launch_on(plan.launcher, q.device.index or 0, *args)
-    return (o, lse) if return_lse else o
+    return o, lse
 
 
 def check_cache_inputs(q, k, v, cache_seqlens, block_table, *, cuda: bool = True) -> tuple[int, int]:

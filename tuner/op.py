@@ -21,6 +21,7 @@ from .backward import attention_backward
 from .dispatch import default as _dispatcher
 from .dispatch import out_layout
 from .torch_attention import sdpa_mask_kwargs
+from .kvcache import check_cache_inputs, kvcache_forward
 from .varlen import check_varlen_inputs, varlen_attention, varlen_backward, varlen_forward
 
 LIB = "flashtune"
@@ -34,6 +35,9 @@ _lib.define("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, T
 # packed sequences (tuner/varlen.py): q (total_q, H, D), O the same, the LSE (H, total_q)
 _lib.define("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
             "int max_seqlen_q, int max_seqlen_k, str mask='none', float? scale=None) -> (Tensor, Tensor)")
+# decode against a KV cache (tuner/kvcache.py), inference only: O as q's layout, the LSE (B, H, Nq)
+_lib.define("kvcache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, Tensor? block_table, "
+            "str mask='causal_br', float? scale=None) -> (Tensor, Tensor)")
 _lib.define("attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, str mask, float? scale) "
             "-> (Tensor, Tensor, Tensor)")
@@ -55,6 +59,7 @@ def _backward(grad_out, q, k, v, out, lse, is_causal, scale, bottom_right=False)
 _lib.impl("attention", _forward, "CUDA")
 _lib.impl("attention_backward", _backward, "CUDA")
 _lib.impl("attention_varlen", varlen_forward, "CUDA")
+_lib.impl("kvcache_attention", kvcache_forward, "CUDA")
 _lib.impl("attention_varlen_backward", varlen_backward, "CUDA")
 
 
@@ -106,6 +111,13 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def _attention_varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, mask, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake(f"{LIB}::kvcache_attention")
+def _kvcache_attention_fake(q, k_cache, v_cache, cache_seqlens=None, block_table=None, mask="causal_br", scale=None):
+    check_cache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, cuda=False)
+    size, stride = out_layout(q)
+    return torch.empty_strided(size, stride, dtype=q.dtype, device=q.device), q.new_empty(size[:3], dtype=torch.float32)
 
 
 def _varlen_setup_context(ctx, inputs, output):
