@@ -41,6 +41,7 @@ class _Plan:
 
 
 _plans: dict[tuple, _Plan] = {}
+_owner: list = [None]   # the dispatcher whose lookup the plans were chosen from
 _lock = threading.Lock()
 _warned: set[str] = set()
 
@@ -95,12 +96,12 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
     """O (total_q, H, D) and the LSE (H, total_q) of packed sequences, after check_varlen_inputs."""
     mask = mask_of(mask)
     dtype = check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
-    problem = padded_problem(q, k, cu_q, max_q, max_k, mask, dtype)
-    plan = _plan_for(problem, q)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     if q.shape[0] == 0:
         return o, lse
+    problem = padded_problem(q, k, cu_q, max_q, max_k, mask, dtype)
+    plan = _plan_for(problem, q)
     if plan.family is None:
         _warn(plan.reason)
         return torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, o, lse)
@@ -115,6 +116,15 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
 
 
 def _plan_for(problem: Problem, q) -> _Plan:
+    """The plan of the padded problem's bucket, made once per dispatcher (tuner.dispatch.reset,
+    a new lookup, makes them again)."""
+    from .dispatch import default
+
+    dispatcher = default()
+    if _owner[0] is not dispatcher:
+        with _lock:
+            _plans.clear()
+            _owner[0] = dispatcher
     key = (problem.bucket().key, q.device.index or 0)
     plan = _plans.get(key)
     if plan is None:
