@@ -324,3 +324,22 @@ def test_fp8_with_gradients_is_refused_not_dropped():
     q = torch.zeros(1, 2, 16, 64, dtype=torch.float8_e4m3fn).requires_grad_()
     with pytest.raises(ValueError, match="no backward for float8_e4m3fn"):
         tuner.attention(q, q, q)
+
+
+def test_operator_kernels_take_the_schema_defaults():
+    """A compiled graph calls an operator's kernel without the arguments left at their schema
+    defaults, so every kernel of the flashtune operators must default them the same way."""
+    import inspect
+
+    from tuner.kvcache import kvcache_forward
+    from tuner.varlen import varlen_backward, varlen_forward
+
+    kernels = {"attention": op._forward, "attention_backward": op._backward, "attention_varlen": varlen_forward,
+               "attention_varlen_backward": varlen_backward, "kvcache_attention": kvcache_forward}
+    for name, fn in kernels.items():
+        schema = getattr(torch.ops.flashtune, name).default._schema
+        params = list(inspect.signature(fn).parameters.values())
+        assert len(params) >= len(schema.arguments), name
+        for arg, p in zip(schema.arguments, params):
+            if arg.has_default_value():
+                assert p.default is not inspect.Parameter.empty and p.default == arg.default_value, (name, arg.name)

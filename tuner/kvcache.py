@@ -66,8 +66,10 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
     return (o, lse) if return_lse else o
 
 
-def kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, mask: str, scale: float | None):
-    """O and the LSE of kvcache_attention for a problem mask (flashtune::kvcache_attention's kernel)."""
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens=None, block_table=None, mask: str = "causal_br",
+                    scale: float | None = None):
+    """O and the LSE of kvcache_attention for a problem mask (flashtune::kvcache_attention's kernel:
+    its defaults are the schema's, which a compiled graph leaves out)."""
     nk, _ = check_cache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     b, h, nq, d = q.shape
     problem = Problem(b, h, nq, nk, d, TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")], mask, k_cache.shape[1])
