@@ -15,6 +15,7 @@ import os
 from tuner.family import KernelFamily
 
 from .flash_decode import FAMILY as _DECODE
+from .flash_decode import VARLEN_FAMILY as _DECODE_VARLEN
 from .flash_fwd_mma import FAMILY as _MMA
 from .flash_fwd_mma import VARLEN_FAMILY as _MMA_VARLEN
 from .flash_fwd_sm90 import FAMILY as _SM90
@@ -22,8 +23,9 @@ from .flash_fwd_sm90 import VARLEN_FAMILY as _SM90_VARLEN
 from .flash_fwd_simt import FAMILY as _SIMT
 
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA, _SM90, _DECODE)}
-# Each family's variant on packed sequences (tuner/varlen.py), made from its tuned configs: not searched.
-VARLEN_VARIANTS: dict[str, KernelFamily] = {_SM90.name: _SM90_VARLEN, _MMA.name: _MMA_VARLEN}
+# Each family's variant on packed sequences (tuner/varlen.py), made from its tuned configs: not
+# searched. In order of preference for a default: decode for short queries, then prefill.
+VARLEN_VARIANTS: dict[str, KernelFamily] = {_DECODE.name: _DECODE_VARLEN, _SM90.name: _SM90_VARLEN, _MMA.name: _MMA_VARLEN}
 EXTRA_ENV = "TUNER_EXTRA_FAMILIES"
 
 

@@ -15,7 +15,10 @@
 // k_sb / v_sb are then the page strides) costs one table read per row. `seqused_k` (where not null)
 // gives each sequence its own number of valid keys; the causal diagonal is that length's.
 //
-// Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM IN_DTYPE IS_CAUSAL MASK_BR PAGED.
+// VARLEN (common.cuh): packed sequences, each with its own queries (up to nq) and keys; the grid
+// is the longest sequence's row blocks, a sequence's extra ones exit at once.
+//
+// Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM IN_DTYPE IS_CAUSAL MASK_BR PAGED (VARLEN).
 #include "mma.cuh"
 #include "softmax.cuh"
 
@@ -33,6 +36,7 @@ constexpr int STAGE_ELEMS = TK * HEAD_DIM;
 static_assert(BC % 16 == 0, "BC must be a multiple of 16");
 static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "16-bit inputs");
+static_assert(!(VARLEN && PAGED), "packed sequences or pages, not both");
 
 FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8; }
 
@@ -50,7 +54,7 @@ FT_DEVICE const T* key_row(const T* base, long long sb, long long sh, long long 
 extern "C" __global__ void __launch_bounds__(NT, 1)
 flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restrict__ part_lse,
              int* __restrict__ arrivals, const int* __restrict__ seqused_k, const int* __restrict__ block_table,
-             int page_size, int bt_stride) {
+             int page_size, int bt_stride FT_VARLEN_PARAMS) {
   extern __shared__ float4 smem4[];
   T* Qs = reinterpret_cast<T*>(smem4);
   T* Ks = Qs + ROWS * HEAD_DIM;
@@ -62,11 +66,16 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   const int hkv = heads / kv_group;
   const int b = blockIdx.x / hkv, hk = blockIdx.x % hkv;
   const int split = blockIdx.z, splits = gridDim.z;
-  const int packed = kv_group * nq;                 // query rows that share this K/V head
+  // the sequence's queries and keys: the batch's, or (VARLEN) its packed sequence's, whose row
+  // blocks past its queries do nothing (every split of them alike: no merge is owed)
+  const Sequence seq = FT_SEQUENCE(b);
+  const int nq_b = seq.nq;
+  const int packed = kv_group * nq_b;               // query rows that share this K/V head
   const int r0 = blockIdx.y * ROWS;                 // this CTA's first packed row
-  const int nk_b = seqused_k != nullptr ? min(seqused_k[b], nk) : nk;
-  const int shift = MASK_BR ? nk_b - nq : 0;        // the diagonal: key j <= query + shift
-  const int last_query = min(nq - 1, (r0 + ROWS - 1) / kv_group);
+  if (VARLEN && r0 >= packed) return;
+  const int nk_b = VARLEN ? seq.nk : (seqused_k != nullptr ? min(seqused_k[b], nk) : nk);
+  const int shift = MASK_BR ? nk_b - nq_b : 0;      // the diagonal: key j <= query + shift
+  const int last_query = min(nq_b - 1, (r0 + ROWS - 1) / kv_group);
   const int kv_end = IS_CAUSAL ? max(0, min(nk_b, last_query + shift + 1)) : nk_b;
   const int ntiles = (kv_end + TK - 1) / TK;
   const int per_split = (ntiles + splits - 1) / splits;
@@ -78,7 +87,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     const int r = idx / CHUNKS, ch = idx % CHUNKS, pr = r0 + r;
     const bool ok = pr < packed;
     const int qi = ok ? pr / kv_group : 0, h = hk * kv_group + (ok ? pr % kv_group : 0);
-    cp_async16(at(Qs, r, ch), q + b * q_sb + h * q_sh + qi * q_sn + ch * 8, ok);
+    cp_async16(at(Qs, r, ch), q + (VARLEN ? seq.q0 * q_sn : b * q_sb) + h * q_sh + qi * q_sn + ch * 8, ok);
   }
   auto issue_kv = [&](int t) {
     if (t < t_end) {
@@ -91,8 +100,8 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
         const int r = idx / CHUNKS, ch = idx % CHUNKS, j = t * TK + r;
         const bool ok = j < nk_b;
         const int jj = ok ? j : 0;
-        cp_async16(at(kd, r, ch), key_row(k, k_sb, k_sh, k_sn, b, hk, jj, block_table, page_size, bt_stride) + ch * 8, ok);
-        cp_async16(at(vd, r, ch), key_row(v, v_sb, v_sh, v_sn, b, hk, jj, block_table, page_size, bt_stride) + ch * 8, ok);
+        cp_async16(at(kd, r, ch), key_row(k, k_sb, k_sh, k_sn, VARLEN ? 0 : b, hk, seq.k0 + jj, block_table, page_size, bt_stride) + ch * 8, ok);
+        cp_async16(at(vd, r, ch), key_row(v, v_sb, v_sh, v_sn, VARLEN ? 0 : b, hk, seq.k0 + jj, block_table, page_size, bt_stride) + ch * 8, ok);
       }
     }
     cp_async_commit();   // empty groups keep the wait counts uniform
@@ -107,7 +116,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int pr = r0 + mt * 16 + lane / 4 + hh * 8;
-      lim[mt][hh] = IS_CAUSAL ? min(nk_b - 1, min(pr / kv_group, nq - 1) + shift) : nk_b - 1;
+      lim[mt][hh] = IS_CAUSAL ? min(nk_b - 1, min(pr / kv_group, nq_b - 1) + shift) : nk_b - 1;
     }
 
   float o_acc[MT][DTILES][4], m[MT][2], l[MT][2];
@@ -229,6 +238,15 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   // ---- this split's rows: O / l and the LSE, final where there is one split ----
   const long long bhq0 = static_cast<long long>(b) * heads * nq;   // (b, 0, 0) in the (B, H, Nq) rows
   const long long all_rows = static_cast<long long>(gridDim.x / hkv) * heads * nq;
+  // where a row's O and LSE go: (B, H, Nq), or (VARLEN) its packed row and the (H, total_q) LSE;
+  // the splits' workspace keeps the (B, H, Nq) rows of the longest sequence either way
+#if VARLEN
+#define FT_O_ROW(h, qi) (o + seq.q0 * o_sn + (h) * o_sh + (qi) * o_sn)
+#define FT_LSE_ROW(h, qi, grow) lse[static_cast<long long>(h) * total_q + seq.q0 + (qi)]
+#else
+#define FT_O_ROW(h, qi) (o + b * o_sb + (h) * o_sh + (qi) * o_sn)
+#define FT_LSE_ROW(h, qi, grow) lse[grow]
+#endif
   for (int idx = tid; idx < ROWS * (HEAD_DIM / 4); idx += NT) {
     const int r = idx / (HEAD_DIM / 4), c4 = idx % (HEAD_DIM / 4) * 4, pr = r0 + r;
     if (pr >= packed) continue;
@@ -245,8 +263,8 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[e] *= inv;
     if (splits == 1) {
-      store_n<IN_DTYPE, 4>(o + b * o_sb + h * o_sh + qi * o_sn + c4, acc);
-      if (c4 == 0) lse[grow] = lse_row;
+      store_n<IN_DTYPE, 4>(FT_O_ROW(h, qi) + c4, acc);
+      if (c4 == 0) FT_LSE_ROW(h, qi, grow) = lse_row;
     } else {
       *reinterpret_cast<float4*>(part_o + (split * all_rows + grow) * HEAD_DIM + c4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
       if (c4 == 0) part_lse[split * all_rows + grow] = lse_row;
@@ -281,7 +299,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     if (lane == 0) {
       const float merged = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
       row_m[r] = merged;
-      lse[grow] = merged;
+      FT_LSE_ROW(hk * kv_group + pr % kv_group, pr / kv_group, grow) = merged;
     }
   }
   __syncthreads();
@@ -301,6 +319,6 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
         acc[0] += w * x.x; acc[1] += w * x.y; acc[2] += w * x.z; acc[3] += w * x.w;
       }
     }
-    store_n<IN_DTYPE, 4>(o + b * o_sb + h * o_sh + qi * o_sn + c4, acc);
+    store_n<IN_DTYPE, 4>(FT_O_ROW(h, qi) + c4, acc);
   }
 }

@@ -9,7 +9,7 @@ of at most MAX_QUERIES queries; prefill belongs to the other families.
 
 from __future__ import annotations
 
-from tuner.family import ELEM_CODE, KernelFamily, Launch, ceil_div
+from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
 from tuner.launch import ATTENTION_PARAMS, AttentionArgs, layout_args
@@ -198,6 +198,35 @@ def _gpu(index: int, make) -> GpuSpec:
     return g
 
 
+class VarlenFlashDecode(VarlenVariant, FlashDecode):
+    """flash_decode on packed sequences (each with up to MAX_QUERIES queries of its own and its own
+    keys): the padded problem's grid (its batch by K/V heads, the longest sequence's row blocks,
+    the splits), the splits' workspace in its (B, H, Nq) rows."""
+
+    name = "flash_decode_varlen"
+
+    def block_rows(self, params: dict) -> int:
+        return 16 * params["MT"]
+
+    def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int) -> Launch:
+        return self.launch(params, problem, gpu)
+
+    def varlen_values(self, make_args, params, problem, gpu, views, lse, scale, cu_q, cu_k, max_q, max_k):
+        shared = layout_args(*views, scale)
+        q = views[0]
+        if shared is None or (q.data_ptr() | views[1].data_ptr() | views[2].data_ptr()) & 15:
+            return None
+        args = (q.data_ptr(), views[1].data_ptr(), views[2].data_ptr(), views[3].data_ptr(), lse.data_ptr()) + shared
+        grid = self.launch(params, problem, gpu).grid
+        if grid[2] == 1:
+            extra = (0, 0, 0)
+        else:
+            rows = problem.batch * problem.heads * problem.seqlen_q
+            extra = workspace(q.get_device(), grid[2] * rows * problem.head_dim, grid[2] * rows, grid[0] * grid[1])
+        args = args + extra + (0, 0, 0, 0)   # no per-sequence key counts, no page table
+        return self.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[2], problem.batch)
+
+
 class PagedFlashDecode(FlashDecode):
     """flash_decode on a paged KV cache: the same configs (a tuned flash_decode entry serves it),
     each K/V row found through the page table. Not searched on its own: tuner/kvcache.py builds it
@@ -209,3 +238,4 @@ class PagedFlashDecode(FlashDecode):
 
 FAMILY = FlashDecode()
 PAGED = PagedFlashDecode()
+VARLEN_FAMILY = VarlenFlashDecode()

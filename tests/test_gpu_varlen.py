@@ -17,16 +17,18 @@ from tuner.problem import Problem
 pytestmark = pytest.mark.gpu
 
 
-def _lengths(rng: random.Random, b: int) -> list[int]:
-    pool = [0, 1, 63, 64, 65, 127, 192, 1000, rng.randint(1, 3000), rng.randint(1, 3000)]
+def _lengths(rng: random.Random, b: int, decode: bool = False) -> list[int]:
+    pool = [0, 1, 2, 5, 16, 64] if decode else [0, 1, 63, 64, 65, 127, 192, 1000, rng.randint(1, 3000), rng.randint(1, 3000)]
     return [rng.choice(pool) for _ in range(b)]
 
 
-def _batch(rng: random.Random, torch, dt, d: int, cross: bool):
-    """Packed q, k, v with their offsets: keys of their own lengths (cross) or the queries' (self)."""
+def _batch(rng: random.Random, torch, dt, d: int, cross: bool, decode: bool = False):
+    """Packed q, k, v with their offsets: keys of their own lengths (cross) or the queries' (self);
+    `decode`: at most 64 queries a sequence, against up to 20000 keys."""
     b, kvh, group = rng.randint(1, 6), rng.choice([1, 2]), rng.choice([1, 2, 4, 8])
-    lens_q = _lengths(rng, b)
-    lens_k = _lengths(rng, b) if cross else lens_q
+    lens_q = _lengths(rng, b, decode)
+    lens_k = ([rng.choice([0, 1, 100, 4097, rng.randint(1, 20000)]) for _ in range(b)] if decode else
+              _lengths(rng, b) if cross else lens_q)
     off = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
     cu_q = off(lens_q)
     cu_k = off(lens_k) if cross else cu_q
@@ -70,7 +72,7 @@ def _variant_points(rng, base, variant, gpu, problem):
 
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("family", ["flash_fwd_sm90", "flash_fwd_mma"])
+@pytest.mark.parametrize("family", ["flash_fwd_sm90", "flash_fwd_mma", "flash_decode"])
 def test_varlen_variant_matches_reference(family, dtype, mask):
     import torch
 
@@ -87,7 +89,8 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
     for cross in (False, True):
         # (flash_fwd_mma_varlen leaves d=256 on Hopper to flash_fwd_sm90_varlen)
         d = rng.choice([64, 128] if family == "flash_fwd_mma" and gpu.major >= 9 else [64, 128, 256])
-        q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross)
+        decode = family == "flash_decode"
+        q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross or decode, decode)
         problem = Problem(len(lens_q), q.shape[1], max(max(lens_q), 1), max(max(lens_k), 1), d, dtype, mask, k.shape[1])
         scale = rng.choice([None, 0.1])
         points = _variant_points(rng, base, variant, gpu, problem)
@@ -99,9 +102,8 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
             o = torch.full_like(q, float("nan"))
             lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
             views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
-            args = variant.arg_maker(params)(*views, lse, scale)
-            args = variant.packed_args(args, max(lens_q), max(lens_k), cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0],
-                                       len(lens_q))
+            args = variant.varlen_values(variant.arg_maker(params), params, problem, gpu, views, lse, scale, cu_q, cu_k,
+                                         max(lens_q), max(lens_k))
             launch_on(launcher, gpu.index, *args)
             torch.cuda.synchronize()
             what = f"{variant.name} {params} d{d} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask}"
@@ -111,18 +113,19 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
 
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
 def test_varlen_attention_and_its_gradients(mask):
-    """The public call (the dispatcher's varlen plan) and autograd against float64 autograd, per
-    sequence: FA2's varlen backward, and each sequence in float32 where it does not take the case
-    (top-left causal with queries and keys of different lengths)."""
+    """The public call (the dispatcher's varlen plan: prefill, and decode-shaped batches of a few
+    queries a sequence) and autograd against float64 autograd, per sequence: FA2's varlen backward,
+    and each sequence in float32 where it does not take the case (top-left causal with queries and
+    keys of different lengths)."""
     import torch
 
     import tuner
     from tuner.reference import attention_fp64
 
     rng = random.Random()
-    for dt, cross in ((torch.bfloat16, False), (torch.float16, True)):
+    for dt, cross, decode in ((torch.bfloat16, False, False), (torch.float16, True, False), (torch.bfloat16, True, True)):
         d = rng.choice([64, 128])
-        q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross)
+        q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross, decode)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         o = tuner.attention(q, k, v, mask=mask, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
         grad = torch.randn_like(o)

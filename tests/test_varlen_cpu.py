@@ -51,11 +51,12 @@ def _variant_points(base, variant, gpu, problem):
 def _compile_cases():
     cases = []
     for name, gpu, arch in (("flash_fwd_sm90", H100_SXM, "sm_90a"), ("flash_fwd_mma", A100_SXM, "sm_80"),
-                            ("flash_fwd_mma", H100_SXM, "sm_90a")):
+                            ("flash_fwd_mma", H100_SXM, "sm_90a"), ("flash_decode", A100_SXM, "sm_80"),
+                            ("flash_decode", H100_SXM, "sm_90a")):
         base, variant = FAMILIES[name], VARLEN_VARIANTS[name]
         for d in (64, 128, 256):
             for mask in ("none", "causal", "causal_br"):
-                problem = Problem(3, 8, 1000, 1000, d, "bf16", mask, 2)
+                problem = Problem(3, 8, 16 if name == "flash_decode" else 1000, 1000, d, "bf16", mask, 2)
                 points = _variant_points(base, variant, gpu, problem)
                 # every seed's point where the mask changes the most code (causal: FROM_END blocks) on
                 # the arch each family serves, one elsewhere
@@ -67,12 +68,12 @@ def _compile_cases():
 
 @pytest.mark.parametrize("variant,params,problem,arch", _compile_cases())
 def test_varlen_variants_compile_without_spills(variant, params, problem, arch):
-    """None in the Hopper kernel; in flash_fwd_mma, none where the family's own kernel has none at
-    the same point, and at most 16 B more where it has some (d=256 on sm_80: its O alone is 128
-    registers per m16 tile)."""
+    """None in the Hopper and decode kernels; in flash_fwd_mma, none where the family's own kernel
+    has none at the same point, and at most 16 B more where it has some (d=256 on sm_80: its O
+    alone is 128 registers per m16 tile)."""
     got = compile_kernel(variant, params, problem, arch).resources
     assert got.registers > 0
-    if variant is VARLEN_VARIANTS["flash_fwd_sm90"]:
+    if variant is not VARLEN_VARIANTS["flash_fwd_mma"]:
         assert (got.spill_bytes, got.stack_bytes) == (0, 0), (params, got)
     elif got.spill_bytes or got.stack_bytes:   # the family's own kernel at the same point
         base = compile_kernel(FAMILIES[variant.name.removesuffix("_varlen")], params, problem, arch).resources
@@ -142,6 +143,23 @@ def test_attention_routes_packed_inputs_and_refuses_what_they_do_not_take():
     with pytest.raises(ValueError, match="on CUDA tensors"):   # checked before anything runs
         tuner.attention(a["q"], a["k"], a["v"], cu_seqlens_q=a["cu_q"], cu_seqlens_k=a["cu_k"], max_seqlen_q=4,
                         max_seqlen_k=4)
+
+
+def test_short_queries_default_to_the_decode_variant(monkeypatch):
+    """With nothing tuned, a packed batch of at most 64 queries a sequence plans flash_decode_varlen
+    (each K/V head read once for its query heads), a longer one a prefill variant."""
+    from tuner import compile as compiling, dispatch
+
+    monkeypatch.setattr(dispatch.Dispatcher, "_gpu", lambda self, index: H100_SXM)
+    monkeypatch.setattr(dispatch.Dispatcher, "candidates", lambda self, problem, gpu, octaves=2.0: iter(()))
+
+    def no_gpu(*args):
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(compiling, "compile_kernel", no_gpu)
+    decode = V._plan(Problem(4, 32, 16, 9000, 128, "bf16", "causal_br", 8), 0)
+    prefill = V._plan(Problem(4, 32, 2000, 2000, 128, "bf16", "causal", 8), 0)
+    assert "flash_decode_varlen" in decode.reason and "flash_fwd_sm90_varlen" in prefill.reason
 
 
 def test_longest_reads_the_offsets():

@@ -5,8 +5,8 @@ q is (total_q, H, D), k and v (total_k, Hk, D); sequence b is rows [cu_seqlens_q
 cu_seqlens_q[b + 1]) of q and O and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v; the masks
 are the dense ones, per sequence. O is (total_q, H, D), the natural-log LSE (H, total_q) in float32.
 
-Served by a family's varlen variant (kernel_templates: flash_fwd_sm90_varlen on Hopper,
-flash_fwd_mma_varlen from sm_80), built from the config the lookup holds for the padded problem's
+Served by a family's varlen variant (kernel_templates: flash_decode_varlen where no sequence has
+more than 64 queries, else flash_fwd_sm90_varlen on Hopper, flash_fwd_mma_varlen from sm_80), built from the config the lookup holds for the padded problem's
 bucket (the batch, the longest lengths), or from the family's default. Elsewhere torch answers,
 with one warning: FlashAttention-2's varlen kernel where it takes the case, else each sequence in
 float32 (exact, slow: it reads the lengths on the host). Gradients: FlashAttention-2's varlen
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .dispatch import TORCH_TO_DTYPE, supported_head_dims
+from .dispatch import default as default_dispatcher
 from .launch import Launcher, LoadedKernel, launch_on
 from .problem import Problem, mask_of
 from .records import one_line
@@ -105,13 +106,16 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
     if plan.family is None:
         _warn(plan.reason)
         return torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, o, lse)
+    index = q.device.index or 0
+    gpu = default_dispatcher()._gpu(index)
     views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]   # (1, H, total, D)
-    args = plan.make_args(*views, lse, scale)
+    values = lambda: plan.family.varlen_values(plan.make_args, plan.params, problem, gpu, views, lse, scale, cu_q, cu_k,
+                                               max_q, max_k)
+    args = values()
     if args is None:   # misaligned rows or a strided last dim: copies the kernel reads
         views[:3] = [t.contiguous().unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
-        args = plan.make_args(*views, lse, scale)
-    args = plan.family.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[0], problem.batch)
-    launch_on(_launcher(plan, problem, q.shape[0], q.device.index or 0), q.device.index or 0, *args)
+        args = values()
+    launch_on(_launcher(plan, problem, q.shape[0], gpu), index, *args)
     return o, lse
 
 
@@ -168,11 +172,9 @@ def _plan(problem: Problem, device_index: int) -> _Plan:
     return _Plan(variant, params, kernel, variant.arg_maker(params))
 
 
-def _launcher(plan: _Plan, problem: Problem, total_q: int, device_index: int) -> Launcher:
+def _launcher(plan: _Plan, problem: Problem, total_q: int, gpu) -> Launcher:
     """The plan's launch for this many sequences and queries (VarlenVariant.packed_launch)."""
-    from .dispatch import default
-
-    launch = plan.family.packed_launch(plan.params, problem, default()._gpu(device_index), total_q)
+    launch = plan.family.packed_launch(plan.params, problem, gpu, total_q)
     launcher = plan.launchers.get(launch.grid)
     if launcher is None:
         if len(plan.launchers) >= _GRIDS:
