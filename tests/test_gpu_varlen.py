@@ -84,7 +84,7 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
     gpu, rng = detect(), random.Random()
     base, variant = FAMILIES[family], VARLEN_VARIANTS[family]
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    if why := variant.supports(gpu, Problem(1, 8, 128, 128, 64, dtype, mask)):
+    if why := variant.supports(gpu, Problem(1, 8, 16, 128, 64, dtype, mask)):   # (16 queries: decode takes them too)
         pytest.skip(f"{variant.name} on {gpu.name}: {why}")
     for cross in (False, True):
         # (flash_fwd_mma_varlen leaves d=256 on Hopper to flash_fwd_sm90_varlen)
