@@ -162,6 +162,14 @@ def test_short_queries_default_to_the_decode_variant(monkeypatch):
     assert "flash_decode_varlen" in decode.reason and "flash_fwd_sm90_varlen" in prefill.reason
 
 
+def test_no_keys_at_all_is_zeros_and_no_gradient():
+    """A batch whose sequences hold no key: O 0, LSE -inf, zero gradients (no kernel, no map)."""
+    q, k, v, cu_q, cu_k = _packed([3, 2], [0, 0], 4, 2, 64)
+    dq, dk, dv = V.varlen_backward(torch.randn_like(q), q, k, v, torch.zeros_like(q), torch.full((4, 5), float("-inf")),
+                                   cu_q, cu_k, 3, 0, "causal", None)
+    assert dq.abs().max() == 0 and dk.shape == (0, 2, 64) and dv.shape == (0, 2, 64)
+
+
 def test_longest_reads_the_offsets():
     assert V.longest(_offsets([3, 0, 9, 1])) == 9
 

@@ -101,6 +101,8 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     if q.shape[0] == 0:
         return o, lse
+    if k.shape[0] == 0:   # no sequence holds a key (and no map can describe an empty K): every row sees none
+        return o.zero_(), lse.fill_(float("-inf"))
     problem = padded_problem(q, k, cu_q, max_q, max_k, mask, dtype)
     plan = _plan_for(problem, q)
     if plan.family is None:
@@ -253,6 +255,8 @@ def varlen_backward(grad, q, k, v, o, lse, cu_q, cu_k, max_q: int, max_k: int, m
         from .backward import NoBackwardError
 
         raise NoBackwardError("no attention backward for float8_e4m3fn inputs")
+    if q.shape[0] == 0 or k.shape[0] == 0:   # nothing attended: nothing flows
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if _fa2_takes(q, cu_q, cu_k, mask):
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
         empty = torch.empty(0, dtype=torch.int64, device=q.device)
