@@ -1,6 +1,7 @@
 """Packed sequences against the same sequences padded, in one run: flashtune's varlen path
 (tuner.attention with cu_seqlens) beside flashtune on the padded batch, torch's FlashAttention-2
-varlen kernel and FlashAttention-4's varlen call (where installed), bf16, causal self-attention.
+varlen kernel and FlashAttention-4's varlen call (where installed), bf16, causal self-attention; and a speculative-decoding batch (a few
+queries a sequence against ragged caches) as K/V TB/s.
 
     python3 benchmarks/varlen_bench.py [--json OUT]
 
@@ -20,11 +21,13 @@ import json
 import random
 import sys
 
-CASES = {   # name: (heads, kv heads, head dim, sequences, length range, seed)
+CASES = {   # name: (heads, kv heads, head dim, sequences, length range, seed[, queries per sequence: decode])
     "train docs 32k, H32/kv8 d128": (32, 8, 128, 16, (64, 8192), 1),
     "serve prompts, H32/kv8 d128": (32, 8, 128, 64, (16, 2048), 2),
     "train docs 16k, H16 d64": (16, 16, 64, 24, (32, 4096), 3),
     "train docs 32k, H8/kv1 d256": (8, 1, 256, 16, (64, 8192), 4),
+    # speculative decoding: 1-8 new queries a sequence against its cache (bottom-right causal)
+    "spec decode 1-8 q, H32/kv8 d128": (32, 8, 128, 32, (1024, 32768), 5, (1, 8)),
 }
 
 
@@ -52,7 +55,10 @@ def main(argv=None) -> int:
         flash_attn_varlen_func = None
         print(f"fa4: not run ({str(exc).splitlines()[0][:100]})", file=sys.stderr)
     rows = []
-    for name, (h, hk, d, count, (low, high), seed) in CASES.items():
+    for name, (h, hk, d, count, (low, high), seed, *decode) in CASES.items():
+        if decode:
+            run_decode(name, h, hk, d, count, low, high, seed, decode[0], timer, flash_attn_varlen_func, rows)
+            continue
         lens = lengths(count, low, high, seed)
         total, longest = sum(lens), max(lens)
         cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(count)], dtype=torch.int32, device="cuda")
@@ -115,14 +121,67 @@ def main(argv=None) -> int:
     print("| case | tokens | longest | useful share | " + " | ".join(impls) + " | varlen / (padded x share) |")
     print("| --- " * (5 + len(impls)) + "|")
     for r in rows:
+        if "decode" in r:
+            continue
         cells = [f"{r[f'{i} ms']:.3f} ms ({r[f'{i} useful TFLOP/s']:.0f})" if f"{i} ms" in r else "-" for i in impls]
         bar = r["flashtune_varlen ms"] / (r["flashtune_padded ms"] * r["useful_share"])
         print(f"| {r['case']} | {r['total']} | {r['longest']} | {r['useful_share']:.2f} | " + " | ".join(cells)
               + f" | {bar:.2f} |")
+    decode_rows = [r for r in rows if "decode" in r]
+    if decode_rows:
+        dimpls = ("flashtune_varlen", "fa2_varlen", "fa4_varlen")
+        print("\nspeculative decode, packed (bottom-right causal): ms (median) and K/V TB/s")
+        print("| case | queries | keys | " + " | ".join(dimpls) + " |")
+        print("| --- " * (3 + len(dimpls)) + "|")
+        for r in decode_rows:
+            cells = [f"{r[f'{i} ms']:.3f} ms ({r[f'{i} TB/s']:.2f})" if f"{i} ms" in r else "-" for i in dimpls]
+            print(f"| {r['case']} | {r['total_q']} | {r['total_k']} | " + " | ".join(cells) + " |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"gpu": gpu.name, "rows": rows}, f, indent=1)
     return 0
+
+
+def run_decode(name, h, hk, d, count, low, high, seed, queries, timer, fa4_varlen, rows) -> None:
+    """A speculative-decoding batch: `queries` (low, high) new queries a sequence against its own
+    cache of log-uniform length, bottom-right causal; ours beside FA2's and FA4's varlen calls, as
+    K/V TB/s (each sequence's keys and values read once)."""
+    import torch
+
+    import tuner
+
+    rng = random.Random(seed)
+    lens_q = [rng.randint(*queries) for _ in range(count)]
+    lens_k = lengths(count, low, high, seed)
+    off = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(count)], dtype=torch.int32, device="cuda")
+    cu_q, cu_k = off(lens_q), off(lens_k)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    mq, mk = max(lens_q), max(lens_k)
+    fns = {"flashtune_varlen": lambda: tuner.attention(q, k, v, mask="causal_br", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                       max_seqlen_q=mq, max_seqlen_k=mk),
+           "fa2_varlen": lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, mq, mk, 0.0, True, False)[0]}
+    if fa4_varlen is not None:
+        def fa4():
+            r = fa4_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk, causal=True)
+            return r[0] if isinstance(r, tuple) else r
+        fns["fa4_varlen"] = fa4
+    outs = {}
+    for key, fn in list(fns.items()):
+        try:
+            outs[key] = fn()
+        except Exception as exc:   # noqa: BLE001 - a peer that refuses the case is left out, said so
+            print(f"  {key}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
+            del fns[key]
+    timings = timer.interleaved(fns)
+    kv_bytes = 2 * sum(lens_k) * hk * d * 2
+    row = dict(case=name, decode=True, heads=h, kv_heads=hk, head_dim=d, lengths_q=lens_q, lengths_k=lens_k,
+               total_q=sum(lens_q), total_k=sum(lens_k), **{f"{k} ms": t.median_ms for k, t in timings.items()},
+               **{f"{k} TB/s": kv_bytes / (t.median_ms * 1e-3) / 1e12 for k, t in timings.items()},
+               **{f"{k} max diff vs fa2": float((o - outs["fa2_varlen"]).abs().max()) for k, o in outs.items()})
+    rows.append(row)
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
