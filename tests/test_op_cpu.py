@@ -343,3 +343,10 @@ def test_operator_kernels_take_the_schema_defaults():
         for arg, p in zip(schema.arguments, params):
             if arg.has_default_value():
                 assert p.default is not inspect.Parameter.empty and p.default == arg.default_value, (name, arg.name)
+
+
+def test_switch_leaves_nested_tensors_to_sdpa():
+    """A model's SDPA call on nested (jagged) tensors stays with SDPA, named as such, before any
+    check that would read their ragged shape."""
+    njt = torch.nested.nested_tensor([torch.randn(3, 4, 8), torch.randn(5, 4, 8)], layout=torch.jagged).transpose(1, 2)
+    assert op._served(njt, njt, njt) == "nested (jagged) tensors"

@@ -250,6 +250,8 @@ def _served(q, k, v) -> str | None:
     """Why a call to SDPA stays with SDPA (None: flashtune takes it)."""
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "inputs are not tensors"
+    if q.is_nested or k.is_nested or v.is_nested:   # (attention takes packed sequences as cu_seqlens)
+        return "nested (jagged) tensors"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return f"inputs are {q.dim()}-D; flashtune takes (B, H, N, D)"
     if q.device.type != "cuda":
