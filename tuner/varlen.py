@@ -6,8 +6,9 @@ cu_seqlens_q[b + 1]) of q and O and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k 
 are the dense ones, per sequence. O is (total_q, H, D), the natural-log LSE (H, total_q) in float32.
 
 Served by a family's varlen variant (kernel_templates: flash_decode_varlen where no sequence has
-more than 64 queries, else flash_fwd_sm90_varlen on Hopper, flash_fwd_mma_varlen from sm_80), built from the config the lookup holds for the padded problem's
-bucket (the batch, the longest lengths), or from the family's default. Elsewhere torch answers,
+more than 64 queries, else flash_fwd_sm90_varlen on Hopper, flash_fwd_mma_varlen from sm_80),
+built from the config the lookup holds for the padded problem's bucket (the batch, the longest
+lengths), or from the family's default. Elsewhere torch answers,
 with one warning: FlashAttention-2's varlen kernel where it takes the case, else each sequence in
 float32 (exact, slow: it reads the lengths on the host). Gradients: FlashAttention-2's varlen
 backward on our O and LSE where it takes the case, else each sequence through float32 autograd.
