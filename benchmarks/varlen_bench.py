@@ -72,31 +72,10 @@ def main(argv=None) -> int:
             for i, n in enumerate(lens):
                 p[i, :n] = t[cu[i]:cu[i] + n]
             pads.append(p.transpose(1, 2))
-        fns, outs = {}, {}
-
-        def varlen():
-            return tuner.attention(q, k, v, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                   max_seqlen_k=longest)
-
-        def padded():
-            return tuner.attention(*pads, is_causal=True)
-
-        def fa2():
-            return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, longest, longest, 0.0, True, False)[0]
-
-        fns.update(flashtune_varlen=varlen, flashtune_padded=padded, fa2_varlen=fa2)
-        if flash_attn_varlen_func is not None:
-            def fa4():
-                r = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                           max_seqlen_k=longest, causal=True)
-                return r[0] if isinstance(r, tuple) else r
-            fns["fa4_varlen"] = fa4
-        for key, fn in list(fns.items()):
-            try:
-                outs[key] = fn()
-            except Exception as exc:   # noqa: BLE001 - a peer that refuses the case is left out, said so
-                print(f"  {key}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
-                del fns[key]
+        fns = {"flashtune_varlen": lambda: tuner.attention(q, k, v, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                           max_seqlen_q=longest, max_seqlen_k=longest),
+               "flashtune_padded": lambda: tuner.attention(*pads, is_causal=True)}
+        outs = run_once(with_peers(fns, q, k, v, cu, cu, longest, longest, flash_attn_varlen_func))
         ref = outs["fa2_varlen"]
         got = outs["flashtune_padded"].transpose(1, 2)
         padded_out = torch.cat([got[i, :n] for i, n in enumerate(lens)])
@@ -142,6 +121,33 @@ def main(argv=None) -> int:
     return 0
 
 
+def with_peers(fns: dict, q, k, v, cu_q, cu_k, mq: int, mk: int, fa4_varlen) -> dict:
+    """`fns` and the peers' varlen calls on the same sequences: FA2's (torch aten) and FA4's where
+    installed, both causal as theirs is (bottom-right, the same as top-left for self-attention)."""
+    import torch
+
+    fns["fa2_varlen"] = lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, mq, mk, 0.0, True, False)[0]
+    if fa4_varlen is not None:
+        def fa4():
+            r = fa4_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk, causal=True)
+            return r[0] if isinstance(r, tuple) else r
+        fns["fa4_varlen"] = fa4
+    return fns
+
+
+def run_once(fns: dict) -> dict:
+    """Each callable's output (a first run before timing); one that refuses the case is left out
+    of `fns`, said so."""
+    outs = {}
+    for key, fn in list(fns.items()):
+        try:
+            outs[key] = fn()
+        except Exception as exc:   # noqa: BLE001 - a peer that refuses the case is left out, said so
+            print(f"  {key}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
+            del fns[key]
+    return outs
+
+
 def run_decode(name, h, hk, d, count, low, high, seed, queries, timer, fa4_varlen, rows) -> None:
     """A speculative-decoding batch: `queries` (low, high) new queries a sequence against its own
     cache of log-uniform length, bottom-right causal; ours beside FA2's and FA4's varlen calls, as
@@ -160,20 +166,8 @@ def run_decode(name, h, hk, d, count, low, high, seed, queries, timer, fa4_varle
     k, v = (torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     mq, mk = max(lens_q), max(lens_k)
     fns = {"flashtune_varlen": lambda: tuner.attention(q, k, v, mask="causal_br", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                                       max_seqlen_q=mq, max_seqlen_k=mk),
-           "fa2_varlen": lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, mq, mk, 0.0, True, False)[0]}
-    if fa4_varlen is not None:
-        def fa4():
-            r = fa4_varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk, causal=True)
-            return r[0] if isinstance(r, tuple) else r
-        fns["fa4_varlen"] = fa4
-    outs = {}
-    for key, fn in list(fns.items()):
-        try:
-            outs[key] = fn()
-        except Exception as exc:   # noqa: BLE001 - a peer that refuses the case is left out, said so
-            print(f"  {key}: {str(exc).splitlines()[0][:120]}", file=sys.stderr)
-            del fns[key]
+                                                       max_seqlen_q=mq, max_seqlen_k=mk)}
+    outs = run_once(with_peers(fns, q, k, v, cu_q, cu_k, mq, mk, fa4_varlen))
     timings = timer.interleaved(fns)
     kv_bytes = 2 * sum(lens_k) * hk * d * 2
     row = dict(case=name, decode=True, heads=h, kv_heads=hk, head_dim=d, lengths_q=lens_q, lengths_k=lens_k,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
-from tuner.launch import ATTENTION_PARAMS, AttentionArgs, layout_args
+from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
 
 MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decode (~16), short chunks
@@ -141,20 +141,14 @@ class FlashDecode(KernelFamily):
         dense caches, or of the pages ((num_pages, Hk, page_size, D)) where this family is paged;
         `nk` the keys a sequence can hold, `cache_seqlens` (B,) int32 how many it holds (or None),
         `block_table` (B, pages) int32 for a paged cache. None where q, k or v is not kernel-ready."""
-        from tuner.launch import attention_args
-
         args = attention_args(q, k, v, o, lse, scale)
         if args is None:
             return None
         args = args[:8] + (nk,) + args[9:]   # the cache's capacity, not a page's rows
         seqlens = cache_seqlens.data_ptr() if cache_seqlens is not None else 0
         table = (block_table.data_ptr(), k.shape[2], block_table.stride(0)) if self.paged else (0, 0, 0)
-        grid = launch.grid
-        if grid[2] == 1:
-            return args + (0, 0, 0, seqlens) + table
-        rows = q.shape[0] * q.shape[1] * q.shape[2]
-        part_o, part_lse, arrivals = workspace(q.get_device(), grid[2] * rows * q.shape[3], grid[2] * rows, grid[0] * grid[1])
-        return args + (part_o, part_lse, arrivals, seqlens) + table
+        return args + split_workspace(q.get_device(), launch.grid, q.shape[0] * q.shape[1] * q.shape[2], q.shape[3]) \
+            + (seqlens,) + table
 
     def _geometry(self, params: dict, q, k) -> tuple[int, int, int]:
         """(CTAs per split, splits, rows of LSE) of a launch on these tensors, as `launch` sizes it."""
@@ -188,6 +182,14 @@ class _DecodeArgs(AttentionArgs):
         return pointers + shared + workspace(q.get_device(), *sizes) + (0, 0, 0, 0)
 
 
+def split_workspace(index: int, grid: tuple[int, int, int], rows: int, head_dim: int) -> tuple[int, int, int]:
+    """The splits' O, LSE and arrival counters for a launch of `grid` (splits on z) over `rows`
+    query rows, on device `index`'s current stream; nulls where the keys are not split."""
+    if grid[2] == 1:
+        return 0, 0, 0
+    return workspace(index, grid[2] * rows * head_dim, grid[2] * rows, grid[0] * grid[1])
+
+
 _gpus: dict[int, GpuSpec] = {}
 
 
@@ -212,18 +214,13 @@ class VarlenFlashDecode(VarlenVariant, FlashDecode):
         return self.launch(params, problem, gpu)
 
     def varlen_values(self, make_args, params, problem, gpu, views, lse, scale, cu_q, cu_k, max_q, max_k):
-        shared = layout_args(*views, scale)
         q = views[0]
-        if shared is None or (q.data_ptr() | views[1].data_ptr() | views[2].data_ptr()) & 15:
+        args = attention_args(*views, lse, scale)
+        if args is None:
             return None
-        args = (q.data_ptr(), views[1].data_ptr(), views[2].data_ptr(), views[3].data_ptr(), lse.data_ptr()) + shared
-        grid = self.launch(params, problem, gpu).grid
-        if grid[2] == 1:
-            extra = (0, 0, 0)
-        else:
-            rows = problem.batch * problem.heads * problem.seqlen_q
-            extra = workspace(q.get_device(), grid[2] * rows * problem.head_dim, grid[2] * rows, grid[0] * grid[1])
-        args = args + extra + (0, 0, 0, 0)   # no per-sequence key counts, no page table
+        rows = problem.batch * problem.heads * problem.seqlen_q   # the padded (B, H, Nq) rows
+        args += split_workspace(q.get_device(), self.launch(params, problem, gpu).grid, rows, problem.head_dim)
+        args += (0, 0, 0, 0)   # no per-sequence key counts, no page table
         return self.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[2], problem.batch)
 
 

@@ -125,9 +125,8 @@ class FlashFwdMma(KernelFamily):
         )
 
 
-
 class VarlenFlashFwdMma(VarlenVariant, FlashFwdMma):
-    """flash_fwd_mma on packed sequences: the grid's blocks past a sequence's rows exit at once."""
+    """flash_fwd_mma on packed sequences: a grid of every sequence's query blocks by head."""
 
     name = "flash_fwd_mma_varlen"
 

@@ -215,7 +215,6 @@ class _Sm90Args(AttentionArgs):
                                     tile_counter_ptr(q.get_device()) if self._persistent else 0)
 
 
-
 class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
     """flash_fwd_sm90 on packed sequences: one work tile per CTA (every block finds its own
     sequence; the persistent scheduler's CTAs would have to for each tile), O by ordinary stores

@@ -212,7 +212,6 @@ class VarlenVariant:
     Its launch takes the family's arguments for (1, H, total, D) views of the packed tensors, then
     the longest lengths in place of nq and nk and the sequences' offsets (`packed_args`)."""
 
-    varlen = True
     dtypes: tuple[str, ...] = ("fp16", "bf16")
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:

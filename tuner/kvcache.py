@@ -172,25 +172,16 @@ def gather_sequence(k_cache, cache_seqlens, block_table, index: int, nk: int):
 
 
 def _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk: int, mask: str, scale):
-    """The fallback, per sequence in float32 (host syncs: it reads the lengths): O and the LSE."""
-    from .reference import hidden_keys
+    """The fallback, per sequence through torch's float32 math attention (host syncs: it reads
+    the lengths): O and the LSE."""
+    from .torch_attention import MATH
 
     size, stride = out_layout(q)
     o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    s = scale if scale is not None else q.shape[3] ** -0.5
     for i in range(q.shape[0]):
         k = gather_sequence(k_cache, cache_seqlens, block_table, i, nk)
         v = gather_sequence(v_cache, cache_seqlens, block_table, i, nk)
-        qi = q[i].float()
-        group = q.shape[1] // k.shape[0]
-        kf, vf = (t.float().repeat_interleave(group, 0) for t in (k, v))
-        scores = qi @ kf.transpose(-1, -2) * s
-        hidden = hidden_keys(q.shape[2], k.shape[1], mask, q.device)
-        if hidden is not None:
-            scores = scores.masked_fill(hidden, float("-inf"))
-        m = torch.logsumexp(scores, -1)
-        p = torch.exp(scores - m[..., None]).nan_to_num(0.0)
-        o[i] = (p @ vf).to(q.dtype)
-        lse[i] = m
+        oi, li = MATH.forward(q[i:i + 1], k[None], v[None], mask, scale)
+        o[i], lse[i] = oi[0], li[0]
     return o, lse

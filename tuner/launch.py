@@ -312,7 +312,8 @@ class AttentionArgs:
     geometries) is worked out on the first call of each layout and kept, so a call with new
     tensors costs their pointers and little else. Families whose kernels take more parameters
     subclass it: `bind` adds what a layout fixes, `values` what each call brings. One per plan:
-    the shapes are the plan's (a layout is keyed on strides and scale alone)."""
+    its batch, heads and head dim are the plan's, so a layout is keyed on the sequence lengths
+    (a varlen plan's packed views change them call to call), the strides and the scale."""
 
     _LAYOUTS = 64   # a plan sees a handful (layouts, scales); more are worked out again
 
@@ -320,7 +321,7 @@ class AttentionArgs:
         self._layouts: dict[tuple, object] = {}
 
     def __call__(self, q, k, v, o, lse, scale: float | None) -> tuple | None:
-        key = (q.stride(), k.stride(), v.stride(), o.stride(), scale)
+        key = (q.shape[2], k.shape[2], q.stride(), k.stride(), v.stride(), o.stride(), scale)
         bound = self._layouts.get(key, _UNSEEN)
         if bound is _UNSEEN:
             if len(self._layouts) >= self._LAYOUTS:

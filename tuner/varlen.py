@@ -25,8 +25,10 @@ import torch
 from .dispatch import TORCH_TO_DTYPE, supported_head_dims
 from .dispatch import default as default_dispatcher
 from .launch import Launcher, LoadedKernel, launch_on
+from .backward import like
 from .problem import Problem, mask_of
 from .records import one_line
+from .torch_attention import MATH
 
 HALF = (torch.float16, torch.bfloat16)
 _GRIDS = 256   # launch geometries a plan keeps (VarlenVariant.packed_launch)
@@ -222,8 +224,8 @@ def torch_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, o=None,
     for (a, b), (c, d) in _spans(cu_q, cu_k):
         if b == a:
             continue
-        oi, li = _sequence_forward(q[a:b], k[c:d], v[c:d], mask, scale)
-        o[a:b], lse[:, a:b] = oi, li
+        oi, li = MATH.forward(*(_dense(t) for t in (q[a:b], k[c:d], v[c:d])), mask, scale)
+        o[a:b], lse[:, a:b] = _packed(oi), li[0]
     return o, lse
 
 
@@ -232,20 +234,14 @@ def _spans(cu_q, cu_k):
     return [((qs[i], qs[i + 1]), (ks[i], ks[i + 1])) for i in range(len(qs) - 1)]
 
 
-def _sequence_forward(q, k, v, mask, scale):
-    """One sequence in float32: O (n, H, D) in q's dtype and its LSE (H, n)."""
-    from .reference import hidden_keys
+def _dense(t):
+    """One sequence's (n, H, D) rows as the (1, H, n, D) view torch's math attention takes."""
+    return t.transpose(0, 1)[None]
 
-    group = q.shape[1] // k.shape[1]
-    qf = q.float().transpose(0, 1)
-    kf, vf = (t.float().transpose(0, 1).repeat_interleave(group, 0) for t in (k, v))
-    s = qf @ kf.transpose(-1, -2) * (q.shape[2] ** -0.5 if scale is None else scale)
-    hidden = hidden_keys(q.shape[0], k.shape[0], mask, q.device)
-    if hidden is not None:
-        s = s.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    o = (torch.exp(s - lse[..., None]).nan_to_num(0.0) @ vf).transpose(0, 1)
-    return o.to(q.dtype), lse
+
+def _packed(t):
+    """A (1, H, n, D) result back as (n, H, D) rows."""
+    return t[0].transpose(0, 1)
 
 
 def varlen_backward(grad, q, k, v, o, lse, cu_q, cu_k, max_q: int, max_k: int, mask: str, scale):
@@ -264,16 +260,13 @@ def varlen_backward(grad, q, k, v, o, lse, cu_q, cu_k, max_q: int, max_k: int, m
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad.contiguous(), q, k, v, o, lse, cu_q, cu_k, max_q, max_k, 0.0, mask != "none", empty, empty,
             scale=scale)[:3]
-        return dq, dk, dv
+        return like(q, dq), like(k, dk), like(v, dv)   # the layouts the operator's fake promises
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (a, b), (c, d) in _spans(cu_q, cu_k):
         if b == a or d == c:
             continue
-        with torch.enable_grad():
-            qi, ki, vi = (t.detach().float().requires_grad_() for t in (q[a:b], k[c:d], v[c:d]))
-            oi, _ = _sequence_forward(qi, ki, vi, mask, scale)
-            gq, gk, gv = torch.autograd.grad(oi, (qi, ki, vi), grad[a:b].float())
-        dq[a:b], dk[c:d], dv[c:d] = gq, gk, gv
+        grads = MATH.backward(_dense(grad[a:b]), *(_dense(t) for t in (q[a:b], k[c:d], v[c:d])), None, None, mask, scale)
+        dq[a:b], dk[c:d], dv[c:d] = (_packed(g) for g in grads)
     return dq, dk, dv
 
 
