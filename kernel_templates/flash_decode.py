@@ -38,9 +38,7 @@ def auto_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int) -> int:
     splits are 1.45 waves, 2 splits 0.97), and each split beyond that adds partials to merge.
     Each split keeps at least one stage of keys."""
     ctas = problem.batch * problem.kv_heads * row_blocks(params, problem)
-    per_sm = max(1, min(gpu.smem_per_sm // (smem + 1024) if gpu.smem_per_sm else 1, 64 // params["warps"],
-                        MAX_CTAS_PER_SM, gpu.regs_per_sm // (32 * params["warps"] * FlashDecode.register_estimate(params, problem))))
-    slots = gpu.sm_count * per_sm
+    slots = cta_slots(params, problem, gpu, smem)
     most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, stage_keys(params)), ceil_div(4 * slots, ctas)))
 
     def fill(s: int) -> float:   # busy share of the SM slots over the waves of ctas x s CTAs
@@ -48,6 +46,25 @@ def auto_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int) -> int:
 
     best = max(fill(s) for s in range(1, most + 1))
     return next(s for s in range(1, most + 1) if fill(s) >= 0.85 * best)
+
+
+def cta_slots(params: dict, problem: Problem, gpu: GpuSpec, smem: int) -> int:
+    """CTAs of this config the GPU holds at once: SMs x the CTAs an SM fits (shared memory,
+    threads, registers, the CTA limit)."""
+    per_sm = max(1, min(gpu.smem_per_sm // (smem + 1024) if gpu.smem_per_sm else 1, 64 // params["warps"],
+                        MAX_CTAS_PER_SM, gpu.regs_per_sm // (32 * params["warps"] * FlashDecode.register_estimate(params, problem))))
+    return gpu.sm_count * per_sm
+
+
+def ragged_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int, total_k: int) -> int:
+    """Splits for packed sequences of `total_k` keys in all, the longest problem.seqlen_k: enough
+    that the longest sequence's share of keys per CTA is no more than an even spread of all keys
+    over the GPU's CTA slots (a wave-fill count for the padded batch would give the longest
+    sequence one CTA while short ones finish at once). Each split keeps at least one stage."""
+    work = max(1, total_k) * problem.kv_heads * row_blocks(params, problem)   # key rows to read, over all CTAs
+    per_slot = work / cta_slots(params, problem, gpu, smem)
+    want = ceil_div(problem.seqlen_k, max(stage_keys(params), int(per_slot * 1.1)))
+    return max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, stage_keys(params)), want))
 
 
 class FlashDecode(KernelFamily):
@@ -202,16 +219,19 @@ def _gpu(index: int, make) -> GpuSpec:
 
 class VarlenFlashDecode(VarlenVariant, FlashDecode):
     """flash_decode on packed sequences (each with up to MAX_QUERIES queries of its own and its own
-    keys): the padded problem's grid (its batch by K/V heads, the longest sequence's row blocks,
-    the splits), the splits' workspace in its (B, H, Nq) rows."""
+    keys): the padded problem's grid (its batch by K/V heads, the longest sequence's row blocks),
+    splits for the ragged keys (ragged_splits), the splits' workspace in (B, H, Nq) rows."""
 
     name = "flash_decode_varlen"
 
     def block_rows(self, params: dict) -> int:
         return 16 * params["MT"]
 
-    def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int) -> Launch:
-        return self.launch(params, problem, gpu)
+    def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int, total_k: int) -> Launch:
+        grid = self.launch(params, problem, gpu).grid
+        splits = params["splits"] or ragged_splits(params, problem, gpu, self.smem_bytes(params, problem), total_k)
+        return Launch(grid=(grid[0], grid[1], splits), block=(params["warps"] * 32, 1, 1),
+                      smem_bytes=self.smem_bytes(params, problem))
 
     def varlen_values(self, make_args, params, problem, gpu, views, lse, scale, cu_q, cu_k, max_q, max_k):
         q = views[0]
@@ -219,7 +239,8 @@ class VarlenFlashDecode(VarlenVariant, FlashDecode):
         if args is None:
             return None
         rows = problem.batch * problem.heads * problem.seqlen_q   # the padded (B, H, Nq) rows
-        args += split_workspace(q.get_device(), self.launch(params, problem, gpu).grid, rows, problem.head_dim)
+        grid = self.packed_launch(params, problem, gpu, q.shape[2], views[1].shape[2]).grid
+        args += split_workspace(q.get_device(), grid, rows, problem.head_dim)
         args += (0, 0, 0, 0)   # no per-sequence key counts, no page table
         return self.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[2], problem.batch)
 

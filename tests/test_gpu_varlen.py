@@ -97,7 +97,7 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
         assert points, f"no {variant.name} point for {problem.key}"
         for params in points:
             ck = compile_kernel(variant, params, problem, gpu.arch)
-            launch = variant.packed_launch(params, problem, gpu, q.shape[0])
+            launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
             launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, variant.param_kinds(params))
             o = torch.full_like(q, float("nan"))
             lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")

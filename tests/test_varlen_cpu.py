@@ -102,7 +102,7 @@ def test_varlen_defines_and_parameters():
     args = tuple(range(22))
     assert variant.packed_args(args, 70, 80, 1000, 2000, 300, 5) == (*range(7), 70, 80, *range(9, 22), 1000, 2000, 300, 5)
     # one block per query block of each sequence, by head: at most total / Br + B, rounded up to 32
-    launch = variant.packed_launch(p, Problem(5, 8, 512, 512, 64, "fp16", "none"), A100_SXM, 1000)
+    launch = variant.packed_launch(p, Problem(5, 8, 512, 512, 64, "fp16", "none"), A100_SXM, 1000, 1000)
     assert launch.grid[1:] == (8, 1) and launch.grid[0] % 32 == 0 and launch.grid[0] >= -(-1000 // p["Br"]) + 5
     assert variant.supports(A100_SXM, Problem(2, 8, 512, 512, 64, "fp32", "none")) is not None   # 16-bit only
 
@@ -143,6 +143,22 @@ def test_attention_routes_packed_inputs_and_refuses_what_they_do_not_take():
     with pytest.raises(ValueError, match="on CUDA tensors"):   # checked before anything runs
         tuner.attention(a["q"], a["k"], a["v"], cu_seqlens_q=a["cu_q"], cu_seqlens_k=a["cu_k"], max_seqlen_q=4,
                         max_seqlen_k=4)
+
+
+def test_ragged_decode_splits_follow_the_longest_sequence_against_an_even_spread():
+    """Few long caches among short ones: splits so that the longest sequence's keys per CTA are no
+    more than an even share of all keys per CTA slot (a padded batch's wave fill would give it one)."""
+    from tuner.kernel_templates.flash_decode import auto_splits, ragged_splits
+
+    variant = VARLEN_VARIANTS["flash_decode"]
+    problem = Problem(32, 32, 8, 30831, 128, "bf16", "causal_br", 8)
+    p = variant.default(H100_SXM, problem)
+    smem = variant.smem_bytes(p, problem)
+    ragged = ragged_splits(p, problem, H100_SXM, smem, 346197)
+    even = ragged_splits(p, problem, H100_SXM, smem, 32 * 30831)   # every cache full: the longest is an even share
+    assert ragged > even >= 1 and auto_splits(p, problem, H100_SXM, smem) <= ragged
+    launch = variant.packed_launch(p, problem, H100_SXM, 126, 346197)
+    assert launch.grid[2] == ragged and launch.grid[:2] == variant.launch(p, problem, H100_SXM).grid[:2]
 
 
 def test_short_queries_default_to_the_decode_variant(monkeypatch):

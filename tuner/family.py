@@ -228,8 +228,8 @@ class VarlenVariant:
     def block_rows(self, params: dict) -> int:
         """Query rows per block."""
 
-    def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int) -> Launch:
-        """The launch for `problem.batch` sequences of `total_q` queries in all: a grid of at most
+    def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int, total_k: int) -> Launch:
+        """The launch for `problem.batch` sequences of `total_q` queries (`total_k` keys) in all: a grid of at most
         total_q / rows + batch query blocks (each block finds its sequence, kernel_templates/
         common.cuh), rounded up to 32 so that batches of nearby sizes share a launch, by head."""
         base = self.launch(params, problem, gpu)

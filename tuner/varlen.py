@@ -120,7 +120,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
     if args is None:   # misaligned rows or a strided last dim: copies the kernel reads
         views[:3] = [t.contiguous().unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
         args = values()
-    launch_on(_launcher(plan, problem, q.shape[0], gpu), index, *args)
+    launch_on(_launcher(plan, problem, q.shape[0], k.shape[0], gpu), index, *args)
     return o, lse
 
 
@@ -177,9 +177,9 @@ def _plan(problem: Problem, device_index: int) -> _Plan:
     return _Plan(variant, params, kernel, variant.arg_maker(params))
 
 
-def _launcher(plan: _Plan, problem: Problem, total_q: int, gpu) -> Launcher:
-    """The plan's launch for this many sequences and queries (VarlenVariant.packed_launch)."""
-    launch = plan.family.packed_launch(plan.params, problem, gpu, total_q)
+def _launcher(plan: _Plan, problem: Problem, total_q: int, total_k: int, gpu) -> Launcher:
+    """The plan's launch for this many sequences, queries and keys (VarlenVariant.packed_launch)."""
+    launch = plan.family.packed_launch(plan.params, problem, gpu, total_q, total_k)
     launcher = plan.launchers.get(launch.grid)
     if launcher is None:
         if len(plan.launchers) >= _GRIDS:
