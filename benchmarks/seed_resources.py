@@ -1,5 +1,6 @@
-"""ptxas's resources (registers, spills, stack, shared memory) of every flash_fwd_sm90 seed on the
-compile-test problems, as JSON: what a refactor of the kernel must leave as it was.
+"""ptxas's resources (registers, spills, stack, shared memory) and the SASS instruction stream's
+length and fingerprint of every flash_fwd_sm90 seed on the compile-test problems, as JSON: what a
+refactor of the kernel must leave as it was.
 
     python3 benchmarks/seed_resources.py [-o FILE] [--templates DIR] [-j N]
 
@@ -7,6 +8,10 @@ compile-test problems, as JSON: what a refactor of the kernel must leave as it w
 before a change), with this checkout's family spec. No GPU needed (NVRTC for sm_90a).
 tests/fixtures/sm90_seed_resources.json is its output for the current kernel, and
 tests/test_compile.py checks every seed against it (through `problems`, `seeds` and `resources`).
+The fingerprint hashes the instructions with registers, labels and immediates renamed away
+(tuner.compile.sass_shape): same resources are not the same speed (issue 20's first split kept
+every seed's resources and ran 4-10% slower on two configs), the same instruction stream is.
+benchmarks/sass_compare.py shows where two kernel sources' streams differ.
 Run it where the package is installed (`pip install -e .`): the kernel sources resolve through it.
 """
 
@@ -26,31 +31,38 @@ def problems():
             for c in (False, True)]
 
 
+_PACKAGE_INLINE = []   # the package's own template reader, kept the first time another one replaces it
+
+
 def _use_templates(folder: str | None) -> None:
-    if not folder:
-        return
+    """Render kernels from the sources in `folder` from now on; None: the package's own again."""
     import tuner.family as family
+
+    if not _PACKAGE_INLINE:
+        _PACKAGE_INLINE.append(family._inline)
 
     def read(filename: str, seen: set[str]) -> str:
         seen.add(filename)
         text = (Path(folder) / filename).read_text()
         return family._INCLUDE.sub(lambda m: "" if m.group(1) in seen else read(m.group(1), seen), text)
 
-    family._inline = read
+    family._inline = read if folder else _PACKAGE_INLINE[0]
     family.template_text.cache_clear()
 
 
 def resources(problem, params: dict) -> tuple[str, dict]:
     """The record's key of one seed on one problem, and what ptxas reported for it."""
-    from tuner.compile import compile_kernel
+    from tuner.compile import compile_kernel, disassemble, sass_shape
     from tuner.gpu import H100_SXM
     from tuner.kernel_templates import get_family
-    from tuner.records import params_key
+    from tuner.records import params_key, short_hash
 
-    r = compile_kernel(get_family("flash_fwd_sm90"), params, problem, H100_SXM.arch).resources
+    ck = compile_kernel(get_family("flash_fwd_sm90"), params, problem, H100_SXM.arch)
+    r, sass = ck.resources, disassemble(ck.cubin)
     return f"{problem.key} {params_key(params)}", dict(registers=r.registers, spill_bytes=r.spill_bytes,
                                                         stack_bytes=r.stack_bytes, static_smem=r.static_smem,
-                                                        dynamic_smem=r.dynamic_smem)
+                                                        dynamic_smem=r.dynamic_smem, sass_instructions=len(sass),
+                                                        sass_shape=short_hash("\n".join(map(sass_shape, sass)), 16))
 
 
 def _one(args) -> tuple[str, dict]:

@@ -71,6 +71,40 @@ def cuobjdump() -> str | None:
     return found or shutil.which("cuobjdump")
 
 
+def disassemble(cubin: bytes) -> list[str]:
+    """The SASS instructions of a cubin, in order, as nvdisasm prints them (without addresses and
+    encodings). nvdisasm comes with the test extra (nvidia-cuda-nvdisasm)."""
+    import subprocess
+
+    from cuda.pathfinder import find_nvidia_binary_utility
+
+    tool = find_nvidia_binary_utility("nvdisasm")
+    if not tool:
+        raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (in flashtune's test extra)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, f.name], capture_output=True, text=True, check=True, timeout=300).stdout
+    return [m.group(1) for line in out.splitlines() if (m := _SASS_INSN.search(line))]
+
+
+_SASS_INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
+_SASS_RENAMES = [
+    (re.compile(r"\bU?R\d+\b"), "R"), (re.compile(r"\bU?P\d\b"), "P"), (re.compile(r"\bB\d+\b"), "B"),
+    (re.compile(r"`?\(?\.L_x_\d+\)?"), "L"), (re.compile(r"0x[0-9a-f]+"), "#"), (re.compile(r"\b\d+\b"), "#"),
+    (re.compile(r"\+#\]"), "]"),   # an address's offset, absent where it is 0
+]
+
+
+def sass_shape(insn: str) -> str:
+    """An instruction with its registers, predicates, labels and immediates renamed away: two
+    instruction streams of the same shapes are the same work in the same order (ptxas's register
+    allocation and a shared-memory layout aside)."""
+    for pattern, name in _SASS_RENAMES:
+        insn = pattern.sub(name, insn)
+    return insn
+
+
 def resources_from_cubin(cubin: bytes) -> Resources | None:
     """Registers and local memory read back from the cubin, for compiles whose log was empty."""
     import subprocess
