@@ -1,18 +1,25 @@
 // flash_fwd_sm90: FlashAttention forward for Hopper (sm_90a): TMA, wgmma, warp specialization.
 //
-// Warpgroup 0 is the producer: one thread issues bulk tensor copies (TMA) of Q and of each K/V
-// tile into a STAGES-deep ring of 128-byte-swizzled shared memory, completing on mbarriers; it
-// then gives most of its registers back (setmaxnreg). Warpgroups 1..CWG are consumers, 64 query
-// rows each: S = Q K^T by wgmma with both operands in shared memory, the online softmax on the
-// accumulators (softmax.cuh, shared with flash_fwd_mma), then O += P V by wgmma with P from
-// registers and V read N-major from the same swizzled tile. K and V have separate rings: a
-// consumer frees a K stage once S is computed and a V stage once P V is, by arriving on its
-// `empty` barrier, so the next K streams in while the current P V still reads V.
+// Three roles, each a device function below, meet in shared memory through mbarrier rings
+// (sm90_pipeline.cuh: MbarRing, and PipelineState for where a role stands in one) and take their
+// work tiles (one query block of one batch-head) from one TileScheduler (tile_scheduler.cuh):
+// - the producer (warpgroup 0, one thread or, persistent with split=32, one warp) loads Q and
+//   each K/V tile by TMA into 128-byte-swizzled rings, then gives most of its registers back
+//   (setmaxnreg);
+// - the V transposer (e4m3 only: warps 1-3 of warpgroup 0) turns each V tile into V^T, since fp8
+//   wgmma takes only K-major operands (sm90_fp8.cuh);
+// - a consumer (warpgroups 1..CWG, 64 query rows each) runs, per K/V tile, S = Q K^T by wgmma
+//   with both operands in shared memory, the online softmax on the accumulators (softmax.cuh,
+//   shared with flash_fwd_mma), O += P V by wgmma with P from registers and V read N-major from
+//   its swizzled tile, and at the end of the work tile the epilogue (O / l and the LSE).
+// K and V have separate rings: a consumer frees a K stage once S has landed and a V stage once
+// P V has, so the next K streams in while the current P V still reads V.
 //
+// OVERLAP: S of tile t goes out with P V of tile t-1, and the softmax of t runs under that P V.
 // PINGPONG: the consumers take turns issuing their products, one's softmax under the others'.
-// PERSISTENT: one CTA per SM runs work tiles from the dynamic scheduler (tile_scheduler.cuh); the
-// producer publishes each tile to the consumers and loads its first K, then its Q (released once
-// the last S of the previous tile has landed) under the previous tile's last products and epilogue.
+// PERSISTENT: one CTA per SM runs work tiles from the dynamic scheduler; the producer publishes
+// each tile to the other roles and loads its first K, then its Q (freed once the last S of the
+// previous tile has landed), under the previous tile's last products and epilogue.
 // CHAIN (persistent, two consumers, overlap): Q is double-buffered and a consumer issues the next
 // work tile's first S together with this tile's last P V, in the same ping-pong turn, so the tensor
 // cores run that S while the consumer writes this tile's O; its softmax follows the epilogue.
@@ -24,11 +31,9 @@
 // of e4m3): Q, K and V tiles are PANELS boxes of [rows x PANEL_COLS] each, so one TMA box and one
 // wgmma descriptor step per panel. e4m3 at d=64 has 64-byte rows, in the 64-byte swizzle.
 //
-// e4m3 (IN_DTYPE == FT_E4M3): the products are k32 QGMMA, O is bf16. fp8 wgmma takes only
-// K-major operands, so warps 1-3 of the producer warpgroup transpose each V tile into a V^T ring
-// (sm90_fp8.cuh), following the work tiles through the same ring as the consumers, with the keys
-// permuted so that P packs straight from S's registers; V's stage is freed once transposed, V^T's
-// once P V has read it.
+// e4m3 (IN_DTYPE == FT_E4M3): the products are k32 QGMMA, O is bf16; the keys of V^T are permuted
+// so that P packs straight from S's registers. V's stage is freed once transposed, V^T's once P V
+// has read it.
 //
 // VARLEN (common.cuh): packed sequences of their own lengths, read through maps of the packed
 // tensors at each sequence's first row; rows a tile reads past its sequence are the next one's,
@@ -41,6 +46,7 @@
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
 #include "sm90_fp8.cuh"
+#include "sm90_pipeline.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 // <wgmma wrappers>
@@ -64,7 +70,7 @@ constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
 constexpr int QBUF = CHAIN ? 2 : 1;          // Q buffers: CHAIN loads the next tile's Q under this one
 constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
-constexpr bool WARP_PRODUCER = PERSISTENT && PRODUCER_REGS == 32;   // see the producer
+constexpr bool WARP_PRODUCER = PERSISTENT && PRODUCER_REGS == 32;   // see producer()
 // A consumer runs only the K/V tiles its own 64 rows need: causal ones stop at its own diagonal
 // (192 x 128: 72 of 80 consumer-tiles at N=1024), and rows wholly outside [0, N) need none (a
 // ragged block of 192 rows, a causal block that starts before row 0). Not with CHAIN, whose next
@@ -85,11 +91,411 @@ static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tile
 static_assert(!VARLEN || (!PERSISTENT && !TMA_STORE && !FP8), "varlen: a grid of work tiles, O by ordinary stores, 16-bit inputs");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 
+using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN>;
+using KvState = PipelineState<STAGES>;   // a role's place in the K/V (and V^T) rings
+using QState = PipelineState<QBUF>;      // in Q's buffers: the count of work tiles
+
+// The rings, filled by `fills` arrivals and freed by `frees`:
 struct Barriers {
-  unsigned long long q_full[QBUF], q_empty[QBUF];
-  unsigned long long k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
-  TileRing ring;   // PERSISTENT: the producer's fetched tiles, handed to the consumers
-  unsigned long long vt_full[STAGES], vt_empty[STAGES];   // e4m3: V^T transposed / read by P V
+  MbarRing<QBUF> q;          // Q: by TMA; freed by every consumer thread after its last S
+  MbarRing<STAGES> k, v;     // K, V tiles: by TMA; freed by the consumers (e4m3 V: by the transposers)
+  TileRing tiles;            // PERSISTENT: the producer's drawn tiles; taken by every other thread
+  MbarRing<STAGES> vt;       // e4m3: V^T, by the transposers; freed by the consumers
+};
+
+// Shared memory: Q's buffers, the K and V rings (e4m3: and V^T's), O's slabs (TMA_STORE), barriers.
+// Swizzle atoms repeat every 1024 bytes: the descriptors assume tiles start on that boundary.
+struct Tiles {
+  T *q, *k, *v, *vt;   // vt: e4m3 only, [HEAD_DIM x BC] per stage
+  unsigned char* o;
+  Barriers* bar;
+
+  FT_DEVICE explicit Tiles(unsigned char* raw) {
+    unsigned char* base = raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
+    q = reinterpret_cast<T*>(base);
+    k = q + QBUF * BR * HEAD_DIM;
+    v = k + STAGES * BC * HEAD_DIM;
+    vt = v + STAGES * BC * HEAD_DIM;
+    o = reinterpret_cast<unsigned char*>(FP8 ? vt + STAGES * BC * HEAD_DIM : vt);
+    bar = reinterpret_cast<Barriers*>(o + (TMA_STORE ? O_STAGE_BYTES : 0));
+  }
+};
+
+// Where O and the LSE go: the kernel's parameters, for the epilogue.
+struct Output {
+  TO* o;
+  float* lse;
+  long long sb, sh, sn;
+  int heads, nq;
+  int lse_rows;         // VARLEN: the LSE is (H, total_q)
+  const TmaMap* tmap;   // TMA_STORE
+};
+
+// ---- the producer: each work tile's Q and K/V tiles, by TMA ----
+
+// K/V tile t of work tile w (at `p` in its ring) into `ring`, once the consumers freed the stage.
+FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, MbarRing<STAGES>& bars, const KvState& p, int t, const WorkTile& w,
+                       const Sequence& seq, bool leader) {
+  bars.acquire(p);
+  if (!leader) return;
+  bars.expect(p, KV_BYTES);
+#pragma unroll
+  for (int panel = 0; panel < PANELS; ++panel)
+    tma_load_4d(ring + p.index() * BC * HEAD_DIM + panel * BC * PANEL_COLS, tmap, bars.full_bar(p), panel * PANEL_COLS,
+                seq.k0 + t * BC, w.hk, VARLEN ? 0 : w.b);
+}
+
+// WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps them in
+// uniform registers (the persistent loop then fits split=32; one thread needs 40); lane 0 issues.
+// Otherwise one thread does it all.
+FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, const Sequence& seq, const TmaMap* tq,
+                        const TmaMap* tk, const TmaMap* tv, int* tile_counter, bool leader) {
+  if (leader) {
+    tmap_prefetch(*tq);
+    tmap_prefetch(*tk);
+    tmap_prefetch(*tv);
+  }
+  KvState kv{0};
+  for (int it = 0;; ++it) {
+    const int tile = sched.draw<WARP_PRODUCER>(bar.tiles, tile_counter, it, leader);
+    if (sched.done(tile)) break;
+    const WorkTile w = sched.work(tile);
+    // The first K goes ahead of Q: it only needs a free stage, while Q waits for the previous work
+    // tile's last S. Then V runs one tile behind K, the order the consumers use them in.
+    load_kv(sm.k, tk, bar.k, kv, 0, w, seq, leader);
+    const QState q{it};
+    bar.q.acquire(q);
+    if (leader) {
+      bar.q.expect(q, Q_BYTES);
+#pragma unroll
+      for (int panel = 0; panel < PANELS; ++panel)
+        tma_load_4d(sm.q + q.index() * BR * HEAD_DIM + panel * BR * PANEL_COLS, tq, bar.q.full_bar(q), panel * PANEL_COLS,
+                    seq.q0 + w.q0, w.h, VARLEN ? 0 : w.b);
+    }
+    // Not unrolled: the producer keeps 24-40 registers, and the compiler's own unroll factor followed
+    // the cost of this body (two configs spilled 108 B when it grew, others halved their unroll).
+#pragma unroll 1
+    for (int t = 1; t < w.ntiles; ++t) {
+      load_kv(sm.k, tk, bar.k, kv + t, t, w, seq, leader);
+      load_kv(sm.v, tv, bar.v, kv + (t - 1), t - 1, w, seq, leader);
+    }
+    load_kv(sm.v, tv, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader);
+    kv.advance(w.ntiles);
+  }
+}
+
+// ---- e4m3: the V transposers (producer warps 1-3): each landed V tile -> V^T, once P V has freed
+// V^T's stage; the work tiles come as the consumers get them ----
+FT_DEVICE void transpose_v(const Tiles& sm, Barriers& bar, const Scheduler& sched, int warp) {
+  KvState kv{0};
+  for (int it = 0;; ++it) {
+    const int tile = sched.take(bar.tiles, it);
+    if (sched.done(tile)) break;
+    for (const int end = kv.count + sched.work(tile).ntiles; kv.count < end; kv.advance()) {
+      bar.v.wait(kv);
+      bar.vt.acquire(kv);
+      transpose_v_e4m3<BC, HEAD_DIM, ROW_BYTES>(reinterpret_cast<unsigned char*>(sm.vt + kv.index() * BC * HEAD_DIM),
+                                                reinterpret_cast<const unsigned char*>(sm.v + kv.index() * BC * HEAD_DIM),
+                                                warp, TRANSPOSERS / 32);
+      fence_proxy_async_smem();
+      bar.vt.commit(kv);
+      bar.v.release(kv);
+    }
+  }
+}
+
+// ---- a consumer warpgroup: its 64 rows of each work tile ----
+
+// What the consumer holds in registers: O, the rows' running max and sum, and S then P of the K/V
+// tile in hand (alpha: how far O's rows must be scaled down for it).
+struct Accumulators {
+  float o[DTILES][4], m[2], l[2];
+  float s[NTILES][4], alpha[2];
+  unsigned p[PSTEPS][4];
+
+  FT_DEVICE void reset() {
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
+    m[0] = m[1] = FT_NEG_INF;
+    l[0] = l[1] = 0.f;
+  }
+  // P (16- or 8-bit A fragments of P V) from S's registers
+  FT_DEVICE void make_p() {
+#pragma unroll
+    for (int ps = 0; ps < PSTEPS; ++ps) {
+      if constexpr (FP8) p_fragment_e4m3(p[ps], s, ps);
+      else p_fragment<IN_DTYPE>(p[ps], s, ps);
+    }
+  }
+};
+
+// S = Q K^T, A and B K-major: a k step is 32 bytes into the swizzled row, a panel BR (BC) rows on.
+FT_DEVICE void issue_s(float (&s)[NTILES][4], unsigned long long dq, unsigned long long dk) {
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    const unsigned koff = (ks % PANEL_KSTEPS) * 32, panel = ks / PANEL_KSTEPS;
+    Wgmma<BC>::ss(s, desc_advance(dq, panel * BR * ROW_BYTES + koff), desc_advance(dk, panel * BC * ROW_BYTES + koff),
+                  ks > 0);   // the first step overwrites
+  }
+  wgmma_commit();
+}
+
+// O += P V: V N-major (its rows are the k dim), panels of 64 columns LBO apart; or e4m3's V^T
+// K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart.
+FT_DEVICE void issue_pv(float (&o)[DTILES][4], unsigned (&p)[PSTEPS][4], unsigned long long dv) {
+#pragma unroll
+  for (int ps = 0; ps < PSTEPS; ++ps)
+    Wgmma<HEAD_DIM>::rs(o, p[ps], desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * 128), 1);
+  wgmma_commit();
+}
+
+// OWN_TILES: how many of work tile w's K/V tiles the rows [r0, r1) of consumer cw need
+FT_DEVICE int own_tiles(const WorkTile& w, const Sequence& seq, int cw) {
+  const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, seq.nq);
+  if (!OWN_TILES) return w.ntiles;
+  if (r1 <= 0 || r0 >= seq.nq) return 0;
+  if constexpr (IS_CAUSAL && MASK_BR) return max(1, min(w.ntiles, (r1 - 1 + seq.nk - seq.nq) / BC + 1));   // no key seen: one masked tile
+  return IS_CAUSAL ? min(w.ntiles, (r1 - 1) / BC + 1) : w.ntiles;
+}
+
+struct Consumer {
+  Barriers& bar;
+  const Scheduler& sched;
+  const Sequence& seq;
+  const Output& out;
+  float scale_log2;
+  int cw, lane, wrow0;   // consumer index, lane, this warp's first row in the block
+  // wgmma descriptors of this consumer's Q and of each ring's stage 0; a k step, panel or stage is
+  // a desc_advance from these
+  unsigned long long desc_q, desc_k, desc_v;
+  unsigned o_slab;       // TMA_STORE: this warp's slab
+  // P V's operand B and its barriers: V itself (N-major), or for e4m3 the transposed V^T
+  MbarRing<STAGES>& pv;
+  Accumulators acc;
+  // The work tile in hand (tile: its index, done() when none is left), how many of its K/V tiles
+  // this consumer runs (OWN_TILES), its Q buffer, and the K/V rings at its first K/V tile.
+  int tile;
+  WorkTile w;
+  int own;
+  QState q{0};
+  KvState kv{0};
+
+  FT_DEVICE Consumer(Barriers& bar_, const Scheduler& sched_, const Sequence& seq_, const Output& out_, float scale_log2_,
+                     int cw_, int lane_, int wrow0_, unsigned long long desc_q_, unsigned long long desc_k_,
+                     unsigned long long desc_v_, unsigned o_slab_)
+      : bar(bar_), sched(sched_), seq(seq_), out(out_), scale_log2(scale_log2_), cw(cw_), lane(lane_), wrow0(wrow0_),
+        desc_q(desc_q_), desc_k(desc_k_), desc_v(desc_v_), o_slab(o_slab_), pv(FP8 ? bar_.vt : bar_.v) {}
+
+  // Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their products, in the order
+  // 0, 1, .., CWG-1, so each one's softmax runs under the others' matrix work. Named barrier 1 + c is
+  // consumer c's turn, opened by the consumer before it (256 threads: the two of them).
+  FT_DEVICE void turn_begin() { if constexpr (PINGPONG) named_sync(1 + cw, 256); }
+  FT_DEVICE void turn_end() { if constexpr (PINGPONG) named_arrive(1 + (cw + 1) % CWG, 256); }
+
+  FT_DEVICE unsigned long long q_desc(const QState& qb) const { return desc_advance(desc_q, qb.index() * Q_BYTES); }
+  FT_DEVICE unsigned long long k_desc(const KvState& p) const { return desc_advance(desc_k, p.index() * KV_BYTES); }
+  FT_DEVICE unsigned long long v_desc(const KvState& p) const { return desc_advance(desc_v, p.index() * KV_BYTES); }
+
+  // -inf on the keys of K/V tile t that rows of this warp may not see: past N, or past the diagonal
+  FT_DEVICE void mask(int t) {
+    const int k0 = t * BC;
+    const int diag0 = w.q0 + wrow0 + (MASK_BR ? seq.nk - seq.nq : 0);   // the warp's first row's last key (params: no register held)
+    if (k0 + BC > seq.nk || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, k0, seq.nk);
+  }
+  // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the next
+  // work tile's Q streams in under this one's last softmax, P V and epilogue.
+  FT_DEVICE void release_k(int t) {
+    bar.k.release(kv + t);
+    if (t == own - 1) bar.q.release(q);
+  }
+  // the first S of a work tile has landed: its softmax starts the tile's O
+  FT_DEVICE void first_softmax() {
+    wgmma_pin(acc.s);
+    release_k(0);
+    mask(0);
+    softmax_advance(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
+    acc.make_p();
+  }
+  FT_DEVICE void epilogue() {
+#if VARLEN
+    float* lse_bh = out.lse + static_cast<long long>(w.h) * out.lse_rows + seq.q0;
+#else
+    float* lse_bh = out.lse + static_cast<long long>(w.b * out.heads + w.h) * out.nq;
+#endif
+    if constexpr (TMA_STORE) {
+      store_slab_tma<OUT_DTYPE, DTILES>(o_slab, out.tmap, lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, out.nq, w.h, w.b,
+                                        scale_log2);
+    } else {
+      store_slab<OUT_DTYPE>(out.o + (VARLEN ? seq.q0 * out.sn : w.b * out.sb) + w.h * out.sh, out.sn, lse_bh, acc.o, acc.m,
+                            acc.l, lane, w.q0 + wrow0, seq.nq, scale_log2);
+    }
+  }
+
+  // OWN_TILES: tiles [from, ntiles) are not this consumer's. It computes nothing for them, but
+  // before each of its ping-pong turns it waits on the same K/V tiles a consumer running them
+  // would (so the others' barriers and turns meet as they do on the full path, and no new wait
+  // can deadlock), and frees each one as soon as it has landed, since it never reads them.
+  FT_DEVICE void pass(int from) {
+    auto skip = [&](MbarRing<STAGES>& ring, int t) {
+      ring.wait(kv + t);
+      ring.release(kv + t);
+    };
+    if (from == 0) bar.q.release(q);   // Q unread: free it at once
+    if constexpr (OVERLAP) {
+      // a full consumer's turn t issues S of tile t and P V of tile t - 1 (t = ntiles: the last
+      // P V alone); turns before `from`, and P V of from - 1, were this consumer's own
+      for (int t = from; t <= w.ntiles; ++t) {
+        if (t < w.ntiles) skip(bar.k, t);
+        if (t > from) skip(pv, t - 1);
+        if (t > from || from == 0) {
+          turn_begin();
+          turn_end();
+        }
+      }
+    } else {
+      for (int t = from; t < w.ntiles; ++t) {   // turns: S of tile t, then P V of tile t
+        skip(bar.k, t);
+        turn_begin();
+        turn_end();
+        skip(pv, t);
+        turn_begin();
+        turn_end();
+      }
+    }
+  }
+
+  // on to work tile it + 1 (`next`, already taken), this one's K/V tiles done
+  FT_DEVICE void advance(int it, int next) {
+    kv.advance(w.ntiles);
+    tile = next;
+    w = sched.work(tile);
+    own = w.ntiles;
+    q = QState{it + 1};
+  }
+
+  // The schedule of one work tile, overlapped: S of tile t is issued together with P V of tile
+  // t-1, and the softmax of tile t runs while P V is still in flight; O is rescaled only once that
+  // has landed. `chained`: its first S and softmax ran at the last work tile's end. CHAIN: the next
+  // work tile's first S goes out with this one's last P V, which `next` (taken here) names.
+  FT_DEVICE void overlapped(int it, bool chained, int& next) {
+    if (!chained) {
+      bar.k.wait(kv);
+      turn_begin();
+      wgmma_fence();
+      issue_s(acc.s, q_desc(q), k_desc(kv));          // S of tile 0
+      turn_end();
+      wgmma_wait<0>();
+      first_softmax();
+    }
+    for (int t = 1; t < own; ++t) {
+      bar.k.wait(kv + t);
+      pv.wait(kv + (t - 1));
+      turn_begin();
+      wgmma_pin(acc.o);
+      wgmma_fence();
+      issue_s(acc.s, q_desc(q), k_desc(kv + t));      // S of tile t
+      issue_pv(acc.o, acc.p, v_desc(kv + (t - 1)));   // O += P V of tile t-1
+      turn_end();
+      wgmma_wait<1>();                                // S of tile t has landed; P V may still run
+      wgmma_pin(acc.s);
+      release_k(t);
+      mask(t);
+      softmax_advance(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
+      wgmma_wait<0>();                                // P V of tile t-1 has landed
+      wgmma_pin(acc.o);
+      pv.release(kv + (t - 1));
+      rescale_rows(acc.o, acc.alpha);
+      acc.make_p();
+    }
+    // The last P V (CHAIN: and the next tile's first S). After the CTA's last tile that S is
+    // issued all the same, on whatever the buffers hold, and dropped: a test between the wgmma
+    // instructions would make ptxas serialize them (C7519).
+    const int n = own;
+    const QState q_next{it + 1};
+    if (CHAIN) next = sched.take(bar.tiles, it + 1);
+    if (CHAIN && !sched.done(next)) {
+      bar.q.wait(q_next);
+      bar.k.wait(kv + n);
+    }
+    pv.wait(kv + (n - 1));
+    turn_begin();
+    wgmma_pin(acc.o);
+    wgmma_fence();
+    issue_pv(acc.o, acc.p, v_desc(kv + (n - 1)));
+    if constexpr (CHAIN) issue_s(acc.s, q_desc(q_next), k_desc(kv + n));
+    turn_end();
+    wgmma_wait<CHAIN ? 1 : 0>();                      // this tile's last P V has landed
+    wgmma_pin(acc.o);
+    pv.release(kv + (n - 1));
+  }
+
+  // The schedule of one work tile without overlap: per K/V tile, S, its softmax, then P V.
+  FT_DEVICE void serial() {
+    for (int t = 0; t < own; ++t) {
+      bar.k.wait(kv + t);
+      turn_begin();
+      wgmma_fence();
+      issue_s(acc.s, q_desc(q), k_desc(kv + t));
+      turn_end();
+      wgmma_wait<0>();
+      wgmma_pin(acc.s);
+      release_k(t);
+      mask(t);
+      softmax_step(acc.s, acc.o, acc.m, acc.l, scale_log2);
+      acc.make_p();
+      pv.wait(kv + t);
+      turn_begin();
+      wgmma_pin(acc.o);
+      wgmma_fence();
+      issue_pv(acc.o, acc.p, v_desc(kv + t));
+      turn_end();
+      wgmma_wait<0>();
+      wgmma_pin(acc.o);
+      pv.release(kv + t);
+    }
+  }
+
+  FT_DEVICE void run() {
+    if constexpr (PINGPONG) { if (cw == CWG - 1) named_arrive(1, 256); }   // consumer 0 goes first
+    tile = sched.take(bar.tiles, 0);
+    w = sched.work(tile);
+    own = w.ntiles;
+    for (int it = 0; !sched.done(tile); ++it) {
+      const bool chained = CHAIN && it > 0;   // this tile's first S and softmax ran at the last one's end
+      if (!chained) {
+        acc.reset();
+        bar.q.wait(q);
+      }
+      own = own_tiles(w, seq, cw);
+      if (OWN_TILES && own == 0) {
+        pass(0);
+        advance(it, sched.take(bar.tiles, it + 1));
+        continue;
+      }
+      if constexpr (OVERLAP) {
+        int next = 0;
+        overlapped(it, chained, next);
+        if constexpr (CHAIN) {   // O goes out while the next tile's first S runs, then its softmax
+          epilogue();
+          wgmma_wait<0>();
+          advance(it, next);
+          if (sched.done(tile)) break;
+          acc.reset();
+          first_softmax();
+          continue;
+        }
+      } else {
+        serial();
+      }
+      if (OWN_TILES) pass(own);   // the tiles past this consumer's diagonal, before its epilogue
+      epilogue();
+      advance(it, sched.take(bar.tiles, it + 1));
+    }
+    if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // the last consumer's final hand-over
+    if (TMA_STORE && lane == 0) bulk_wait<0>();   // the slab stays until its last store is done
+  }
 };
 
 // The tensor maps of Q, K, V and O (read only with TMA_STORE) come by value (kernel_templates/sm90_tma.py).
@@ -98,413 +504,57 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                    const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_o, int batch,
                    int* __restrict__ tile_counter FT_VARLEN_PARAMS) {
   extern __shared__ unsigned char smem_raw[];
-  // swizzle atoms repeat every 1024 bytes: the descriptors assume tiles start on that boundary
-  unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  T* Qs = reinterpret_cast<T*>(base);
-  T* Ks = Qs + QBUF * BR * HEAD_DIM;
-  T* Vs = Ks + STAGES * BC * HEAD_DIM;
-  T* Vts = Vs + STAGES * BC * HEAD_DIM;   // e4m3 only: V^T, [HEAD_DIM x BC] per stage
-  unsigned char* Os = reinterpret_cast<unsigned char*>(FP8 ? Vts + STAGES * BC * HEAD_DIM : Vts);   // TMA_STORE: O slabs
-  Barriers& bar = *reinterpret_cast<Barriers*>(Os + (TMA_STORE ? O_STAGE_BYTES : 0));
-
-  const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
-  const int n_qblk = (nq + BR - 1) / BR, n_bh = batch * heads;
+  const Tiles sm(smem_raw);
+  Barriers& bar = *sm.bar;
+  const int tid = threadIdx.x, wg = tid / 128;
   // the batch's lengths, or (VARLEN: one work tile per CTA, blockIdx (x, y) = (block of all the
   // sequences' query blocks, head)) this CTA's sequence's
 #if VARLEN
   const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x);
   if (blk.x < 0) return;
+  const int qblk = blk.y, bh = blk.x * heads + blockIdx.y;
 #else
   const int2 blk = make_int2(0, 0);
+  const int qblk = blockIdx.x, bh = blockIdx.y;
 #endif
   const Sequence seq = FT_SEQUENCE(blk.x);
-
-  // PERSISTENT: one CTA per SM takes work tiles from the dynamic scheduler (tile_scheduler.cuh)
-  // until it runs out; otherwise the grid has one CTA per work tile and this loop runs once.
-  const int total = PERSISTENT ? n_qblk * n_bh : 1;
-  auto work = [&](int tile) {
-    WorkTile w = work_tile<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR>(
-        VARLEN ? blk.y : (PERSISTENT ? tile % n_qblk : blockIdx.x),
-        VARLEN ? blk.x * heads + blockIdx.y : (PERSISTENT ? tile / n_qblk : blockIdx.y), heads, kv_group, seq.nq, seq.nk);
-    if constexpr (VARLEN) w.ntiles = max(1, w.ntiles);   // a sequence with no keys: one masked tile (O 0, LSE -inf)
-    return w;
-  };
+  const int n_qblk = (nq + BR - 1) / BR;   // PERSISTENT (never VARLEN): the work tiles are n_qblk x batch-heads
+  const Scheduler sched{qblk, bh, n_qblk, PERSISTENT ? n_qblk * (batch * heads) : 1, heads, kv_group, seq.nq, seq.nk};
 
   if (tid == 0) {
-    for (int s = 0; s < QBUF; ++s) {
-      mbar_init(&bar.q_full[s], 1);
-      mbar_init(&bar.q_empty[s], CWG * 128);
-    }
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(&bar.ring.full[s], 1);
-      mbar_init(&bar.ring.empty[s], CWG * 128 + (FP8 ? TRANSPOSERS : 0));
-    }
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&bar.k_full[s], 1);
-      mbar_init(&bar.v_full[s], 1);
-      mbar_init(&bar.k_empty[s], CWG * 128);
-      mbar_init(&bar.v_empty[s], FP8 ? TRANSPOSERS : CWG * 128);
-      if constexpr (FP8) {
-        mbar_init(&bar.vt_full[s], TRANSPOSERS);
-        mbar_init(&bar.vt_empty[s], CWG * 128);
-      }
-    }
+    bar.q.init(1, CWG * 128);
+    bar.tiles.init(1, CWG * 128 + (FP8 ? TRANSPOSERS : 0));
+    bar.k.init(1, CWG * 128);
+    bar.v.init(1, FP8 ? TRANSPOSERS : CWG * 128);
+    if constexpr (FP8) bar.vt.init(TRANSPOSERS, CWG * 128);
     mbar_fence_init();
   }
   __syncthreads();
 
-  // K/V ring slots and phases follow a running count of K/V tiles over all of the CTA's work
-  // tiles (g), Q's buffer the count of work tiles (it).
   if (wg == 0) {
-    // ---- producer ----
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
     if (WARP_PRODUCER ? tid < 32 : tid == 0) {
-      // WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps
-      // them in uniform registers (the persistent loop then fits split=32; one thread needs 40);
-      // lane 0 issues. Otherwise one thread does it all.
-      const bool leader = !WARP_PRODUCER || tid == 0;
-      const TmaMap *tq = &tmap_q, *tk = &tmap_k, *tv = &tmap_v;
-      if (leader) {
-        tmap_prefetch(tmap_q);
-        tmap_prefetch(tmap_k);
-        tmap_prefetch(tmap_v);
-      }
-      int g0 = 0;
-      for (int it = 0;; ++it) {
-        int tile = it;
-        if constexpr (PERSISTENT) {
-          const int s = it & 1;
-          if (it >= 2) mbar_wait(&bar.ring.empty[s], ((it >> 1) - 1) & 1);
-          if (leader) {
-            tile = next_tile_dynamic(tile_counter, it, total);
-            bar.ring.tile[s] = tile;
-            mbar_arrive(&bar.ring.full[s]);
-          }
-          if constexpr (WARP_PRODUCER) tile = __shfl_sync(0xffffffffu, tile, 0);
-        }
-        if (tile >= total) break;
-        const WorkTile w = work(tile);
-        // K and V have their own rings and their own releases (K is free once S is computed, V
-        // only after P V), and V runs one tile behind K, the order the consumers use them in.
-        auto load = [&](T* ring, const TmaMap* tmap, unsigned long long* full, unsigned long long* empty, int t) {
-          const int g = g0 + t, s = g % STAGES;
-          if (g >= STAGES) mbar_wait(&empty[s], ((g / STAGES) - 1) & 1);
-          if (!leader) return;
-          mbar_expect_tx(&full[s], KV_BYTES);
-#pragma unroll
-          for (int p = 0; p < PANELS; ++p)
-            tma_load_4d(ring + s * BC * HEAD_DIM + p * BC * PANEL_COLS, tmap, &full[s], p * PANEL_COLS, seq.k0 + t * BC, w.hk,
-                        VARLEN ? 0 : w.b);
-        };
-        // The first K goes ahead of Q: it only needs a free ring slot, while Q waits for the last
-        // work tile's final S.
-        load(Ks, tk, bar.k_full, bar.k_empty, 0);
-        const int qs = it % QBUF;
-        if (it >= QBUF) mbar_wait(&bar.q_empty[qs], ((it / QBUF) - 1) & 1);
-        if (leader) {
-          mbar_expect_tx(&bar.q_full[qs], Q_BYTES);
-#pragma unroll
-          for (int p = 0; p < PANELS; ++p)
-            tma_load_4d(Qs + qs * BR * HEAD_DIM + p * BR * PANEL_COLS, tq, &bar.q_full[qs], p * PANEL_COLS, seq.q0 + w.q0, w.h,
-                        VARLEN ? 0 : w.b);
-        }
-        for (int t = 1; t < w.ntiles; ++t) {
-          load(Ks, tk, bar.k_full, bar.k_empty, t);
-          load(Vs, tv, bar.v_full, bar.v_empty, t - 1);
-        }
-        load(Vs, tv, bar.v_full, bar.v_empty, w.ntiles - 1);
-        g0 += w.ntiles;
-      }
+      producer(sm, bar, sched, seq, &tmap_q, &tmap_k, &tmap_v, tile_counter, !WARP_PRODUCER || tid == 0);
     } else if (FP8 && tid >= 128 - TRANSPOSERS) {
-      // e4m3: each landed V tile -> V^T, once P V has freed V^T's stage; the work tiles come as
-      // the consumers get them (from the producer's ring when PERSISTENT)
-      int g = 0;
-      // The ring read below is the consumers' too, written twice on purpose: as one shared
-      // function or lambda, ptxas spills 8-16 B in 176 x 128 persistent at d=128 (fp16/bf16).
-      for (int it = 0;; ++it) {
-        int tile = it == 0 ? 0 : total;
-        if constexpr (PERSISTENT) {
-          const int s = it & 1;
-          mbar_wait(&bar.ring.full[s], (it >> 1) & 1);
-          tile = bar.ring.tile[s];
-          mbar_arrive(&bar.ring.empty[s]);
-        }
-        if (tile >= total) break;
-        for (const int end = g + work(tile).ntiles; g < end; ++g) {
-          const int s = g % STAGES;
-          mbar_wait(&bar.v_full[s], (g / STAGES) & 1);
-          if (g >= STAGES) mbar_wait(&bar.vt_empty[s], ((g / STAGES) - 1) & 1);
-          transpose_v_e4m3<BC, HEAD_DIM, ROW_BYTES>(reinterpret_cast<unsigned char*>(Vts + s * BC * HEAD_DIM),
-                                         reinterpret_cast<const unsigned char*>(Vs + s * BC * HEAD_DIM),
-                                         tid / 32 - (4 - TRANSPOSERS / 32), TRANSPOSERS / 32);
-          fence_proxy_async_smem();
-          mbar_arrive(&bar.vt_full[s]);
-          mbar_arrive(&bar.v_empty[s]);
-        }
-      }
+      transpose_v(sm, bar, sched, tid / 32 - (4 - TRANSPOSERS / 32));
     }
   } else {
-    // ---- consumers ----
     if constexpr (CONSUMER_REGS > 0) regs_grow<CONSUMER_REGS>();
-    const int cw = wg - 1;
-    const int wrow0 = cw * 64 + ((tid / 32) % 4) * 16;   // this warp's first row in the block
-    // wgmma descriptors of this consumer's Q and of each ring's stage 0; a k step, panel or stage
-    // is a desc_advance from these
-    const auto desc_q = wgmma_desc<ROW_BYTES>(smem_u32(Qs) + cw * 64 * ROW_BYTES, 16, 8 * ROW_BYTES);
-    const auto desc_k = wgmma_desc<ROW_BYTES>(smem_u32(Ks), 16, 8 * ROW_BYTES);
-    const auto desc_v = FP8 ? wgmma_desc(smem_u32(Vts), 16, 1024) : wgmma_desc(smem_u32(Vs), BC * 128, 1024);
-    const unsigned o_slab = smem_u32(Os) + (wrow0 / 16) * 16 * HEAD_DIM * sizeof(TO);
-    if (TMA_STORE && lane == 0) tmap_prefetch(tmap_o);   // this warp's slabs go out through O's map
-
-    // Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their products, in the order
-    // 0, 1, .., CWG-1, so each one's softmax runs under the others' matrix work. Named barrier
-    // 1 + c is consumer c's turn, opened by the consumer before it (256 threads: the two of them).
-    auto turn_begin = [&] { if constexpr (PINGPONG) named_sync(1 + cw, 256); };
-    auto turn_end = [&] { if constexpr (PINGPONG) named_arrive(1 + (cw + 1) % CWG, 256); };
-    if constexpr (PINGPONG) { if (cw == CWG - 1) named_arrive(1, 256); }   // consumer 0 goes first
-
-    float o_acc[DTILES][4], m[2], l[2];
-    float sacc[NTILES][4], alpha[2];
-    unsigned pa[PSTEPS][4];
-    // P V's operand B and its barriers: V itself (N-major), or for e4m3 the transposed V^T
-    unsigned long long* pv_full = FP8 ? bar.vt_full : bar.v_full;
-    unsigned long long* pv_empty = FP8 ? bar.vt_empty : bar.v_empty;
-    // The CTA's work tiles in turn: `it` counts them, `tile` is the current one (>= total: none
-    // left), `qs` its Q buffer; K/V ring slots and phases follow a running count of K/V tiles (g0
-    // at this tile's first).
-    auto fetch = [&](int it) {
-      int tile = it;
-      if constexpr (PERSISTENT) {
-        const int s = it & 1;
-        mbar_wait(&bar.ring.full[s], (it >> 1) & 1);
-        tile = bar.ring.tile[s];
-        mbar_arrive(&bar.ring.empty[s]);
-      }
-      return tile;
-    };
-    int g0 = 0, qs = 0, tile = fetch(0);
-    WorkTile w = work(tile);
-    int own = w.ntiles;   // of them this consumer's (OWN_TILES, below)
-    auto reset = [&] {
-#pragma unroll
-      for (int dt = 0; dt < DTILES; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[dt][e] = 0.f;
-      m[0] = m[1] = FT_NEG_INF;
-      l[0] = l[1] = 0.f;
-    };
-
-    // K/V ring slot and phase of K/V tile t of this work tile (t = ntiles: the next one's first)
-    auto slot = [&](int t) { return (g0 + t) % STAGES; };
-    auto parity = [&](int t) { return static_cast<unsigned>(((g0 + t) / STAGES) & 1); };
-    auto q_desc = [&](int buf) { return desc_advance(desc_q, buf * Q_BYTES); };
-    // ---- S = Q K^T: A and B K-major; a k step is 32 bytes into the swizzled row ----
-    auto issue_s = [&](int t, unsigned long long dq) {
-      const auto dk = desc_advance(desc_k, slot(t) * KV_BYTES);
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        const unsigned koff = (ks % PANEL_KSTEPS) * 32, panel = ks / PANEL_KSTEPS;
-        Wgmma<BC>::ss(sacc, desc_advance(dq, panel * BR * ROW_BYTES + koff), desc_advance(dk, panel * BC * ROW_BYTES + koff),
-                      ks > 0);   // the first step overwrites
-      }
-      wgmma_commit();
-    };
-    // ---- O += P V: V N-major (its rows are the k dim), panels of 64 columns LBO apart; or
-    // e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart ----
-    auto issue_pv = [&](int t) {
-      const auto dv = desc_advance(desc_v, slot(t) * KV_BYTES);
-#pragma unroll
-      for (int ps = 0; ps < PSTEPS; ++ps)
-        Wgmma<HEAD_DIM>::rs(o_acc, pa[ps], desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * 128), 1);
-      wgmma_commit();
-    };
-    auto mask = [&](int t) {
-      const int k0 = t * BC;
-      const int diag0 = w.q0 + wrow0 + (MASK_BR ? seq.nk - seq.nq : 0);   // the warp's first row's last key (params: no register held)
-      if (k0 + BC > seq.nk || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(sacc, lane, diag0, k0, seq.nk);
-    };
-    // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the
-    // next work tile's Q streams in under this one's last softmax, P V and epilogue.
-    auto release_k = [&](int t) {
-      mbar_arrive(&bar.k_empty[slot(t)]);
-      if (t == own - 1) mbar_arrive(&bar.q_empty[qs]);
-    };
-    auto make_p = [&] {
-#pragma unroll
-      for (int ps = 0; ps < PSTEPS; ++ps) {
-        if constexpr (FP8) p_fragment_e4m3(pa[ps], sacc, ps);
-        else p_fragment<IN_DTYPE>(pa[ps], sacc, ps);
-      }
-    };
-    // the first S of a work tile has landed: its softmax starts the tile's O
-    auto first_softmax = [&] {
-      wgmma_pin(sacc);
-      release_k(0);
-      mask(0);
-      softmax_advance(sacc, m, l, alpha, scale_log2);
-      make_p();
-    };
-    auto write_o = [&] {
+    const int cw = wg - 1, lane = tid % 32;
+    const int wrow0 = cw * 64 + ((tid / 32) % 4) * 16;
+    const Output out{reinterpret_cast<TO*>(o), lse, o_sb, o_sh, o_sn, heads, nq,
 #if VARLEN
-      float* lse_bh = lse + static_cast<long long>(w.h) * total_q + seq.q0;
+                     total_q,
 #else
-      float* lse_bh = lse + static_cast<long long>(w.b * heads + w.h) * nq;
+                     0,
 #endif
-      if constexpr (TMA_STORE) {
-        store_slab_tma<OUT_DTYPE, DTILES>(o_slab, &tmap_o, lse_bh, o_acc, m, l, lane, w.q0 + wrow0, nq, w.h, w.b, scale_log2);
-      } else {
-        store_slab<OUT_DTYPE>(reinterpret_cast<TO*>(o) + (VARLEN ? seq.q0 * o_sn : w.b * o_sb) + w.h * o_sh, o_sn, lse_bh,
-                              o_acc, m, l, lane, w.q0 + wrow0, seq.nq, scale_log2);
-      }
-    };
-
-    // OWN_TILES: how many of the work tile's K/V tiles this consumer's rows [r0, r1) need
-    auto own_tiles = [&] {
-      const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, seq.nq);
-      if (!OWN_TILES) return w.ntiles;
-      if (r1 <= 0 || r0 >= seq.nq) return 0;
-      if constexpr (IS_CAUSAL && MASK_BR) return max(1, min(w.ntiles, (r1 - 1 + seq.nk - seq.nq) / BC + 1));   // no key seen: one masked tile
-      return IS_CAUSAL ? min(w.ntiles, (r1 - 1) / BC + 1) : w.ntiles;
-    };
-    // OWN_TILES: tiles [from, ntiles) are not this consumer's. It computes nothing for them, but
-    // before each of its ping-pong turns it waits on the same K/V tiles a consumer running them
-    // would (so the others' barriers and turns meet as they do on the full path, and no new wait
-    // can deadlock), and frees each one as soon as it has landed, since it never reads them.
-    auto pass = [&](int from) {
-      auto skip = [&](unsigned long long* full, unsigned long long* empty, int t) {
-        mbar_wait(&full[slot(t)], parity(t));
-        mbar_arrive(&empty[slot(t)]);
-      };
-      auto turn = [&] { turn_begin(); turn_end(); };
-      if (from == 0) mbar_arrive(&bar.q_empty[qs]);   // Q unread: free it at once
-      if constexpr (OVERLAP) {
-        // a full consumer's turn t issues S of tile t and P V of tile t - 1 (t = ntiles: the last
-        // P V alone); turns before `from`, and P V of from - 1, were this consumer's own
-        for (int t = from; t <= w.ntiles; ++t) {
-          if (t < w.ntiles) skip(bar.k_full, bar.k_empty, t);
-          if (t > from) skip(pv_full, pv_empty, t - 1);
-          if (t > from || from == 0) turn();
-        }
-      } else {
-        for (int t = from; t < w.ntiles; ++t) {   // turns: S of tile t, then P V of tile t
-          skip(bar.k_full, bar.k_empty, t);
-          turn();
-          skip(pv_full, pv_empty, t);
-          turn();
-        }
-      }
-    };
-
-    // on to work tile it + 1 (`next`, already fetched), this one's K/V tiles done
-    auto advance = [&](int it, int next) {
-      g0 += w.ntiles;
-      tile = next;
-      w = work(tile);
-      own = w.ntiles;
-      qs = (it + 1) % QBUF;
-    };
-
-    for (int it = 0; tile < total; ++it) {
-      const bool chained = CHAIN && it > 0;   // this tile's first S and softmax ran at the last one's end
-      if (!chained) {
-        reset();
-        mbar_wait(&bar.q_full[qs], (it / QBUF) & 1);
-      }
-      own = own_tiles();
-      if (OWN_TILES && own == 0) {
-        pass(0);
-        advance(it, fetch(it + 1));
-        continue;
-      }
-      if constexpr (OVERLAP) {
-        // Software-pipelined: S of tile t is issued together with P V of tile t-1, and the softmax
-        // of tile t runs while P V is still in flight; O is rescaled only once that has landed.
-        if (!chained) {
-          mbar_wait(&bar.k_full[slot(0)], parity(0));
-          turn_begin();
-          wgmma_fence();
-          issue_s(0, q_desc(qs));
-          turn_end();
-          wgmma_wait<0>();
-          first_softmax();
-        }
-        for (int t = 1; t < own; ++t) {
-          mbar_wait(&bar.k_full[slot(t)], parity(t));
-          mbar_wait(&pv_full[slot(t - 1)], parity(t - 1));
-          turn_begin();
-          wgmma_pin(o_acc);
-          wgmma_fence();
-          issue_s(t, q_desc(qs));
-          issue_pv(t - 1);
-          turn_end();
-          wgmma_wait<1>();   // S of tile t has landed; P V of tile t-1 may still run
-          wgmma_pin(sacc);
-          release_k(t);
-          mask(t);
-          softmax_advance(sacc, m, l, alpha, scale_log2);
-          wgmma_wait<0>();
-          wgmma_pin(o_acc);
-          mbar_arrive(&pv_empty[slot(t - 1)]);
-          rescale_rows(o_acc, alpha);
-          make_p();
-        }
-        // CHAIN: the next work tile's first S goes with this one's last P V. After the CTA's last
-        // tile it is issued all the same, on whatever the buffers hold, and dropped: a test between
-        // the wgmma instructions would make ptxas serialize them (C7519).
-        const int n = own, next = CHAIN ? fetch(it + 1) : total;
-        if (CHAIN && next < total) {
-          mbar_wait(&bar.q_full[(it + 1) % QBUF], ((it + 1) / QBUF) & 1);
-          mbar_wait(&bar.k_full[slot(n)], parity(n));
-        }
-        mbar_wait(&pv_full[slot(n - 1)], parity(n - 1));
-        turn_begin();
-        wgmma_pin(o_acc);
-        wgmma_fence();
-        issue_pv(n - 1);
-        if constexpr (CHAIN) issue_s(n, q_desc((it + 1) % QBUF));
-        turn_end();
-        wgmma_wait<CHAIN ? 1 : 0>();   // this tile's last P V has landed
-        wgmma_pin(o_acc);
-        mbar_arrive(&pv_empty[slot(n - 1)]);
-        if constexpr (CHAIN) {
-          write_o();
-          wgmma_wait<0>();
-          advance(it, next);
-          if (tile >= total) break;
-          reset();
-          first_softmax();
-          continue;
-        }
-      } else {
-        for (int t = 0; t < own; ++t) {
-          mbar_wait(&bar.k_full[slot(t)], parity(t));
-          turn_begin();
-          wgmma_fence();
-          issue_s(t, q_desc(qs));
-          turn_end();
-          wgmma_wait<0>();
-          wgmma_pin(sacc);
-          release_k(t);
-          mask(t);
-          softmax_step(sacc, o_acc, m, l, scale_log2);
-          make_p();
-          mbar_wait(&pv_full[slot(t)], parity(t));
-          turn_begin();
-          wgmma_pin(o_acc);
-          wgmma_fence();
-          issue_pv(t);
-          turn_end();
-          wgmma_wait<0>();
-          wgmma_pin(o_acc);
-          mbar_arrive(&pv_empty[slot(t)]);
-        }
-      }
-      if (OWN_TILES) pass(own);   // the tiles past this consumer's diagonal, before its epilogue
-      write_o();
-      advance(it, fetch(it + 1));
-    }
-    if constexpr (PINGPONG) { if (wg == 1) named_sync(1, 256); }   // the last consumer's final hand-over
-    if (TMA_STORE && lane == 0) bulk_wait<0>();   // the slab stays until its last store is done
+                     &tmap_o};
+    if (TMA_STORE && lane == 0) tmap_prefetch(tmap_o);   // this warp's slabs go out through O's map
+    Consumer c(bar, sched, seq, out, scale_log2, cw, lane, wrow0,
+               wgmma_desc<ROW_BYTES>(smem_u32(sm.q) + cw * 64 * ROW_BYTES, 16, 8 * ROW_BYTES),
+               wgmma_desc<ROW_BYTES>(smem_u32(sm.k), 16, 8 * ROW_BYTES),
+               FP8 ? wgmma_desc(smem_u32(sm.vt), 16, 1024) : wgmma_desc(smem_u32(sm.v), BC * 128, 1024),
+               smem_u32(sm.o) + (wrow0 / 16) * 16 * HEAD_DIM * static_cast<unsigned>(sizeof(TO)));
+    c.run();
   }
 }

@@ -16,7 +16,7 @@
 // epilogue. The counter is two ints per stream (kernel_templates/sm90_tile_counter.py); it resets itself: the last
 // CTA to run out of work zeroes it for the stream's next launch.
 #pragma once
-#include "common.cuh"
+#include "sm90_pipeline.cuh"
 
 struct WorkTile {
   int q0, b, h, hk, ntiles;   // first query row, batch, head, K/V head, K/V tiles to run
@@ -53,8 +53,57 @@ FT_DEVICE int next_tile_dynamic(int* counter, int it, int total) {
   return tile;
 }
 
-// The producer publishes each tile to the consumers through a two-slot ring in shared memory.
-struct TileRing {
+// The producer publishes each tile to the other roles through a two-slot ring in shared memory.
+struct TileRing : MbarRing<2> {
   int tile[2];
-  unsigned long long full[2], empty[2];
+};
+
+// The CTA's work tiles in turn, as each role sees them: `it` counts them (0, 1, ...), and a tile
+// index done() means none is left. DYNAMIC (the kernel's PERSISTENT): the producer draws each tile
+// from the dynamic schedule above and hands it to the other roles through a TileRing; otherwise
+// the CTA runs the grid's one tile, (qblk, bh) as the launch (or VARLEN's varlen_block) placed it,
+// and every loop over tiles folds to one pass. ROWS x COLS: the query block and the K/V tile.
+// KEYLESS_TILE: a query block that sees no key still runs one K/V tile, all masked, so that its
+// O (0) and LSE (-inf) are written (bottom-right with Nq > Nk, a varlen sequence with no keys).
+template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool KEYLESS_TILE>
+struct TileScheduler {
+  int qblk, bh;              // the grid's tile (not DYNAMIC)
+  int n_qblk, total;         // query blocks per batch-head; work tiles (DYNAMIC; 1 on the grid)
+  int heads, kv_group, nq, nk;
+
+  FT_DEVICE bool done(int tile) const { return tile >= total; }
+  FT_DEVICE WorkTile work(int tile) const {
+    WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(DYNAMIC ? tile % n_qblk : qblk,
+                                                                       DYNAMIC ? tile / n_qblk : bh, heads, kv_group, nq, nk);
+    if constexpr (KEYLESS_TILE) w.ntiles = max(1, w.ntiles);
+    return w;
+  }
+  // The producer's: the CTA's it-th tile, drawn by `leader` and published to the other roles; a
+  // WARP producer's other lanes get it by shuffle, so it stays warp-uniform.
+  template <bool WARP>
+  FT_DEVICE int draw(TileRing& ring, int* counter, int it, bool leader) const {
+    int tile = it;
+    if constexpr (DYNAMIC) {
+      const PipelineState<2> slot{it};
+      ring.acquire(slot);
+      if (leader) {
+        tile = next_tile_dynamic(counter, it, total);
+        ring.tile[slot.index()] = tile;
+        ring.commit(slot);
+      }
+      if constexpr (WARP) tile = __shfl_sync(0xffffffffu, tile, 0);
+    }
+    return tile;
+  }
+  // Every other role's: the CTA's it-th tile, as the producer published it.
+  FT_DEVICE int take(TileRing& ring, int it) const {
+    int tile = it;
+    if constexpr (DYNAMIC) {
+      const PipelineState<2> slot{it};
+      ring.wait(slot);
+      tile = ring.tile[slot.index()];
+      ring.release(slot);
+    }
+    return tile;
+  }
 };
