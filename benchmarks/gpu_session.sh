@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|ab|all]...
 # `tests` runs `pytest -m gpu` as four processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -96,6 +96,11 @@ for step in $steps; do
               > "$OUT/chunk-search.log" 2>&1; tail -n 6 "$OUT/chunk-search.log"
             peers="--peer sdpa_cudnn --peer sdpa_flash"; [ -f /tmp/site/.fa4-cu13 ] && peers="$peers --peer fa4"
             tuner bench --gpu auto $chunk --family flash_fwd_sm90 $peers --json "$OUT/chunked.json" 2>&1 | grep -v Warning | tail -n 8 ;;
+    ab) # a kernel change, before and after: the committed grid configs and the shipped lookup's, each
+        # compiled from AB_TEMPLATES (the sources before; e.g. `git archive <commit> kernel_templates |
+        # tar -x -C .ab`, carried) and from this tree, timed in turns (benchmarks/ab_kernel.py)
+        python3 benchmarks/ab_kernel.py --templates "${AB_TEMPLATES:-.ab/kernel_templates}" ${AB_ARGS:---lookup} \
+          --json "$OUT/ab.json" 2>&1 | grep -v Warning | tee "$OUT/ab.log" ;;&
     varlen) # issue 23's varlen figure: packed sequences against the same padded, beside FA2's and FA4's varlen
             python3 benchmarks/varlen_bench.py --json "$OUT/varlen.json" 2>&1 | grep -v Warning | tee "$OUT/varlen.log" ;;&
     fa4bench) # the issue-22 figure: grid (d=256 tuned here first) and model shapes, served from the lookup,

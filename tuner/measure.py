@@ -169,10 +169,11 @@ def timed(m: Measurement, t: Timing, problem: Problem) -> Measurement:
                    tflops=problem.tflops(t.median_ms), reps=t.reps)
 
 
-def measure_prepared(prepared: dict[str, Prepared], problem: Problem, timer: Timer) -> dict[str, Measurement]:
+def measure_prepared(prepared: dict[str, Prepared], problem: Problem, timer: Timer,
+                     rounds: int = 8) -> dict[str, Measurement]:
     """Time whatever prepared cleanly (in turns when there are several), then check for a fault."""
     runnable = {name: run for name, (run, _) in prepared.items() if run is not None}
-    timings = timer.interleaved(runnable) if runnable else {}
+    timings = timer.interleaved(runnable, rounds=rounds) if runnable else {}
     _sync_or_fault()
     return {name: timed(m, timings[name], problem) if name in timings else m for name, (_, m) in prepared.items()}
 

@@ -1,0 +1,129 @@
+"""A kernel change on the GPU: the same configs compiled from two kernel sources, timed in turns on
+the same inputs (each checked against float64 first), as TFLOP/s before and after.
+
+    python3 benchmarks/ab_kernel.py --templates OLD_DIR [--dtype bf16] [--lookup] [--json OUT]
+
+OLD_DIR holds the kernel sources before the change (`git archive <commit> kernel_templates | tar
+-x -C DIR` gives DIR/kernel_templates); this checkout's sources are "after". The configs are the
+committed grid winners of this GPU (benchmarks/results/<gpu>-fp16-bf16.json, else the H100's) and,
+with --lookup, the other flash_fwd_sm90 configs the shipped lookup serves, each on its own problem.
+A restructuring that keeps the SASS (benchmarks/sass_compare.py) should read within the runs'
+spread, about 1%; issue 20's first split read 4-10% slower on two configs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+HERE = Path(__file__).resolve().parent
+
+
+def configs(gpu, dtype: str | None, lookup: bool) -> list[tuple]:
+    """(problem, params) of the committed grid (and the shipped lookup), flash_fwd_sm90 only."""
+    from tuner.problem import Problem
+
+    results = HERE / "results" / f"{gpu.key.replace('/', '_')}-fp16-bf16.json"
+    if not results.exists():
+        results = HERE / "results" / "NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json"
+    rows = [(Problem.from_dict(r), r["config"]) for r in json.loads(results.read_text())["rows"]
+            if r.get("family") == "flash_fwd_sm90" and r.get("config")]
+    if lookup:
+        shipped = HERE.parent / "tuner" / "lookups" / f"{gpu.key.replace('/', '_')}.json"
+        if shipped.exists():
+            rows += [(Problem.from_dict(e["problem"]), e["params"]) for e in json.loads(shipped.read_text())["entries"]
+                     if e["family"] == "flash_fwd_sm90"]
+    seen, out = set(), []
+    for p, params in rows:
+        key = (p.key, json.dumps(params, sort_keys=True))
+        if key not in seen and dtype in (None, p.dtype):
+            seen.add(key)
+            out.append((p, params))
+    return out
+
+
+def _compile(args) -> None:
+    import seed_resources
+
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+
+    folder, problem, params = args
+    seed_resources._use_templates(folder)
+    compile_kernel(get_family("flash_fwd_sm90"), params, problem, detect().arch)
+
+
+def precompile(points: list[tuple], folders: list[str | None], jobs: int) -> None:
+    """Every side of every point into the compile cache, in parallel (NVRTC needs no GPU)."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    work = [(side, p, params) for p, params in points for side in folders]
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(_compile, work))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import seed_resources
+
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import measure_prepared, prepare_kernel
+    from tuner.timing import Timer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--templates", required=True, help="the folder of the kernel sources before the change")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
+                    help="another kernel source to time beside before and after (repeatable)")
+    ap.add_argument("--shape", action="append", default=[], help="only problems whose key contains this (repeatable)")
+    ap.add_argument("--rounds", type=int, default=8, help="turns per kernel (tuner.timing.Timer)")
+    ap.add_argument("--seconds", type=float, default=0.5, help="timed seconds per kernel and config")
+    ap.add_argument("--dtype")
+    ap.add_argument("--lookup", action="store_true", help="also the shipped lookup's configs")
+    ap.add_argument("--json")
+    ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2, help="compiler processes")
+    a = ap.parse_args(argv)
+    gpu = detect()
+    points = [(p, c) for p, c in configs(gpu, a.dtype, a.lookup) if not a.shape or any(s in p.key for s in a.shape)]
+    sides = {"before": a.templates, "after": None} | dict(v.split("=", 1) for v in a.variant)
+    precompile(points, list(sides.values()), a.jobs)
+    fam = get_family("flash_fwd_sm90")
+    timer = Timer(gpu.l2_bytes, target_seconds=a.seconds, max_reps=2000)
+    rows = []
+    print(f"{gpu.name}: flash_fwd_sm90 before ({a.templates}) and after (this checkout), in turns, TFLOP/s of the median")
+    for problem, params in points:
+        prepared = {}
+        for side, folder in sides.items():
+            seed_resources._use_templates(folder)
+            prepared[side] = prepare_kernel(fam, params, problem, compile_kernel(fam, params, problem, gpu.arch), 0, gpu)
+        seed_resources._use_templates(None)
+        out = measure_prepared(prepared, problem, timer, rounds=a.rounds)
+        if not all(m.ok for m in out.values()):
+            print(f"{problem.key} {params}: " + "; ".join(f"{k} {m.status} {m.message}" for k, m in out.items()))
+            rows.append(dict(problem=problem.key, params=params, failed={k: m.status for k, m in out.items()}))
+            continue
+        before, after = out["before"].tflops, out["after"].tflops
+        others = {side: out[side].tflops for side in sides if side not in ("before", "after")}
+        rows.append(dict(problem=problem.key, params=params, before=before, after=after, ratio=after / before, **others))
+        cfg = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
+        extra = "".join(f"  {side} {t:.1f} ({t / before:.3f}x)" for side, t in others.items())
+        print(f"{problem.key:<36} {cfg:<80} {before:7.1f} {after:7.1f}  {after / before:.3f}x{extra}", flush=True)
+    ratios = [r["ratio"] for r in rows if "ratio" in r]
+    if ratios:
+        print(f"\nafter / before over {len(ratios)} configs: min {min(ratios):.3f}, median "
+              f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}; {len(rows) - len(ratios)} failed")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(gpu=gpu.name, rows=rows), indent=1))
+    return 0 if len(ratios) == len(rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
