@@ -6,7 +6,9 @@ For each shape and implementation, `reps` calls are timed on the host clock (the
 start and the launch queue never fills, so the figure is what the call costs the CPU), 15 times,
 median. "cycled": 64 input sets in turn, as a model's activations come back at the same addresses
 from torch's caching allocator; "new": every call on tensors at addresses not seen before (the
-tensor maps of the Hopper kernel are then encoded again). flashtune runs the tuned configs of the
+tensor maps of the Hopper kernel are then patched). The implementations are timed in turns (each
+of the 15 trials times every one once, the order rotating; an SDPA backend's calls run inside its
+`sdpa_kernel` context, entered once per trial). flashtune runs the tuned configs of the
 results file (its lookup is made from it); `torch.ops` is the same call through the operator
 dispatcher, as torch.compile runs it.
 """
@@ -14,6 +16,7 @@ dispatcher, as torch.compile runs it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -69,29 +72,36 @@ def main(argv=None) -> int:
             pool_n = sets if mode == "cycled" else a.reps * 16
             pool = [tuple(torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                     for _ in range(pool_n)]
+            calls, pinned = {}, {}
             for name, impl in impls.items():
                 if isinstance(impl, tuple):
-                    backend = impl[0]
+                    pinned[name] = impl[0]
 
-                    def call(q, k, v, c, backend=backend):
+                    def call(q, k, v, c):
                         return F.scaled_dot_product_attention(q, k, v, is_causal=c)
-                    ctx = lambda backend=backend: sdpa_kernel(backend)
                 else:
-                    call, ctx = impl, None
-                times = []
-                with (ctx() if ctx else _null()):
+                    call = impl
+                with sdpa_kernel(pinned[name]) if name in pinned else contextlib.nullcontext():
                     for i in range(3):
                         call(*pool[i % len(pool)], causal)   # plans, cuDNN graphs
-                    torch.cuda.synchronize()
-                    for trial in range(15):
+                calls[name] = call
+            torch.cuda.synchronize()
+            # in turns: each trial times every implementation once, the order rotating, so that a
+            # host whose clock or load drifts over the run moves all of them alike
+            times = {name: [] for name in calls}
+            names = list(calls)
+            for trial in range(15):
+                for name in names[trial % len(names):] + names[:trial % len(names)]:
+                    with sdpa_kernel(pinned[name]) if name in pinned else contextlib.nullcontext():
                         start = time.perf_counter()
                         for i in range(a.reps):
-                            call(*pool[(trial * a.reps + i) % len(pool)], causal)
-                        times.append((time.perf_counter() - start) / a.reps * 1e6)
-                        torch.cuda.synchronize()
-                plan = next(iter(dispatch.default()._plans.values()), None) if name == "flashtune" else None
-                rows.append(dict(shape=shape, mode=mode, impl=name, us=statistics.median(times),
-                                 kernel=(plan.family or "fallback") if plan else ""))
+                            calls[name](*pool[(trial * a.reps + i) % len(pool)], causal)
+                        times[name].append((time.perf_counter() - start) / a.reps * 1e6)
+                    torch.cuda.synchronize()
+            plan = next(iter(dispatch.default()._plans.values()), None)
+            for name in names:
+                rows.append(dict(shape=shape, mode=mode, impl=name, us=statistics.median(times[name]),
+                                 kernel=(plan.family or "fallback") if plan and name == "flashtune" else ""))
                 print(f"{shape:>11} {mode:>6} {name:>14} {rows[-1]['us']:7.1f} us/call {rows[-1]['kernel']}", flush=True)
             dispatch.default()._plans.clear()
             del pool
@@ -106,14 +116,6 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 if __name__ == "__main__":

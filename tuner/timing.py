@@ -14,6 +14,7 @@ class Timing:
     min_ms: float
     max_ms: float
     reps: int
+    rounds: tuple[float, ...] = ()   # the median of each timed turn, in order (Timer.interleaved)
 
 
 class Timer:
@@ -55,12 +56,15 @@ class Timer:
         per_round = {name: math.ceil(self._reps(ms) / rounds) for name, ms in estimate.items()}
         settle = {name: math.ceil(settle_ms / ms) for name, ms in estimate.items()}
         names = list(fns)
+        turns: dict[str, list[float]] = {name: [] for name in names}
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 if settle[name]:
                     self._run(fns[name], settle[name])
-                times[name] += self._run(fns[name], per_round[name])
-        return {name: Timing(statistics.median(t), min(t), max(t), len(t)) for name, t in times.items()}
+                turn = self._run(fns[name], per_round[name])
+                times[name] += turn
+                turns[name].append(statistics.median(turn))
+        return {name: Timing(statistics.median(t), min(t), max(t), len(t), tuple(turns[name])) for name, t in times.items()}
 
     def _reps(self, estimate_ms: float) -> int:
         return int(min(self.max_reps, max(self.min_reps, self.target_seconds * 1e3 / estimate_ms)))
