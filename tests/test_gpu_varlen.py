@@ -22,13 +22,17 @@ def _lengths(rng: random.Random, b: int, decode: bool = False) -> list[int]:
     return [rng.choice(pool) for _ in range(b)]
 
 
-def _batch(rng: random.Random, torch, dt, d: int, cross: bool, decode: bool = False):
+def _batch(rng: random.Random, torch, dt, d: int, cross: bool, decode: bool = False, rows: bool = False):
     """Packed q, k, v with their offsets: keys of their own lengths (cross) or the queries' (self);
-    `decode`: at most 64 queries a sequence, against up to 20000 keys."""
-    b, kvh, group = rng.randint(1, 6), rng.choice([1, 2]), rng.choice([1, 2, 4, 8])
-    lens_q = _lengths(rng, b, decode)
-    lens_k = ([rng.choice([0, 1, 100, 4097, rng.randint(1, 20000)]) for _ in range(b)] if decode else
-              _lengths(rng, b) if cross else lens_q)
+    `decode`: at most 64 queries a sequence, against up to 20000 keys. `rows`: some query and some
+    key in the batch (a kernel's tensor maps need rows; tuner.varlen answers an empty side itself)."""
+    while True:
+        b, kvh, group = rng.randint(1, 6), rng.choice([1, 2]), rng.choice([1, 2, 4, 8])
+        lens_q = _lengths(rng, b, decode)
+        lens_k = ([rng.choice([0, 1, 100, 4097, rng.randint(1, 20000)]) for _ in range(b)] if decode else
+                  _lengths(rng, b) if cross else lens_q)
+        if not rows or (sum(lens_q) and sum(lens_k)):
+            break
     off = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
     cu_q = off(lens_q)
     cu_k = off(lens_k) if cross else cu_q
@@ -90,7 +94,7 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
         # (flash_fwd_mma_varlen leaves d=256 on Hopper to flash_fwd_sm90_varlen)
         d = rng.choice([64, 128] if family == "flash_fwd_mma" and gpu.major >= 9 else [64, 128, 256])
         decode = family == "flash_decode"
-        q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross or decode, decode)
+        q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross or decode, decode, rows=True)
         problem = Problem(len(lens_q), q.shape[1], max(max(lens_q), 1), max(max(lens_k), 1), d, dtype, mask, k.shape[1])
         scale = rng.choice([None, 0.1])
         points = _variant_points(rng, base, variant, gpu, problem)
