@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seconds", type=float, default=1.5, help="timed seconds per implementation and shape")
     ap.add_argument("--profile", action="store_true", help="print each step's CUDA kernels (torch.profiler)")
+    ap.add_argument("--seqlen", type=int, action="append", help="only these grid lengths (1024, 4096, 16384)")
     a = ap.parse_args(argv)
     gpu = detect()
     lookup = Path(tempfile.mkdtemp()) / "best.json"
@@ -69,6 +70,8 @@ def main(argv=None) -> int:
     impls = ("flashtune", "sdpa_cudnn", "sdpa_flash")
     rows = []
     for b, h, n, d, causal in GRID:
+        if a.seqlen and n not in a.seqlen:
+            continue
         dim = h * d
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(b, n, dim, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
