@@ -233,13 +233,12 @@ class VarlenFlashDecode(VarlenVariant, FlashDecode):
         return Launch(grid=(grid[0], grid[1], splits), block=(params["warps"] * 32, 1, 1),
                       smem_bytes=self.smem_bytes(params, problem))
 
-    def varlen_values(self, make_args, params, problem, gpu, views, lse, scale, cu_q, cu_k, max_q, max_k):
+    def varlen_values(self, make_args, params, problem, grid, views, lse, scale, cu_q, cu_k, max_q, max_k):
         q = views[0]
         args = attention_args(*views, lse, scale)
         if args is None:
             return None
         rows = problem.batch * problem.heads * problem.seqlen_q   # the padded (B, H, Nq) rows
-        grid = self.packed_launch(params, problem, gpu, q.shape[2], views[1].shape[2]).grid
         args += split_workspace(q.get_device(), grid, rows, problem.head_dim)
         args += (0, 0, 0, 0)   # no per-sequence key counts, no page table
         return self.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[2], problem.batch)

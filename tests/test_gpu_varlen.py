@@ -106,8 +106,8 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
             o = torch.full_like(q, float("nan"))
             lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
             views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
-            args = variant.varlen_values(variant.arg_maker(params), params, problem, gpu, views, lse, scale, cu_q, cu_k,
-                                         max(lens_q), max(lens_k))
+            args = variant.varlen_values(variant.arg_maker(params), params, problem, launch.grid, views, lse, scale,
+                                         cu_q, cu_k, max(lens_q), max(lens_k))
             launch_on(launcher, gpu.index, *args)
             torch.cuda.synchronize()
             what = f"{variant.name} {params} d{d} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask}"

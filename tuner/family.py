@@ -236,11 +236,12 @@ class VarlenVariant:
         blocks = ceil_div(total_q, self.block_rows(params)) + problem.batch
         return Launch(grid=(-(-blocks // 32) * 32, problem.heads, 1), block=base.block, smem_bytes=base.smem_bytes)
 
-    def varlen_values(self, make_args, params: dict, problem: Problem, gpu: GpuSpec, views: list, lse, scale,
-                      cu_q, cu_k, max_q: int, max_k: int) -> tuple | None:
+    def varlen_values(self, make_args, params: dict, problem: Problem, grid: tuple[int, int, int], views: list, lse,
+                      scale, cu_q, cu_k, max_q: int, max_k: int) -> tuple | None:
         """The kernel's values for a varlen call: `make_args` (this variant's arg_maker for the plan)
         on the (1, H, total, D) views of q, k, v, O, then packed_args; None where the views are not
-        as the kernel reads them. `problem` is the padded one (the batch, the longest lengths)."""
+        as the kernel reads them. `problem` is the padded one (the batch, the longest lengths);
+        `grid` the call's launch (packed_launch), which a variant may size a workspace by."""
         args = make_args(*views, lse, scale)
         if args is None:
             return None

@@ -24,7 +24,7 @@ import torch
 
 from .dispatch import TORCH_TO_DTYPE, supported_head_dims
 from .dispatch import default as default_dispatcher
-from .launch import Launcher, LoadedKernel, launch_on
+from .launch import Launch, Launcher, LoadedKernel, launch_on
 from .backward import like
 from .problem import Problem, mask_of
 from .records import one_line
@@ -114,13 +114,14 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
     index = q.device.index or 0
     gpu = default_dispatcher()._gpu(index)
     views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]   # (1, H, total, D)
-    values = lambda: plan.family.varlen_values(plan.make_args, plan.params, problem, gpu, views, lse, scale, cu_q, cu_k,
-                                               max_q, max_k)
+    launch = plan.family.packed_launch(plan.params, problem, gpu, q.shape[0], k.shape[0])
+    values = lambda: plan.family.varlen_values(plan.make_args, plan.params, problem, launch.grid, views, lse, scale,
+                                               cu_q, cu_k, max_q, max_k)
     args = values()
     if args is None:   # misaligned rows or a strided last dim: copies the kernel reads
         views[:3] = [t.contiguous().unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
         args = values()
-    launch_on(_launcher(plan, problem, q.shape[0], k.shape[0], gpu), index, *args)
+    launch_on(_launcher(plan, launch), index, *args)
     return o, lse
 
 
@@ -177,9 +178,8 @@ def _plan(problem: Problem, device_index: int) -> _Plan:
     return _Plan(variant, params, kernel, variant.arg_maker(params))
 
 
-def _launcher(plan: _Plan, problem: Problem, total_q: int, total_k: int, gpu) -> Launcher:
-    """The plan's launch for this many sequences, queries and keys (VarlenVariant.packed_launch)."""
-    launch = plan.family.packed_launch(plan.params, problem, gpu, total_q, total_k)
+def _launcher(plan: _Plan, launch: Launch) -> Launcher:
+    """The plan's launcher of this call's launch (VarlenVariant.packed_launch), one per grid."""
     launcher = plan.launchers.get(launch.grid)
     if launcher is None:
         if len(plan.launchers) >= _GRIDS:
