@@ -7,8 +7,8 @@ OLD_DIR holds the kernel sources before the change (`git archive <commit> kernel
 -x -C DIR` gives DIR/kernel_templates); this checkout's sources are "after". The configs are the
 committed grid winners of this GPU (benchmarks/results/<gpu>-fp16-bf16.json, else the H100's) and,
 with --lookup, the other flash_fwd_sm90 configs the shipped lookup serves, each on its own problem.
-A restructuring that keeps the SASS (benchmarks/sass_compare.py) should read within the runs'
-spread, about 1%; issue 20's first split read 4-10% slower on two configs here.
+One ratio moves by about 1.5% between runs on the H100; issue 20's first split read 4-10% slower
+on two configs here, its second 1-2% slower on four d=64 ones (benchmarks/PERF_NOTES.md).
 """
 
 from __future__ import annotations
@@ -35,10 +35,9 @@ def configs(gpu, dtype: str | None, lookup: bool) -> list[tuple]:
     rows = [(Problem.from_dict(r), r["config"]) for r in json.loads(results.read_text())["rows"]
             if r.get("family") == "flash_fwd_sm90" and r.get("config")]
     if lookup:
-        shipped = HERE.parent / "tuner" / "lookups" / f"{gpu.key.replace('/', '_')}.json"
-        if shipped.exists():
-            rows += [(Problem.from_dict(e["problem"]), e["params"]) for e in json.loads(shipped.read_text())["entries"]
-                     if e["family"] == "flash_fwd_sm90"]
+        from seed_resources import shipped_configs
+
+        rows += [(p, params) for p, params, _ in shipped_configs(gpu.key)]
     seen, out = set(), []
     for p, params in rows:
         key = (p.key, json.dumps(params, sort_keys=True))

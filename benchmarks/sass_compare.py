@@ -40,19 +40,14 @@ def opcode(insn: str) -> str:
 def points() -> list[tuple]:
     """(family, problem, params, where from): the seeds, then the shipped lookups' distinct configs,
     each also as the varlen variant the dispatcher builds from it."""
-    from seed_resources import seed_points
-
-    from tuner.problem import Problem
+    from seed_resources import seed_points, shipped_configs
 
     fam, varlen = _family("flash_fwd_sm90"), _family("flash_fwd_sm90_varlen")
     out = [(fam.name, p, s, "seed") for p, s in seed_points()]
-    for path in sorted((Path(__file__).resolve().parents[1] / "tuner" / "lookups").glob("*.json")):
-        for e in json.loads(path.read_text())["entries"]:
-            if e["family"] == fam.name:
-                p = Problem.from_dict(e["problem"])
-                out.append((fam.name, p, e["params"], path.stem))
-                if p.dtype != "fp8":
-                    out.append((varlen.name, p, varlen.from_tuned(e["params"], p), path.stem + " varlen"))
+    for p, params, name in shipped_configs():
+        out.append((fam.name, p, params, name))
+        if p.dtype != "fp8":
+            out.append((varlen.name, p, varlen.from_tuned(params, p), name + " varlen"))
     seen, unique = set(), []
     for point in out:
         key = (point[0], point[1].key, json.dumps(point[2], sort_keys=True))

@@ -1,6 +1,6 @@
 """ptxas's resources (registers, spills, stack, shared memory) and the SASS instruction stream's
 length and fingerprint of every flash_fwd_sm90 seed on the compile-test problems, as JSON: what a
-refactor of the kernel must leave as it was.
+change to the kernel may move only on purpose.
 
     python3 benchmarks/seed_resources.py [-o FILE] [--templates DIR] [-j N]
 
@@ -11,7 +11,8 @@ tests/test_compile.py checks every seed against it (through `problems`, `seeds` 
 The fingerprint hashes the instructions with registers, labels and immediates renamed away
 (tuner.compile.sass_shape): same resources are not the same speed (issue 20's first split kept
 every seed's resources and ran 4-10% slower on two configs), the same instruction stream is.
-benchmarks/sass_compare.py shows where two kernel sources' streams differ.
+benchmarks/sass_compare.py shows where two kernel sources' streams differ, benchmarks/ab_kernel.py
+what that costs on the GPU.
 Run it where the package is installed (`pip install -e .`): the kernel sources resolve through it.
 """
 
@@ -78,6 +79,17 @@ def seeds(problem) -> list[dict]:
 
     fam = get_family("flash_fwd_sm90")
     return [s for s in fam.seeds(H100_SXM, problem) if fam.check(s, H100_SXM, problem) is None]
+
+
+def shipped_configs(gpu_key: str | None = None) -> list[tuple]:
+    """(problem, params, lookup name) of every flash_fwd_sm90 entry of the shipped lookups
+    (tuner/lookups/), or of the one for `gpu_key`."""
+    from tuner.problem import Problem
+
+    folder = Path(__file__).resolve().parents[1] / "tuner" / "lookups"
+    paths = [folder / f"{gpu_key.replace('/', '_')}.json"] if gpu_key else sorted(folder.glob("*.json"))
+    return [(Problem.from_dict(e["problem"]), e["params"], path.stem) for path in paths if path.exists()
+            for e in json.loads(path.read_text())["entries"] if e["family"] == "flash_fwd_sm90"]
 
 
 def seed_points() -> list[tuple]:
