@@ -124,17 +124,26 @@ for step in $steps; do
               --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name.json" 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"
           done ;;&
-    sweep) # every valid flash_fwd_sm90 point of SWEEP_SHAPES (bf16), one database: replay fixtures for sampler studies
-          rm -f /tmp/flashtune/sweep.db
+    sweep) # every valid flash_fwd_sm90 point of SWEEP_SHAPES (bf16), one database: replay fixtures for sampler
+          # studies. SWEEP_DB (a sweep.db.gz an earlier call brought back, carried) is gone on from: a grid
+          # search resumes where it stopped. The database goes to $OUT every 45 s (a consistent copy, sqlite3's
+          # backup) and after each shape, so a call cut short at the device limit keeps what it measured.
+          db=/tmp/flashtune/sweep.db
+          if [ -n "$SWEEP_DB" ]; then gunzip -c "$SWEEP_DB" > $db; else rm -f $db; fi
+          save_sweep() {   # $1 names the writer (the loop, or the end of a shape): each has its own temporaries
+            python3 -c "import sqlite3, sys; sqlite3.connect(sys.argv[1]).backup(sqlite3.connect(sys.argv[2]))" \
+              $db /tmp/flashtune/sweep.$1 && gzip -c /tmp/flashtune/sweep.$1 > "$OUT/.sweep.$1" \
+              && mv "$OUT/.sweep.$1" "$OUT/sweep.db.gz"; }
+          ( while sleep 45; do [ -f $db ] && save_sweep loop; done ) & saver=$!
           for sh in ${SWEEP_SHAPES:-1,16,16384,128,causal 4,8,4096,256,causal}; do
             tuner precompile --family flash_fwd_sm90 --dtype bf16 --shape $sh 2>&1 | tail -1
-            # --timeout stops asking for points (graceful: every measured point is stored); the
-            # database goes to $OUT after each shape, so a call cut short keeps what it measured
-            TUNER_DB=sqlite:////tmp/flashtune/sweep.db python3 -m tuner.cli search --gpu auto \
+            # --timeout stops asking for points (graceful: every measured point is stored)
+            TUNER_DB=sqlite:///$db python3 -m tuner.cli search --gpu auto \
               --family flash_fwd_sm90 --dtype bf16 --shape $sh --sampler grid --trials 5000 --no-peers \
               --timeout ${SWEEP_TIMEOUT:-240} --lookup /tmp/flashtune/sweep.json 2>&1 | grep -E "^│" | tee -a "$OUT/sweep.log"
-            gzip -c /tmp/flashtune/sweep.db > "$OUT/sweep.db.gz"
-          done ;;&
+            save_sweep shape
+          done
+          kill $saver 2>/dev/null ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"

@@ -223,7 +223,7 @@ def search(
     replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB (URL or file) instead of a GPU"),
     candidate_timeout: float = typer.Option(60.0, "--candidate-timeout", min=1, help="seconds per candidate"),
     seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
-    sampler: Sampler = typer.Option("tpe", "--sampler", help="tpe, random, or grid (every point once)"),
+    sampler: Sampler = typer.Option("tpe", "--sampler", help="tpe, random, or grid (every valid point once, in order: a sweep)"),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="measure the SDPA peers in the same run"),
     lookup: Optional[Path] = typer.Option(
         None, "--lookup", help="merge the new best configs into this lookup. Default: the default lookup "

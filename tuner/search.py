@@ -77,7 +77,7 @@ class Search:
     def __init__(self, runner: Runner, sessions, storage_url: str, *, seed: int | None = None, sampler: str = "tpe",
                  observer: Callable[[Progress], None] | None = None, run_id: str | None = None,
                  retry_failed: bool = False, storage: optuna.storages.RDBStorage | None = None,
-                 drop_below: float = DROP_BELOW) -> None:
+                 drop_below: float = DROP_BELOW, tpe_options: dict | None = None) -> None:
         self.runner, self.sessions = runner, sessions
         self.storage = storage or optuna_storage(storage_url)  # a worker passes its own, kept across jobs
         if sampler not in SAMPLERS:
@@ -90,6 +90,7 @@ class Search:
         # for its point; after fixing its cause (a driver, a host-side bug) the user asks again.
         self.retry_failed = retry_failed
         self.drop_below = drop_below
+        self.tpe_options = tpe_options or {}   # more TPESampler arguments (benchmarks/sampler_study.py: multivariate)
         # Ask the next trial before measuring this one, so its kernel compiles meanwhile: only where
         # the runner compiles (not a replay, which would then differ from the search it replays)
         # and the sampler is not the grid (a sweep visits each point once, in order).
@@ -162,7 +163,10 @@ class Search:
                 study.enqueue_trial(t.params)
             finished = [t for t in finished if t not in failed]
         seen = {params_key(t.params) for t in finished}  # a point re-proposed in this study counts once
-        if not study.trials:
+        max_asks = trials * ASK_LIMIT_FACTOR
+        if self.sampler == "grid":   # a sweep: each valid point once, in the family's order, resumable
+            max_asks = self._sweep_queue(study, family, problem, seen)   # and nothing else is asked
+        elif not study.trials:
             starts = self.starts(family, problem)
             for point in starts:
                 study.enqueue_trial(point, skip_if_exists=True)
@@ -174,7 +178,7 @@ class Search:
         ahead: optuna.Trial | None = None   # the next trial, asked before this one is measured
         beating = contextlib.ExitStack()       # its heartbeat while it waits (a killed search leaves it stale)
         try:
-            while done < trials and asks < trials * ASK_LIMIT_FACTOR:
+            while done < trials and asks < max_asks:
                 if deadline is not None and time.monotonic() > deadline:
                     break
                 interrupts.checkpoint()  # a signal held during the last trial's bookkeeping stops here
@@ -185,19 +189,30 @@ class Search:
                     ahead = self._ask(study, dists)
                     beating.enter_context(_heartbeat(self.storage, ahead._trial_id))
                     self._prefetch(family, problem, ahead.params, vkey)
-                exhausted, counted = self._trial(study, trial, family, problem, vkey, name, seen, result,
-                                                 done, trials)
-                done += counted
-                if exhausted:
-                    break
+                done += self._trial(study, trial, family, problem, vkey, name, seen, result, done, trials)
         finally:
             beating.close()
             if ahead is not None:   # asked, never measured: failed, not counted, so no sampler learns from it
                 ahead.set_user_attr("status", "unmeasured")
                 ahead.set_user_attr("counted", False)
-                _tell(study, ahead, state=optuna.trial.TrialState.FAIL)
+                study.tell(ahead, state=optuna.trial.TrialState.FAIL)
         self._fill_best(result, family, problem)
         return result
+
+    def _sweep_queue(self, study: optuna.Study, family: KernelFamily, problem: Problem, seen: set[str]) -> int:
+        """Queue the valid points (family.valid_points: `check` passes) this study has not
+        measured nor queued yet, and return how many valid points are left to measure. Only valid
+        points are asked, so a sweep costs no trial on the ~85% of the declared space a problem
+        rules out, and a sweep cut short goes on where it stopped."""
+        points = family.valid_points(self.gpu, problem)
+        waiting = {params_key(t.params) for t in study.get_trials(deepcopy=False,
+                                                                 states=(optuna.trial.TrialState.WAITING,))}
+        left = [p for p in points if params_key(p) not in seen]
+        for p in left:
+            if params_key(p) not in waiting:
+                study.enqueue_trial(p)
+        self.runner.prefetch(family, left[:1], problem)
+        return len(left)
 
     @staticmethod
     def _ask(study: optuna.Study, dists: dict) -> optuna.Trial:
@@ -214,9 +229,9 @@ class Search:
         self.runner.prefetch(family, [params], problem)
 
     def _trial(self, study: optuna.Study, trial: optuna.Trial, family: KernelFamily, problem: Problem, vkey: str,
-               name: str, seen: set[str], result: ProblemResult, done: int, trials: int) -> tuple[bool, bool]:
-        """Evaluate one asked trial, tell Optuna and the observer: (the sampler is exhausted, the
-        trial counts towards `trials`)."""
+               name: str, seen: set[str], result: ProblemResult, done: int, trials: int) -> bool:
+        """Evaluate one asked trial, tell Optuna and the observer: whether the trial counts
+        towards `trials`."""
         try:
             with _heartbeat(self.storage, trial._trial_id):
                 m, source = self._evaluate(family, problem, trial.params, vkey, name, trial.number)
@@ -224,7 +239,8 @@ class Search:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             raise
         if m is None:  # replay miss: nothing known about this point
-            return _tell(study, trial, state=optuna.trial.TrialState.FAIL), False
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return False
         counted = source != "invalid" and params_key(trial.params) not in seen
         seen.add(params_key(trial.params))
         trial.set_user_attr("status", m.status)
@@ -233,30 +249,29 @@ class Search:
         if m.ok and m.tflops:
             if _SET_CONSTRAINT:   # every complete trial carries the constraint (GPSampler requires it)
                 trial.set_constraint("check", 0.0)
-            exhausted = _tell(study, trial, m.tflops)
+            study.tell(trial, m.tflops)
         elif m.status == "invalid":   # a constraint violation: its value (0) ranks nothing
             trial.set_user_attr("violation", 1.0)
             if _SET_CONSTRAINT:
                 trial.set_constraint("check", 1.0)
-            exhausted = _tell(study, trial, 0.0)
+            study.tell(trial, 0.0)
         else:   # it ran and failed: nothing to learn a speed from
-            exhausted = _tell(study, trial, state=optuna.trial.TrialState.FAIL)
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
         result.counts[m.status] = result.counts.get(m.status, 0) + 1
         result.reused += source == "database"
         self.observer(Progress(problem, trial.number, trial.params, m, source,
                                self._best_tflops(family, problem), done + counted, trials, family.name))
-        return exhausted, counted
+        return counted
 
     def _sampler(self, family: KernelFamily, trials: int) -> optuna.samplers.BaseSampler:
-        if self.sampler == "grid":  # every point once, in a fixed order: sweeps and replay fixtures
-            return optuna.samplers.GridSampler({k: list(v) for k, v in family.space.items()}, seed=self.seed)
-        if self.sampler == "random":
+        if self.sampler in ("grid", "random"):   # grid: only ever asks its queued points (_sweep_queue)
+            return optuna.samplers.RandomSampler(seed=self.seed)
             return optuna.samplers.RandomSampler(seed=self.seed)
         older = {} if _SET_CONSTRAINT else {"constraints_func": _violation}   # Optuna 4 reads them so
         # constant_liar: the trial asked ahead (still running) counts as a poor one, so the next
         # proposal looks elsewhere instead of proposing the same point again
         return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(10, max(1, trials // 3)),
-                                          constant_liar=self._ask_ahead, **older)
+                                          constant_liar=self._ask_ahead, **older, **self.tpe_options)
 
     def _evaluate(self, family: KernelFamily, problem: Problem, params: dict, vkey: str,
                   name: str, number: int) -> tuple[Measurement | None, str]:
@@ -388,21 +403,6 @@ def _heartbeat(storage: optuna.storages.RDBStorage, trial_id: int) -> Iterator[N
     finally:
         stop.set()
         thread.join()
-
-
-def _tell(study: optuna.Study, trial: optuna.Trial, value: float | None = None, **kw) -> bool:
-    """study.tell; True when the sampler wants the study stopped (GridSampler, grid exhausted).
-
-    GridSampler.after_trial calls study.stop(), which raises RuntimeError outside optimize(); the
-    trial is stored by then, so that error only means "no point left to propose".
-    """
-    try:
-        study.tell(trial, value, **kw)
-    except RuntimeError as exc:
-        if "Study.stop" not in str(exc):
-            raise
-        return True
-    return False
 
 
 def ratio(ours: float | None, peer: float | None) -> float | None:
