@@ -8,8 +8,15 @@ of counted trials, and reports the first trial whose best is within 1% and 2% of
 
     python3 benchmarks/sampler_study.py tests/fixtures/h100_simt.db --seeds 10 --budget 60 [--json out.json]
 
-"random" is Optuna's RandomSampler and "gp" its GPSampler (Gaussian process, categorical
-parameters one-hot; at most GP_SEEDS seeds, it is slow), beside "tpe" as the search configures it.
+"random" is Optuna's RandomSampler, "ga" its NSGAIISampler (a genetic algorithm, populations of
+GA_POPULATION) and "gp" its GPSampler (Gaussian process, categorical parameters one-hot; at most
+GP_SEEDS seeds, it is slow), beside "tpe" as the search configures it (in Optuna 5 TPE models the
+parameters jointly: its `multivariate` argument is gone). `--problem all` studies every problem the sweep holds.
+
+`--starts` says what opens each study: "warm" as `tuner search` runs (the nearest tuned configs,
+flashtune's shipped lookups included, then the family's default and seeds), "cold" without the
+shipped lookups (default and seeds: a GPU or problem nobody tuned), "none" the sampler alone
+(what tells the samplers apart, where a start is already within 1%).
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-SAMPLERS = ("tpe", "random", "gp")
+SAMPLERS = ("tpe", "random", "ga", "gp")
+GA_POPULATION = 12   # Optuna's default of 50 would leave a 60-trial budget all but random
 WITHIN = (0.01, 0.02)
 GP_SEEDS = 3   # the GP sampler refits its model every trial: minutes per seed on a CPU
 
@@ -34,11 +42,24 @@ def sweep_best(replay, family: str, problem) -> float:
     return max(r["tflops"] for r in rows if r["status"] == "ok" and r["tflops"])
 
 
-def run(url: str, family_name: str, problem, sampler: str, seed: int, budget: int) -> list[float]:
-    """The best TFLOP/s after each counted trial of one replayed search."""
+STARTS = ("warm", "cold", "none")
+
+
+class _Reached(Exception):
+    """The replayed search's best has reached `until`: the rest of its curve is not needed."""
+
+
+def run(url: str, family_name: str, problem, sampler: str, seed: int, budget: int, starts: str = "warm",
+        until: float | None = None) -> list[float]:
+    """The best TFLOP/s after each counted trial of one replayed search, the whole budget's, or up
+    to the first trial whose best reaches `until` (the trials asked follow from the budget alone:
+    TPE's random start is a share of it)."""
+    import os
+
     import optuna
 
     from tuner.db.engine import make_engine, session_factory
+    from tuner.export import SHIPPED_ENV
     from tuner.kernel_templates import get_family
     from tuner.runner import ReplayRunner
     from tuner.search import Search
@@ -48,6 +69,8 @@ def run(url: str, family_name: str, problem, sampler: str, seed: int, budget: in
     def observe(ev) -> None:
         if ev.done > len(curve) and ev.best_tflops:
             curve.append(ev.best_tflops)
+            if until is not None and ev.best_tflops >= until:
+                raise _Reached
 
     with tempfile.TemporaryDirectory() as tmp:
         target = f"sqlite:///{Path(tmp) / 'study.db'}"
@@ -56,10 +79,22 @@ def run(url: str, family_name: str, problem, sampler: str, seed: int, budget: in
                         sampler="random" if sampler == "random" else "tpe", observer=observe)
         if sampler == "gp":
             search._sampler = lambda family, trials: optuna.samplers.GPSampler(seed=seed)
+        elif sampler == "ga":
+            search._sampler = lambda family, trials: optuna.samplers.NSGAIISampler(population_size=GA_POPULATION, seed=seed)
+        if starts == "none":
+            search.starts = lambda family, problem: []
+        shipped = os.environ.get(SHIPPED_ENV)
+        os.environ[SHIPPED_ENV] = "1" if starts == "warm" else "0"
         try:
             search.tune(get_family(family_name), problem, budget)
+        except _Reached:
+            pass
         finally:
             runner.close()
+            if shipped is None:
+                del os.environ[SHIPPED_ENV]
+            else:
+                os.environ[SHIPPED_ENV] = shipped
     return curve
 
 
@@ -69,7 +104,7 @@ def first_within(curve: list[float], best: float, gap: float) -> int | None:
 
 
 def study(url: str, family: str, problem_key: str | None, samplers, seeds: int, budget: int,
-          save=lambda report: None) -> dict:
+          save=lambda report: None, starts: str = "warm") -> dict:
     from tuner.problem import Problem
     from tuner.runner import ReplayRunner
 
@@ -81,11 +116,11 @@ def study(url: str, family: str, problem_key: str | None, samplers, seeds: int, 
     finally:
         replay.close()
     out = {"replay": str(url), "family": family, "problem": problem.key, "sweep_best_tflops": best,
-           "budget": budget, "seeds": seeds, "samplers": {}}
+           "budget": budget, "seeds": seeds, "starts": starts, "samplers": {}}
     for sampler in samplers:
         hits = {f"{int(g * 100)}%": [] for g in WITHIN}
         for seed in range(seeds if sampler != "gp" else min(seeds, GP_SEEDS)):
-            curve = run(url, family, problem, sampler, seed, budget)
+            curve = run(url, family, problem, sampler, seed, budget, starts, until=(1 - min(WITHIN)) * best)
             for g in WITHIN:
                 hits[f"{int(g * 100)}%"].append(first_within(curve, best, g))
         out["samplers"][sampler] = hits
@@ -95,7 +130,7 @@ def study(url: str, family: str, problem_key: str | None, samplers, seeds: int, 
 
 def table(report: dict) -> str:
     lines = [f"{report['family']} on {report['problem']}: sweep best {report['sweep_best_tflops']:.1f} TFLOP/s, "
-             f"budget {report['budget']} trials, {report['seeds']} seeds",
+             f"budget {report['budget']} trials, {report['seeds']} seeds, starts {report.get('starts', 'warm')}",
              "| sampler | within | median trials | worst | seeds within budget |", "|---|---|---|---|---|"]
     for sampler, hits in report["samplers"].items():
         for within, trials in hits.items():
@@ -106,20 +141,45 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def problems(url: str) -> list[str]:
+    """The problem keys a sweep's database holds."""
+    from tuner.runner import ReplayRunner
+
+    replay = ReplayRunner(url)
+    try:
+        return replay.recorded_problems()
+    finally:
+        replay.close()
+
+
 def main(argv=None) -> int:
+    import warnings
+
+    import optuna
+
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)   # gp
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("replay", help="a sweep's database (file or URL)")
     ap.add_argument("--family", default="flash_fwd_simt")
-    ap.add_argument("--problem", help="a problem key the sweep holds (default: its first)")
+    ap.add_argument("--problem", help="a problem key the sweep holds, or all (default: its first)")
     ap.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=SAMPLERS)
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--budget", type=int, default=60)
-    ap.add_argument("--json", type=Path, help="also write the report here")
+    ap.add_argument("--starts", choices=STARTS, default="warm", help="what opens each study (see above)")
+    ap.add_argument("--json", type=Path, help="also write the report here (a list of reports with --problem all)")
     a = ap.parse_args(argv)
     url = a.replay if "://" in a.replay else f"sqlite:///{Path(a.replay).resolve()}"
-    save = (lambda report: a.json.write_text(json.dumps(report, indent=1))) if a.json else (lambda report: None)
-    report = study(url, a.family, a.problem, a.samplers, a.seeds, a.budget, save)
-    print(table(report))
+    keys = problems(url) if a.problem == "all" else [a.problem]
+    done: list[dict] = []
+
+    def save(report: dict) -> None:
+        if a.json:
+            a.json.write_text(json.dumps(done + [report] if a.problem == "all" else report, indent=1))
+
+    for key in keys:
+        report = study(url, a.family, key, a.samplers, a.seeds, a.budget, save, a.starts)
+        done.append(report)
+        print(table(report), flush=True)
     return 0
 
 

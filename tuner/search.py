@@ -77,7 +77,7 @@ class Search:
     def __init__(self, runner: Runner, sessions, storage_url: str, *, seed: int | None = None, sampler: str = "tpe",
                  observer: Callable[[Progress], None] | None = None, run_id: str | None = None,
                  retry_failed: bool = False, storage: optuna.storages.RDBStorage | None = None,
-                 drop_below: float = DROP_BELOW, tpe_options: dict | None = None) -> None:
+                 drop_below: float = DROP_BELOW) -> None:
         self.runner, self.sessions = runner, sessions
         self.storage = storage or optuna_storage(storage_url)  # a worker passes its own, kept across jobs
         if sampler not in SAMPLERS:
@@ -90,7 +90,6 @@ class Search:
         # for its point; after fixing its cause (a driver, a host-side bug) the user asks again.
         self.retry_failed = retry_failed
         self.drop_below = drop_below
-        self.tpe_options = tpe_options or {}   # more TPESampler arguments (benchmarks/sampler_study.py: multivariate)
         # Ask the next trial before measuring this one, so its kernel compiles meanwhile: only where
         # the runner compiles (not a replay, which would then differ from the search it replays)
         # and the sampler is not the grid (a sweep visits each point once, in order).
@@ -271,7 +270,7 @@ class Search:
         # constant_liar: the trial asked ahead (still running) counts as a poor one, so the next
         # proposal looks elsewhere instead of proposing the same point again
         return optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=min(10, max(1, trials // 3)),
-                                          constant_liar=self._ask_ahead, **older, **self.tpe_options)
+                                          constant_liar=self._ask_ahead, **older)
 
     def _evaluate(self, family: KernelFamily, problem: Problem, params: dict, vkey: str,
                   name: str, number: int) -> tuple[Measurement | None, str]:
