@@ -265,7 +265,6 @@ class Search:
     def _sampler(self, family: KernelFamily, trials: int) -> optuna.samplers.BaseSampler:
         if self.sampler in ("grid", "random"):   # grid: only ever asks its queued points (_sweep_queue)
             return optuna.samplers.RandomSampler(seed=self.seed)
-            return optuna.samplers.RandomSampler(seed=self.seed)
         older = {} if _SET_CONSTRAINT else {"constraints_func": _violation}   # Optuna 4 reads them so
         # constant_liar: the trial asked ahead (still running) counts as a poor one, so the next
         # proposal looks elsewhere instead of proposing the same point again
