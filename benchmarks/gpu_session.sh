@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|ab|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|ab|sweep|profile|all]...
 # `tests` runs `pytest -m gpu` as four processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -144,6 +144,15 @@ for step in $steps; do
             save_sweep shape
           done
           kill $saver 2>/dev/null ;;&
+    profile) # Nsight Compute's view of one flash_fwd_sm90 config: the committed grid config of the problem whose key
+             # contains PROFILE_SHAPE (ab_kernel.py, both sides this tree's kernel), its PROFILE_SKIP-th launch
+             # (the first ones are its float64 check): speed of light, issue, warp stall reasons, instruction mix
+          shape=${PROFILE_SHAPE:-B1-H32-N16384-D64-bf16-full}
+          ncu --target-processes all --kernel-name regex:flash_fwd_sm90 --launch-skip ${PROFILE_SKIP:-3} --launch-count 1 \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+            --section InstructionStats --page details --csv \
+            python3 benchmarks/ab_kernel.py --templates kernel_templates --shape "$shape" --rounds 1 --seconds 0.05 \
+            > "$OUT/profile.csv" 2> "$OUT/profile.log"; tail -n 5 "$OUT/profile.log"; wc -l "$OUT/profile.csv" ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
