@@ -125,7 +125,7 @@ for step in $steps; do
               | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"
           done ;;&
     sweep) # every valid flash_fwd_sm90 point of SWEEP_SHAPES (bf16), one database: replay fixtures for sampler
-          # studies. SWEEP_DB (a sweep.db.gz an earlier call brought back, carried) is gone on from: a grid
+          # studies. SWEEP_DB (a sweep.db.gz an earlier call brought back, carried) is continued: a grid
           # search resumes where it stopped. The database goes to $OUT every 45 s (a consistent copy, sqlite3's
           # backup) and after each shape, so a call cut short at the device limit keeps what it measured.
           db=/tmp/flashtune/sweep.db
@@ -143,7 +143,8 @@ for step in $steps; do
               --timeout ${SWEEP_TIMEOUT:-240} --lookup /tmp/flashtune/sweep.json 2>&1 | grep -E "^│" | tee -a "$OUT/sweep.log"
             save_sweep shape
           done
-          kill $saver 2>/dev/null ;;&
+          kill $saver 2>/dev/null; wait $saver 2>/dev/null
+          save_sweep last ;;&   # after the loop's last copy: the newest database has the last word
     profile) # Nsight Compute's view of one flash_fwd_sm90 config: the committed grid config of the problem whose key
              # contains PROFILE_SHAPE (ab_kernel.py, both sides this tree's kernel), its PROFILE_SKIP-th launch
              # (the first ones are its float64 check): speed of light, issue, warp stall reasons, instruction mix
