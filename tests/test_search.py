@@ -334,6 +334,8 @@ def test_grid_cut_short_goes_on_where_it_stopped(replay_db, tmp_path):
     rest, runner2, events = _search(replay_db, target, seed=0, sampler="grid")
     rest.tune(FAM, replay_db.problem, trials=10_000)
     assert len(runner2.asked) == len(valid) - 3   # nothing measured twice, nothing left out
+    assert {e.wanted for e in events} == {len(valid)}   # progress counts towards the space, not --trials
+    assert [e.done for e in events] == list(range(4, len(valid) + 1))
     assert {params_key(p) for p in runner.asked + runner2.asked} == {params_key(p) for p in valid}
     assert all(e.source == "measured" for e in events)
 

@@ -165,6 +165,7 @@ class Search:
         max_asks = trials * ASK_LIMIT_FACTOR
         if self.sampler == "grid":   # a sweep: each valid point once, in the family's order, resumable
             max_asks = self._sweep_queue(study, family, problem, seen)   # and nothing else is asked
+            trials = min(trials, len(finished) + max_asks)   # what progress counts towards: the space's size
         elif not study.trials:
             starts = self.starts(family, problem)
             for point in starts:
