@@ -84,12 +84,12 @@ def seeds(problem) -> list[dict]:
 def shipped_configs(gpu_key: str | None = None) -> list[tuple]:
     """(problem, params, lookup name) of every flash_fwd_sm90 entry of the shipped lookups
     (tuner/lookups/), or of the one for `gpu_key`."""
+    from tuner.export import SHIPPED_DIR, read_lookup
     from tuner.problem import Problem
 
-    folder = Path(__file__).resolve().parents[1] / "tuner" / "lookups"
-    paths = [folder / f"{gpu_key.replace('/', '_')}.json"] if gpu_key else sorted(folder.glob("*.json"))
+    paths = [SHIPPED_DIR / f"{gpu_key.replace('/', '_')}.json"] if gpu_key else sorted(SHIPPED_DIR.glob("*.json"))
     return [(Problem.from_dict(e["problem"]), e["params"], path.stem) for path in paths if path.exists()
-            for e in json.loads(path.read_text())["entries"] if e["family"] == "flash_fwd_sm90"]
+            for e in read_lookup(path)["entries"] if e["family"] == "flash_fwd_sm90"]
 
 
 def seed_points() -> list[tuple]:

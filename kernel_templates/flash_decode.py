@@ -138,8 +138,12 @@ class FlashDecode(KernelFamily):
         return auto_splits(params, problem, gpu, self.smem_bytes(params, problem))
 
     def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
+        return self.split_launch(params, problem, self.splits(params, problem, gpu))
+
+    def split_launch(self, params: dict, problem: Problem, splits: int) -> Launch:
+        """The launch with the keys split `splits` ways: a CTA per (sequence, K/V head, row block, split)."""
         return Launch(
-            grid=(problem.batch * problem.kv_heads, row_blocks(params, problem), self.splits(params, problem, gpu)),
+            grid=(problem.batch * problem.kv_heads, row_blocks(params, problem), splits),
             block=(params["warps"] * 32, 1, 1),
             smem_bytes=self.smem_bytes(params, problem),
         )
@@ -228,10 +232,8 @@ class VarlenFlashDecode(VarlenVariant, FlashDecode):
         return 16 * params["MT"]
 
     def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int, total_k: int) -> Launch:
-        grid = self.launch(params, problem, gpu).grid
         splits = params["splits"] or ragged_splits(params, problem, gpu, self.smem_bytes(params, problem), total_k)
-        return Launch(grid=(grid[0], grid[1], splits), block=(params["warps"] * 32, 1, 1),
-                      smem_bytes=self.smem_bytes(params, problem))
+        return self.split_launch(params, problem, splits)
 
     def varlen_values(self, make_args, params, problem, grid, views, lse, scale, cu_q, cu_k, max_q, max_k):
         q = views[0]

@@ -74,18 +74,23 @@ def cuobjdump() -> str | None:
 def disassemble(cubin: bytes) -> list[str]:
     """The SASS instructions of a cubin, in order, as nvdisasm prints them (without addresses and
     encodings). nvdisasm comes with the test extra (nvidia-cuda-nvdisasm)."""
-    import subprocess
-
     from cuda.pathfinder import find_nvidia_binary_utility
 
     tool = find_nvidia_binary_utility("nvdisasm")
     if not tool:
         raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (in flashtune's test extra)")
+    out = _run_on_cubin([tool], cubin, check=True, timeout=300)
+    return [m.group(1) for line in out.splitlines() if (m := _SASS_INSN.search(line))]
+
+
+def _run_on_cubin(command: list[str], cubin: bytes, **run) -> str:
+    """A binary utility's stdout on `cubin` (written to a temporary file, its path last on the line)."""
+    import subprocess
+
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, f.name], capture_output=True, text=True, check=True, timeout=300).stdout
-    return [m.group(1) for line in out.splitlines() if (m := _SASS_INSN.search(line))]
+        return subprocess.run([*command, f.name], capture_output=True, text=True, **run).stdout
 
 
 _SASS_INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
@@ -107,16 +112,10 @@ def sass_shape(insn: str) -> str:
 
 def resources_from_cubin(cubin: bytes) -> Resources | None:
     """Registers and local memory read back from the cubin, for compiles whose log was empty."""
-    import subprocess
-
     tool = cuobjdump()
     if tool is None:
         return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", _run_on_cubin([tool, "--dump-resource-usage"], cubin))
     if not m:
         return None
     regs, stack, _shared, local = map(int, m.groups())
