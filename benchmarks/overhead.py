@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     from results_lookup import write_lookup
     from tuner.gpu import detect
     from tuner.problem import Problem
-    from tuner import dispatch
+    from tuner import dispatch, native
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(Path(__file__).parent / "results" / "NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json"))
@@ -54,8 +54,12 @@ def main(argv=None) -> int:
     extra = [Problem(b, h, n, n, d, "bf16", c) for b, h, n, d, c in SHAPES.values()]
     write_lookup(a.results, lookup, extra, detect())
     dispatch.reset(lookup)
+    python_path = dispatch.Dispatcher(lookup, native=False)
+    if native.module(wait=True) is None:
+        print(f"the C++ call path is not available ({native.failure()}): flashtune takes the Python path")
     impls = {
         "flashtune": lambda q, k, v, c: tuner.attention(q, k, v, is_causal=c),
+        "python path": lambda q, k, v, c: python_path.output(q, k, v, c),
         "torch.ops": lambda q, k, v, c: torch.ops.flashtune.attention(q, k, v, c, None, None, False),
         "sdpa_cudnn": (SDPBackend.CUDNN_ATTENTION, None),
         "sdpa_flash": (SDPBackend.FLASH_ATTENTION, None),
@@ -104,10 +108,11 @@ def main(argv=None) -> int:
                                  kernel=(plan.family or "fallback") if plan and name == "flashtune" else ""))
                 print(f"{shape:>11} {mode:>6} {name:>14} {rows[-1]['us']:7.1f} us/call {rows[-1]['kernel']}", flush=True)
             dispatch.default()._plans.clear()
+            python_path._plans.clear()
             del pool
     print("\nhost us per call (median of 15 x %d calls):" % a.reps)
-    print("| shape | tensors | flashtune | torch.ops.flashtune | SDPA cuDNN | SDPA flash | SDPA efficient |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| shape | tensors | flashtune | its Python path | torch.ops.flashtune | SDPA cuDNN | SDPA flash | SDPA efficient |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for shape in SHAPES:
         for mode in ("cycled", "new"):
             r = {x["impl"]: x["us"] for x in rows if x["shape"] == shape and x["mode"] == mode}

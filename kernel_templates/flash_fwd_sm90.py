@@ -214,6 +214,19 @@ class _Sm90Args(AttentionArgs):
         return pointers + shared + (qm.at(qp), km.at(kp), vm.at(vp), om.at(op) if om is not None else NO_MAP, batch,
                                     tile_counter_ptr(q.get_device()) if self._persistent else 0)
 
+    def address_fields(self, bound):
+        shared, slots, _ = bound
+        fields = super().address_fields(bound)
+        for source, slot in enumerate(slots):   # q, k, v, O: the maps follow the shared values
+            if slot is None:
+                continue
+            where = slot.field()
+            if where is None:
+                return None
+            byte, shift, position = where
+            fields.append((5 + len(shared) + source, source, byte, shift, position))
+        return fields
+
 
 class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
     """flash_fwd_sm90 on packed sequences: one work tile per CTA (every block finds its own

@@ -263,6 +263,13 @@ class MapSlot:
             self._word = int.from_bytes(tpl.base[o:o + 8], "little")
             self._origin, self._shift, self._position = tpl.address >> f.shift, f.shift, f.position
 
+    def field(self) -> tuple[int, int, int] | None:
+        """(byte offset, shift, position) of the map's address field (AddressField), or None
+        where maps are the driver's encodings."""
+        if not self._patched:
+            return None
+        return len(self._head), self._shift, self._position
+
     def at(self, address: int) -> bytes:
         if address & 15:
             _check_address(address)

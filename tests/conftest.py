@@ -61,6 +61,17 @@ def shared_cubin_cache() -> Path:
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_call_path(shared_cubin_cache):
+    """Where a GPU is visible, the C++ call path (tuner/native.py) built before any test runs, so
+    the GPU tests run tuned calls through it as a user's process does once it is built (else they
+    would race its background build and test whichever path was ready)."""
+    if _no_gpu_reason() is None:
+        from tuner import native
+
+        native.module(wait=True)
+
+
 # ---- a real PostgreSQL server for the fleet tests ----
 # One throwaway cluster per test session (per xdist worker), on a free loopback port, stopped at the
 # end; each test gets a fresh database in it. Skipped, saying why, only where no server binaries or

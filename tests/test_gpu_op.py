@@ -283,6 +283,61 @@ def test_cuda_graph_of_a_training_step(dispatcher):
         torch.testing.assert_close(a, b, rtol=0.05, atol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+def test_the_cpp_call_path_runs_what_the_python_path_runs(dispatcher, dtype):
+    """With the extension built, tuned calls go through it (its plans count their launches) and
+    give the Python path's O and LSE bit for bit: new tensors every call (on Hopper, tensor maps
+    patched in C++), both layouts, GQA with Nq != Nk, the LSE asked for or not, a custom scale; and
+    inside a captured CUDA graph, replayed on new values. O is checked against float64 too."""
+    import torch
+    import torch.nn.functional as F
+
+    from tuner import native
+    from tuner.dispatch import Dispatcher
+
+    assert native.module(wait=True) is not None, f"the C++ call path did not build: {native.failure()}"
+    problems = [Problem(2, 8, 300, 200, 128, dtype, "causal_br", 2), Problem(1, 4, 129, 129, 64, dtype, False)]
+    fast = dispatcher(problems)
+    slow = Dispatcher(fast._path, native=False)
+    for p in problems:
+        for layout in ("bhnd", "bnhd", "bhnd"):
+            q, k, v = (t.detach() for t in _inputs(p, layout, seed=len(layout) + p.head_dim))
+            for scale in (None, 0.07):
+                for _ in range(2):   # the first call of a shape plans (Python path), the next go native
+                    o = fast.output(q, k, v, p.mask, scale)
+                    o2, lse = fast.forward(q, k, v, p.mask, scale)
+                want, want_lse = slow.forward(q, k, v, p.mask, scale)
+                assert fast.plan(q, k, v, p.mask).launcher is not None, "no tuned kernel: nothing to compare"
+                assert torch.equal(o, want) and torch.equal(o2, want) and torch.equal(lse, want_lse), (p.key, layout)
+                assert o.stride() == want.stride() and o.dtype == want.dtype
+                x64 = [t.double() for t in (q, k, v)]
+                ref = F.scaled_dot_product_attention(*x64, scale=scale, enable_gqa=True, **({
+                    "attn_mask": torch.ones(p.seqlen_q, p.seqlen_k, dtype=torch.bool, device="cuda").tril(
+                        p.seqlen_k - p.seqlen_q)} if p.mask == "causal_br" else {}))
+                err = float((o.double() - ref).norm() / ref.norm())
+                assert err < FLOOR[dtype] * 2, (p.key, layout, err)
+    assert fast._fast is not None and fast._fast.launches >= 2 * 3 * 2 * 3, "the C++ path did not launch"
+    # captured: the graph holds the launch the C++ path made; replays read new values at the same addresses
+    p = problems[0]
+    q, k, v = (t.detach() for t in _inputs(p, "bnhd", seed=5))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fast.output(q, k, v, p.mask)   # this stream's binding, outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    before = fast._fast.launches
+    with torch.cuda.graph(graph):
+        static_o = fast.output(q, k, v, p.mask)
+    assert fast._fast.launches == before + 1
+    for seed in (6, 7):
+        for t, new in zip((q, k, v), _inputs(p, "bnhd", seed=seed)):
+            t.copy_(new.detach())
+        static_o.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(static_o, slow.output(q, k, v, p.mask))
+
+
 def test_transformers_model_under_the_sdpa_switch(dispatcher):
     """A transformers Llama (random weights, its own `sdpa` attention) runs our kernels unchanged
     inside tuner.sdpa_override(), with the logits and gradients of its own SDPA."""

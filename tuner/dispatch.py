@@ -29,6 +29,8 @@ from .problem import TORCH_DTYPES, Problem, mask_of, torch_dtype
 from .records import one_line
 
 TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
+# The C++ call path's mask codes (tuner/csrc/fast_call.cpp): a plan's `causal`, bool or mask name
+MASK_CODES = {False: 0, True: 1, "none": 0, "causal": 1, "causal_br": 2}
 # How far (tuner.nearest's octaves) a tuned bucket may be from an untuned one and still serve it:
 # a length up to 4x off, or 2x off in both, or the work two classes off.
 NEAREST_OCTAVES = 2.0
@@ -49,6 +51,7 @@ class Plan:
     peer: str | None = None   # a measured SDPA peer (peers.DISPATCHED_PEERS) that runs instead of a kernel
     provisional: bool = False  # made during CUDA-graph capture where autotuning was due: made again after
     out_layouts: dict = field(default_factory=dict)   # q's strides -> out_layout(q): the hot path's, kept
+    native: bool = False   # handed to the C++ call path (tuner/native.py)
 
 
 def supported_head_dims() -> set[int]:
@@ -111,8 +114,10 @@ def out_layout(q) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 class Dispatcher:
-    def __init__(self, lookup_path: str | Path | None = None) -> None:
+    def __init__(self, lookup_path: str | Path | None = None, native: bool = True) -> None:
+        """`native=False`: every call takes the Python path (tuner/native.py says what the other is)."""
         self._path = lookup_path
+        self._native = native
         self._table: dict[tuple[str, str], list[dict]] | None = None
         self._plans: dict[tuple, Plan] = {}
         self._gpus: dict[int, object] = {}
@@ -121,6 +126,7 @@ class Dispatcher:
         self._user_buckets: set[tuple[str, str]] = set()   # (GPU, bucket)s the user's own lookup serves (_load_table)
         self._lock = threading.Lock()
         self._warn_lock = threading.Lock()  # _warn runs under _lock (plan) and outside it (fallback)
+        self._fast = None   # the C++ call path's table of plans (tuner/native.py), once it is built
 
     # ---- slow path, once per shape ----
     def _load_table(self) -> dict[tuple[str, str], list[dict]]:
@@ -161,6 +167,8 @@ class Dispatcher:
             slot.sort(key=lambda x: -x["tflops"])
             self._user_buckets.add((gpu_key, e["bucket"]))
         self._plans.clear()   # shapes of these buckets choose again
+        if self._fast is not None:
+            self._fast.clear()
 
     def _gpu(self, index: int):
         g = self._gpus.get(index)
@@ -280,20 +288,26 @@ class Dispatcher:
         is a mask (problem.MASKS: "causal_br" for the bottom-right diagonal), or a bool as SDPA's
         is_causal. Without a tuned kernel the LSE is computed only where `need_lse` asks (else it
         is NaN). Rows that see no key (bottom-right, Nq > Nk) are O = 0 and LSE = -inf either way."""
+        if self._fast is not None and (out := self._fast.run(q, k, v, MASK_CODES.get(causal, -1), scale, max_error,
+                                                             True)) is not None:
+            return out
         plan = self.plan(q, k, v, causal, max_error)
         if plan.launcher is None:
             return self._fallback(q, k, v, causal, scale, plan, need_lse)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        return self._launch(plan, q, k, v, scale, lse), lse
+        return self._launch(plan, q, k, v, causal, scale, max_error, lse), lse
 
     def output(self, q, k, v, causal: bool | str = False, scale: float | None = None, max_error: float | None = None):
         """O alone (no gradient will be asked for): the kernel's LSE goes to a buffer of the plan."""
+        if self._fast is not None and (o := self._fast.run(q, k, v, MASK_CODES.get(causal, -1), scale, max_error,
+                                                           False)) is not None:
+            return o
         plan = self.plan(q, k, v, causal, max_error)
         if plan.launcher is None:
             return self._fallback(q, k, v, causal, scale, plan, False)[0]
-        return self._launch(plan, q, k, v, scale, plan.scratch_lse)
+        return self._launch(plan, q, k, v, causal, scale, max_error, plan.scratch_lse)
 
-    def _launch(self, plan: Plan, q, k, v, scale, lse):
+    def _launch(self, plan: Plan, q, k, v, causal, scale, max_error, lse):
         strides = q.stride()
         layout = plan.out_layouts.get(strides)
         if layout is None:
@@ -303,7 +317,31 @@ class Dispatcher:
         if args is None:   # not laid out as the kernel reads (misaligned rows, a strided last dim)
             args = plan.make_args(q.contiguous(), k.contiguous(), v.contiguous(), o, lse, scale)
         launch_on(plan.launcher, plan.device, *args)
+        if not plan.native and not plan.provisional and self._native:
+            self._go_native(plan, q, k, v, causal, max_error)
         return o
+
+    def _go_native(self, plan: Plan, q, k, v, causal, max_error) -> None:
+        """Hand `plan` to the C++ call path, where its extension is built (the first call starts
+        the build; until it is done calls stay here)."""
+        from . import native
+
+        ext = native.module()
+        if ext is None or causal not in MASK_CODES:
+            plan.native = native.failure() is not None   # no extension to wait for: stop asking
+            return
+        with self._lock:
+            if self._fast is None:
+                from .launch import current_device, raw_stream
+
+                self._fast = ext.Table(current_device, raw_stream)
+            make_args, launcher = plan.make_args, plan.launcher
+            fast = launcher.native_plan(
+                ext, torch.empty(0, dtype=plan.out, device=q.device), plan.scratch_lse,
+                lambda q, k, v, o, lse, scale: make_args.native_form(launcher, q, k, v, o, lse, scale), out_layout)
+            if fast is not None and hasattr(make_args, "native_form"):
+                self._fast.add(q, k, v, MASK_CODES[causal], max_error, fast)
+            plan.native = True
 
     def __call__(self, q, k, v, causal: bool | str = False, scale: float | None = None, return_lse: bool = False,
                  max_error: float | None = None):

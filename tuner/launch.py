@@ -106,6 +106,7 @@ class Launcher:
             fmt += "x" * (offset - pos) + PARAM_KINDS[kind][0]
             pos = offset + PARAM_KINDS[kind][1]
         self._struct = struct.Struct(fmt)
+        self.offsets, self.size = offsets, size
         self._buf = ctypes.create_string_buffer(size + 64)
         self._base = -ctypes.addressof(self._buf) % 64   # 64-byte aligned, for the tensor maps
         start = ctypes.addressof(self._buf) + self._base
@@ -118,6 +119,22 @@ class Launcher:
         # cuLaunchKernel straight into the driver library (ctypes: about 2 us less per call than
         # cuda.bindings' wrapper on the H100's host), where it loads
         self._raw = (lib.cuLaunchKernel, int(handle)) if lib is not None else None
+
+    def pack(self, *values) -> bytes:
+        """The parameter buffer a launch with `values` hands the driver (from its start)."""
+        try:
+            return self._struct.pack(*values)
+        except struct.error as exc:
+            raise LaunchError(f"bad kernel arguments: {exc}") from None
+
+    def native_plan(self, ext, out_proto, scratch_lse, bind, layout):
+        """This launch as a plan of the C++ call path (tuner/native.py), or None where the driver
+        library is not reachable through ctypes."""
+        if self._raw is None:
+            return None
+        fn, handle = self._raw
+        return ext.Plan(ctypes.cast(fn, ctypes.c_void_p).value, handle, list(self._geometry), self.offsets,
+                        self.size, out_proto, scratch_lse, bind, layout)
 
     def __call__(self, stream: int, *values) -> None:
         with self._lock:
@@ -321,16 +338,42 @@ class AttentionArgs:
         self._layouts: dict[tuple, object] = {}
 
     def __call__(self, q, k, v, o, lse, scale: float | None) -> tuple | None:
+        bound = self._bound(q, k, v, o, scale)
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if bound is None or (qp | kp | vp) & 15:
+            return None
+        return self.values(bound, (qp, kp, vp, o.data_ptr(), lse.data_ptr()), q)
+
+    def _bound(self, q, k, v, o, scale: float | None):
         key = (q.shape[2], k.shape[2], q.stride(), k.stride(), v.stride(), o.stride(), scale)
         bound = self._layouts.get(key, _UNSEEN)
         if bound is _UNSEEN:
             if len(self._layouts) >= self._LAYOUTS:
                 self._layouts.clear()
             bound = self._layouts[key] = self.bind(q, k, v, o, scale)
-        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        if bound is None or (qp | kp | vp) & 15:
+        return bound
+
+    def native_form(self, launcher: Launcher, q, k, v, o, lse, scale: float | None) -> tuple[bytes, list] | None:
+        """What the C++ call path (tuner/native.py) replays for this layout on the current stream:
+        the packed parameters of this call, and where each of its five addresses (q, k, v, o, lse)
+        went, as (byte offset, source, shift, position, address): a later call's address A makes
+        the 64-bit word there gain ((A >> shift) - (address >> shift)) << position. None where the
+        call takes the Python path (inputs to copy; an address the arguments do not place)."""
+        values = self(q, k, v, o, lse, scale)
+        fields = None if values is None else self.address_fields(self._bound(q, k, v, o, scale))
+        if fields is None:
             return None
-        return self.values(bound, (qp, kp, vp, o.data_ptr(), lse.data_ptr()), q)
+        addresses = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
+        offsets = launcher.offsets
+        return launcher.pack(*values), [(offsets[param] + byte, source, shift, position, addresses[source])
+                                        for param, source, byte, shift, position in fields]
+
+    def address_fields(self, bound) -> list[tuple[int, int, int, int, int]] | None:
+        """Every place `values` puts an address of the call's tensors, as (parameter, source
+        (0-4: q, k, v, o, lse), byte within the parameter, shift, position): here the five pointers
+        that lead ATTENTION_PARAMS. A family whose values hold more (a tensor map's address field)
+        adds them; None where it cannot say (values that depend on an address otherwise)."""
+        return [(i, i, 0, 0, 0) for i in range(5)]
 
     def bind(self, q, k, v, o, scale: float | None):
         """What a layout fixes (None: not as the kernel reads it); layout_args' values here."""
