@@ -506,7 +506,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   extern __shared__ unsigned char smem_raw[];
   const Tiles sm(smem_raw);
   Barriers& bar = *sm.bar;
-  const int tid = threadIdx.x, wg = tid / 128;
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0);   // warp-uniform
   // the batch's lengths, or (VARLEN: one work tile per CTA, blockIdx (x, y) = (block of all the
   // sequences' query blocks, head)) this CTA's sequence's
 #if VARLEN

@@ -68,15 +68,13 @@ FT_DEVICE unsigned long long wgmma_desc(unsigned saddr, unsigned lbo, unsigned s
          (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (layout << 62);
 }
 // The descriptor of the same operand `bytes` further on. Only the low word's 14-bit start address
-// (in 16-byte units) moves, and it cannot carry out while the address stays in shared memory: one
-// 32-bit add, where rebuilding a descriptor per wgmma took four dependent uniform-datapath
-// instructions (ncu: 23% of a d=64 consumer's time went to issuing its wgmmas).
+// (in 16-byte units) moves, and it cannot carry out of the low word while the address stays in
+// shared memory, so a plain 64-bit add: with the descriptor warp-uniform (the kernel keeps it so:
+// the tile index and the warpgroup are shuffled from lane 0) it is one UIADD3.64 per wgmma. A
+// split 32-bit add on the low word alone made ptxas rebuild the high word around every wgmma
+// (R2UR and UMOV: 73 of a d=64 consumer's 476 instructions a K/V tile, SASS counts).
 FT_DEVICE unsigned long long desc_advance(unsigned long long desc, unsigned bytes) {
-  unsigned lo, hi;
-  asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "l"(desc));
-  lo += bytes >> 4;
-  asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));
-  return desc;
+  return desc + (bytes >> 4);
 }
 FT_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 FT_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -101,7 +101,7 @@ struct TileScheduler {
     if constexpr (DYNAMIC) {
       const PipelineState<2> slot{it};
       ring.wait(slot);
-      tile = ring.tile[slot.index()];
+      tile = __shfl_sync(0xffffffffu, ring.tile[slot.index()], 0);   // warp-uniform: uniform registers downstream
       ring.release(slot);
     }
     return tile;
