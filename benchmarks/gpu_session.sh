@@ -145,15 +145,17 @@ for step in $steps; do
           done
           kill $saver 2>/dev/null; wait $saver 2>/dev/null
           save_sweep last ;;&   # after the loop's last copy: the newest database has the last word
-    profile) # Nsight Compute's view of one flash_fwd_sm90 config: the committed grid config of the problem whose key
-             # contains PROFILE_SHAPE (ab_kernel.py, both sides this tree's kernel), its PROFILE_SKIP-th launch
-             # (the first ones are its float64 check): speed of light, issue, warp stall reasons, instruction mix
-          shape=${PROFILE_SHAPE:-B1-H32-N16384-D64-bf16-full}
-          ncu --target-processes all --kernel-name regex:flash_fwd_sm90 --launch-skip ${PROFILE_SKIP:-3} --launch-count 1 \
-            --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
-            --section InstructionStats --page details --csv \
-            python3 benchmarks/ab_kernel.py --templates kernel_templates --shape "$shape" --rounds 1 --seconds 0.05 \
-            > "$OUT/profile.csv" 2> "$OUT/profile.log"; tail -n 5 "$OUT/profile.log"; wc -l "$OUT/profile.csv" ;;&
+    profile) # Nsight Compute's view of flash_fwd_sm90 configs: the committed grid config of each problem whose key
+             # contains a word of PROFILE_SHAPE (ab_kernel.py, both sides this tree's kernel), its PROFILE_SKIP-th launch
+             # (the first ones are its float64 check): speed of light, issue, warp stall reasons (every metric the
+             # sections collect: --page raw), instruction mix; $OUT/profile-<shape>.csv
+          for shape in ${PROFILE_SHAPE:-B1-H32-N16384-D64-bf16-full}; do
+            ncu --target-processes all --kernel-name regex:flash_fwd_sm90 --launch-skip ${PROFILE_SKIP:-3} --launch-count 1 \
+              --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+              --section InstructionStats --page raw --csv \
+              python3 benchmarks/ab_kernel.py --templates kernel_templates --shape "$shape" --rounds 1 --seconds 0.05 \
+              > "$OUT/profile-$shape.csv" 2> "$OUT/profile-$shape.log"; tail -n 3 "$OUT/profile-$shape.log"
+          done ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
