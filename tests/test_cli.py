@@ -36,10 +36,10 @@ def cli(tmp_path):
     env = dict(os.environ, TUNER_DB=f"sqlite:///{tmp_path / 'env.db'}", TUNER_LOOKUP=str(tmp_path / "best.json"),
                CUDA_VISIBLE_DEVICES="", NO_COLOR="1", COLUMNS="200")
 
-    def run(*args: str, block: tuple[str, ...] = ()) -> Out:
+    def run(*args: str, block: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> Out:
         """`block`: driver packages the run must find missing, however installed (psycopg is, for
         the fleet tests): a package of that name that fails to import, first on its path."""
-        extra = {}
+        extra = dict(extra_env or {})
         if block:
             shadow = tmp_path / "blocked"
             for name in block:
@@ -377,3 +377,18 @@ def test_submit_takes_the_problems_search_takes(cli, tmp_path):
     want = {p.key for p in model_problems(["llama3-8b"], "bf16", ["2048"])} | {recorded.key}
     want |= {Problem(2, 4, 512, 512, 64, "bf16", "causal").key}
     assert want <= keys and "B8-H12/kv4-N2048-D64-bf16-causal" in keys, keys   # the config at --seqlen, 16k tokens
+
+
+def test_precompile_builds_the_cpp_call_path(cli):
+    """`tuner precompile` also builds (or finds in the cache) the C++ call path of `attention`, so a
+    deployment need not build it on its first call; FLASHTUNE_NATIVE=0 says it is off, and the
+    command still succeeds."""
+    from tuner import native
+
+    out = cli("precompile", "--arch", "sm_80", "--family", "flash_fwd_sm90", "--shape", "1,2,64,64")
+    assert out.code == 0, out.text
+    assert "0 kernels for sm_80" in out.text   # Hopper's family has no point on sm_80: only the C++ path is built
+    assert f"the C++ call path: {native.built()}" in out.text, out.text
+    off = cli("precompile", "--arch", "sm_80", "--family", "flash_fwd_sm90", "--shape", "1,2,64,64",
+              extra_env={native.ENV: "0"})
+    assert off.code == 0 and f"not available ({native.ENV}=0)" in off.text, off.text

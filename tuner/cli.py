@@ -463,7 +463,9 @@ def precompile(
     jobs: int = typer.Option(os.cpu_count() or 1, "--jobs", "-j", min=1),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
 ) -> None:
-    """Fill the compile cache with every valid point, in parallel, before a search."""
+    """Fill the compile cache with every valid point, in parallel, before a search; and build the
+    C++ call path of `attention` (tuner/native.py), which a process would otherwise build in the
+    background on its first tuned call."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing as mp
 
@@ -488,6 +490,12 @@ def precompile(
         for status, _ in track(pool.map(compile_job, work), total=len(work), description=f"compiling for {arch}"):
             counts[status] = counts.get(status, 0) + 1
     console.print(f"{len(work)} kernels for {arch}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    from . import native
+
+    if native.module(wait=True) is not None:
+        console.print(f"the C++ call path: {native.built()}")
+    else:   # optional: calls take the Python path
+        console.print(f"the C++ call path is not available ({native.failure()}); calls take the Python path")
     if counts.get("error"):
         raise typer.Exit(1)
 
