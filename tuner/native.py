@@ -8,10 +8,9 @@ stays the one home of the rules.
 
 It is compiled against the running torch by the host's C++ compiler, in a background thread the
 first time a tuned kernel runs (about 10-30 s; calls take the Python path meanwhile), into the
-cache directory (`tuner precompile` builds it ahead), and loaded from there by later processes at
-once. Nothing blocks on it and nothing
-fails without it: with no compiler (or FLASHTUNE_NATIVE=0) every call takes the Python path, after
-one warning that says why.
+cache directory (`tuner precompile` builds it ahead), and loaded from there by later processes
+at once. Nothing blocks on it and nothing fails without it: with no compiler (or
+FLASHTUNE_NATIVE=0) every call takes the Python path, after one warning that says why.
 """
 
 from __future__ import annotations
