@@ -327,8 +327,10 @@ class Dispatcher:
         from . import native
 
         ext = native.module()
-        if ext is None or causal not in MASK_CODES:
-            plan.native = native.failure() is not None   # no extension to wait for: stop asking
+        code = MASK_CODES.get(causal)
+        if ext is None or code is None:
+            # no extension to wait for, or a mask the table has no code for: stop asking
+            plan.native = code is None or native.failure() is not None
             return
         with self._lock:
             if self._fast is None:
@@ -339,8 +341,8 @@ class Dispatcher:
             fast = launcher.native_plan(
                 ext, torch.empty(0, dtype=plan.out, device=q.device), plan.scratch_lse,
                 lambda q, k, v, o, lse, scale: make_args.native_form(launcher, q, k, v, o, lse, scale), out_layout)
-            if fast is not None and hasattr(make_args, "native_form"):
-                self._fast.add(q, k, v, MASK_CODES[causal], max_error, fast)
+            if fast is not None:
+                self._fast.add(q, k, v, code, max_error, fast)
             plan.native = True
 
     def __call__(self, q, k, v, causal: bool | str = False, scale: float | None = None, return_lse: bool = False,

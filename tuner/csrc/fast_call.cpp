@@ -16,7 +16,6 @@
 #include <pybind11/stl.h>
 
 #include <array>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -72,7 +71,6 @@ class Plan {
        int64_t size, at::Tensor out_proto, at::Tensor scratch_lse, py::object bind, py::object layout)
       : launch_(reinterpret_cast<LaunchFn>(launch)),
         function_(reinterpret_cast<void*>(function)),
-        offsets_(std::move(offsets)),
         out_proto_(std::move(out_proto)),
         scratch_lse_(std::move(scratch_lse)),
         bind_(std::move(bind)),
@@ -82,7 +80,7 @@ class Plan {
     buffer_.assign(size + 64, 0);
     auto base = reinterpret_cast<uintptr_t>(buffer_.data());
     base_ = (64 - base % 64) % 64;   // 64-byte aligned, for the tensor maps
-    for (int64_t off : offsets_) params_.push_back(buffer_.data() + base_ + off);
+    for (int64_t off : offsets) params_.push_back(buffer_.data() + base_ + off);
   }
 
   // O, or (O, LSE) with need_lse; None where the Python path must take the call.
@@ -185,7 +183,6 @@ class Plan {
   LaunchFn launch_;
   void* function_;
   std::array<unsigned, 7> geometry_;
-  std::vector<int64_t> offsets_;
   at::Tensor out_proto_;     // O's dtype and device
   at::Tensor scratch_lse_;   // where the LSE goes when nobody reads it
   py::object bind_;          // (q, k, v, o, lse, scale) -> (bytes, [patch tuples]) | None
