@@ -14,13 +14,25 @@
 // cache (PAGED=1: key j of sequence b lives in page block_table[b][j / page_size], row j % page_size;
 // k_sb / v_sb are then the page strides) costs one table read per row. `seqused_k` (where not null)
 // gives each sequence its own number of valid keys; the causal diagonal is that length's.
+// KV_TMA (dense caches, d a multiple of 64, at most 256 keys a stage) on sm_90 and later: one thread
+// brings a stage in with the copy engine (a box of 64 columns x TK rows of K and of V per 64
+// columns, 128-byte swizzled, counted on the stage's mbarrier; rows past the cache read as zeros).
+// cp.async's 16-byte loads, tracked by the SM's load units, read K/V below the copy bandwidth
+// that the tensor-map peers reach.
 //
 // VARLEN (common.cuh): packed sequences, each with its own queries (up to nq) and keys; the grid
 // is the longest sequence's row blocks, a sequence's extra ones exit at once.
 //
-// Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM IN_DTYPE IS_CAUSAL MASK_BR PAGED (VARLEN).
+// Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM IN_DTYPE IS_CAUSAL MASK_BR PAGED KV_TMA (VARLEN).
 #include "mma.cuh"
 #include "softmax.cuh"
+// sm90.cuh: TmaMap (a parameter on every arch); its copies only where FT_TMA
+#include "sm90.cuh"
+#if KV_TMA && __CUDA_ARCH__ >= 900
+#define FT_TMA 1
+#else
+#define FT_TMA 0
+#endif
 
 using T = typename Elem<IN_DTYPE>::type;
 constexpr int NT = WARPS * 32;
@@ -37,8 +49,16 @@ static_assert(BC % 16 == 0, "BC must be a multiple of 16");
 static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "16-bit inputs");
 static_assert(!(VARLEN && PAGED), "packed sequences or pages, not both");
+static_assert(!KV_TMA || (!VARLEN && !PAGED && HEAD_DIM % 64 == 0 && TK <= 256), "a stage as boxes of 64 columns x TK rows");
 
 FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8; }
+// A chunk of a K/V row in a ring slot: rows as `at` lays them out, or (FT_TMA) in the copy engine's
+// panels of 64 columns x TK rows, 128-byte swizzled (chunk c of row r at c ^ r % 8); both keep
+// ldmatrix's 8 row addresses of one chunk column in distinct banks.
+FT_DEVICE const T* kv_at(const T* base, int row, int chunk) {
+  if constexpr (FT_TMA) return base + (chunk / 8) * TK * 64 + row * 64 + ((chunk % 8) ^ (row & 7)) * 8;
+  else return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8;
+}
 
 // The first element of key j's row of K or V for sequence b, K/V head hk.
 FT_DEVICE const T* key_row(const T* base, long long sb, long long sh, long long sn, int b, int hk, int j,
@@ -54,13 +74,30 @@ FT_DEVICE const T* key_row(const T* base, long long sb, long long sh, long long 
 extern "C" __global__ void __launch_bounds__(NT, 1)
 flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restrict__ part_lse,
              int* __restrict__ arrivals, const int* __restrict__ seqused_k, const int* __restrict__ block_table,
-             int page_size, int bt_stride FT_VARLEN_PARAMS) {
+             int page_size, int bt_stride, const __grid_constant__ TmaMap tmap_k,
+             const __grid_constant__ TmaMap tmap_v FT_VARLEN_PARAMS) {
   extern __shared__ float4 smem4[];
+#if FT_TMA
+  // the copy engine's 128-byte swizzle repeats every 1024 bytes: the ring starts on that boundary
+  // (Q's rows are a multiple of 1 KB); the family asks 1 KB more than the layout for this
+  T* Qs = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(smem4) + ((1024 - (smem_addr(smem4) & 1023)) & 1023));
+#else
   T* Qs = reinterpret_cast<T*>(smem4);
+#endif
   T* Ks = Qs + ROWS * HEAD_DIM;
   T* Vs = Ks + STAGES * STAGE_ELEMS;
   __shared__ float row_m[ROWS], row_l[ROWS];
   __shared__ int last_flag;
+#if FT_TMA
+  __shared__ alignas(8) unsigned long long kv_full[STAGES];   // a ring slot's K and V boxes have landed
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) mbar_init(&kv_full[s], 1);
+    mbar_fence_init();
+    tmap_prefetch(tmap_k);
+    tmap_prefetch(tmap_v);
+  }
+#endif
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int hkv = heads / kv_group;
@@ -89,10 +126,32 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     const int qi = ok ? pr / kv_group : 0, h = hk * kv_group + (ok ? pr % kv_group : 0);
     cp_async16(at(Qs, r, ch), q + (VARLEN ? seq.q0 * q_sn : b * q_sb) + h * q_sh + qi * q_sn + ch * 8, ok);
   }
+  // stage t goes to ring slot SLOT(t): its own count from t_begin where an mbarrier's phase follows
+  // the slot's uses (FT_TMA)
+#if FT_TMA
+#define SLOT(t) (((t) - t_begin) % STAGES)
+#else
+#define SLOT(t) ((t) % STAGES)
+#endif
+#if FT_TMA
+  cp_async_commit();   // Q's group
+  auto issue_kv = [&](int t) {
+    if (t < t_end && tid == 0) {
+      const int slot = SLOT(t);
+      mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
+#pragma unroll
+      for (int p = 0; p < HEAD_DIM / 64; ++p) {
+        tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * 64, &tmap_k, &kv_full[slot], p * 64, t * TK, hk, b);
+        tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * 64, &tmap_v, &kv_full[slot], p * 64, t * TK, hk, b);
+      }
+    }
+  };
+  __syncthreads();   // the barriers are initialised before a copy counts on one
+#else
   auto issue_kv = [&](int t) {
     if (t < t_end) {
-      T* kd = Ks + (t % STAGES) * STAGE_ELEMS;
-      T* vd = Vs + (t % STAGES) * STAGE_ELEMS;
+      T* kd = Ks + SLOT(t) * STAGE_ELEMS;
+      T* vd = Vs + SLOT(t) * STAGE_ELEMS;
       // not unrolled: unrolled, ptxas keeps every iteration's row offsets in registers across
       // stages (2 x 64-bit per row, +40-70 registers at BC=32-64) for a loop that waits on memory
 #pragma unroll 1
@@ -106,8 +165,13 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     }
     cp_async_commit();   // empty groups keep the wait counts uniform
   };
+#endif
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) issue_kv(t_begin + s);
+#if FT_TMA
+  cp_async_wait<0>();   // Q (every thread's cp.async) has landed ...
+  __syncthreads();      // ... and every warp sees it
+#endif
 
   // Each thread's last visible key per fragment row (mt, half): the sequence's end, and the diagonal.
   int lim[MT][2];
@@ -131,11 +195,16 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   }
 
   for (int t = t_begin; t < t_end; ++t) {
+    const int slot = SLOT(t);
+#if FT_TMA
+    mbar_wait(&kv_full[slot], ((t - t_begin) / STAGES) & 1);   // stage t has landed
+#else
     cp_async_wait<STAGES - 2>();   // stage t (and Q) have landed
-    __syncthreads();
-    issue_kv(t + STAGES - 1);      // into the buffer stage t-1 just freed
-    const T* Kt = Ks + (t % STAGES) * STAGE_ELEMS;
-    const T* Vt = Vs + (t % STAGES) * STAGE_ELEMS;
+#endif
+    __syncthreads();               // and every warp is done with stage t-1's slot
+    issue_kv(t + STAGES - 1);      // into the slot stage t-1 just freed
+    const T* Kt = Ks + slot * STAGE_ELEMS;
+    const T* Vt = Vs + slot * STAGE_ELEMS;
     const int krow0 = warp * BC;               // this warp's keys within the stage
     const int key0 = t * TK + krow0;           // ... and their absolute index
     if (key0 > kv_end - 1) continue;           // nothing visible for this warp in this stage
@@ -155,7 +224,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #pragma unroll
       for (int np = 0; np < NTILES / 2; ++np) {
         unsigned bf[4];
-        ldmatrix_x4(bf, smem_addr(at(const_cast<T*>(Kt), krow0 + np * 16 + lane % 8 + (lane / 16) * 8, ks * 2 + (lane / 8) % 2)));
+        ldmatrix_x4(bf, smem_addr(kv_at(Kt, krow0 + np * 16 + lane % 8 + (lane / 16) * 8, ks * 2 + (lane / 8) % 2)));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma16816<IN_DTYPE>(s[mt][2 * np], qf[mt], bf[0], bf[1]);
@@ -182,7 +251,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #pragma unroll
       for (int dp = 0; dp < DTILES / 2; ++dp) {
         unsigned bf[4];
-        ldmatrix_x4_trans(bf, smem_addr(at(const_cast<T*>(Vt), krow0 + ps * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16)));
+        ldmatrix_x4_trans(bf, smem_addr(kv_at(Vt, krow0 + ps * 16 + lane % 8 + ((lane / 8) % 2) * 8, dp * 2 + lane / 16)));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma16816<IN_DTYPE>(o_acc[mt][2 * dp], pa[mt], bf[0], bf[1]);
@@ -191,6 +260,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
       }
     }
   }
+#undef SLOT
   cp_async_wait<0>();
   __syncthreads();   // every warp is done with the K/V ring: it becomes the merge buffer
 

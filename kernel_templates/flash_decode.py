@@ -1,7 +1,7 @@
 """flash_decode: a few queries against many keys (decode), split across CTAs by keys.
 
 Parameters: BC keys per warp per stage, the warps of a CTA (each takes its own keys of a stage),
-the depth of the cp.async ring, `MT` m16 tiles of packed query rows per CTA (the query rows of the
+the depth of the K/V ring (cp.async, or on sm_90 the copy engine's boxes: `kv_tma`), `MT` m16 tiles of packed query rows per CTA (the query rows of the
 heads that share a K/V head, all queries of a sequence: group x Nq rows), and `splits`, how many
 CTAs share one sequence's keys (0: as many as fill the GPU once, `auto_splits`). Serves problems
 of at most MAX_QUERIES queries; prefill belongs to the other families.
@@ -12,6 +12,7 @@ from __future__ import annotations
 from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
+from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot
 from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
 
@@ -65,6 +66,13 @@ def ragged_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int, total
     per_slot = work / cta_slots(params, problem, gpu, smem)
     want = ceil_div(problem.seqlen_k, max(stage_keys(params), int(per_slot * 1.1)))
     return max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, stage_keys(params)), want))
+
+
+def maps_for(q) -> bool:
+    """Whether a launch on q's GPU passes K/V tensor maps (a KV_TMA kernel reads them from sm_90 on)."""
+    from tuner.gpu import _from_torch
+
+    return _gpu(q.device.index or 0, _from_torch).major >= 9
 
 
 class FlashDecode(KernelFamily):
@@ -123,14 +131,21 @@ class FlashDecode(KernelFamily):
             "HEAD_DIM": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "PAGED": int(self.paged),
+            "KV_TMA": int(self.kv_tma(params, problem.head_dim)),
             **self.mask_defines(problem),
         }
+
+    def kv_tma(self, params: dict, head_dim: int) -> bool:
+        """Whether the kernel brings K/V stages in as tensor-map boxes where the GPU has a copy
+        engine (sm_90+): dense caches (not pages, not packed sequences), rows of 64-column panels,
+        at most 256 rows (one box) a stage."""
+        return not self.paged and not isinstance(self, VarlenVariant) and head_dim % 64 == 0 and stage_keys(params) <= 256
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
         d, rows = problem.head_dim, 16 * params["MT"]
         ring = 2 * 2 * params["stages"] * stage_keys(params) * d          # K and V, 2-byte elements
         merge = 4 * params["warps"] * rows * (d + 2)                       # the warps' O, m and l in fp32
-        return 2 * rows * d + max(ring, merge)
+        return 2 * rows * d + max(ring, merge) + 1024   # + the ring's alignment to 1 KB (the copy engine's swizzle)
 
     def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
         if params["splits"]:
@@ -150,11 +165,19 @@ class FlashDecode(KernelFamily):
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         # the splits' O and LSE, their arrival counters, the per-sequence key counts and the page
-        # table (null where absent), the page size and the table's row stride
-        return ATTENTION_PARAMS + ("ptr",) * 5 + ("i32",) * 2
+        # table (null where absent), the page size and the table's row stride, K's and V's maps
+        return ATTENTION_PARAMS + ("ptr",) * 5 + ("i32",) * 2 + ("tmap",) * 2
 
     def arg_maker(self, params: dict):
         return _DecodeArgs(self, params)
+
+    def kv_maps(self, params: dict, k, v) -> tuple[bytes, bytes]:
+        """K's and V's tensor maps for a call on these (B, Hk, N, D) views, or empty ones where the
+        kernel does not read them."""
+        if not (self.kv_tma(params, k.shape[3]) and maps_for(k)):
+            return NO_MAP, NO_MAP
+        rows = stage_keys(params)
+        return MapSlot(k, rows).at(k.data_ptr()), MapSlot(v, rows).at(v.data_ptr())
 
     def cache_args(self, params: dict, launch: Launch, q, k, v, o, lse, scale, nk: int, cache_seqlens,
                    block_table) -> tuple | None:
@@ -169,7 +192,7 @@ class FlashDecode(KernelFamily):
         seqlens = cache_seqlens.data_ptr() if cache_seqlens is not None else 0
         table = (block_table.data_ptr(), k.shape[2], block_table.stride(0)) if self.paged else (0, 0, 0)
         return args + split_workspace(q.get_device(), launch.grid, q.shape[0] * q.shape[1] * q.shape[2], q.shape[3]) \
-            + (seqlens,) + table
+            + (seqlens,) + table + self.kv_maps(params, k, v)
 
     def _geometry(self, params: dict, q, k) -> tuple[int, int, int]:
         """(CTAs per split, splits, rows of LSE) of a launch on these tensors, as `launch` sizes it."""
@@ -194,13 +217,28 @@ class _DecodeArgs(AttentionArgs):
         if shared is None:
             return None
         ctas, splits, rows = self._family._geometry(self._params, q, k)
-        return shared, splits, (splits * rows * q.shape[3], splits * rows, ctas)
+        rows_k = stage_keys(self._params)
+        slots = ((MapSlot(k, rows_k), MapSlot(v, rows_k)) if self._family.kv_tma(self._params, k.shape[3]) and maps_for(k)
+                 else None)
+        return shared, splits, (splits * rows * q.shape[3], splits * rows, ctas), slots
 
     def values(self, bound, pointers, q):
-        shared, splits, sizes = bound
+        shared, splits, sizes, slots = bound
+        maps = (slots[0].at(pointers[1]), slots[1].at(pointers[2])) if slots else (NO_MAP, NO_MAP)
         if splits == 1:
-            return pointers + shared + (0, 0, 0, 0, 0, 0, 0)
-        return pointers + shared + workspace(q.get_device(), *sizes) + (0, 0, 0, 0)
+            return pointers + shared + (0, 0, 0, 0, 0, 0, 0) + maps
+        return pointers + shared + workspace(q.get_device(), *sizes) + (0, 0, 0, 0) + maps
+
+    def address_fields(self, bound):
+        shared, _, _, slots = bound
+        fields = super().address_fields(bound)
+        for source, slot in zip((1, 2), slots or ()):   # K's and V's maps, after the shared values and 7 more
+            where = slot.field()
+            if where is None:
+                return None
+            byte, shift, position = where
+            fields.append((5 + len(shared) + 7 + source - 1, source, byte, shift, position))
+        return fields
 
 
 def split_workspace(index: int, grid: tuple[int, int, int], rows: int, head_dim: int) -> tuple[int, int, int]:
@@ -242,7 +280,7 @@ class VarlenFlashDecode(VarlenVariant, FlashDecode):
             return None
         rows = problem.batch * problem.heads * problem.seqlen_q   # the padded (B, H, Nq) rows
         args += split_workspace(q.get_device(), grid, rows, problem.head_dim)
-        args += (0, 0, 0, 0)   # no per-sequence key counts, no page table
+        args += (0, 0, 0, 0, NO_MAP, NO_MAP)   # no per-sequence key counts, no page table, no maps
         return self.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[2], problem.batch)
 
 

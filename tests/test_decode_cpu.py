@@ -75,10 +75,12 @@ def test_packed_rows_decide_the_row_tiles():
     assert FAM.launch(params, p, H100_SXM).grid[1] == 2
 
 
-def test_paged_variant_differs_in_one_define():
+def test_paged_variant_differs_in_its_defines_alone():
+    """Pages, and so no tensor maps (a page table's rows are not a box of the cache)."""
     params = FAM.default(H100_SXM, LLAMA_DECODE)
     a, b = FAM.render(params, LLAMA_DECODE).splitlines(), PAGED.render(params, LLAMA_DECODE).splitlines()
-    assert [(x, y) for x, y in zip(a[1:], b[1:]) if x != y] == [("#define PAGED 0", "#define PAGED 1")]
+    assert [(x, y) for x, y in zip(a[1:], b[1:]) if x != y] == [("#define KV_TMA 1", "#define KV_TMA 0"),
+                                                              ("#define PAGED 0", "#define PAGED 1")]
     assert PAGED.name not in __import__("tuner.kernel_templates", fromlist=["FAMILIES"]).FAMILIES   # never searched
 
 
@@ -185,3 +187,17 @@ def test_kvcache_operator_opcheck_with_a_cpu_stand_in():
             assert set(result.values()) == {"SUCCESS"}, result
     finally:
         lib._destroy()
+
+
+def test_stages_come_as_tensor_map_boxes_where_a_box_can_hold_them():
+    """KV_TMA: dense caches, d a multiple of 64 (the boxes' 64-column panels), at most 256 keys a
+    stage (one box); pages and packed sequences keep cp.async. The kernel's arguments carry K's and
+    V's maps either way (empty where unread), so the launch's layout does not depend on it."""
+    from tuner.kernel_templates.flash_decode import VARLEN_FAMILY
+
+    p = dict(Bc=32, warps=4, stages=2, MT=1, splits=0)
+    assert FAM.kv_tma(p, 128) and FAM.kv_tma(p, 64) and FAM.kv_tma(p, 256)
+    assert not FAM.kv_tma(p, 96) and not FAM.kv_tma(p, 32)
+    assert not FAM.kv_tma(dict(p, Bc=64, warps=8), 128)   # 512 keys a stage
+    assert not PAGED.kv_tma(p, 128) and not VARLEN_FAMILY.kv_tma(p, 128)
+    assert FAM.param_kinds(p)[-2:] == ("tmap", "tmap") == PAGED.param_kinds(p)[-2:]
