@@ -2,6 +2,7 @@
 FlashAttention-4 (where installed), as achieved TB/s, against the GPU's measured copy bandwidth.
 
     python3 benchmarks/decode_bench.py [--batch 1,8,32,128] [--keys 1024,8192,32768] [--json OUT]
+                                       [--variant NAME=DIR ...]
 
 Shapes: one query per sequence, 32 query heads sharing 8 K/V heads, d=128, bf16 (a Llama-3-8B
 decode step), a cache of Nk keys. TB/s is Problem.bytes_moved (q, K, V read once, O written once)
@@ -9,7 +10,10 @@ over the median time, L2 flushed before every repetition (tuner.timing). flashtu
 short search on the spot (the family's seeds with splits from the occupancy, then the best seed's
 split counts), then timed in turns with the peers. Each output is checked against SDPA's (max abs
 difference), since a float64 reference of the large shapes does not fit in memory; the kernel's
-correctness against float64 is tests/test_gpu_decode.py's.
+correctness against float64 is tests/test_gpu_decode.py's. `--variant NAME=DIR` adds the kernel
+compiled from the sources in the folder DIR (e.g. the sources before a change: `git archive <commit>
+kernel_templates | tar -x -C .abd` gives .abd/kernel_templates), searched the same way and timed in
+the same turns.
 """
 
 from __future__ import annotations
@@ -30,6 +34,27 @@ def copy_bandwidth(timer) -> float:
     return 2 * a.numel() * 4 / (t.median_ms * 1e-3) / 1e12
 
 
+def use_templates(folder: str | None) -> None:
+    """Compile from the sources in `folder` from now on (None: the package's own)."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    import seed_resources
+
+    seed_resources._use_templates(folder)
+
+
+def screened(fam, problem, gpu, q, k, v, screen) -> dict:
+    """The fastest of the family's seeds (splits from the occupancy), then of that seed's split counts."""
+    cands = [p for p in fam.seeds(gpu, problem) if fam.check(p, gpu, problem) is None]
+    runs = {json.dumps(p, sort_keys=True): ours(fam, p, problem, gpu, q, k, v)[0] for p in cands}
+    t = {key: screen(fn).median_ms for key, fn in runs.items()}
+    best = json.loads(min(t, key=t.get))
+    for s in fam.space["splits"][1:]:
+        p = dict(best, splits=s)
+        if fam.check(p, gpu, problem) is None:
+            t[json.dumps(p, sort_keys=True)] = screen(ours(fam, p, problem, gpu, q, k, v)[0]).median_ms
+    return json.loads(min(t, key=t.get))
+
+
 def ours(fam, params, problem, gpu, q, k, v):
     """A launch of one config on these inputs (compiled, loaded, arguments packed), and its O."""
     import torch
@@ -37,14 +62,20 @@ def ours(fam, params, problem, gpu, q, k, v):
     from tuner.compile import compile_kernel
     from tuner.launch import LoadedKernel, raw_stream
 
+    from tuner.launch import LaunchError
+
     ck = compile_kernel(fam, params, problem, gpu.arch)
     launch = fam.launch(params, problem, gpu)
-    launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, fam.param_kinds(params))
+    loaded, kinds = LoadedKernel.load(ck, launch.smem_bytes, gpu.index), fam.param_kinds(params)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
     args = fam.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim))
+    try:
+        launcher = loaded.launcher(launch, kinds)
+    except LaunchError:   # a variant's older kernel, whose parameters end before K's and V's maps
+        launcher, args = loaded.launcher(launch, kinds[:-2]), args[:-2]
     stream = raw_stream(gpu.index)
-    return (lambda: launcher(stream, *args)), o
+    return (lambda keep=(o, lse): launcher(stream, *args)), o   # the kernel writes o and lse: they live as long as it
 
 
 def peers(problem, q, k, v) -> dict:
@@ -85,7 +116,10 @@ def main() -> int:
     ap.add_argument("--batch", default="1,8,32,128")
     ap.add_argument("--keys", default="1024,8192,32768")
     ap.add_argument("--json", default="")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
+                    help="also the kernel compiled from the sources in DIR, named NAME")
     args = ap.parse_args()
+    variants = dict(v.split("=", 1) for v in args.variant)
     import torch
 
     from tuner.gpu import detect
@@ -108,32 +142,31 @@ def main() -> int:
             q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
             k, v = (torch.randn(b, nk, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
                     for _ in range(2))
-            cands = [p for p in fam.seeds(gpu, problem) if fam.check(p, gpu, problem) is None]
-            runs = {json.dumps(p, sort_keys=True): ours(fam, p, problem, gpu, q, k, v)[0] for p in cands}
-            t = {key: screen(fn).median_ms for key, fn in runs.items()}
-            best = json.loads(min(t, key=t.get))
-            for s in fam.space["splits"][1:]:
-                p = dict(best, splits=s)
-                if fam.check(p, gpu, problem) is None:
-                    t[json.dumps(p, sort_keys=True)] = screen(ours(fam, p, problem, gpu, q, k, v)[0]).median_ms
-            best = json.loads(min(t, key=t.get))
+            best = screened(fam, problem, gpu, q, k, v, screen)
             run, o = ours(fam, best, problem, gpu, q, k, v)
             default, o_default = ours(fam, fam.default(gpu, problem), problem, gpu, q, k, v)
+            fns = {"flashtune": run, "flashtune_default": default}
+            configs = {}
+            for name, folder in variants.items():
+                use_templates(folder)
+                configs[name] = screened(fam, problem, gpu, q, k, v, screen)
+                fns[name] = ours(fam, configs[name], problem, gpu, q, k, v)[0]
+                use_templates(None)
             others = peers(problem, q, k, v)
-            fns = {"flashtune": run, "flashtune_default": default} | {n: fn for n, (fn, _) in others.items()}
+            fns |= {n: fn for n, (fn, _) in others.items()}
             timings = timer.interleaved(fns)
             ref = next(iter(others.values()))[1] if others else None
             diff = float((o.float() - ref.float()).abs().max()) if ref is not None else float("nan")
             tbs = {n: problem.bytes_moved() / (tm.median_ms * 1e-3) / 1e12 for n, tm in timings.items()}
             splits = fam.launch(best, problem, gpu).grid[2]
-            row = dict(batch=b, keys=nk, config=best, splits=splits, tb_s=tbs,
+            row = dict(batch=b, keys=nk, config=best, splits=splits, tb_s=tbs, variant_configs=configs,
                        ms={n: tm.median_ms for n, tm in timings.items()}, max_abs_diff=diff, copy_tb_s=copy)
             rows.append(row)
-            peer_best = max((v for n, v in tbs.items() if not n.startswith("flashtune")), default=float("nan"))
+            peer_best = max((v for n, v in tbs.items() if not n.startswith("flashtune") and n not in variants), default=float("nan"))
             print(f"B{b:<4} Nk{nk:<6} " + "  ".join(f"{n} {v:.2f}" for n, v in tbs.items())
                   + f"  | ours/copy {tbs['flashtune'] / copy:.2f} ours/best peer {tbs['flashtune'] / peer_best:.2f}"
                   + f"  splits {splits} {best}  maxdiff {diff:.3g}", flush=True)
-            del q, k, v, runs, run, default, others, o, o_default, ref
+            del q, k, v, run, default, fns, others, o, o_default, ref
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
