@@ -12,7 +12,7 @@ from __future__ import annotations
 from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
-from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot
+from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, tensor_map
 from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
 
@@ -176,8 +176,7 @@ class FlashDecode(KernelFamily):
         kernel does not read them."""
         if not (self.kv_tma(params, k.shape[3]) and maps_for(k)):
             return NO_MAP, NO_MAP
-        rows = stage_keys(params)
-        return MapSlot(k, rows).at(k.data_ptr()), MapSlot(v, rows).at(v.data_ptr())
+        return tensor_map(k, stage_keys(params)), tensor_map(v, stage_keys(params))
 
     def cache_args(self, params: dict, launch: Launch, q, k, v, o, lse, scale, nk: int, cache_seqlens,
                    block_table) -> tuple | None:
@@ -232,12 +231,12 @@ class _DecodeArgs(AttentionArgs):
     def address_fields(self, bound):
         shared, _, _, slots = bound
         fields = super().address_fields(bound)
-        for source, slot in zip((1, 2), slots or ()):   # K's and V's maps, after the shared values and 7 more
+        for i, slot in enumerate(slots or ()):   # K's and V's maps (sources 1, 2): after the shared values and 7 more
             where = slot.field()
             if where is None:
                 return None
             byte, shift, position = where
-            fields.append((5 + len(shared) + 7 + source - 1, source, byte, shift, position))
+            fields.append((5 + len(shared) + 7 + i, 1 + i, byte, shift, position))
         return fields
 
 
