@@ -46,6 +46,8 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
+    ap.add_argument("--case", action="append", default=[], metavar="WORDS",
+                    help="only the cases whose name contains WORDS (repeatable; default: every case)")
     a = ap.parse_args(argv)
     gpu = detect()
     timer = Timer(gpu.l2_bytes)
@@ -56,6 +58,8 @@ def main(argv=None) -> int:
         print(f"fa4: not run ({str(exc).splitlines()[0][:100]})", file=sys.stderr)
     rows = []
     for name, (h, hk, d, count, (low, high), seed, *decode) in CASES.items():
+        if a.case and not any(words in name for words in a.case):
+            continue
         if decode:
             run_decode(name, h, hk, d, count, low, high, seed, decode[0], timer, flash_attn_varlen_func, rows)
             continue

@@ -14,9 +14,11 @@
 // cache (PAGED=1: key j of sequence b lives in page block_table[b][j / page_size], row j % page_size;
 // k_sb / v_sb are then the page strides) costs one table read per row. `seqused_k` (where not null)
 // gives each sequence its own number of valid keys; the causal diagonal is that length's.
-// KV_TMA (dense caches, d a multiple of 64, at most 256 keys a stage) on sm_90 and later: one thread
+// KV_TMA (dense caches or packed sequences, d a multiple of 64, at most 256 keys a stage) on sm_90
+// and later: one thread
 // brings a stage in with the copy engine (a box of 64 columns x TK rows of K and of V per 64
-// columns, 128-byte swizzled, counted on the stage's mbarrier; rows past the cache read as zeros).
+// columns, 128-byte swizzled, counted on the stage's mbarrier; rows past the cache read as zeros,
+// a packed sequence's rows past its end are the next one's: finite, and masked like any past nk_b).
 // cp.async's 16-byte loads, tracked by the SM's load units, read K/V below the copy bandwidth
 // that the tensor-map peers reach.
 //
@@ -49,7 +51,7 @@ static_assert(BC % 16 == 0, "BC must be a multiple of 16");
 static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "16-bit inputs");
 static_assert(!(VARLEN && PAGED), "packed sequences or pages, not both");
-static_assert(!KV_TMA || (!VARLEN && !PAGED && HEAD_DIM % 64 == 0 && TK <= 256), "a stage as boxes of 64 columns x TK rows");
+static_assert(!KV_TMA || (!PAGED && HEAD_DIM % 64 == 0 && TK <= 256), "a stage as boxes of 64 columns x TK rows");
 
 FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8; }
 // A chunk of a K/V row in a ring slot: rows as `at` lays them out, or (FT_TMA) in the copy engine's
@@ -141,8 +143,9 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
       mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
 #pragma unroll
       for (int p = 0; p < HEAD_DIM / 64; ++p) {
-        tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * 64, &tmap_k, &kv_full[slot], p * 64, t * TK, hk, b);
-        tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * 64, &tmap_v, &kv_full[slot], p * 64, t * TK, hk, b);
+        // (VARLEN: the packed (1, Hk, total_k, D) tensors, the sequence's rows from seq.k0)
+        tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * 64, &tmap_k, &kv_full[slot], p * 64, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
+        tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * 64, &tmap_v, &kv_full[slot], p * 64, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
       }
     }
   };

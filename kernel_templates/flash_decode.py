@@ -137,9 +137,9 @@ class FlashDecode(KernelFamily):
 
     def kv_tma(self, params: dict, head_dim: int) -> bool:
         """Whether the kernel brings K/V stages in as tensor-map boxes where the GPU has a copy
-        engine (sm_90+): dense caches (not pages, not packed sequences), rows of 64-column panels,
+        engine (sm_90+): dense caches or packed sequences (not pages), rows of 64-column panels,
         at most 256 rows (one box) a stage."""
-        return not self.paged and not isinstance(self, VarlenVariant) and head_dim % 64 == 0 and stage_keys(params) <= 256
+        return not self.paged and head_dim % 64 == 0 and stage_keys(params) <= 256
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
         d, rows = problem.head_dim, 16 * params["MT"]
@@ -279,7 +279,7 @@ class VarlenFlashDecode(VarlenVariant, FlashDecode):
             return None
         rows = problem.batch * problem.heads * problem.seqlen_q   # the padded (B, H, Nq) rows
         args += split_workspace(q.get_device(), grid, rows, problem.head_dim)
-        args += (0, 0, 0, 0, NO_MAP, NO_MAP)   # no per-sequence key counts, no page table, no maps
+        args += (0, 0, 0, 0) + self.kv_maps(params, views[1], views[2])   # no per-sequence key counts, no page table
         return self.packed_args(args, max_q, max_k, cu_q.data_ptr(), cu_k.data_ptr(), q.shape[2], problem.batch)
 
 

@@ -190,8 +190,8 @@ def test_kvcache_operator_opcheck_with_a_cpu_stand_in():
 
 
 def test_stages_come_as_tensor_map_boxes_where_a_box_can_hold_them():
-    """KV_TMA: dense caches, d a multiple of 64 (the boxes' 64-column panels), at most 256 keys a
-    stage (one box); pages and packed sequences keep cp.async. The kernel's arguments carry K's and
+    """KV_TMA: dense caches or packed sequences, d a multiple of 64 (the boxes' 64-column panels),
+    at most 256 keys a stage (one box); pages keep cp.async. The kernel's arguments carry K's and
     V's maps either way (empty where unread), so the launch's layout does not depend on it."""
     from tuner.kernel_templates.flash_decode import VARLEN_FAMILY
 
@@ -199,5 +199,5 @@ def test_stages_come_as_tensor_map_boxes_where_a_box_can_hold_them():
     assert FAM.kv_tma(p, 128) and FAM.kv_tma(p, 64) and FAM.kv_tma(p, 256)
     assert not FAM.kv_tma(p, 96) and not FAM.kv_tma(p, 32)
     assert not FAM.kv_tma(dict(p, Bc=64, warps=8), 128)   # 512 keys a stage
-    assert not PAGED.kv_tma(p, 128) and not VARLEN_FAMILY.kv_tma(p, 128)
+    assert not PAGED.kv_tma(p, 128) and VARLEN_FAMILY.kv_tma(p, 128)
     assert FAM.param_kinds(p)[-2:] == ("tmap", "tmap") == PAGED.param_kinds(p)[-2:]
