@@ -292,6 +292,20 @@ class PagedFlashDecode(FlashDecode):
     paged = True
 
 
+class SeqlensFlashDecode(FlashDecode):
+    """flash_decode on a dense cache with per-sequence lengths (kvcache_attention's cache_seqlens):
+    K/V by cp.async, which reads the rows past a sequence's length as zeros. The copy engine's
+    boxes would bring the cache's tail as it is, and a tail never written (a torch.empty cache) can
+    hold NaN, which P = 0 does not cancel in O += P V. Not searched: tuner/kvcache.py builds it
+    from a flash_decode config."""
+
+    name = "flash_decode_seqlens"
+
+    def kv_tma(self, params: dict, head_dim: int) -> bool:
+        return False
+
+
 FAMILY = FlashDecode()
 PAGED = PagedFlashDecode()
+SEQLENS = SeqlensFlashDecode()
 VARLEN_FAMILY = VarlenFlashDecode()

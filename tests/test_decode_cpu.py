@@ -201,3 +201,14 @@ def test_stages_come_as_tensor_map_boxes_where_a_box_can_hold_them():
     assert not FAM.kv_tma(dict(p, Bc=64, warps=8), 128)   # 512 keys a stage
     assert not PAGED.kv_tma(p, 128) and VARLEN_FAMILY.kv_tma(p, 128)
     assert FAM.param_kinds(p)[-2:] == ("tmap", "tmap") == PAGED.param_kinds(p)[-2:]
+
+
+def test_a_cache_with_lengths_reads_its_tail_as_zeros():
+    """kvcache_attention with cache_seqlens runs the cp.async form (rows past a length come in as
+    zeros, whatever the cache holds there), else the same kernel as the family's."""
+    from tuner.kernel_templates.flash_decode import SEQLENS
+
+    params = FAM.default(H100_SXM, LLAMA_DECODE)
+    a, b = FAM.render(params, LLAMA_DECODE).splitlines(), SEQLENS.render(params, LLAMA_DECODE).splitlines()
+    assert [(x, y) for x, y in zip(a[1:], b[1:]) if x != y] == [("#define KV_TMA 1", "#define KV_TMA 0")]
+    assert SEQLENS.param_kinds(params) == FAM.param_kinds(params)

@@ -60,7 +60,9 @@ def _cache(rng: random.Random, torch, b: int, kvh: int, d: int, cap: int, page: 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_kvcache_ragged_lengths_dense_and_paged(dtype, page):
     """Each sequence holds its own number of keys (0 and 1 among them); the queries are its last
-    positions (bottom-right causal), or see all it holds; against float64 on the keys gathered."""
+    positions (bottom-right causal), or see all it holds; against float64 on the keys gathered.
+    The cache's rows past each length hold NaN, as a cache never written there may (torch.empty):
+    they must not reach O (P = 0 times NaN is NaN)."""
     import torch
 
     from tuner import kvcache_attention
@@ -78,6 +80,13 @@ def test_kvcache_ragged_lengths_dense_and_paged(dtype, page):
         k, v, table = _cache(rng, torch, b, kvh, d, cap, page, dt)
         if page:
             cap = table.shape[1] * page
+        for i, n in enumerate(lens):
+            for t in (k, v):
+                if page:
+                    pos = torch.arange(n, cap, device="cuda")
+                    t[table[i, pos // page].long(), :, pos % page] = float("nan")
+                else:
+                    t[i, :, n:] = float("nan")
         q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=dt).transpose(1, 2)
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
