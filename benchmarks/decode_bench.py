@@ -22,6 +22,9 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # seed_resources, beside this script
 
 
 def copy_bandwidth(timer) -> float:
@@ -36,7 +39,6 @@ def copy_bandwidth(timer) -> float:
 
 def use_templates(folder: str | None) -> None:
     """Compile from the sources in `folder` from now on (None: the package's own)."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     import seed_resources
 
     seed_resources._use_templates(folder)

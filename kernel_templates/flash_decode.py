@@ -12,7 +12,7 @@ from __future__ import annotations
 from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
-from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, tensor_map
+from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields
 from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
 
@@ -171,12 +171,18 @@ class FlashDecode(KernelFamily):
     def arg_maker(self, params: dict):
         return _DecodeArgs(self, params)
 
-    def kv_maps(self, params: dict, k, v) -> tuple[bytes, bytes]:
-        """K's and V's tensor maps for a call on these (B, Hk, N, D) views, or empty ones where the
-        kernel does not read them."""
+    def kv_slots(self, params: dict, k, v) -> tuple[MapSlot, MapSlot] | None:
+        """K's and V's map slots for (B, Hk, N, D) views of this geometry, or None where the kernel
+        reads no maps."""
         if not (self.kv_tma(params, k.shape[3]) and maps_for(k)):
-            return NO_MAP, NO_MAP
-        return tensor_map(k, stage_keys(params)), tensor_map(v, stage_keys(params))
+            return None
+        return MapSlot(k, stage_keys(params)), MapSlot(v, stage_keys(params))
+
+    def kv_maps(self, params: dict, k, v) -> tuple[bytes, bytes]:
+        """K's and V's tensor maps for a call on these views, or empty ones where the kernel does not
+        read them."""
+        slots = self.kv_slots(params, k, v)
+        return (slots[0].at(k.data_ptr()), slots[1].at(v.data_ptr())) if slots else (NO_MAP, NO_MAP)
 
     def cache_args(self, params: dict, launch: Launch, q, k, v, o, lse, scale, nk: int, cache_seqlens,
                    block_table) -> tuple | None:
@@ -216,10 +222,7 @@ class _DecodeArgs(AttentionArgs):
         if shared is None:
             return None
         ctas, splits, rows = self._family._geometry(self._params, q, k)
-        rows_k = stage_keys(self._params)
-        slots = ((MapSlot(k, rows_k), MapSlot(v, rows_k)) if self._family.kv_tma(self._params, k.shape[3]) and maps_for(k)
-                 else None)
-        return shared, splits, (splits * rows * q.shape[3], splits * rows, ctas), slots
+        return shared, splits, (splits * rows * q.shape[3], splits * rows, ctas), self._family.kv_slots(self._params, k, v)
 
     def values(self, bound, pointers, q):
         shared, splits, sizes, slots = bound
@@ -230,14 +233,8 @@ class _DecodeArgs(AttentionArgs):
 
     def address_fields(self, bound):
         shared, _, _, slots = bound
-        fields = super().address_fields(bound)
-        for i, slot in enumerate(slots or ()):   # K's and V's maps (sources 1, 2): after the shared values and 7 more
-            where = slot.field()
-            if where is None:
-                return None
-            byte, shift, position = where
-            fields.append((5 + len(shared) + 7 + i, 1 + i, byte, shift, position))
-        return fields
+        maps = map_fields(slots or (), 5 + len(shared) + 7, (1, 2))   # K's and V's: after the shared values and 7 more
+        return None if maps is None else super().address_fields(bound) + maps
 
 
 def split_workspace(index: int, grid: tuple[int, int, int], rows: int, head_dim: int) -> tuple[int, int, int]:

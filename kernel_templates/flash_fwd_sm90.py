@@ -25,7 +25,7 @@ from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem
 from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
-from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot
+from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields
 from tuner.kernel_templates.wgmma_gen import wrappers
 
 _REGS_PER_BLOCK = 65536
@@ -216,16 +216,8 @@ class _Sm90Args(AttentionArgs):
 
     def address_fields(self, bound):
         shared, slots, _ = bound
-        fields = super().address_fields(bound)
-        for source, slot in enumerate(slots):   # q, k, v, O: the maps follow the shared values
-            if slot is None:
-                continue
-            where = slot.field()
-            if where is None:
-                return None
-            byte, shift, position = where
-            fields.append((5 + len(shared) + source, source, byte, shift, position))
-        return fields
+        maps = map_fields(slots, 5 + len(shared), range(4))   # q, k, v, O: the maps follow the shared values
+        return None if maps is None else super().address_fields(bound) + maps
 
 
 class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):

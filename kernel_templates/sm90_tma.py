@@ -279,6 +279,21 @@ class MapSlot:
         return self._head + word.to_bytes(8, "little") + self._tail
 
 
+def map_fields(slots, first: int, sources) -> list[tuple[int, int, int, int, int]] | None:
+    """AttentionArgs.address_fields' entries for maps passed as parameters first, first + 1, ...:
+    slot i the map of source sources[i] (0-4: q, k, v, o, lse), None where no map is passed there.
+    None where a map is the driver's encoding (no address field known)."""
+    fields = []
+    for i, (slot, source) in enumerate(zip(slots, sources)):
+        if slot is None:
+            continue
+        where = slot.field()
+        if where is None:
+            return None
+        fields.append((first + i, source, *where))
+    return fields
+
+
 def _encoded(geometry: tuple, address: int) -> bytes:
     """The driver's map of `geometry` at `address`, through a cache (a model's activations come
     back at the same addresses from torch's caching allocator)."""
