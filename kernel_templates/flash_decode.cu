@@ -139,16 +139,18 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #if FT_TMA
   cp_async_commit();   // Q's group
   auto issue_kv = [&](int t) {
-    if (t < t_end && tid == 0) {
-      const int slot = SLOT(t);
-      mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
-      if constexpr (PAGED) {
-        // maps of the pages ((num_pages, Hk, page_size, D)): a box per page the stage covers, or the
-        // stage's rows of one page (the host runs this form only where page_size and TK divide one
-        // another, in whole 8-row swizzle atoms); rows past the sequence's keys read its last
-        // valid page (zeroed below as any row past nk_b): the table need not hold more
-        const int box = min(TK, page_size);
-        for (int r = 0; r < TK; r += box) {
+    if constexpr (PAGED) {
+      // maps of the pages ((num_pages, Hk, page_size, D)): a box per page the stage covers, or the
+      // stage's rows of one page (the host runs this form only where page_size and TK divide one
+      // another, in whole 8-row swizzle atoms). Warp 0's lanes take a box each, so the table reads
+      // go out together rather than one after another on one thread. Rows past the sequence's
+      // keys read its last valid page (zeroed below as any row past nk_b): the table need not hold
+      // more.
+      if (t < t_end && warp == 0) {
+        const int slot = SLOT(t), box = min(TK, page_size);
+        // (the phase needs lane 0's arrival, so bytes that land before its count are counted all the same)
+        if (lane == 0) mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
+        for (int r = lane * box; r < TK; r += 32 * box) {
           const int j = min(t * TK + r, nk_b - 1);
           const int page = __ldg(block_table + static_cast<long long>(b) * bt_stride + j / page_size);
 #pragma unroll
@@ -157,13 +159,15 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
             tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * 64 + r * 64, &tmap_v, &kv_full[slot], p * 64, (t * TK + r) % page_size, hk, page);
           }
         }
-      } else {
+      }
+    } else if (t < t_end && tid == 0) {
+      const int slot = SLOT(t);
+      mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
 #pragma unroll
-        for (int p = 0; p < HEAD_DIM / 64; ++p) {
-          // (VARLEN: the packed (1, Hk, total_k, D) tensors, the sequence's rows from seq.k0)
-          tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * 64, &tmap_k, &kv_full[slot], p * 64, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
-          tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * 64, &tmap_v, &kv_full[slot], p * 64, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
-        }
+      for (int p = 0; p < HEAD_DIM / 64; ++p) {
+        // (VARLEN: the packed (1, Hk, total_k, D) tensors, the sequence's rows from seq.k0)
+        tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * 64, &tmap_k, &kv_full[slot], p * 64, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
+        tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * 64, &tmap_v, &kv_full[slot], p * 64, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
       }
     }
   };
