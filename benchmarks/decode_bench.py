@@ -2,7 +2,7 @@
 FlashAttention-4 (where installed), as achieved TB/s, against the GPU's measured copy bandwidth.
 
     python3 benchmarks/decode_bench.py [--batch 1,8,32,128] [--keys 1024,8192,32768] [--json OUT]
-                                       [--variant NAME=DIR ...]
+                                       [--variant NAME=DIR ...] [--page 16,64,256]
 
 Shapes: one query per sequence, 32 query heads sharing 8 K/V heads, d=128, bf16 (a Llama-3-8B
 decode step), a cache of Nk keys. TB/s is Problem.bytes_moved (q, K, V read once, O written once)
@@ -13,7 +13,10 @@ difference), since a float64 reference of the large shapes does not fit in memor
 correctness against float64 is tests/test_gpu_decode.py's. `--variant NAME=DIR` adds the kernel
 compiled from the sources in the folder DIR (e.g. the sources before a change: `git archive <commit>
 kernel_templates | tar -x -C .abd` gives .abd/kernel_templates), searched the same way and timed in
-the same turns.
+the same turns. `--page SIZES` adds, for each page size, the same cache as pages (a vLLM/FlashAttention
+(num_pages, page_size, Hk, D) cache in a shuffled block table), read by flash_decode_paged (row by
+row through the table) and, where the page size fits a stage, flash_decode_paged_boxes (a tensor-map
+box per page), with the dense search's config, timed in the same turns.
 """
 
 from __future__ import annotations
@@ -80,6 +83,44 @@ def ours(fam, params, problem, gpu, q, k, v):
     return (lambda keep=(o, lse): launcher(stream, *args)), o   # the kernel writes o and lse: they live as long as it
 
 
+def paged(page_size: int, k, v, g):
+    """The dense (B, Hk, N, D) cache k, v as pages of `page_size` rows in a shuffled order: the
+    pages as (num_pages, Hk, page_size, D) views of a (num_pages, page_size, Hk, D) cache, and the
+    (B, pages) int32 block table."""
+    import torch
+
+    b, hk, n, d = k.shape
+    per = -(-n // page_size)
+    order = torch.randperm(b * per, device="cuda", generator=g)
+    table = order.view(b, per).to(torch.int32)
+    out = []
+    for t in (k, v):
+        rows = torch.zeros(b, per * page_size, hk, d, dtype=t.dtype, device="cuda")
+        rows[:, :n] = t.transpose(1, 2)
+        pages = torch.empty_like(rows).view(b * per, page_size, hk, d)
+        pages[order] = rows.view(b * per, page_size, hk, d)
+        out.append(pages.transpose(1, 2))
+    return out[0], out[1], table
+
+
+def ours_paged(fam, params, problem, gpu, q, kp, vp, table):
+    """A launch of one config of a paged family on these pages, and its O."""
+    import torch
+
+    from tuner.compile import compile_kernel
+    from tuner.launch import LoadedKernel, raw_stream
+
+    ck = compile_kernel(fam, params, problem, gpu.arch)
+    launch = fam.launch(params, problem, gpu)
+    launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, fam.param_kinds(params))
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
+    args = fam.cache_args(params, launch, q, kp, vp, o, lse, 1.0 / math.sqrt(problem.head_dim), problem.seqlen_k,
+                          None, table)
+    stream = raw_stream(gpu.index)
+    return (lambda keep=(o, lse, kp, vp, table): launcher(stream, *args)), o
+
+
 def peers(problem, q, k, v) -> dict:
     """The peers that run this case: name -> (callable, O)."""
     import torch
@@ -120,12 +161,14 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
                     help="also the kernel compiled from the sources in DIR, named NAME")
+    ap.add_argument("--page", default="", help="page sizes: also the cache as pages (comma-separated)")
     args = ap.parse_args()
     variants = dict(v.split("=", 1) for v in args.variant)
     import torch
 
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
+    from tuner.kernel_templates.flash_decode import PAGED, PAGED_BOXES
     from tuner.problem import Problem
     from tuner.timing import Timer
 
@@ -154,21 +197,32 @@ def main() -> int:
                 configs[name] = screened(fam, problem, gpu, q, k, v, screen)
                 fns[name] = ours(fam, configs[name], problem, gpu, q, k, v)[0]
                 use_templates(None)
+            outs = {}
+            for size in (int(x) for x in args.page.split(",") if x):
+                kp, vp, table = paged(size, k, v, g)
+                fns[f"pages{size}_rows"], outs[f"pages{size}_rows"] = ours_paged(PAGED, best, problem, gpu, q, kp, vp, table)
+                if PAGED_BOXES.kv_tma(best, 128) and PAGED_BOXES.page_fits(best, size):
+                    fns[f"pages{size}_boxes"], outs[f"pages{size}_boxes"] = ours_paged(PAGED_BOXES, best, problem, gpu,
+                                                                                      q, kp, vp, table)
+                del kp, vp, table
             others = peers(problem, q, k, v)
             fns |= {n: fn for n, (fn, _) in others.items()}
             timings = timer.interleaved(fns)
             ref = next(iter(others.values()))[1] if others else None
             diff = float((o.float() - ref.float()).abs().max()) if ref is not None else float("nan")
+            diff_pages = {n: float((x.float() - o.float()).abs().max()) for n, x in outs.items()}   # same data, same config
             tbs = {n: problem.bytes_moved() / (tm.median_ms * 1e-3) / 1e12 for n, tm in timings.items()}
             splits = fam.launch(best, problem, gpu).grid[2]
             row = dict(batch=b, keys=nk, config=best, splits=splits, tb_s=tbs, variant_configs=configs,
-                       ms={n: tm.median_ms for n, tm in timings.items()}, max_abs_diff=diff, copy_tb_s=copy)
+                       ms={n: tm.median_ms for n, tm in timings.items()}, max_abs_diff=diff, copy_tb_s=copy,
+                       pages_max_abs_diff=diff_pages)
             rows.append(row)
-            peer_best = max((v for n, v in tbs.items() if not n.startswith("flashtune") and n not in variants), default=float("nan"))
+            peer_best = max((v for n, v in tbs.items() if not n.startswith(("flashtune", "pages")) and n not in variants), default=float("nan"))
             print(f"B{b:<4} Nk{nk:<6} " + "  ".join(f"{n} {v:.2f}" for n, v in tbs.items())
                   + f"  | ours/copy {tbs['flashtune'] / copy:.2f} ours/best peer {tbs['flashtune'] / peer_best:.2f}"
-                  + f"  splits {splits} {best}  maxdiff {diff:.3g}", flush=True)
-            del q, k, v, run, default, fns, others, o, o_default, ref
+                  + f"  splits {splits} {best}  maxdiff {diff:.3g}"
+                  + "".join(f"  {n} diff {x:.3g}" for n, x in diff_pages.items()), flush=True)
+            del q, k, v, run, default, fns, others, o, o_default, ref, outs
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

@@ -14,7 +14,8 @@
 // cache (PAGED=1: key j of sequence b lives in page block_table[b][j / page_size], row j % page_size;
 // k_sb / v_sb are then the page strides) costs one table read per row. `seqused_k` (where not null)
 // gives each sequence its own number of valid keys; the causal diagonal is that length's.
-// KV_TMA (dense caches or packed sequences, d a multiple of 64, at most 256 keys a stage) on sm_90
+// KV_TMA (d of 64 or 128, at most 256 keys a stage; pages where their size and a stage's divide
+// one another) on sm_90
 // and later: one thread
 // brings a stage in with the copy engine (a box of 64 columns x TK rows of K and of V per 64
 // columns, 128-byte swizzled, counted on the stage's mbarrier; rows past the cache read as zeros,
@@ -51,7 +52,7 @@ static_assert(BC % 16 == 0, "BC must be a multiple of 16");
 static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "16-bit inputs");
 static_assert(!(VARLEN && PAGED), "packed sequences or pages, not both");
-static_assert(!KV_TMA || (!PAGED && HEAD_DIM % 64 == 0 && TK <= 256), "a stage as boxes of 64 columns x TK rows");
+static_assert(!KV_TMA || ((HEAD_DIM == 64 || HEAD_DIM == 128) && TK <= 256), "a stage as boxes of 64 columns x TK rows");
 
 FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8; }
 // A chunk of a K/V row in a ring slot: rows as `at` lays them out, or (FT_TMA) in the copy engine's
@@ -138,7 +139,28 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #if FT_TMA
   cp_async_commit();   // Q's group
   auto issue_kv = [&](int t) {
-    if (t < t_end && tid == 0) {
+    if constexpr (PAGED) {
+      // maps of the pages ((num_pages, Hk, page_size, D)): a box per page the stage covers, or the
+      // stage's rows of one page (the host runs this form only where page_size and TK divide one
+      // another, in whole 8-row swizzle atoms). Warp 0's lanes take a box each, so the table reads
+      // go out together rather than one after another on one thread. Rows past the sequence's
+      // keys read its last valid page (zeroed below as any row past nk_b): the table need not hold
+      // more.
+      if (t < t_end && warp == 0) {
+        const int slot = SLOT(t), box = min(TK, page_size);
+        // (the phase needs lane 0's arrival, so bytes that land before its count are counted all the same)
+        if (lane == 0) mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
+        for (int r = lane * box; r < TK; r += 32 * box) {
+          const int j = min(t * TK + r, nk_b - 1);
+          const int page = __ldg(block_table + static_cast<long long>(b) * bt_stride + j / page_size);
+#pragma unroll
+          for (int p = 0; p < HEAD_DIM / 64; ++p) {
+            tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * 64 + r * 64, &tmap_k, &kv_full[slot], p * 64, (t * TK + r) % page_size, hk, page);
+            tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * 64 + r * 64, &tmap_v, &kv_full[slot], p * 64, (t * TK + r) % page_size, hk, page);
+          }
+        }
+      }
+    } else if (t < t_end && tid == 0) {
       const int slot = SLOT(t);
       mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
 #pragma unroll
@@ -211,6 +233,19 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     const int krow0 = warp * BC;               // this warp's keys within the stage
     const int key0 = t * TK + krow0;           // ... and their absolute index
     if (key0 > kv_end - 1) continue;           // nothing visible for this warp in this stage
+#if FT_TMA
+    // Rows past the sequence's keys came in as the tensor holds them (a cache's unwritten tail, the
+    // next packed sequence, a page's spare rows): P is 0 there, but 0 x NaN is NaN in O += P V. So
+    // this warp zeroes its own V rows past nk_b (only a sequence's last stage has any) before it
+    // reads them; K needs nothing, its scores there are masked to -inf.
+    if (key0 + BC > nk_b) {
+      for (int idx = lane; idx < BC * CHUNKS; idx += 32) {
+        const int r = idx / CHUNKS, ch = idx % CHUNKS;
+        if (key0 + r >= nk_b) *reinterpret_cast<uint4*>(const_cast<T*>(kv_at(Vt, krow0 + r, ch))) = make_uint4(0u, 0u, 0u, 0u);
+      }
+      __syncwarp();
+    }
+#endif
 
     float s[MT][NTILES][4];
 #pragma unroll

@@ -137,9 +137,10 @@ class FlashDecode(KernelFamily):
 
     def kv_tma(self, params: dict, head_dim: int) -> bool:
         """Whether the kernel brings K/V stages in as tensor-map boxes where the GPU has a copy
-        engine (sm_90+): dense caches or packed sequences (not pages), rows of 64-column panels,
-        at most 256 rows (one box) a stage."""
-        return not self.paged and head_dim % 64 == 0 and stage_keys(params) <= 256
+        engine (sm_90+): rows of one or two 64-column panels, at most 256 rows (one box) a stage.
+        Not d=256: its O alone is 128 registers a thread, and with the boxes' zeroing of the rows
+        past a sequence ptxas spills (sm_90a, flash_decode_varlen, no mask)."""
+        return head_dim in (64, 128) and stage_keys(params) <= 256
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
         d, rows = problem.head_dim, 16 * params["MT"]
@@ -176,7 +177,8 @@ class FlashDecode(KernelFamily):
         reads no maps."""
         if not (self.kv_tma(params, k.shape[3]) and maps_for(k)):
             return None
-        return MapSlot(k, stage_keys(params)), MapSlot(v, stage_keys(params))
+        rows = min(stage_keys(params), k.shape[2]) if self.paged else stage_keys(params)   # a page's rows at most
+        return MapSlot(k, rows), MapSlot(v, rows)
 
     def kv_maps(self, params: dict, k, v) -> tuple[bytes, bytes]:
         """K's and V's tensor maps for a call on these views, or empty ones where the kernel does not
@@ -288,21 +290,26 @@ class PagedFlashDecode(FlashDecode):
     name = "flash_decode_paged"
     paged = True
 
+    def kv_tma(self, params: dict, head_dim: int) -> bool:
+        return False   # any page size: rows one by one through the table
 
-class SeqlensFlashDecode(FlashDecode):
-    """flash_decode on a dense cache with per-sequence lengths (kvcache_attention's cache_seqlens):
-    K/V by cp.async, which reads the rows past a sequence's length as zeros. The copy engine's
-    boxes would bring the cache's tail as it is, and a tail never written (a torch.empty cache) can
-    hold NaN, which P = 0 does not cancel in O += P V. Not searched: tuner/kvcache.py builds it
-    from a flash_decode config."""
 
-    name = "flash_decode_seqlens"
+class PagedBoxesFlashDecode(PagedFlashDecode):
+    """flash_decode_paged with each page's rows as tensor-map boxes on sm_90+, for page sizes that a
+    stage's rows divide or are divided by, in whole 8-row swizzle atoms (`page_fits`)."""
+
+    name = "flash_decode_paged_boxes"
 
     def kv_tma(self, params: dict, head_dim: int) -> bool:
-        return False
+        return FlashDecode.kv_tma(self, params, head_dim)
+
+    @staticmethod
+    def page_fits(params: dict, page_size: int) -> bool:
+        tk = stage_keys(params)
+        return page_size % 8 == 0 and (page_size % tk == 0 or tk % page_size == 0)
 
 
 FAMILY = FlashDecode()
 PAGED = PagedFlashDecode()
-SEQLENS = SeqlensFlashDecode()
+PAGED_BOXES = PagedBoxesFlashDecode()
 VARLEN_FAMILY = VarlenFlashDecode()

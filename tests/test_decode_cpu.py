@@ -196,19 +196,22 @@ def test_stages_come_as_tensor_map_boxes_where_a_box_can_hold_them():
     from tuner.kernel_templates.flash_decode import VARLEN_FAMILY
 
     p = dict(Bc=32, warps=4, stages=2, MT=1, splits=0)
-    assert FAM.kv_tma(p, 128) and FAM.kv_tma(p, 64) and FAM.kv_tma(p, 256)
-    assert not FAM.kv_tma(p, 96) and not FAM.kv_tma(p, 32)
+    assert FAM.kv_tma(p, 128) and FAM.kv_tma(p, 64)
+    assert not FAM.kv_tma(p, 96) and not FAM.kv_tma(p, 32) and not FAM.kv_tma(p, 256)
     assert not FAM.kv_tma(dict(p, Bc=64, warps=8), 128)   # 512 keys a stage
     assert not PAGED.kv_tma(p, 128) and VARLEN_FAMILY.kv_tma(p, 128)
     assert FAM.param_kinds(p)[-2:] == ("tmap", "tmap") == PAGED.param_kinds(p)[-2:]
 
 
-def test_a_cache_with_lengths_reads_its_tail_as_zeros():
-    """kvcache_attention with cache_seqlens runs the cp.async form (rows past a length come in as
-    zeros, whatever the cache holds there), else the same kernel as the family's."""
-    from tuner.kernel_templates.flash_decode import SEQLENS
+def test_pages_come_as_boxes_where_their_size_fits_a_stage():
+    """flash_decode_paged_boxes: a page size that a stage's rows divide or are divided by, in whole
+    8-row swizzle atoms; any other page size keeps the row-by-row form. The two differ in KV_TMA."""
+    from tuner.kernel_templates.flash_decode import PAGED_BOXES
 
+    p = dict(Bc=32, warps=4, stages=2, MT=1, splits=0)   # 128 keys a stage
+    assert all(PAGED_BOXES.page_fits(p, n) for n in (8, 16, 64, 128, 256, 1024))
+    assert not any(PAGED_BOXES.page_fits(p, n) for n in (1, 4, 12, 48, 96, 200))
+    assert PAGED_BOXES.kv_tma(p, 128) and not PAGED.kv_tma(p, 128)
     params = FAM.default(H100_SXM, LLAMA_DECODE)
-    a, b = FAM.render(params, LLAMA_DECODE).splitlines(), SEQLENS.render(params, LLAMA_DECODE).splitlines()
-    assert [(x, y) for x, y in zip(a[1:], b[1:]) if x != y] == [("#define KV_TMA 1", "#define KV_TMA 0")]
-    assert SEQLENS.param_kinds(params) == FAM.param_kinds(params)
+    a, b = PAGED.render(params, LLAMA_DECODE).splitlines(), PAGED_BOXES.render(params, LLAMA_DECODE).splitlines()
+    assert [(x, y) for x, y in zip(a[1:], b[1:]) if x != y] == [("#define KV_TMA 0", "#define KV_TMA 1")]

@@ -74,12 +74,12 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens=None, block_table=None, m
     b, h, nq, d = q.shape
     problem = Problem(b, h, nq, nk, d, TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")], mask, k_cache.shape[1])
     paged = block_table is not None
-    ragged = cache_seqlens is not None
-    key = (q.shape, k_cache.shape, q.dtype, q.device, mask, paged, block_table.shape if paged else None, ragged)
+    key = (q.shape, k_cache.shape, q.dtype, q.device, mask, paged, block_table.shape if paged else None)
     plan = _plans.get(key)
     if plan is None:
         with _lock:
-            plan = _plans.get(key) or _plans.setdefault(key, _plan(problem, paged, ragged, q.device.index or 0))
+            plan = _plans.get(key) or _plans.setdefault(key, _plan(problem, k_cache.shape[2] if paged else 0,
+                                                                   q.device.index or 0))
     if plan.launcher is None:
         _warn(plan.reason)
         return _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk, mask, scale)
@@ -133,21 +133,22 @@ def check_cache_inputs(q, k, v, cache_seqlens, block_table, *, cuda: bool = True
     return block_table.shape[1] * k.shape[2], k.shape[2]
 
 
-def _plan(problem: Problem, paged: bool, ragged: bool, device_index: int) -> _Plan:
-    """The launch for a cache call: pages, a dense cache with per-sequence lengths (`ragged`: its
-    tail past a length is read as zeros, not as whatever the cache holds there), or a full one."""
+def _plan(problem: Problem, page_size: int, device_index: int) -> _Plan:
+    """The launch for a cache call: dense (`page_size` 0), or pages, as tensor-map boxes where
+    their size fits a stage's rows (PAGED_BOXES.page_fits), else row by row."""
     from .compile import compile_kernel
     from .dispatch import default
-    from .kernel_templates.flash_decode import FAMILY, PAGED, SEQLENS
+    from .kernel_templates.flash_decode import FAMILY, PAGED, PAGED_BOXES
     from .launch import LoadedKernel
 
     dispatcher = default()
     gpu = dispatcher._gpu(device_index)
-    fam = PAGED if paged else SEQLENS if ragged else FAMILY
     if why := FAMILY.supports(gpu, problem):
         return _Plan(None, reason=why)
     tuned = [e for _, e in dispatcher.candidates(problem, gpu) if e["family"] == FAMILY.name]
     params = tuned[0]["params"] if tuned else FAMILY.default(gpu, problem)
+    boxes = PAGED_BOXES.kv_tma(params, problem.head_dim) and PAGED_BOXES.page_fits(params, page_size)
+    fam = FAMILY if not page_size else PAGED_BOXES if boxes else PAGED
     try:
         ck = compile_kernel(fam, params, problem, gpu.arch)
         launch = fam.launch(params, problem, gpu)
