@@ -69,6 +69,7 @@ constexpr int PSTEPS = BC / KSTEP;           // k steps of P V
 constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
 constexpr int QBUF = CHAIN ? 2 : 1;          // Q buffers: CHAIN loads the next tile's Q under this one
 constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
+constexpr int KV_ROW_BYTES = HEAD_DIM * sizeof(T);
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
 constexpr bool WARP_PRODUCER = PERSISTENT && PRODUCER_REGS == 32;   // see producer()
 // A consumer runs only the K/V tiles its own 64 rows need: causal ones stop at its own diagonal
@@ -513,13 +514,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x);
   if (blk.x < 0) return;
   const int qblk = blk.y, bh = blk.x * heads + blockIdx.y;
+  const bool sections = false;   // one work tile per CTA, placed by varlen_block
 #else
   const int2 blk = make_int2(0, 0);
-  const int qblk = blockIdx.x, bh = blockIdx.y;
+  // the grid's tile: causal in sections, the block the hardware hands out in this place of its
+  // order (x fastest) is the scheduler's in that place (causal_tile); else (query block, batch-head)
+  const bool sections = IS_CAUSAL && causal_sections(PERSISTENT ? batch * heads : gridDim.y);
+  const int2 grid_at = IS_CAUSAL && !PERSISTENT && sections
+                           ? causal_tile(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, gridDim.y, kv_group, nk, KV_ROW_BYTES)
+                           : make_int2(blockIdx.x, blockIdx.y);
+  const int qblk = grid_at.x, bh = grid_at.y;
 #endif
   const Sequence seq = FT_SEQUENCE(blk.x);
   const int n_qblk = (nq + BR - 1) / BR;   // PERSISTENT (never VARLEN): the work tiles are n_qblk x batch-heads
-  const Scheduler sched{qblk, bh, n_qblk, PERSISTENT ? n_qblk * (batch * heads) : 1, heads, kv_group, seq.nq, seq.nk};
+  const Scheduler sched{qblk, bh, n_qblk, PERSISTENT ? n_qblk * (batch * heads) : 1, heads, kv_group, seq.nq, seq.nk,
+                        KV_ROW_BYTES, sections};
 
   if (tid == 0) {
     bar.q.init(1, CWG * 128);

@@ -2,7 +2,11 @@
 //
 // Order: batch-heads one after another, query blocks fastest within each, so the CTAs running at
 // once share a few heads' K/V in L2 (heads fastest made every CTA stream its own K/V: 10-33%
-// slower). Causal runs each head's heaviest query blocks (the most K/V tiles) first, and where
+// slower). Causal goes by sections instead (causal_tile): as many heads as keep their K/V within
+// L2_SECTION_BYTES, and within a section the heaviest query blocks of all its heads first, longest
+// processing time first: head after head, the last head's heaviest block started when the rest
+// of the work was nearly done and ran alone at the end (B1-H32-N2048 causal: a 16-tile block
+// starting with about one tile of work per SM left). Each query block runs ordered as before: where
 // the kernel can (FROM_END) its blocks are aligned to the end of the sequence: a ragged block is
 // the first rows, the one block that needs a single K/V tile, and its rows before row 0 do nothing
 // (TMA fills Q's with zeros, the causal mask hides every key from them, no O or LSE is written for
@@ -41,6 +45,37 @@ FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, 
   return w;
 }
 
+// The SMs of this GPU (PTX's %nsmid).
+FT_DEVICE int sm_count() {
+  int n;
+  asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+  return n;
+}
+
+// Whether causal work goes by sections (causal_tile): where batch x heads is at most the SM count.
+// With more, each head's blocks are a small part of a wave and the heads-in-turn order already
+// ends on light blocks; there sections measured 0.93-0.99x on the H100 (B8-H25 and B16-H32 at
+// N=1024, persistent), where with fewer they measured 1.00-1.39x (GQA prefill at N=2048-8192,
+// d=256; benchmarks/PERF_NOTES.md, "LPT").
+FT_DEVICE bool causal_sections(int bhs) { return bhs <= sm_count(); }
+
+// K/V bytes a causal section's heads may span (L2 holds 50 MB on the H100, 40 on the A100; a
+// section's blocks run at once with the next section's first ones)
+constexpr int L2_SECTION_BYTES = 16 << 20;
+
+// Causal work tile `tile` of n_qblk x bhs as (query block, batch-head): sections of whole K/V head
+// groups whose K/V (nk rows of `kv_row_bytes`, K and V) fit L2_SECTION_BYTES, each the heaviest
+// block (qidx 0, work_tile's last rows) of every head in it, then the next heaviest. In 64-byte
+// units, so that the arithmetic stays 32-bit (a 64-bit division is a called routine).
+FT_DEVICE int2 causal_tile(int tile, int n_qblk, int bhs, int kv_group, int nk, int kv_row_bytes) {
+  const int kv_head = max(1, nk * (kv_row_bytes / 32));   // K and V of one head, 64-byte units
+  const int groups = max(1, (L2_SECTION_BYTES / 64) / kv_head);
+  const int sec = groups < bhs / kv_group ? groups * kv_group : bhs;   // query heads
+  const int s = tile / (sec * n_qblk), first = s * sec;
+  const int width = min(sec, bhs - first), local = tile - first * n_qblk;
+  return make_int2(local / width, first + local % width);
+}
+
 // The producer thread asks for the CTA's tiles in turn (it = 0, 1, ...); a tile >= total means
 // the CTA is done, and it has then signed off on the counter.
 FT_DEVICE int next_tile_dynamic(int* counter, int it, int total) {
@@ -70,11 +105,17 @@ struct TileScheduler {
   int qblk, bh;              // the grid's tile (not DYNAMIC)
   int n_qblk, total;         // query blocks per batch-head; work tiles (DYNAMIC; 1 on the grid)
   int heads, kv_group, nq, nk;
+  int kv_row_bytes;          // a K (or V) row's bytes: causal sections (causal_tile)
+  bool sections;             // DYNAMIC: causal tiles in sections (causal_sections)
 
   FT_DEVICE bool done(int tile) const { return tile >= total; }
   FT_DEVICE WorkTile work(int tile) const {
-    WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(DYNAMIC ? tile % n_qblk : qblk,
-                                                                       DYNAMIC ? tile / n_qblk : bh, heads, kv_group, nq, nk);
+    int2 at = make_int2(qblk, bh);
+    if constexpr (DYNAMIC) {
+      at = CAUSAL && sections ? causal_tile(tile, n_qblk, total / n_qblk, kv_group, nk, kv_row_bytes)
+                              : make_int2(tile % n_qblk, tile / n_qblk);
+    }
+    WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(at.x, at.y, heads, kv_group, nq, nk);
     if constexpr (KEYLESS_TILE) w.ntiles = max(1, w.ntiles);
     return w;
   }
