@@ -310,6 +310,32 @@ def test_sm90_causal_blocks_from_the_end_and_consumers_at_their_own_diagonal(dty
         _assert_within_budget(compare(o, lse, ref_o, ref_lse), problem, f"{problem.key} {params}")
 
 
+@pytest.mark.parametrize("mask", ["causal", "causal_br"])
+def test_sm90_causal_work_in_sections_of_heads(mask):
+    """Causal work tiles by sections of heads (tile_scheduler.cuh's causal_tile): at d=256 with
+    5.5k-8k keys two K/V heads' K/V fill a section, so 6 query heads on 3 K/V heads make sections
+    of 4 heads and a last, narrower one of 2, across the batch's boundary with B=2. Every block
+    runs once (O NaN-poisoned), on the grid and persistent, and a persistent CTA's later tiles come
+    in the sections' order."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.reference import compare
+
+    fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
+    n = rng.randint(5500, 8192)
+    problem = Problem(rng.choice([1, 2]), 6, n, n, 256, "bf16", mask, 3)
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    points = fam.valid_points(gpu, problem)
+    picks = [rng.choice(group) for group in ([p for p in points if not p["persistent"]], [p for p in points if p["persistent"]])
+             if group]
+    assert picks
+    q, k, v, ref_o, ref_lse = _inputs_and_reference(rng, problem)
+    for params in picks:
+        o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True)
+        _assert_within_budget(compare(o, lse, ref_o, ref_lse), problem, f"{problem.key} {params}")
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_chained_work_tiles(dtype, causal):
