@@ -190,9 +190,11 @@ def test_kvcache_operator_opcheck_with_a_cpu_stand_in():
 
 
 def test_stages_come_as_tensor_map_boxes_where_a_box_can_hold_them():
-    """KV_TMA: dense caches or packed sequences, d a multiple of 64 (the boxes' 64-column panels),
-    at most 256 keys a stage (one box); pages keep cp.async. The kernel's arguments carry K's and
-    V's maps either way (empty where unread), so the launch's layout does not depend on it."""
+    """KV_TMA: dense caches or packed sequences at d=64 or 128 (one or two 64-column panels; d=256
+    spills with the zeroing of the rows past a sequence), at most 256 keys a stage (one box); pages
+    row by row keep cp.async (flash_decode_paged_boxes is the pages' boxes form). The kernel's
+    arguments carry K's and V's maps either way (empty where unread), so the launch's layout does
+    not depend on it."""
     from tuner.kernel_templates.flash_decode import VARLEN_FAMILY
 
     p = dict(Bc=32, warps=4, stages=2, MT=1, splits=0)
