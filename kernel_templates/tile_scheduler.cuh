@@ -2,11 +2,12 @@
 //
 // Order: batch-heads one after another, query blocks fastest within each, so the CTAs running at
 // once share a few heads' K/V in L2 (heads fastest made every CTA stream its own K/V: 10-33%
-// slower). Causal goes by sections instead (causal_tile): as many heads as keep their K/V within
-// L2_SECTION_BYTES, and within a section the heaviest query blocks of all its heads first, longest
-// processing time first: head after head, the last head's heaviest block started when the rest
-// of the work was nearly done and ran alone at the end (B1-H32-N2048 causal: a 16-tile block
-// starting with about one tile of work per SM left). Each query block runs ordered as before: where
+// slower). Causal, where batch x heads is at most the SM count (causal_sections), goes by sections
+// instead (causal_tile): as many heads as keep their K/V within L2_SECTION_BYTES, and within a
+// section the heaviest query blocks of all its heads first, longest processing time first: head
+// after head, the last head's heaviest block started when the rest of the work was nearly done
+// and ran alone at the end (B1-H32-N2048 causal: a 16-tile block starting with about one tile of
+// work per SM left). Each query block runs ordered as before: where
 // the kernel can (FROM_END) its blocks are aligned to the end of the sequence: a ragged block is
 // the first rows, the one block that needs a single K/V tile, and its rows before row 0 do nothing
 // (TMA fills Q's with zeros, the causal mask hides every key from them, no O or LSE is written for
@@ -56,7 +57,7 @@ FT_DEVICE int sm_count() {
 // With more, each head's blocks are a small part of a wave and the heads-in-turn order already
 // ends on light blocks; there sections measured 0.93-0.99x on the H100 (B8-H25 and B16-H32 at
 // N=1024, persistent), where with fewer they measured 1.00-1.39x (GQA prefill at N=2048-8192,
-// d=256; benchmarks/PERF_NOTES.md, "LPT").
+// d=256; benchmarks/PERF_NOTES.md, "l1, l2").
 FT_DEVICE bool causal_sections(int bhs) { return bhs <= sm_count(); }
 
 // K/V bytes a causal section's heads may span (L2 holds 50 MB on the H100, 40 on the A100; a
