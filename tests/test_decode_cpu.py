@@ -76,7 +76,8 @@ def test_packed_rows_decide_the_row_tiles():
 
 
 def test_paged_variant_differs_in_its_defines_alone():
-    """Pages, and so no tensor maps (a page table's rows are not a box of the cache)."""
+    """The row-by-row pages form: PAGED, and no tensor maps (flash_decode_paged_boxes is the
+    form that reads pages as boxes)."""
     params = FAM.default(H100_SXM, LLAMA_DECODE)
     a, b = FAM.render(params, LLAMA_DECODE).splitlines(), PAGED.render(params, LLAMA_DECODE).splitlines()
     assert [(x, y) for x, y in zip(a[1:], b[1:]) if x != y] == [("#define KV_TMA 1", "#define KV_TMA 0"),
@@ -203,6 +204,24 @@ def test_stages_come_as_tensor_map_boxes_where_a_box_can_hold_them():
     assert not FAM.kv_tma(dict(p, Bc=64, warps=8), 128)   # 512 keys a stage
     assert not PAGED.kv_tma(p, 128) and VARLEN_FAMILY.kv_tma(p, 128)
     assert FAM.param_kinds(p)[-2:] == ("tmap", "tmap") == PAGED.param_kinds(p)[-2:]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_boxes_form_compiles_without_spills(arch, d):
+    """flash_decode_paged_boxes, which the family sweep (tests/test_compile.py) does not reach: every
+    seed at d=64 and 128 compiles for sm_80 (cp.async only) and sm_90a (the page boxes, issued by warp
+    0's lanes, and the zeroing of V rows past a sequence), with no spills."""
+    from tuner.compile import compile_kernel
+    from tuner.kernel_templates.flash_decode import PAGED_BOXES
+
+    gpu = H100_SXM if arch == "sm_90a" else A100_SXM
+    problem = replace(LLAMA_DECODE, head_dim=d, seqlen_q=4)
+    seeds = [p for p in FAM.seeds(gpu, problem) if FAM.check(p, gpu, problem) is None and PAGED_BOXES.kv_tma(p, d)]
+    assert len(seeds) >= 4
+    for params in seeds:
+        ck = compile_kernel(PAGED_BOXES, params, problem, arch)
+        assert ck.resources.registers > 0 and ck.resources.spill_bytes == 0 and ck.resources.stack_bytes == 0, (params, ck.log)
 
 
 def test_pages_come_as_boxes_where_their_size_fits_a_stage():
