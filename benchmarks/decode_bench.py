@@ -201,7 +201,7 @@ def main() -> int:
             for size in (int(x) for x in args.page.split(",") if x):
                 kp, vp, table = paged(size, k, v, g)
                 fns[f"pages{size}_rows"], outs[f"pages{size}_rows"] = ours_paged(PAGED, best, problem, gpu, q, kp, vp, table)
-                if PAGED_BOXES.kv_tma(best, 128) and PAGED_BOXES.page_fits(best, size):
+                if PAGED_BOXES.kv_tma(best, problem.head_dim) and PAGED_BOXES.page_fits(best, size):
                     fns[f"pages{size}_boxes"], outs[f"pages{size}_boxes"] = ours_paged(PAGED_BOXES, best, problem, gpu,
                                                                                       q, kp, vp, table)
                 del kp, vp, table

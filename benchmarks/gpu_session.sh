@@ -89,7 +89,8 @@ for step in $steps; do
           fi
           gzip -c /tmp/flashtune/results.db > "$OUT/ship.db.gz" ;;&
     decode) # the issue-23 figures: decode against a KV cache beside SDPA cuDNN, SDPA flash and FA4, as TB/s;
-            # then a chunked prefill (512 queries after 3584 cached keys), searched and benched beside them
+            # then a chunked prefill (512 queries after 3584 cached keys), searched and benched beside them.
+            # DECODE_ARGS adds decode_bench.py's options, e.g. "--page 16,64,256" (the cache as pages too)
             python3 benchmarks/decode_bench.py ${DECODE_ARGS:-} --json "$OUT/decode.json" 2>&1 | grep -v Warning | tee "$OUT/decode.log"
             chunk="--shape ${CHUNK_SHAPE:-8,32:8,512:4096,128,causal_br} --dtype bf16"
             tuner search --gpu auto $chunk --family flash_fwd_sm90 --trials ${TRIALS:-40} --timeout ${CHUNK_TIMEOUT:-150} \
