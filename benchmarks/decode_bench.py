@@ -60,27 +60,31 @@ def screened(fam, problem, gpu, q, k, v, screen) -> dict:
     return json.loads(min(t, key=t.get))
 
 
-def ours(fam, params, problem, gpu, q, k, v):
-    """A launch of one config on these inputs (compiled, loaded, arguments packed), and its O."""
+def ours(fam, params, problem, gpu, q, k, v, table=None):
+    """A launch of one config on these inputs (compiled, loaded, arguments packed), and its O; with a
+    block `table`, k and v are the pages of a paged family's cache (paged())."""
     import torch
 
     from tuner.compile import compile_kernel
-    from tuner.launch import LoadedKernel, raw_stream
-
-    from tuner.launch import LaunchError
+    from tuner.launch import LaunchError, LoadedKernel, raw_stream
 
     ck = compile_kernel(fam, params, problem, gpu.arch)
     launch = fam.launch(params, problem, gpu)
     loaded, kinds = LoadedKernel.load(ck, launch.smem_bytes, gpu.index), fam.param_kinds(params)
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
-    args = fam.kernel_args(params, q, k, v, o, lse, 1.0 / math.sqrt(problem.head_dim))
+    scale = 1.0 / math.sqrt(problem.head_dim)
+    if table is None:
+        args = fam.kernel_args(params, q, k, v, o, lse, scale)
+    else:
+        args = fam.cache_args(params, launch, q, k, v, o, lse, scale, problem.seqlen_k, None, table)
     try:
         launcher = loaded.launcher(launch, kinds)
     except LaunchError:   # a variant's older kernel, whose parameters end before K's and V's maps
         launcher, args = loaded.launcher(launch, kinds[:-2]), args[:-2]
     stream = raw_stream(gpu.index)
-    return (lambda keep=(o, lse): launcher(stream, *args)), o   # the kernel writes o and lse: they live as long as it
+    # the kernel writes o and lse and reads the pages: they live as long as the launch does
+    return (lambda keep=(o, lse, k, v, table): launcher(stream, *args)), o
 
 
 def paged(page_size: int, k, v, g):
@@ -101,24 +105,6 @@ def paged(page_size: int, k, v, g):
         pages[order] = rows.view(b * per, page_size, hk, d)
         out.append(pages.transpose(1, 2))
     return out[0], out[1], table
-
-
-def ours_paged(fam, params, problem, gpu, q, kp, vp, table):
-    """A launch of one config of a paged family on these pages, and its O."""
-    import torch
-
-    from tuner.compile import compile_kernel
-    from tuner.launch import LoadedKernel, raw_stream
-
-    ck = compile_kernel(fam, params, problem, gpu.arch)
-    launch = fam.launch(params, problem, gpu)
-    launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, fam.param_kinds(params))
-    o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device="cuda")
-    args = fam.cache_args(params, launch, q, kp, vp, o, lse, 1.0 / math.sqrt(problem.head_dim), problem.seqlen_k,
-                          None, table)
-    stream = raw_stream(gpu.index)
-    return (lambda keep=(o, lse, kp, vp, table): launcher(stream, *args)), o
 
 
 def peers(problem, q, k, v) -> dict:
@@ -200,10 +186,11 @@ def main() -> int:
             outs = {}
             for size in (int(x) for x in args.page.split(",") if x):
                 kp, vp, table = paged(size, k, v, g)
-                fns[f"pages{size}_rows"], outs[f"pages{size}_rows"] = ours_paged(PAGED, best, problem, gpu, q, kp, vp, table)
+                forms = {"rows": PAGED}
                 if PAGED_BOXES.kv_tma(best, problem.head_dim) and PAGED_BOXES.page_fits(best, size):
-                    fns[f"pages{size}_boxes"], outs[f"pages{size}_boxes"] = ours_paged(PAGED_BOXES, best, problem, gpu,
-                                                                                      q, kp, vp, table)
+                    forms["boxes"] = PAGED_BOXES
+                for form, paged_fam in forms.items():
+                    fns[f"pages{size}_{form}"], outs[f"pages{size}_{form}"] = ours(paged_fam, best, problem, gpu, q, kp, vp, table)
                 del kp, vp, table
             others = peers(problem, q, k, v)
             fns |= {n: fn for n, (fn, _) in others.items()}

@@ -15,13 +15,12 @@
 // k_sb / v_sb are then the page strides) costs one table read per row. `seqused_k` (where not null)
 // gives each sequence its own number of valid keys; the causal diagonal is that length's.
 // KV_TMA (d of 64 or 128, at most 256 keys a stage; pages where their size and a stage's divide
-// one another) on sm_90
-// and later: one thread
-// brings a stage in with the copy engine (a box of 64 columns x TK rows of K and of V per 64
-// columns, 128-byte swizzled, counted on the stage's mbarrier; rows past the cache read as zeros,
-// a packed sequence's rows past its end are the next one's: finite, and masked like any past nk_b).
-// cp.async's 16-byte loads, tracked by the SM's load units, read K/V below the copy bandwidth
-// that the tensor-map peers reach.
+// one another) on sm_90 and later: a stage comes in through the copy engine, as boxes of 64
+// columns x TK rows of K and of V per 64 columns (pages: a box per page, issued by warp 0's lanes),
+// 128-byte swizzled, counted on the stage's mbarrier. Rows past a sequence's keys come as the
+// tensor holds them (an unwritten cache tail, the next packed sequence), so each warp zeroes its V
+// rows there before P V. cp.async's 16-byte loads, tracked by the SM's load units, read K/V below
+// the copy bandwidth that the tensor-map peers reach.
 //
 // VARLEN (common.cuh): packed sequences, each with its own queries (up to nq) and keys; the grid
 // is the longest sequence's row blocks, a sequence's extra ones exit at once.

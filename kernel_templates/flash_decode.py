@@ -294,14 +294,13 @@ class PagedFlashDecode(FlashDecode):
         return False   # any page size: rows one by one through the table
 
 
-class PagedBoxesFlashDecode(PagedFlashDecode):
-    """flash_decode_paged with each page's rows as tensor-map boxes on sm_90+, for page sizes that a
-    stage's rows divide or are divided by, in whole 8-row swizzle atoms (`page_fits`)."""
+class PagedBoxesFlashDecode(FlashDecode):
+    """flash_decode on a paged KV cache with each page's rows as tensor-map boxes on sm_90+ (the
+    family's kv_tma), for page sizes that a stage's rows divide or are divided by, in whole 8-row
+    swizzle atoms (`page_fits`); flash_decode_paged takes the other page sizes. Not searched either."""
 
     name = "flash_decode_paged_boxes"
-
-    def kv_tma(self, params: dict, head_dim: int) -> bool:
-        return FlashDecode.kv_tma(self, params, head_dim)
+    paged = True
 
     @staticmethod
     def page_fits(params: dict, page_size: int) -> bool:
