@@ -186,18 +186,19 @@ FT_DEVICE Sequence sequence_of(const int* cu_q, const int* cu_k, int b) {
 #endif
 
 // VARLEN: (sequence, its query block) of a head's block j, sequence b owning the next
-// ceil(n_b / ROWS) blocks after those of the ones before it; (-1, 0) past the last. Warp 0 walks
-// the offsets 32 sequences at a time (a prefix sum by shuffles); every thread gets the answer
-// through shared memory, so all of the block must call it.
+// ceil(n_b / ROWS) blocks after those of the ones before it; (-1, 0) past the last. With `per`
+// CTAs a block (a launch's heads), j counts those CTAs and the second value is the place among
+// the sequence's blocks x per. Warp 0 walks the offsets 32 sequences at a time (a prefix sum by
+// shuffles); every thread gets the answer through shared memory, so all of the block must call it.
 template <int ROWS>
-FT_DEVICE int2 varlen_block(const int* cu_q, int nseq, int j) {
+FT_DEVICE int2 varlen_block(const int* cu_q, int nseq, int j, int per = 1) {
   __shared__ int2 found;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     int2 r = make_int2(-1, 0);
     for (int s0 = 0, before = 0; s0 < nseq; s0 += 32) {
       const int s = s0 + lane;
-      const int blocks = s < nseq ? (cu_q[s + 1] - cu_q[s] + ROWS - 1) / ROWS : 0;
+      const int blocks = s < nseq ? (cu_q[s + 1] - cu_q[s] + ROWS - 1) / ROWS * per : 0;
       int upto = blocks;   // inclusive prefix over the chunk
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {

@@ -38,7 +38,7 @@
 // VARLEN (common.cuh): packed sequences of their own lengths, read through maps of the packed
 // tensors at each sequence's first row; rows a tile reads past its sequence are the next one's,
 // masked like the keys past N (K) or computed and never stored (Q). Grid schedule (one CTA per
-// query block of each sequence, varlen_block), ordinary O stores.
+// query block of each sequence and head, sequence after sequence: varlen_block), ordinary O stores.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN;
@@ -508,12 +508,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   const Tiles sm(smem_raw);
   Barriers& bar = *sm.bar;
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0);   // warp-uniform
-  // the batch's lengths, or (VARLEN: one work tile per CTA, blockIdx (x, y) = (block of all the
-  // sequences' query blocks, head)) this CTA's sequence's
+  // the batch's lengths, or (VARLEN: one work tile per CTA) this CTA's sequence's. VARLEN's order
+  // (the launch's, x fastest): sequence after sequence, each one's query blocks heaviest first
+  // (qblk 0, work_tile's last rows), the heads fastest (a K/V group's heads together, one
+  // sequence's K/V in L2). Head after head over every sequence's blocks left the last head's long
+  // sequences' heavy blocks to the end: 1.12-1.18 of the ideal time at d=64 and d=256 in a
+  // list-scheduling model, 1.02-1.04 this way (benchmarks/PERF_NOTES.md, "v1, v2").
 #if VARLEN
-  const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x);
+  const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x + blockIdx.y * gridDim.x, heads);
   if (blk.x < 0) return;
-  const int qblk = blk.y, bh = blk.x * heads + blockIdx.y;
+  const int qblk = blk.y / heads, bh = blk.x * heads + blk.y % heads;
   const bool sections = false;   // one work tile per CTA, placed by varlen_block
 #else
   const int2 blk = make_int2(0, 0);
