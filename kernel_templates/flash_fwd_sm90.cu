@@ -513,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   // (qblk 0, work_tile's last rows), the heads fastest (a K/V group's heads together, one
   // sequence's K/V in L2). Head after head over every sequence's blocks left the last head's long
   // sequences' heavy blocks to the end: 1.12-1.18 of the ideal time at d=64 and d=256 in a
-  // list-scheduling model, 1.02-1.04 this way (benchmarks/PERF_NOTES.md, "v1, v2").
+  // list-scheduling model, 1.02-1.04 this way (benchmarks/PERF_NOTES.md, "v5, v6").
 #if VARLEN
   const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x + blockIdx.y * gridDim.x, heads);
   if (blk.x < 0) return;
