@@ -352,6 +352,38 @@ def test_bench_replays_a_recording(cli, tmp_path):
     assert len({r["run_id"] for r in got}) == 1   # one bench, one run
 
 
+def test_bench_json_keeps_the_rows_measured_before_a_failure(tmp_path, monkeypatch):
+    """`tuner bench --json` writes its rows after every problem: a run that dies on its third
+    problem (a killed call, a crashed peer) keeps the two it measured, and no temporary file."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from tuner.bench import Bench
+    from tuner.cli import app
+
+    fixture = Path(__file__).parent / "fixtures" / "h100_simt.db"
+    real, calls = Bench.best, []
+
+    def best(self, problem, *args, **kwargs):
+        calls.append(problem.key)
+        if len(calls) == 3:
+            raise RuntimeError("the GPU went away")
+        return real(self, problem, *args, **kwargs)
+
+    monkeypatch.setattr(Bench, "best", best)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(app, ["bench", "--replay", str(fixture), "--db", f"sqlite:///{tmp_path / 'b.db'}",
+                                 "--shape", "2,4,512,64,causal", "--shape", "2,4,512,64", "--shape", "3,4,500,64",
+                                 "--json", str(out)])
+    assert r.exit_code != 0 and len(calls) == 3
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["seqlen_q"] for row in rows] == [512, 512] and rows[0]["tuned_tflops"] > 0
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".part"] == []
+
+
 def test_submit_takes_the_problems_search_takes(cli, tmp_path):
     """`tuner submit` queues what `tuner search` would tune: model-table names with --seqlen, a
     recording of `tuner record`, a config.json and shapes, one job per (problem, family)."""

@@ -368,7 +368,7 @@ def bench(
     from .bench import Bench
     from .db import queries
     from .db.engine import make_engine, session_factory
-    from .peers import FA4, MEASURED_PEERS, fa4_missing, peer_dtype
+    from .peers import FA4, MEASURED_PEERS, fa4_missing
 
     family = _value(family)
     if unknown := [x for x in peer if x not in MEASURED_PEERS]:
@@ -397,18 +397,27 @@ def bench(
             r = b.best(p, best.get(p.key), tuple(peer) or None)
             results.append(r)
             console.print(f"{p.key}: {r.best.tflops if r.best and r.best.tflops else float('nan'):.1f} TFLOP/s")
+            if json_out:   # after every problem: a run cut short keeps what it measured
+                _write_bench_json(json_out, g, results)
     finally:
         runner.close()
     console.print(_summary_table(results, f"bench: tuned best vs torch SDPA on {g.name} ({time.strftime('%Y-%m-%d')})"))
-    if json_out:
-        rows = [{**r.problem.to_dict(), "family": r.family, "config": r.best_params,
-                 "tuned_tflops": r.best.tflops if r.best else None, "peer_dtype": peer_dtype(r.problem),
-                 **{f"{k}_tflops": m.tflops for k, m in r.peers.items()},
-                 "tuned_ms": _spread(r.best), **{f"{k}_ms": _spread(m) for k, m in r.peers.items()}}
-                for r in results]
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"gpu": g.name, "gpu_key": g.key, "date": time.strftime("%Y-%m-%d"),
-                                        "rows": rows}, indent=1))
+
+
+def _write_bench_json(path: Path, gpu, results) -> None:
+    """The bench's rows so far as JSON, replacing `path` whole (a reader never sees half a file)."""
+    from .peers import peer_dtype
+
+    rows = [{**r.problem.to_dict(), "family": r.family, "config": r.best_params,
+             "tuned_tflops": r.best.tflops if r.best else None, "peer_dtype": peer_dtype(r.problem),
+             **{f"{k}_tflops": m.tflops for k, m in r.peers.items()},
+             "tuned_ms": _spread(r.best), **{f"{k}_ms": _spread(m) for k, m in r.peers.items()}}
+            for r in results]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps({"gpu": gpu.name, "gpu_key": gpu.key, "date": time.strftime("%Y-%m-%d"), "rows": rows},
+                              indent=1))
+    tmp.replace(path)
 
 
 def _served(lookup: Path, problems, gpu) -> dict:
