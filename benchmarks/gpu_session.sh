@@ -24,8 +24,14 @@ set -o pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 WHEELS=${WHEELS:-.whl}   # the carried wheels: our runtime deps (../shared/device/wheelhouse.sh), FA4's too where brought
 if [ -d "$WHEELS" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl 2>/dev/null \
-    && export PYTHONPATH=/tmp/site:$PYTHONPATH || exit 1
+  # once per machine and set of wheels: installing again on a warm machine (--upgrade) would replace
+  # the FA4 compiler library that an earlier call unpacked into the same folder
+  stamp=/tmp/site/.wheels-$(ls "$WHEELS" | md5sum | cut -c1-12)
+  if [ ! -f "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl 2>/dev/null \
+      && rm -f /tmp/site/.fa4-cu13 && touch "$stamp" || exit 1
+  fi
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 # flashtune itself, from this working tree (no network there: no build isolation, no deps)
 python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-ft . 2>&1 | grep -v WARN
@@ -105,24 +111,17 @@ for step in $steps; do
           --json "$OUT/ab.json" 2>&1 | grep -v Warning | tee "$OUT/ab.log" ;;&
     varlen) # issue 23's varlen figure: packed sequences against the same padded, beside FA2's and FA4's varlen
             python3 benchmarks/varlen_bench.py --json "$OUT/varlen.json" 2>&1 | grep -v Warning | tee "$OUT/varlen.log" ;;&
-    fa4bench) # the issue-22 figure: grid (d=256 tuned here first) and model shapes, served from the lookup,
-              # against SDPA flash, SDPA cuDNN and FlashAttention-4 in the same run
-          grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json
-          shapes() {   # the standard grid of dtype $1 at the head dims that follow, as --shape arguments
-            python3 -c "import sys; from tuner.problem import standard_grid as g; print(' '.join(f'--shape {p.batch},{p.heads},{p.seqlen_q},{p.head_dim}' + (',causal' if p.causal else '') for p in g(sys.argv[1]) if str(p.head_dim) in sys.argv[2:]))" "$@"; }
-          if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100 80GB HBM3"; then
-            python3 benchmarks/results_db.py $grid "$TUNER_DB" | tee -a "$OUT/fa4.log"
-          fi
-          for dt in bf16 fp16; do
-            tuner precompile --family flash_fwd_sm90 --dtype $dt --shape 1,8,2048,256 --shape 1,8,2048,256,causal 2>&1 | tail -1
-            timeout 150 python3 -m tuner.cli search --gpu auto --family flash_fwd_sm90 --dtype $dt $(shapes $dt 256) \
-              --trials "${TRIALS:-12}" --timeout 100 --lookup /tmp/flashtune/fa4.json 2>&1 | grep -E "^│" | tee -a "$OUT/fa4.log"
-          done
+    fa4bench) # the issue-22 figure: the standard grid (d=64/128/256) and the model shapes, served from the
+              # shipped lookup of this GPU (FA4_LOOKUP: another), against SDPA flash, SDPA cuDNN and
+              # FlashAttention-4 in the same run; FA4_WHAT narrows it ("bf16 fp16 models")
+          lookup=${FA4_LOOKUP:-tuner/lookups/$(python3 -c 'from tuner.gpu import detect; print(detect().key.replace("/", "_"))').json}
+          shapes() {   # the standard grid of dtype $1, as --shape arguments
+            python3 -c "import sys; from tuner.problem import standard_grid as g; print(' '.join(f'--shape {p.batch},{p.heads},{p.seqlen_q},{p.head_dim}' + (',causal' if p.causal else '') for p in g(sys.argv[1])))" "$1"; }
           models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
-          for what in "bf16:$(shapes bf16 64 128 256)" "fp16:$(shapes fp16 64 128 256)" "models:$models"; do
+          for what in "bf16:$(shapes bf16)" "fp16:$(shapes fp16)" "models:$models"; do
             name=${what%%:*}; args=${what#*:}; dt=$([ "$name" = fp16 ] && echo fp16 || echo bf16)
             case " ${FA4_WHAT:-bf16 fp16 models} " in *" $name "*) ;; *) continue ;; esac
-            timeout ${FA4_BENCH_TIMEOUT:-200} python3 -m tuner.cli bench --gpu auto --dtype $dt $args --lookup /tmp/flashtune/fa4.json \
+            timeout ${FA4_BENCH_TIMEOUT:-280} python3 -m tuner.cli bench --gpu auto --dtype $dt $args --lookup "$lookup" \
               --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name.json" 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"
           done ;;&
