@@ -519,20 +519,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   if (blk.x < 0) return;
   const int qblk = blk.y / heads, bh = blk.x * heads + blk.y % heads;
   const bool sections = false;   // one work tile per CTA, placed by varlen_block
+  const int bhs = 0, sec = 0;
 #else
   const int2 blk = make_int2(0, 0);
-  // the grid's tile: causal in sections, the block the hardware hands out in this place of its
+  // causal work in sections of `sec` heads where batch x heads (the grid's y) is at most the SM
+  // count, worked out once here: on the grid the block the hardware hands out in this place of its
   // order (x fastest) is the scheduler's in that place (causal_tile); else (query block, batch-head)
-  const bool sections = IS_CAUSAL && causal_sections(PERSISTENT ? batch * heads : gridDim.y);
+  const int bhs = batch * heads;
+  const bool sections = IS_CAUSAL && causal_sections(bhs);
+  const int sec = sections ? section_heads(bhs, kv_group, nk, KV_ROW_BYTES) : 0;
   const int2 grid_at = IS_CAUSAL && !PERSISTENT && sections
-                           ? causal_tile(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, gridDim.y, kv_group, nk, KV_ROW_BYTES)
+                           ? causal_tile(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, bhs, sec)
                            : make_int2(blockIdx.x, blockIdx.y);
   const int qblk = grid_at.x, bh = grid_at.y;
 #endif
   const Sequence seq = FT_SEQUENCE(blk.x);
   const int n_qblk = (nq + BR - 1) / BR;   // PERSISTENT (never VARLEN): the work tiles are n_qblk x batch-heads
-  const Scheduler sched{qblk, bh, n_qblk, PERSISTENT ? n_qblk * (batch * heads) : 1, heads, kv_group, seq.nq, seq.nk,
-                        KV_ROW_BYTES, sections};
+  const Scheduler sched{qblk, bh, n_qblk, PERSISTENT ? n_qblk * bhs : 1, heads, kv_group, seq.nq, seq.nk, bhs, sec,
+                        sections};
 
   if (tid == 0) {
     bar.q.init(1, CWG * 128);

@@ -64,14 +64,19 @@ FT_DEVICE bool causal_sections(int bhs) { return bhs <= sm_count(); }
 // section's blocks run at once with the next section's first ones)
 constexpr int L2_SECTION_BYTES = 16 << 20;
 
-// Causal work tile `tile` of n_qblk x bhs as (query block, batch-head): sections of whole K/V head
-// groups whose K/V (nk rows of `kv_row_bytes`, K and V) fit L2_SECTION_BYTES, each the heaviest
-// block (qidx 0, work_tile's last rows) of every head in it, then the next heaviest. In 64-byte
+// Query heads per causal section: as many whole K/V head groups as keep their K and V (nk rows of
+// `kv_row_bytes` each) within L2_SECTION_BYTES, at least one; all `bhs` where they fit. In 64-byte
 // units, so that the arithmetic stays 32-bit (a 64-bit division is a called routine).
-FT_DEVICE int2 causal_tile(int tile, int n_qblk, int bhs, int kv_group, int nk, int kv_row_bytes) {
+FT_DEVICE int section_heads(int bhs, int kv_group, int nk, int kv_row_bytes) {
   const int kv_head = max(1, nk * (kv_row_bytes / 32));   // K and V of one head, 64-byte units
   const int groups = max(1, (L2_SECTION_BYTES / 64) / kv_head);
-  const int sec = groups < bhs / kv_group ? groups * kv_group : bhs;   // query heads
+  return groups < bhs / kv_group ? groups * kv_group : bhs;
+}
+
+// Causal work tile `tile` of n_qblk x bhs as (query block, batch-head): sections of `sec` heads
+// (section_heads), each the heaviest block (qidx 0, work_tile's last rows) of every head in it,
+// then the next heaviest.
+FT_DEVICE int2 causal_tile(int tile, int n_qblk, int bhs, int sec) {
   const int s = tile / (sec * n_qblk), first = s * sec;
   const int width = min(sec, bhs - first), local = tile - first * n_qblk;
   return make_int2(local / width, first + local % width);
@@ -106,15 +111,14 @@ struct TileScheduler {
   int qblk, bh;              // the grid's tile (not DYNAMIC)
   int n_qblk, total;         // query blocks per batch-head; work tiles (DYNAMIC; 1 on the grid)
   int heads, kv_group, nq, nk;
-  int kv_row_bytes;          // a K (or V) row's bytes: causal sections (causal_tile)
+  int bhs, sec;              // DYNAMIC, causal: batch-heads, and heads a section (section_heads, once a launch)
   bool sections;             // DYNAMIC: causal tiles in sections (causal_sections)
 
   FT_DEVICE bool done(int tile) const { return tile >= total; }
   FT_DEVICE WorkTile work(int tile) const {
     int2 at = make_int2(qblk, bh);
     if constexpr (DYNAMIC) {
-      at = CAUSAL && sections ? causal_tile(tile, n_qblk, total / n_qblk, kv_group, nk, kv_row_bytes)
-                              : make_int2(tile % n_qblk, tile / n_qblk);
+      at = CAUSAL && sections ? causal_tile(tile, n_qblk, bhs, sec) : make_int2(tile % n_qblk, tile / n_qblk);
     }
     WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(at.x, at.y, heads, kv_group, nq, nk);
     if constexpr (KEYLESS_TILE) w.ntiles = max(1, w.ntiles);
