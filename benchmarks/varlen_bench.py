@@ -3,7 +3,7 @@
 varlen kernel and FlashAttention-4's varlen call (where installed), bf16, causal self-attention; and a speculative-decoding batch (a few
 queries a sequence against ragged caches) as K/V TB/s.
 
-    python3 benchmarks/varlen_bench.py [--json OUT]
+    python3 benchmarks/varlen_bench.py [--json OUT] [--case WORDS] [--family F] [--variant NAME=DIR ...]
 
 Batches: ragged lengths drawn from a long-tailed mix (documents packed for training, prompts of a
 serving batch), fixed seeds. "useful" TFLOP/s counts each sequence's own causal work only; the
@@ -11,7 +11,11 @@ padded batch (every sequence at the longest length, right-padded: causal rows ne
 padding) does (1 - useful share) more. The bar: varlen time <= padded time x useful share, i.e.
 faster than the padded batch by at least the padding's share. Timed in turns, L2 flushed
 (tuner.timing). Each output is checked against FA2's varlen (max abs difference per run); the
-kernel's correctness against float64 is tests/test_gpu_varlen.py's.
+kernel's correctness against float64 is tests/test_gpu_varlen.py's. `--family F` also times F's
+varlen variant directly, with the config the dispatcher would build from F's seeds (a family the
+dispatcher does not pick on this GPU: flash_fwd_mma on a Hopper), and `--variant NAME=DIR` the same
+kernel (F's, or the dispatcher's choice) compiled from the sources in DIR: a kernel change before
+and after, in turns (benchmarks/ab_kernel.py's --templates for varlen).
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import argparse
 import json
 import random
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 CASES = {   # name: (heads, kv heads, head dim, sequences, length range, seed[, queries per sequence: decode])
     "train docs 32k, H32/kv8 d128": (32, 8, 128, 16, (64, 8192), 1),
@@ -48,7 +55,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--case", action="append", default=[], metavar="WORDS",
                     help="only the cases whose name contains WORDS (repeatable; default: every case)")
+    ap.add_argument("--family", help="also this family's varlen variant, launched directly (its seeds' config)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
+                    help="also the direct kernel compiled from the sources in DIR, named NAME (repeatable)")
     a = ap.parse_args(argv)
+    variants = dict(v.split("=", 1) for v in a.variant)
     gpu = detect()
     timer = Timer(gpu.l2_bytes)
     try:
@@ -79,6 +90,11 @@ def main(argv=None) -> int:
         fns = {"flashtune_varlen": lambda: tuner.attention(q, k, v, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                            max_seqlen_q=longest, max_seqlen_k=longest),
                "flashtune_padded": lambda: tuner.attention(*pads, is_causal=True)}
+        if a.family or variants:
+            from tuner.varlen import padded_problem
+
+            problem = padded_problem(q, k, cu, longest, longest, "causal", "bf16")
+            fns |= direct_kernels(a.family, variants, problem, gpu, q, k, v, cu, cu, longest, longest)
         outs = run_once(with_peers(fns, q, k, v, cu, cu, longest, longest, flash_attn_varlen_func))
         ref = outs["fa2_varlen"]
         got = outs["flashtune_padded"].transpose(1, 2)
@@ -100,7 +116,9 @@ def main(argv=None) -> int:
 
     print(f"\n{gpu.name}: packed sequences, bf16, causal; ms (median), useful TFLOP/s; "
           "bar: varlen ms <= padded ms x useful share")
-    impls = ("flashtune_varlen", "flashtune_padded", "fa2_varlen", "fa4_varlen")
+    extra = [k[:-3] for k in (rows[0] if rows else {}) if k.endswith(" ms") and k[:-3] not in
+             ("flashtune_varlen", "flashtune_padded", "fa2_varlen", "fa4_varlen")]
+    impls = ("flashtune_varlen", "flashtune_padded", "fa2_varlen", "fa4_varlen", *extra)
     print("| case | tokens | longest | useful share | " + " | ".join(impls) + " | varlen / (padded x share) |")
     print("| --- " * (5 + len(impls)) + "|")
     for r in rows:
@@ -123,6 +141,48 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"gpu": gpu.name, "rows": rows}, f, indent=1)
     return 0
+
+
+def direct_kernels(family: str | None, variants: dict, problem, gpu, q, k, v, cu_q, cu_k, mq: int, mk: int) -> dict:
+    """Callables that launch a varlen variant directly: `family`'s (this checkout's sources) and,
+    for each NAME=DIR of `variants`, the same compiled from DIR; the config is the one the
+    dispatcher builds from the family's seeds (`family` None: the family tuner.attention serves)."""
+    import torch
+
+    import seed_resources
+    from tuner import varlen
+    from tuner.compile import compile_kernel
+    from tuner.kernel_templates import FAMILIES, VARLEN_VARIANTS
+    from tuner.launch import LoadedKernel, launch_on
+
+    if family is None:
+        plan = varlen._plan_for(problem, q)
+        if plan.family is None:
+            print(f"  direct: {plan.reason}", file=sys.stderr)
+            return {}
+        variant, params = plan.family, plan.params
+    else:
+        variant = VARLEN_VARIANTS[family]
+        fits = (variant.from_tuned(p, problem) for p in FAMILIES[family].seeds(gpu, problem))
+        params = next((p for p in fits if variant.check(p, gpu, problem) is None), None)
+        if params is None:
+            print(f"  direct: {variant.name} has no config for {problem.key} here", file=sys.stderr)
+            return {}
+    print(f"  direct: {variant.name} {json.dumps(params, sort_keys=True)}", file=sys.stderr)
+    launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
+    out = {}
+    for name, folder in {variant.name if family else "direct": None, **variants}.items():
+        seed_resources._use_templates(folder)
+        ck = compile_kernel(variant, params, problem, gpu.arch)
+        seed_resources._use_templates(None)
+        launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, variant.param_kinds(params))
+        o = torch.empty_like(q)   # each its own O, checked against FA2's
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device="cuda")
+        views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
+        args = variant.varlen_values(variant.arg_maker(params), params, problem, launch.grid, views, lse, None,
+                                     cu_q, cu_k, mq, mk)
+        out[name] = lambda launcher=launcher, args=args, o=o, keep=lse: (launch_on(launcher, gpu.index, *args), o)[1]
+    return out
 
 
 def with_peers(fns: dict, q, k, v, cu_q, cu_k, mq: int, mk: int, fa4_varlen) -> dict:
