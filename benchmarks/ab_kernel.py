@@ -55,7 +55,7 @@ def _compile(args) -> None:
     from tuner.kernel_templates import get_family
 
     folder, problem, params = args
-    seed_resources._use_templates(folder)
+    seed_resources.use_templates(folder)
     compile_kernel(get_family("flash_fwd_sm90"), params, problem, detect().arch)
 
 
@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     for problem, params in points:
         prepared = {}
         for side, folder in sides.items():
-            seed_resources._use_templates(folder)
+            seed_resources.use_templates(folder)
             prepared[side] = prepare_kernel(fam, params, problem, compile_kernel(fam, params, problem, gpu.arch), 0, gpu)
-        seed_resources._use_templates(None)
+        seed_resources.use_templates(None)
         out = measure_prepared(prepared, problem, timer, rounds=a.rounds)
         if not all(m.ok for m in out.values()):
             print(f"{problem.key} {params}: " + "; ".join(f"{k} {m.status} {m.message}" for k, m in out.items()))

@@ -40,13 +40,6 @@ def copy_bandwidth(timer) -> float:
     return 2 * a.numel() * 4 / (t.median_ms * 1e-3) / 1e12
 
 
-def use_templates(folder: str | None) -> None:
-    """Compile from the sources in `folder` from now on (None: the package's own)."""
-    import seed_resources
-
-    seed_resources._use_templates(folder)
-
-
 def screened(fam, problem, gpu, q, k, v, screen) -> dict:
     """The fastest of the family's seeds (splits from the occupancy), then of that seed's split counts."""
     cands = [p for p in fam.seeds(gpu, problem) if fam.check(p, gpu, problem) is None]
@@ -152,6 +145,7 @@ def main() -> int:
     variants = dict(v.split("=", 1) for v in args.variant)
     import torch
 
+    import seed_resources
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.kernel_templates.flash_decode import PAGED, PAGED_BOXES
@@ -179,10 +173,10 @@ def main() -> int:
             fns = {"flashtune": run, "flashtune_default": default}
             configs = {}
             for name, folder in variants.items():
-                use_templates(folder)
+                seed_resources.use_templates(folder)
                 configs[name] = screened(fam, problem, gpu, q, k, v, screen)
                 fns[name] = ours(fam, configs[name], problem, gpu, q, k, v)[0]
-                use_templates(None)
+                seed_resources.use_templates(None)
             outs = {}
             for size in (int(x) for x in args.page.split(",") if x):
                 kp, vp, table = paged(size, k, v, g)

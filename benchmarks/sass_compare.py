@@ -71,7 +71,7 @@ def _compile(folder: str | None, family: str, problem, params) -> tuple[list[str
     from tuner.compile import compile_kernel
     from tuner.gpu import H100_SXM
 
-    seed_resources._use_templates(folder)
+    seed_resources.use_templates(folder)
     ck = compile_kernel(_family(family), params, problem, H100_SXM.arch)
     r = ck.resources
     serialized = " wgmma serialized" if re.search(r"C751[019]", ck.log) else ""

@@ -35,7 +35,7 @@ def problems():
 _PACKAGE_INLINE = []   # the package's own template reader, kept the first time another one replaces it
 
 
-def _use_templates(folder: str | None) -> None:
+def use_templates(folder: str | None) -> None:
     """Render kernels from the sources in `folder` from now on; None: the package's own again."""
     import tuner.family as family
 
@@ -68,7 +68,7 @@ def resources(problem, params: dict) -> tuple[str, dict]:
 
 def _one(args) -> tuple[str, dict]:
     folder, problem, params = args
-    _use_templates(folder)
+    use_templates(folder)
     return resources(problem, params)
 
 

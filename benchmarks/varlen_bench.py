@@ -172,9 +172,9 @@ def direct_kernels(family: str | None, variants: dict, problem, gpu, q, k, v, cu
     launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
     out = {}
     for name, folder in {variant.name if family else "direct": None, **variants}.items():
-        seed_resources._use_templates(folder)
+        seed_resources.use_templates(folder)
         ck = compile_kernel(variant, params, problem, gpu.arch)
-        seed_resources._use_templates(None)
+        seed_resources.use_templates(None)
         launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, variant.param_kinds(params))
         o = torch.empty_like(q)   # each its own O, checked against FA2's
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device="cuda")
