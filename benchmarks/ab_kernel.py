@@ -87,11 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=0.5, help="timed seconds per kernel and config")
     ap.add_argument("--dtype")
     ap.add_argument("--lookup", action="store_true", help="also the shipped lookup's configs")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a parameter of every config (repeatable; e.g. Bc=128 to time a peer's tile)")
     ap.add_argument("--json")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2, help="compiler processes")
     a = ap.parse_args(argv)
     gpu = detect()
     points = [(p, c) for p, c in configs(gpu, a.dtype, a.lookup) if not a.shape or any(s in p.key for s in a.shape)]
+    if a.set:
+        override = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
+        points = list({(p.key, json.dumps(c | override, sort_keys=True)): (p, c | override) for p, c in points}.values())
     sides = {"before": a.templates, "after": None} | dict(v.split("=", 1) for v in a.variant)
     precompile(points, list(sides.values()), a.jobs)
     fam = get_family("flash_fwd_sm90")
