@@ -80,6 +80,10 @@ constexpr bool OWN_TILES = !CHAIN && CWG >= 2 && (IS_CAUSAL || CWG == 3);
 // Causal blocks aligned to the end (tile_scheduler.cuh), but not where O goes out by TMA, whose
 // store box cannot start before row 0 (sm90_epilogue.cuh)
 constexpr bool FROM_END = IS_CAUSAL && !TMA_STORE;
+// The overlapped schedule runs the K/V tiles that need no mask in a loop of their own (Consumer::
+// overlapped_tile), except at d=256 causal persistent, where O's 128 registers a thread and the
+// persistent loop's state left no room for the second loop's bounds (8 bytes spilled).
+constexpr bool PEEL_MASKS = !(HEAD_DIM > 128 && IS_CAUSAL && PERSISTENT);
 constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a 16-row slab per consumer warp
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && ROW_BYTES % 64 == 0, "head dim in whole 64- or 128-byte panels");
@@ -376,10 +380,46 @@ struct Consumer {
     q = QState{it + 1};
   }
 
-  // The schedule of one work tile, overlapped: S of tile t is issued together with P V of tile
-  // t-1, and the softmax of tile t runs while P V is still in flight; O is rescaled only once that
-  // has landed. `chained`: its first S and softmax ran at the last work tile's end. CHAIN: the next
-  // work tile's first S goes out with this one's last P V, which `next` (taken here) names.
+  // K/V tiles [0, clean_tiles()) need no mask on any of this consumer's 64 rows: whole tiles of
+  // keys, all at or before its first row's diagonal.
+  FT_DEVICE int clean_tiles() const {
+    int n = seq.nk / BC;
+    if constexpr (IS_CAUSAL) n = min(n, max(0, w.q0 + cw * 64 + (MASK_BR ? seq.nk - seq.nq : 0) + 1) / BC);
+    return n;
+  }
+
+  // One overlapped K/V tile t >= 1: S of tile t goes out with P V of tile t-1, and the softmax of
+  // tile t runs while P V is still in flight; O is rescaled only once that has landed. MASKED: the
+  // tile may need keys masked. The tiles that never do run without the mask's test, so the loop body
+  // is one block for ptxas, which then waits for P V after the row maxima and the first exp2s; with
+  // the test's branch it hoisted that wait to the top of the softmax's block, and the softmax no
+  // longer ran under P V (ncu on the H100: 13% of the consumers' stall samples on that wait, and
+  // 0.1% on FA4's, whose loop has no mask either; benchmarks/PERF_NOTES.md, "m1").
+  template <bool MASKED> FT_DEVICE void overlapped_tile(int t) {
+    bar.k.wait(kv + t);
+    pv.wait(kv + (t - 1));
+    turn_begin();
+    wgmma_pin(acc.o);
+    wgmma_fence();
+    issue_s(acc.s, q_desc(q), k_desc(kv + t));      // S of tile t
+    issue_pv(acc.o, acc.p, v_desc(kv + (t - 1)));   // O += P V of tile t-1
+    turn_end();
+    wgmma_wait<1>();                                // S of tile t has landed; P V may still run
+    wgmma_pin(acc.s);
+    release_k(t);
+    if constexpr (MASKED) mask(t);
+    softmax_advance(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
+    wgmma_wait<0>();                                // P V of tile t-1 has landed
+    wgmma_pin(acc.o);
+    pv.release(kv + (t - 1));
+    rescale_rows(acc.o, acc.alpha);
+    acc.make_p();
+  }
+
+  // The schedule of one work tile, overlapped: its first S and softmax, then overlapped_tile for
+  // the rest, the tiles that need no mask first. `chained`: its first S and softmax ran at the last
+  // work tile's end. CHAIN: the next work tile's first S goes out with this one's last P V, which
+  // `next` (taken here) names.
   FT_DEVICE void overlapped(int it, bool chained, int& next) {
     if (!chained) {
       bar.k.wait(kv);
@@ -390,26 +430,10 @@ struct Consumer {
       wgmma_wait<0>();
       first_softmax();
     }
-    for (int t = 1; t < own; ++t) {
-      bar.k.wait(kv + t);
-      pv.wait(kv + (t - 1));
-      turn_begin();
-      wgmma_pin(acc.o);
-      wgmma_fence();
-      issue_s(acc.s, q_desc(q), k_desc(kv + t));      // S of tile t
-      issue_pv(acc.o, acc.p, v_desc(kv + (t - 1)));   // O += P V of tile t-1
-      turn_end();
-      wgmma_wait<1>();                                // S of tile t has landed; P V may still run
-      wgmma_pin(acc.s);
-      release_k(t);
-      mask(t);
-      softmax_advance(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
-      wgmma_wait<0>();                                // P V of tile t-1 has landed
-      wgmma_pin(acc.o);
-      pv.release(kv + (t - 1));
-      rescale_rows(acc.o, acc.alpha);
-      acc.make_p();
-    }
+    int t = 1;
+    if constexpr (PEEL_MASKS)
+      for (const int clean = min(own, clean_tiles()); t < clean; ++t) overlapped_tile<false>(t);
+    for (; t < own; ++t) overlapped_tile<true>(t);
     // The last P V (CHAIN: and the next tile's first S). After the CTA's last tile that S is
     // issued all the same, on whatever the buffers hold, and dropped: a test between the wgmma
     // instructions would make ptxas serialize them (C7519).
