@@ -406,6 +406,7 @@ def bench(
 
 def _write_bench_json(path: Path, gpu, results) -> None:
     """The bench's rows so far as JSON, replacing `path` whole (a reader never sees half a file)."""
+    from .files import atomic_write
     from .peers import peer_dtype
 
     rows = [{**r.problem.to_dict(), "family": r.family, "config": r.best_params,
@@ -413,11 +414,8 @@ def _write_bench_json(path: Path, gpu, results) -> None:
              **{f"{k}_tflops": m.tflops for k, m in r.peers.items()},
              "tuned_ms": _spread(r.best), **{f"{k}_ms": _spread(m) for k, m in r.peers.items()}}
             for r in results]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps({"gpu": gpu.name, "gpu_key": gpu.key, "date": time.strftime("%Y-%m-%d"), "rows": rows},
-                              indent=1))
-    tmp.replace(path)
+    doc = {"gpu": gpu.name, "gpu_key": gpu.key, "date": time.strftime("%Y-%m-%d"), "rows": rows}
+    atomic_write(path, json.dumps(doc, indent=1).encode(), suffix=".part")
 
 
 def _served(lookup: Path, problems, gpu) -> dict:

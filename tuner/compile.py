@@ -13,6 +13,7 @@ from functools import cache
 from pathlib import Path
 
 from .family import KernelFamily
+from .files import atomic_write
 from .problem import Problem
 from .records import CompiledKernel, Resources, short_hash
 
@@ -223,18 +224,6 @@ def _read_cache(key: str, family: KernelFamily, arch: str) -> CompiledKernel | N
     return CompiledKernel(cubin=cubin, cached=True, **meta)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write_cache(ck: CompiledKernel) -> None:
     """cubin first, metadata (with the cubin's hash) last: a reader never sees a half entry."""
     cubin_path, meta_path = _paths(ck.key)
@@ -243,7 +232,7 @@ def _write_cache(ck: CompiledKernel) -> None:
     meta.pop("cached")
     meta["cubin_sha"] = short_hash(ck.cubin.hex(), 32)
     try:
-        _atomic_write(cubin_path, ck.cubin)
-        _atomic_write(meta_path, json.dumps(meta).encode())
+        atomic_write(cubin_path, ck.cubin)
+        atomic_write(meta_path, json.dumps(meta).encode())
     except OSError:
         pass  # a read-only cache only costs a recompile next time
