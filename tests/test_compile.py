@@ -112,11 +112,12 @@ def test_every_valid_point_compiles(fam, gpu, params, problem):
     assert 0 < r.registers <= 255, ck.log
     assert r.dynamic_smem == fam.smem_bytes(params, problem) == fam.launch(params, problem, gpu).smem_bytes
     # the resources agree with the cubin itself (cuobjdump), and with ptxas's report where NVRTC gave one
-    from_cubin = resources_from_cubin(ck.cubin)
+    from_cubin = resources_from_cubin(ck.cubin, gpu.arch)
     assert from_cubin is not None and from_cubin.registers == r.registers
     if "Compiling entry function" in ck.log:
         assert f"Compiling entry function '{fam.kernel_name}' for '{gpu.arch}'" in ck.log
         assert parse_ptxas(ck.log).registers == r.registers
+        assert parse_ptxas(ck.log).static_smem == from_cubin.static_smem
 
 
 DEFAULT_PROBLEMS = list(GPT2_FP32) + [Problem(4, 16, 2048, 2048, 128, "fp32", True),
@@ -366,3 +367,23 @@ def test_resources_from_cubin_when_nvrtc_gives_no_report(private_cache, monkeypa
     assert without.resources.registers == with_log.resources.registers > 0
     assert without.resources.spill_bytes == without.resources.stack_bytes == 0
     assert without.resources.dynamic_smem == FAM.smem_bytes(SMALL_PARAMS, SMALL)
+
+
+def test_static_shared_memory_from_cubin_when_nvrtc_gives_no_report(private_cache, monkeypatch):
+    """A varlen kernel's static shared memory (its block's sequence lookup) is read back from the
+    cubin too: with 48 KB of dynamic beside it the launch must opt in, and a static part read as 0
+    let flash_fwd_mma_varlen's 48 KB configs fail with CUDA_ERROR_INVALID_VALUE on the H100."""
+    import tuner.compile as compile_mod
+    from tuner.kernel_templates import VARLEN_VARIANTS
+    from tuner.records import Resources
+
+    fam = VARLEN_VARIANTS["flash_fwd_mma"]
+    problem = Problem(2, 4, 256, 256, 128, "bf16", "none")
+    params = dict(Br=64, Bc=32, warps=4, stages=2, q_regs=0, compute="in")
+    assert fam.check(params, H100_SXM, problem) is None and fam.smem_bytes(params, problem) == 48 * 1024
+    with_log = compile_kernel(fam, params, problem, "sm_90a")
+    monkeypatch.setenv("TUNER_CACHE_DIR", str(private_cache / "again"))
+    monkeypatch.setattr(compile_mod, "parse_ptxas", lambda log: Resources())  # as if the log were empty
+    without = compile_kernel(fam, params, problem, "sm_90a")
+    assert not without.cached
+    assert without.resources.static_smem == with_log.resources.static_smem > 0

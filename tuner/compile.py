@@ -111,17 +111,24 @@ def sass_shape(insn: str) -> str:
     return insn
 
 
-def resources_from_cubin(cubin: bytes) -> Resources | None:
-    """Registers and local memory read back from the cubin, for compiles whose log was empty."""
+def resources_from_cubin(cubin: bytes, arch: str = "") -> Resources | None:
+    """Registers, local and static shared memory read back from the cubin (of `arch`), for
+    compiles whose log was empty."""
     tool = cuobjdump()
     if tool is None:
         return None
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", _run_on_cubin([tool, "--dump-resource-usage"], cubin))
     if not m:
         return None
-    regs, stack, _shared, local = map(int, m.groups())
+    regs, stack, shared, local = map(int, m.groups())
     # ptxas's own split into spill stores/loads is not in the cubin; local memory is what spills use.
-    return Resources(registers=regs, spill_bytes=local, stack_bytes=stack)
+    # The static shared memory (ptxas's "bytes smem") decides whether a launch must opt in past
+    # 48 KB (LoadedKernel.load). An sm_90 cubin counts the 1 KB the driver reserves per block in
+    # it too (cuobjdump 13: SHARED 1024 for a kernel with none, 1040 for ptxas's 16 B), which no
+    # launch asks for.
+    if arch.startswith("sm_9") and shared >= 1024:
+        shared -= 1024
+    return Resources(registers=regs, spill_bytes=local, stack_bytes=stack, static_smem=shared)
 
 
 def cache_key(source: str, arch: str) -> str:
@@ -152,7 +159,7 @@ def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: s
     text = log.getvalue()
     res = parse_ptxas(text)
     if res.registers == 0:  # NVRTC sometimes returns no ptxas report: ask the cubin instead
-        res = resources_from_cubin(bytes(obj.code)) or res
+        res = resources_from_cubin(bytes(obj.code), arch) or res
     res.dynamic_smem = smem
     ck = CompiledKernel(
         key=key,
