@@ -355,15 +355,21 @@ def test_compile_error_raises_with_nvrtc_message(private_cache, monkeypatch):
     assert not list(private_cache.rglob("*.cubin"))  # nothing cached for a failure
 
 
-def test_resources_from_cubin_when_nvrtc_gives_no_report(private_cache, monkeypatch):
+def _with_and_without_report(fam, params, problem, cache, monkeypatch):
+    """One point compiled twice into fresh caches: with ptxas's report, then as if NVRTC gave none."""
     import tuner.compile as compile_mod
     from tuner.records import Resources
 
-    with_log = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_90a")
-    monkeypatch.setenv("TUNER_CACHE_DIR", str(private_cache / "again"))
+    with_log = compile_kernel(fam, params, problem, "sm_90a")
+    monkeypatch.setenv("TUNER_CACHE_DIR", str(cache / "again"))
     monkeypatch.setattr(compile_mod, "parse_ptxas", lambda log: Resources())  # as if the log were empty
-    without = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_90a")
+    without = compile_kernel(fam, params, problem, "sm_90a")
     assert not without.cached
+    return with_log, without
+
+
+def test_resources_from_cubin_when_nvrtc_gives_no_report(private_cache, monkeypatch):
+    with_log, without = _with_and_without_report(FAM, SMALL_PARAMS, SMALL, private_cache, monkeypatch)
     assert without.resources.registers == with_log.resources.registers > 0
     assert without.resources.spill_bytes == without.resources.stack_bytes == 0
     assert without.resources.dynamic_smem == FAM.smem_bytes(SMALL_PARAMS, SMALL)
@@ -373,17 +379,11 @@ def test_static_shared_memory_from_cubin_when_nvrtc_gives_no_report(private_cach
     """A varlen kernel's static shared memory (its block's sequence lookup) is read back from the
     cubin too, as ptxas reports it: beside 48 KB of dynamic (this point) the total is past 48 KB,
     where the driver refuses a launch that did not opt in."""
-    import tuner.compile as compile_mod
     from tuner.kernel_templates import VARLEN_VARIANTS
-    from tuner.records import Resources
 
     fam = VARLEN_VARIANTS["flash_fwd_mma"]
     problem = Problem(2, 4, 256, 256, 128, "bf16", "none")
     params = dict(Br=64, Bc=32, warps=4, stages=2, q_regs=0, compute="in")
     assert fam.check(params, H100_SXM, problem) is None and fam.smem_bytes(params, problem) == 48 * 1024
-    with_log = compile_kernel(fam, params, problem, "sm_90a")
-    monkeypatch.setenv("TUNER_CACHE_DIR", str(private_cache / "again"))
-    monkeypatch.setattr(compile_mod, "parse_ptxas", lambda log: Resources())  # as if the log were empty
-    without = compile_kernel(fam, params, problem, "sm_90a")
-    assert not without.cached
+    with_log, without = _with_and_without_report(fam, params, problem, private_cache, monkeypatch)
     assert without.resources.static_smem == with_log.resources.static_smem > 0
