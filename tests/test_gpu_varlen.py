@@ -83,9 +83,10 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
     from tuner.compile import compile_kernel
     from tuner.gpu import detect
     from tuner.kernel_templates import FAMILIES, VARLEN_VARIANTS
-    from tuner.launch import LoadedKernel, launch_on
+    from tuner.launch import LaunchError, LoadedKernel, launch_on
 
-    gpu, rng = detect(), random.Random()
+    seed = random.randrange(2**32)   # in every failure's message: the draw can be replayed
+    gpu, rng = detect(), random.Random(seed)
     base, variant = FAMILIES[family], VARLEN_VARIANTS[family]
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     if why := variant.supports(gpu, Problem(1, 8, 16, 128, 64, dtype, mask)):   # (16 queries: decode takes them too)
@@ -108,9 +109,13 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
             views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
             args = variant.varlen_values(variant.arg_maker(params), params, problem, launch.grid, views, lse, scale,
                                          cu_q, cu_k, max(lens_q), max(lens_k))
-            launch_on(launcher, gpu.index, *args)
+            what = (f"{variant.name} {params} d{d} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask} "
+                    f"scale {scale} (seed {seed}, {launch})")
+            try:
+                launch_on(launcher, gpu.index, *args)
+            except LaunchError as exc:
+                raise AssertionError(f"{what}: {exc}") from exc
             torch.cuda.synchronize()
-            what = f"{variant.name} {params} d{d} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask}"
             _check_sequences(o, lse, q, k, v, lens_q, lens_k, mask, dtype, 1 / math.sqrt(d) if scale is None else scale,
                              what)
 
