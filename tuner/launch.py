@@ -280,10 +280,10 @@ class LoadedKernel:
         with torch.cuda.device(device_index):   # the caller's current device is left as it was
             Device(device_index).set_current()
             kernel = ObjectCode.from_cubin(ck.cubin).get_kernel(ck.kernel_name)
-            # past 48 KB in all (the kernel's static shared memory too: a varlen kernel's 8 B
+            # past 48 KB in all (the kernel's static shared memory too: a varlen kernel's 16 B
             # beside 48 KB of dynamic is refused without it) a kernel must opt in. Every kernel
             # with dynamic shared memory opts in, once per load: the static part is not always
-            # known (compile cache entries read back from a cubin before it was kept: 0)
+            # known (compile cache entries read back from a cubin before it was kept say 0)
             if smem_bytes:
                 _set_max_dynamic_smem(kernel, smem_bytes, device_index)
             function = _context_function(kernel.handle)
