@@ -52,6 +52,48 @@ def test_reference_is_the_definition(mask, nq, nk):
     assert torch.isfinite(o).all() and (o[empty.unsqueeze(-1).expand_as(o)] == 0).all()
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 3, 5])
+def test_chunks_and_gqa_groups_need_not_line_up(monkeypatch, chunk_rows):
+    """The reference runs a few (batch, head) rows at a time, each reading its own K/V head: chunks
+    of 1, 3 or 5 of the 2 x 8 query heads (4 per K/V head, 2 K/V heads) cut across groups and
+    batches, and still give the definition."""
+    import tuner.reference as reference
+
+    nq, nk, d = 3, 11, 16
+    monkeypatch.setattr(reference, "_CHUNK_BYTES", chunk_rows * 8 * (2 * nq * nk + 2 * nk * d + 2 * nq * d))
+    q, k, v = _inputs(nq, nk, h=8, hk=2, d=d)
+    o, lse = attention_fp64(q, k, v, "causal_br", 0.3)
+    want_o, want_lse = _row_by_row(q, k, v, "causal_br", 0.3)
+    torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_a_long_decode_batch_stays_within_the_chunk_budget(monkeypatch):
+    """A decode step as a search measures it (32 query heads on 8 K/V heads, one query against many
+    keys) is checked a chunk at a time: no float64 copy of all the K/V heads, nor of K/V repeated per
+    query head (B32 x 32768 keys: 34 GB, where tuning such a problem on the H100 ran out of memory).
+    Here at 1/8 of the real budget, on two sequences of 8192 keys."""
+    import tuner.reference as reference
+
+    budget = reference._CHUNK_BYTES // 8
+    monkeypatch.setattr(reference, "_CHUNK_BYTES", budget)
+    b, h, hk, nk, d = 2, 32, 8, 8192, 128
+    q = torch.randn(b, h, 1, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, hk, nk, d, dtype=torch.bfloat16) for _ in range(2))
+    seen, real_matmul = [], torch.matmul
+
+    def matmul(x, y):
+        seen.append(x.numel() * x.element_size() + y.numel() * y.element_size())
+        return real_matmul(x, y)
+
+    monkeypatch.setattr(torch, "matmul", matmul)
+    o, lse = attention_fp64(q, k, v, "causal_br", d ** -0.5)
+    monkeypatch.setattr(torch, "matmul", real_matmul)
+    assert len(seen) > 2 and max(seen) <= budget   # several chunks, each within the budget
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("nq,nk", [(5, 9), (7, 7), (9, 5)])
 @pytest.mark.filterwarnings("ignore:Lower right causal bias")
 def test_masks_agree_with_sdpa(nq, nk):

@@ -39,27 +39,30 @@ def hidden_keys(nq: int, nk: int, mask: bool | str, device=None):
 def attention_fp64(q, k, v, mask: bool | str, scale: float):
     """O and LSE in float64 for (B, H, N, D) tensors; K/V heads broadcast for GQA. `mask` is a
     problem's mask (a bool: SDPA's is_causal). A row that sees no key at all (bottom-right with
-    Nq > Nk) has O = 0 and LSE = -inf (the log of an empty sum), what every kernel must write."""
+    Nq > Nk) has O = 0 and LSE = -inf (the log of an empty sum), what every kernel must write.
+    Computed a few (batch, head) pairs at a time, so that the float64 scores and the float64 copies of
+    their K and V stay within _CHUNK_BYTES; each query head reads its K/V head in place (a decode
+    batch of 32 x 32 heads against 32768 keys would otherwise copy 34 GB of float64 K at once)."""
     import torch
 
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    if hk != h:
-        k = k.repeat_interleave(h // hk, dim=1)
-        v = v.repeat_interleave(h // hk, dim=1)
-    q2, k2, v2 = (t.reshape(b * h, -1, d) for t in (q, k, v))
+    q2, k2, v2 = q.reshape(b * h, nq, d), k.reshape(b * hk, nk, d), v.reshape(b * hk, nk, d)
+    kv_row = torch.arange(b * h, device=q.device)
+    kv_row = kv_row // h * hk + kv_row % h // (h // hk)   # query (batch, head) -> its K/V (batch, head)
     o = torch.empty(b * h, nq, d, dtype=torch.float64, device=q.device)
     lse = torch.empty(b * h, nq, dtype=torch.float64, device=q.device)
-    step = max(1, _CHUNK_BYTES // (8 * nq * nk))
+    step = max(1, _CHUNK_BYTES // (8 * (2 * nq * nk + 2 * nk * d + 2 * nq * d)))   # scores and their exp, K, V, Q, O
     hidden = hidden_keys(nq, nk, mask, q.device)
     for s in range(0, b * h, step):
         sl = slice(s, s + step)
-        scores = torch.matmul(q2[sl].double(), k2[sl].double().transpose(1, 2)) * scale
+        rows = kv_row[sl]
+        scores = torch.matmul(q2[sl].double(), k2[rows].double().transpose(1, 2)) * scale
         if hidden is not None:
             scores.masked_fill_(hidden, float("-inf"))
         lse[sl] = torch.logsumexp(scores, dim=-1)
         shift = torch.where(torch.isneginf(lse[sl]), 0.0, lse[sl])   # empty rows: exp(-inf) = 0, not NaN
-        o[sl] = torch.matmul(torch.exp(scores - shift[:, :, None]), v2[sl].double())
+        o[sl] = torch.matmul(torch.exp(scores - shift[:, :, None]), v2[rows].double())
     return o.reshape(b, h, nq, d), lse.reshape(b, h, nq)
 
 
