@@ -33,12 +33,17 @@ def row_blocks(params: dict, problem: Problem) -> int:
     return ceil_div(group * problem.seqlen_q, 16 * params["MT"])
 
 
+def ctas_per_split(params: dict, problem: Problem) -> int:
+    """CTAs that share one split of the keys: a CTA per sequence, K/V head and row block."""
+    return problem.batch * problem.kv_heads * row_blocks(params, problem)
+
+
 def auto_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int) -> int:
     """The fewest splits whose last wave of CTAs is nearly as full as the best count's: a partly
     filled last wave leaves SMs idle on a memory-bound kernel (B8 x 8 K/V heads on 132 SMs: 3
     splits are 1.45 waves, 2 splits 0.97), and each split beyond that adds partials to merge.
     Each split keeps at least one stage of keys."""
-    ctas = problem.batch * problem.kv_heads * row_blocks(params, problem)
+    ctas = ctas_per_split(params, problem)
     slots = cta_slots(params, problem, gpu, smem)
     most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, stage_keys(params)), ceil_div(4 * slots, ctas)))
 
@@ -147,6 +152,16 @@ class FlashDecode(KernelFamily):
         ring = 2 * 2 * params["stages"] * stage_keys(params) * d          # K and V, 2-byte elements
         merge = 4 * params["warps"] * rows * (d + 2)                       # the warps' O, m and l in fp32
         return 2 * rows * d + max(ring, merge) + 1024   # + the ring's alignment to 1 KB (the copy engine's swizzle)
+
+    def adapt(self, params: dict, tuned: Problem, problem: Problem) -> dict:
+        """A tuned split count fits the grid it was measured on: served to a problem with another
+        number of CTAs per split (batch x K/V heads x row blocks) or another length bucket, the keys
+        are split from the occupancy instead (B32's one split would leave most of the GPU idle at B8)."""
+        if params["splits"] and (
+                ctas_per_split(params, tuned) != ctas_per_split(params, problem)
+                or tuned.bucket().seqlen != problem.bucket().seqlen):
+            return dict(params, splits=0)
+        return params
 
     def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
         if params["splits"]:
@@ -266,6 +281,11 @@ class VarlenFlashDecode(VarlenVariant, FlashDecode):
 
     def block_rows(self, params: dict) -> int:
         return 16 * params["MT"]
+
+    def from_tuned(self, params: dict, problem: Problem) -> dict:
+        """A tuned split count was measured on equal lengths; a ragged batch takes its own
+        (ragged_splits, from the keys it holds)."""
+        return dict(params, splits=0)
 
     def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int, total_k: int) -> Launch:
         splits = params["splits"] or ragged_splits(params, problem, gpu, self.smem_bytes(params, problem), total_k)

@@ -137,6 +137,38 @@ def test_an_untuned_decode_call_gets_flash_decode_default_not_a_prefill_config(t
     assert _decode_default(replace(LLAMA_DECODE, dtype="fp32"), H100_SXM) is None
 
 
+def test_a_tuned_split_count_serves_only_the_grid_it_was_measured_on(tmp_path):
+    """flash_decode's explicit splits were timed on one grid: the dispatcher serves them to shapes
+    of that many CTAs per split and that length bucket, and splits by the occupancy elsewhere (B32's
+    one split at B8 would use 64 of 132 SMs); a ragged batch always takes its own split count."""
+    from tuner.autotune import shortlist
+    from tuner.dispatch import Dispatcher, served_params
+    from tuner.export import lookup_of, write_lookup
+    from tuner.kernel_templates.flash_decode import VARLEN_FAMILY
+
+    tuned = replace(LLAMA_DECODE, batch=32, seqlen_k=8192)
+    params = dict(FAM.default(H100_SXM, tuned), splits=64)
+    assert FAM.check(params, H100_SXM, tuned) is None
+    path = tmp_path / "lookup.json"
+    write_lookup(lookup_of(H100_SXM.key, [(tuned, FAM.name, params, 1.0)]), path)
+    entry = Dispatcher(path).select(tuned, H100_SXM)
+    assert entry["params"] == params and served_params(entry, tuned) == params
+    same_grid = replace(tuned, seqlen_k=5000)   # one bucket, the same CTAs per split: kept
+    assert served_params(entry, same_grid) == params
+    for other in (replace(tuned, batch=8), replace(tuned, batch=128), replace(tuned, kv_heads=4, heads=16),
+                  replace(tuned, seqlen_k=2048)):
+        served = served_params(entry, other)
+        assert served == dict(params, splits=0), other
+        assert FAM.launch(served, other, H100_SXM).grid[2] == auto_splits(served, other, H100_SXM, FAM.smem_bytes(served, other))
+    # 64 explicit splits of 2048 keys (two octaves away) would be refused: 32 stages; adapted, it serves
+    short = replace(tuned, seqlen_k=2048)
+    assert FAM.check(params, H100_SXM, short) is not None
+    assert Dispatcher(path).select(short, H100_SXM) == entry
+    assert [e["params"] for e in shortlist(replace(tuned, batch=8), H100_SXM, [entry])
+            if e["family"] == FAM.name] == [dict(params, splits=0)]
+    assert VARLEN_FAMILY.from_tuned(params, tuned)["splits"] == 0
+
+
 # ---- flashtune::kvcache_attention: the operator torch.compile traces ----
 
 def test_kvcache_attention_traces_under_compile_fullgraph():

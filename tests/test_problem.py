@@ -192,13 +192,22 @@ def test_decode_buckets_its_queries_from_one():
     """Up to DECODE_QUERIES queries, Nq rounds to a power of two from 1: one token against a cache
     is not bucketed with a prefill of 128 queries, which other configs serve."""
     key = lambda nq: Problem(32, 32, nq, 8192, 128, "bf16", "causal_br", 8).bucket().key
-    assert key(1) == "bf16/d128/causal_br/n1x8192/large"
+    assert key(1) == "bf16/d128/full/n1x8192/large"   # one query on the bottom-right diagonal sees every key
     assert key(3) == key(4) == "bf16/d128/causal_br/n4x8192/large"
     assert key(16) != key(17) and key(64) == "bf16/d128/causal_br/n64x8192/large"
     assert key(65) == key(128) == "bf16/d128/causal_br/n128x8192/large"
     for nq in (1, 2, 5, 16, 64):
         b = Problem(32, 32, nq, 8192, 128, "bf16", "causal_br", 8).bucket()
         assert Bucket.from_key(b.key) == b
+
+
+def test_a_decode_step_is_one_bucket_whatever_mask_says_every_key():
+    """One query: the bottom-right diagonal and no mask are the same attention, so a KV-cache
+    step and SDPA's unmasked call share their tuned configs; top-left causal (key 0 alone) does not."""
+    p = Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 8)
+    assert p.bucket() == replace(p, mask="none").bucket() != replace(p, mask="causal").bucket()
+    assert replace(p, seqlen_q=2).bucket() != replace(p, seqlen_q=2, mask="none").bucket()
+    assert p.mask == "causal_br"   # the problem keeps its mask: the kernel is compiled for it
 
 
 @pytest.mark.parametrize("a,b", [(1024, 1025), (2048, 1024), (128, 129)])

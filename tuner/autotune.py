@@ -47,6 +47,7 @@ def set_autotune(on: bool | None) -> None:
 def shortlist(problem: Problem, gpu: GpuSpec, entries: list[dict]) -> list[dict]:
     """What to time: the first MAX_CONFIGS distinct tuned configs of `entries` (nearest first),
     and every SDPA backend the dispatcher can run that takes the case."""
+    from .dispatch import served_params
     from .records import params_key
     from .torch_attention import takes_problem
 
@@ -54,6 +55,7 @@ def shortlist(problem: Problem, gpu: GpuSpec, entries: list[dict]) -> list[dict]
     for e in entries:
         if e["family"] in DISPATCHED_PEERS or len(configs) >= MAX_CONFIGS:
             continue
+        e = dict(e, params=served_params(e, problem))   # as the dispatcher would run it here
         configs.setdefault((e["family"], params_key(e["params"])), e)
     cc = (gpu.major, gpu.minor)
     peers = [{"family": f, "params": {}} for f, b in DISPATCHED_PEERS.items() if takes_problem(b, problem, cc)]

@@ -216,7 +216,7 @@ class Dispatcher:
         if (backend := DISPATCHED_PEERS.get(e["family"])) is not None:
             return takes_problem(backend, problem, (gpu.major, gpu.minor))
         fam = FAMILIES.get(e["family"])
-        return fam is not None and fam.check(e["params"], gpu, problem) is None
+        return fam is not None and fam.check(served_params(e, problem), gpu, problem) is None
 
     def _plan(self, problem: Problem, device_index: int) -> Plan:
         from .compile import compile_kernel
@@ -240,7 +240,7 @@ class Dispatcher:
         if entry["family"] in DISPATCHED_PEERS:
             return Plan(None, entry["family"], dtype=problem.dtype, out=out, device=device_index,
                         peer=entry["family"], provisional=provisional)
-        fam, params = FAMILIES[entry["family"]], entry["params"]
+        fam, params = FAMILIES[entry["family"]], served_params(entry, problem)
         try:  # a looked-up config that fails to compile or load falls back like a missing one
             ck = compile_kernel(fam, params, problem, gpu.arch)
             launch = fam.launch(params, problem, gpu)
@@ -395,11 +395,22 @@ class Dispatcher:
         return o, lse.contiguous()
 
 
+def served_params(entry: dict, problem: Problem) -> dict:
+    """A kernel entry's config as it serves `problem` (KernelFamily.adapt, from the shape it was
+    tuned on; an entry that does not say which serves its config as it is)."""
+    from .kernel_templates import FAMILIES
+
+    tuned = entry.get("problem")
+    if not tuned:
+        return entry["params"]
+    return FAMILIES[entry["family"]].adapt(entry["params"], Problem.from_dict(tuned), problem)
+
+
 def _decode_default(problem: Problem, gpu) -> dict | None:
-    """flash_decode's default config for a decode call nothing tuned serves: untuned, it still
-    reads each K/V head once for its query heads and splits the keys to fill the GPU (on the H100,
-    0.9x to 3.7x SDPA's best backend over benchmarks/decode_bench.py's shapes), where a prefill
-    config or SDPA would otherwise run it."""
+    """flash_decode's default config for a decode call nothing tuned serves (no entry of its bucket
+    or a nearby one): untuned, it still reads each K/V head once for its query heads and splits the
+    keys to fill the GPU, where a prefill config or SDPA would otherwise run it. The shipped lookups
+    tune the common decode buckets (benchmarks/PERF_NOTES.md "d7")."""
     from .kernel_templates import FAMILIES
 
     fam = FAMILIES.get("flash_decode")

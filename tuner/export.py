@@ -99,7 +99,7 @@ def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
         p = b.problem
         e = {
             "gpu_key": b.gpu_key, "family": b.family, "dtype": p.dtype, "head_dim": p.head_dim,
-            "mask": p.mask, "bucket": b.bucket_key, "params": dict(b.params),
+            "mask": Bucket.from_key(b.bucket_key).mask, "bucket": b.bucket_key, "params": dict(b.params),
             "tflops": float(b.tflops), "median_ms": float(b.median_ms), "problem": p.to_dict(),
         }
         k = _slot(e)

@@ -121,6 +121,12 @@ class KernelFamily(ABC):
             return f"needs {smem} B of shared memory, {gpu.name} allows {gpu.smem_per_block_optin} B per block"
         return None
 
+    def adapt(self, params: dict, tuned: Problem, problem: Problem) -> dict:
+        """A config tuned on `tuned`, as it should serve `problem` (a shape of the same or a nearby
+        bucket). Most configs hold across a bucket as they are; a family with launch parameters
+        sized to the tuned shape (flash_decode's splits) re-derives them."""
+        return params
+
     def default(self, gpu: GpuSpec, problem: Problem) -> dict:
         """The known-good config the search is seeded with: the first seed that passes check."""
         for p in self.seeds(gpu, problem):

@@ -137,7 +137,7 @@ def _plan(problem: Problem, page_size: int, device_index: int) -> _Plan:
     """The launch for a cache call: dense (`page_size` 0), or pages, as tensor-map boxes where
     their size fits a stage's rows (PAGED_BOXES.page_fits), else row by row."""
     from .compile import compile_kernel
-    from .dispatch import default
+    from .dispatch import default, served_params
     from .kernel_templates.flash_decode import FAMILY, PAGED, PAGED_BOXES
     from .launch import LoadedKernel
 
@@ -146,7 +146,7 @@ def _plan(problem: Problem, page_size: int, device_index: int) -> _Plan:
     if why := FAMILY.supports(gpu, problem):
         return _Plan(None, reason=why)
     tuned = [e for _, e in dispatcher.candidates(problem, gpu) if e["family"] == FAMILY.name]
-    params = tuned[0]["params"] if tuned else FAMILY.default(gpu, problem)
+    params = served_params(tuned[0], problem) if tuned else FAMILY.default(gpu, problem)
     boxes = PAGED_BOXES.kv_tma(params, problem.head_dim) and PAGED_BOXES.page_fits(params, page_size)
     fam = FAMILY if not page_size else PAGED_BOXES if boxes else PAGED
     try:

@@ -257,7 +257,10 @@ class Bucket:
     def of(cls, p: Problem) -> "Bucket":
         bh = p.batch * p.heads
         work = "small" if bh < 32 else ("medium" if bh < 256 else "large")
-        return cls(p.dtype, p.head_dim, p.mask, _seqlen_bucket(p.seqlen_k), work, p.max_error,
+        # one query on the bottom-right diagonal sees every key: a decode step is one bucket whether
+        # the caller says so (a KV cache, --seqlen 1:N) or not (SDPA's call with no mask)
+        mask = "none" if p.seqlen_q == 1 and p.mask == "causal_br" else p.mask
+        return cls(p.dtype, p.head_dim, mask, _seqlen_bucket(p.seqlen_k), work, p.max_error,
                    _query_bucket(p.seqlen_q))
 
     @property
