@@ -120,10 +120,12 @@ class FlashDecode(KernelFamily):
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
         # FlashDecoding's shape of work: 4 warps each on its own 16-32 keys, a ring that keeps
-        # 32-64 KB of K/V in flight per CTA in at most ~100 KB (two CTAs per SM), splits picked from
-        # the occupancy
+        # 32-64 KB of K/V in flight per CTA, splits picked from the occupancy. The first that fits
+        # is the default, which serves the decode buckets nothing tuned: 32 keys a warp in 2 stages
+        # won 5 of decode_bench.py's 12 H100 shapes (d=128) and 3 stages 4 more, where 16 keys in 3
+        # stages, the default before, won none and read 0.88-0.99x of the best (PERF_NOTES "d7")
         mt = 1 if (problem.heads // problem.kv_heads) * problem.seqlen_q <= 16 else 2
-        cands = [(16, 4, 3, mt), (32, 4, 2, mt), (16, 8, 2, mt), (32, 4, 3, mt), (16, 4, 4, mt), (64, 2, 2, 1), (16, 4, 2, 1)]
+        cands = [(32, 4, 2, mt), (32, 4, 3, mt), (16, 4, 3, mt), (16, 8, 2, mt), (16, 4, 4, mt), (64, 2, 2, 1), (16, 4, 2, 1)]
         return [dict(Bc=a, warps=b, stages=c, MT=d, splits=0) for a, b, c, d in cands]
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:

@@ -67,10 +67,11 @@ def test_every_valid_point_fits_shared_memory_and_splits_share_a_cubin():
 
 def test_packed_rows_decide_the_row_tiles():
     """Row tiles hold group x Nq packed rows: a second m16 tile must have rows in it."""
+    two_tiles = dict(Bc=16, warps=4, stages=3, MT=2, splits=0)
     p = Problem(2, 8, 1, 4096, 128, "bf16", "none", 8)   # one row per K/V head
-    assert "empty" in FAM.check(dict(FAM.default(H100_SXM, p), MT=2), H100_SXM, p)
+    assert "empty" in FAM.check(two_tiles, H100_SXM, p)
     p = Problem(2, 32, 16, 4096, 128, "bf16", "causal_br", 8)   # 4 x 16 = 64 rows: 2 CTAs of 32
-    params = dict(FAM.default(H100_SXM, p), MT=2)
+    params = two_tiles
     assert FAM.check(params, H100_SXM, p) is None
     assert FAM.launch(params, p, H100_SXM).grid[1] == 2
 
