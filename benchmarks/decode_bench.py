@@ -8,7 +8,9 @@ Shapes: one query per sequence, 32 query heads sharing 8 K/V heads, d=128, bf16 
 decode step), a cache of Nk keys. TB/s is Problem.bytes_moved (q, K, V read once, O written once)
 over the median time, L2 flushed before every repetition (tuner.timing). flashtune's config: a
 short search on the spot (the family's seeds with splits from the occupancy, then the best seed's
-split counts), then timed in turns with the peers. Each output is checked against SDPA's (max abs
+split counts), then timed in turns with the peers; beside it `flashtune_served`, what `tuner.attention`
+runs for the shape as a model's decode step calls it (the lookup's entry for its bucket, its split
+count re-derived where it was tuned on another grid, else flash_decode's default; the row's `served`). Each output is checked against SDPA's (max abs
 difference), since a float64 reference of the large shapes does not fit in memory; the kernel's
 correctness against float64 is tests/test_gpu_decode.py's. `--variant NAME=DIR` adds the kernel
 compiled from the sources in the folder DIR (e.g. the sources before a change: `git archive <commit>
@@ -78,6 +80,30 @@ def ours(fam, params, problem, gpu, q, k, v, table=None):
     stream = raw_stream(gpu.index)
     # the kernel writes o and lse and reads the pages: they live as long as the launch does
     return (lambda keep=(o, lse, k, v, table): launcher(stream, *args)), o
+
+
+def attention_call(q, k, v):
+    """`tuner.attention` on these inputs, as a model's decode step calls it (the dispatcher's plan:
+    the lookup's entry for this bucket, else flash_decode's default), planned before timing; and its O."""
+    import torch
+
+    import tuner
+
+    run = lambda: tuner.attention(q, k, v, mask="causal_br")
+    o = run()
+    torch.cuda.synchronize()
+    return run, o
+
+
+def served_config(problem, gpu) -> dict:
+    """What the dispatcher serves `problem` from: the lookup entry's family and config as it runs
+    here (tuner.dispatch.served_params), or flash_decode's default where no entry serves it."""
+    from tuner.dispatch import _decode_default, default, served_params
+
+    entry = default().select(problem, gpu)
+    if entry is None:
+        return dict(_decode_default(problem, gpu) or {}, source="default")
+    return dict(family=entry["family"], params=served_params(entry, problem), source=entry["bucket"])
 
 
 def paged(page_size: int, k, v, g):
@@ -169,8 +195,8 @@ def main() -> int:
                     for _ in range(2))
             best = screened(fam, problem, gpu, q, k, v, screen)
             run, o = ours(fam, best, problem, gpu, q, k, v)
-            default, o_default = ours(fam, fam.default(gpu, problem), problem, gpu, q, k, v)
-            fns = {"flashtune": run, "flashtune_default": default}
+            served, o_served = attention_call(q, k, v)
+            fns = {"flashtune": run, "flashtune_served": served}
             configs = {}
             for name, folder in variants.items():
                 seed_resources.use_templates(folder)
@@ -194,16 +220,18 @@ def main() -> int:
             diff_pages = {n: float((x.float() - o.float()).abs().max()) for n, x in outs.items()}   # same data, same config
             tbs = {n: problem.bytes_moved() / (tm.median_ms * 1e-3) / 1e12 for n, tm in timings.items()}
             splits = fam.launch(best, problem, gpu).grid[2]
-            row = dict(batch=b, keys=nk, config=best, splits=splits, tb_s=tbs, variant_configs=configs,
+            row = dict(batch=b, keys=nk, config=best, splits=splits, served=served_config(problem, gpu), tb_s=tbs,
+                       variant_configs=configs,
                        ms={n: tm.median_ms for n, tm in timings.items()}, max_abs_diff=diff, copy_tb_s=copy,
                        pages_max_abs_diff=diff_pages)
             rows.append(row)
             peer_best = max((v for n, v in tbs.items() if not n.startswith(("flashtune", "pages")) and n not in variants), default=float("nan"))
             print(f"B{b:<4} Nk{nk:<6} " + "  ".join(f"{n} {v:.2f}" for n, v in tbs.items())
                   + f"  | ours/copy {tbs['flashtune'] / copy:.2f} ours/best peer {tbs['flashtune'] / peer_best:.2f}"
-                  + f"  splits {splits} {best}  maxdiff {diff:.3g}"
+                  + f" served/best peer {tbs['flashtune_served'] / peer_best:.2f}"
+                  + f"  splits {splits} {best}  served {row['served']}  maxdiff {diff:.3g}"
                   + "".join(f"  {n} diff {x:.3g}" for n, x in diff_pages.items()), flush=True)
-            del q, k, v, run, default, fns, others, o, o_default, ref, outs
+            del q, k, v, run, served, fns, others, o, o_served, ref, outs
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
