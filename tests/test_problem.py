@@ -208,6 +208,12 @@ def test_a_decode_step_is_one_bucket_whatever_mask_says_every_key():
     assert p.bucket() == replace(p, mask="none").bucket() != replace(p, mask="causal").bucket()
     assert replace(p, seqlen_q=2).bucket() != replace(p, seqlen_q=2, mask="none").bucket()
     assert p.mask == "causal_br"   # the problem keeps its mask: the kernel is compiled for it
+    from tuner.torch_attention import Case, sdpa_mask_kwargs
+
+    assert sdpa_mask_kwargs("causal_br", 1, 8192) == {"is_causal": False}   # SDPA runs it unmasked
+    assert "attn_mask" in sdpa_mask_kwargs("causal_br", 2, 8192)
+    case = Case.of_problem(p, (9, 0))
+    assert not case.causal and not case.bottom_right and case == Case.of_problem(replace(p, mask="none"), (9, 0))
 
 
 @pytest.mark.parametrize("a,b", [(1024, 1025), (2048, 1024), (128, 129)])

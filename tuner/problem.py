@@ -62,6 +62,12 @@ def mask_of(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
+def seen_mask(mask: str, nq: int) -> str:
+    """The mask as the attention sees it: one query on the bottom-right diagonal sees every key, so
+    a decode step's "causal_br" is no mask (one bucket, and SDPA runs it unmasked)."""
+    return "none" if mask == "causal_br" and nq == 1 else mask
+
+
 def visible_pairs(nq: int, nk: int, mask: str) -> int:
     """(query, key) pairs a mask leaves visible, exactly: a causal row i sees min(Nk, max(0, i +
     shift + 1)) keys, shift 0 top-left and Nk - Nq bottom-right (rows before -shift see none)."""
@@ -257,10 +263,9 @@ class Bucket:
     def of(cls, p: Problem) -> "Bucket":
         bh = p.batch * p.heads
         work = "small" if bh < 32 else ("medium" if bh < 256 else "large")
-        # one query on the bottom-right diagonal sees every key: a decode step is one bucket whether
-        # the caller says so (a KV cache, --seqlen 1:N) or not (SDPA's call with no mask)
-        mask = "none" if p.seqlen_q == 1 and p.mask == "causal_br" else p.mask
-        return cls(p.dtype, p.head_dim, mask, _seqlen_bucket(p.seqlen_k), work, p.max_error,
+        # a decode step is one bucket whether the caller says bottom-right (a KV cache, --seqlen 1:N)
+        # or no mask (SDPA's call)
+        return cls(p.dtype, p.head_dim, seen_mask(p.mask, p.seqlen_q), _seqlen_bucket(p.seqlen_k), work, p.max_error,
                    _query_bucket(p.seqlen_q))
 
     @property

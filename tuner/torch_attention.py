@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .problem import mask_of, torch_dtype
+from .problem import mask_of, seen_mask, torch_dtype
 from .reference import hidden_keys
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -45,7 +45,8 @@ class Case:
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool | str) -> "Case":
         cc = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0)
-        mask, nq, nk = mask_of(causal), q.shape[2], k.shape[2]
+        nq, nk = q.shape[2], k.shape[2]
+        mask = seen_mask(mask_of(causal), nq)
         return cls(q.dtype, q.shape[-1], nq, nk, mask != "none", k.shape[1] != q.shape[1], cc,
                    mask == "causal_br" and nq != nk)
 
@@ -54,14 +55,15 @@ class Case:
         """The case a Problem poses, run in its output dtype (fp8 inputs go up to bf16) on a GPU of
         compute capability `cc`."""
         nq, nk = problem.seqlen_q, problem.seqlen_k
-        return cls(torch_dtype(problem.out_dtype), problem.head_dim, nq, nk, problem.mask != "none",
-                   problem.kv_heads != problem.heads, cc, problem.mask == "causal_br" and nq != nk)
+        mask = seen_mask(problem.mask, nq)
+        return cls(torch_dtype(problem.out_dtype), problem.head_dim, nq, nk, mask != "none",
+                   problem.kv_heads != problem.heads, cc, mask == "causal_br" and nq != nk)
 
 
 def sdpa_mask_kwargs(causal: bool | str, nq: int, nk: int) -> dict:
     """scaled_dot_product_attention's arguments for a mask: is_causal for the top-left diagonal,
     torch's causal_lower_right bias for the bottom-right one (where it differs)."""
-    mask = mask_of(causal)
+    mask = seen_mask(mask_of(causal), nq)
     if mask == "causal_br" and nq != nk:
         from torch.nn.attention.bias import causal_lower_right
 
