@@ -384,6 +384,42 @@ def test_bench_json_keeps_the_rows_measured_before_a_failure(tmp_path, monkeypat
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".part"] == []
 
 
+def test_a_search_whose_timeout_ran_out_names_the_problems_left_without_a_trial(tmp_path, monkeypatch):
+    """--timeout is one deadline for the whole search: the problems it leaves untouched are not
+    measured at all (not even their peers) and one line names them and says how to go on."""
+    import time
+
+    from typer.testing import CliRunner
+
+    from tuner.cli import app
+    from tuner.search import Search
+
+    replay = f"sqlite:///{tmp_path / 'replay.db'}"
+    with session_factory(make_engine(replay)).begin() as s:
+        for p in (Problem(2, 4, 512, 512, 64, "fp32", True), Problem(2, 4, 512, 512, 64, "fp32", False)):
+            queries.record_measurement(s, H100_SXM, p, "flash_fwd_simt", dict(Br=64, Bc=64, TM=4, TN=4, stages=1, min_blocks=1),
+                                       Measurement("ok", median_ms=1.0, tflops=p.tflops(1.0), versions={"x": "1"}))
+    clock, real_tune_all, peers_of = [0.0], Search.tune_all, []
+
+    def tune_all(self, families, problem, *args, **kwargs):
+        out = real_tune_all(self, families, problem, *args, **kwargs)
+        clock[0] += 10.0   # the first problem took 10 s of a 5 s budget
+        return out
+
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(Search, "tune_all", tune_all)
+    monkeypatch.setattr(Search, "measure_peers", lambda self, p: peers_of.append(p.key) or {})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    r = CliRunner().invoke(app, ["search", "--replay", replay, "--db", f"sqlite:///{tmp_path / 's.db'}",
+                                 "--shape", "2,4,512,64,causal", "--shape", "2,4,512,64", "--trials", "2",
+                                 "--timeout", "5", "--family", "flash_fwd_simt"])
+    assert r.exit_code == 0, r.output
+    assert peers_of == ["B2-H4-N512-D64-fp32-causal"]
+    line = next(ln for ln in r.output.splitlines() if "ran out" in ln)
+    assert "--timeout 5 s" in line and "1 problem(s)" in line and "B2-H4-N512-D64-fp32-full" in line
+    assert "B2-H4-N512-D64-fp32-causal" not in line
+
+
 def test_submit_takes_the_problems_search_takes(cli, tmp_path):
     """`tuner submit` queues what `tuner search` would tune: model-table names with --seqlen, a
     recording of `tuner record`, a config.json and shapes, one job per (problem, family)."""

@@ -217,7 +217,8 @@ def search(
     dtype: Optional[Dtype] = typer.Option(None, "--dtype", help=DTYPE_HELP),
     max_error: Optional[float] = typer.Option(None, "--max-error", help=MAX_ERROR_HELP),
     trials: int = typer.Option(30, "--trials", min=1, help="measured trials per problem (a study resumes up to this)"),
-    timeout: Optional[float] = typer.Option(None, "--timeout", min=1, help="stop asking for trials after this many seconds"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", min=1,
+                                            help="stop asking for trials after this many seconds (the whole search, all its problems)"),
     db: Optional[str] = typer.Option(None, "--db", help="SQLAlchemy URL (default: $TUNER_DB or the user data dir)"),
     family: Family = typer.Option("auto", "--family", help="a kernel family, or auto: every family that fits"),
     replay: Optional[str] = typer.Option(None, "--replay", help="answer from this recorded DB (URL or file) instead of a GPU"),
@@ -278,8 +279,12 @@ def search(
             bar.console.print(Text(f"{p.key}: {fam.name} dropped: {why}"), highlight=False)
 
         s.observer = observe
+        unreached = []   # problems the deadline left without a trial
         try:
             for p in problems:
+                if deadline is not None and time.monotonic() > deadline:
+                    unreached.append(p.key)
+                    continue
                 measured_peers = s.measure_peers(p) if peers else {}
                 for r in s.tune_all([f for q, f in plan if q == p], p, trials, deadline, on_drop=dropped):
                     bar.update(tasks[(p.key, r.family)], completed=trials)
@@ -288,6 +293,11 @@ def search(
         finally:
             runner.close()
     console.print(_summary_table(results, f"{', '.join(names)} on {runner.gpu.name}, run {s.run_id}"))
+    unreached += [r.problem.key for r in results if r.best is None and not r.counts and not r.dropped]
+    if unreached:
+        console.print(f"--timeout {timeout:g} s (for the whole search) ran out before {len(unreached)} problem(s) had a "
+                      f"trial: {', '.join(dict.fromkeys(unreached))}. Run the same command again to go on: each "
+                      "study resumes where it stopped", highlight=False, markup=False)
     if target is None:
         console.print(f"best-config lookup not changed (a {'replay' if replay else 'search of another database'}): "
                       f"pass --lookup PATH, or run `tuner export -o PATH --db {masked(url)}`", highlight=False,
