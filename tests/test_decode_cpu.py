@@ -168,6 +168,8 @@ def test_a_tuned_split_count_serves_only_the_grid_it_was_measured_on(tmp_path):
     assert [e["params"] for e in shortlist(replace(tuned, batch=8), H100_SXM, [entry])
             if e["family"] == FAM.name] == [dict(params, splits=0)]
     assert VARLEN_FAMILY.from_tuned(params, tuned)["splits"] == 0
+    peer = {"family": "sdpa_cudnn", "params": {}, "problem": tuned.to_dict()}   # a measured SDPA backend
+    assert served_params(peer, replace(tuned, batch=8)) == {}
 
 
 # ---- flashtune::kvcache_attention: the operator torch.compile traces ----

@@ -396,14 +396,14 @@ class Dispatcher:
 
 
 def served_params(entry: dict, problem: Problem) -> dict:
-    """A kernel entry's config as it serves `problem` (KernelFamily.adapt, from the shape it was
-    tuned on; an entry that does not say which serves its config as it is)."""
+    """A lookup entry's config as it serves `problem` (KernelFamily.adapt, from the shape it was
+    tuned on; an SDPA backend's entry, or one that does not say, as it is)."""
     from .kernel_templates import FAMILIES
 
-    tuned = entry.get("problem")
-    if not tuned:
+    fam, tuned = FAMILIES.get(entry["family"]), entry.get("problem")
+    if fam is None or not tuned:   # an SDPA backend's entry (no config), or one that does not say
         return entry["params"]
-    return FAMILIES[entry["family"]].adapt(entry["params"], Problem.from_dict(tuned), problem)
+    return fam.adapt(entry["params"], Problem.from_dict(tuned), problem)
 
 
 def _decode_default(problem: Problem, gpu) -> dict | None:
