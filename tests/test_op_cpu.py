@@ -350,17 +350,3 @@ def test_switch_leaves_nested_tensors_to_sdpa():
     check that would read their ragged shape."""
     njt = torch.nested.nested_tensor([torch.randn(3, 4, 8), torch.randn(5, 4, 8)], layout=torch.jagged).transpose(1, 2)
     assert op._served(njt, njt, njt) == "nested (jagged) tensors"
-
-
-def test_cudnn_takes_a_decode_step_but_never_a_single_key(monkeypatch):
-    """cuDNN runs one query against 2 or more keys (forward, LSE and backward: test_gpu_op.py checks
-    it against float64); a single key it refuses, and after a refusal torch's graph cache crashed,
-    so the dispatcher never asks it for one, however many queries."""
-    from tuner.torch_attention import CUDNN, Case
-
-    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
-    case = lambda nq, nk, causal=False: Case(torch.bfloat16, 128, nq, nk, causal, True, (9, 0))
-    assert CUDNN.why_not(case(1, 2)) is None and CUDNN.why_not(case(1, 8192)) is None
-    assert CUDNN.why_not(case(16, 8192)) is None
-    for nq in (1, 5):
-        assert "2 or more keys" in CUDNN.why_not(case(nq, 1))

@@ -60,12 +60,6 @@ class Case:
                    problem.kv_heads != problem.heads, cc, mask == "causal_br" and nq != nk)
 
 
-def _is_causal(causal: bool | str, nq: int) -> bool:
-    """The is_causal flag of a kernel that takes only one (cuDNN, FlashAttention-2; why_not keeps
-    the diagonals apart): a decode step's bottom-right mask is none (problem.seen_mask)."""
-    return seen_mask(mask_of(causal), nq) != "none"
-
-
 def sdpa_mask_kwargs(causal: bool | str, nq: int, nk: int) -> dict:
     """scaled_dot_product_attention's arguments for a mask: is_causal for the top-left diagonal,
     torch's causal_lower_right bias for the bottom-right one (where it differs)."""
@@ -121,18 +115,16 @@ def _cudnn_why_not(c: Case) -> str | None:
         return "cuDNN is not available"
     if c.causal and c.nq != c.nk:
         return "its causal mask with Nq != Nk is not verified here (NaN gradients were seen on the H100)"
-    if c.nk < 2:
+    if min(c.nq, c.nk) < 2:
         # cuDNN refuses s_q = s_kv = 1, and after a refused graph torch's cache of them crashed
-        # the process on the next call (H100, torch 2.11): never ask it for what it may refuse.
-        # One query against 2 or more keys (a decode step) it runs: forward with the LSE, SDPA
-        # pinned to it and the backward, 192 cases of 2-8192 keys, GQA, d=64/128 (H200, torch 2.11)
-        return "takes 2 or more keys"
+        # the process on the next call (H100, torch 2.11): never ask it for what it may refuse
+        return "takes sequences of 2 or more"
     return _half_dim(c, 128)
 
 
 def _cudnn_forward(q, k, v, causal, scale):
     k, v = expand_kv(q, k), expand_kv(q, v)
-    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, _is_causal(causal, q.shape[2]),
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, mask_of(causal) != "none",
                                                             False, scale=scale)
     return out[0], out[1].reshape(q.shape[:3])
 
@@ -152,7 +144,7 @@ def _cudnn_backward(grad, q, k, v, o, lse, causal, scale):
         lse = lse.contiguous()
     empty = torch.empty(0, dtype=torch.int64, device=q.device)   # dropout's seed and offset: unused at p=0
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, ke, ve, o, lse, empty, empty, None, None, None, q.shape[2], k.shape[2], 0.0, _is_causal(causal, q.shape[2]),
+        grad, q, ke, ve, o, lse, empty, empty, None, None, None, q.shape[2], k.shape[2], 0.0, mask_of(causal) != "none",
         scale=scale)
     return dq, reduce_kv(dk, hk), reduce_kv(dv, hk)
 
@@ -169,7 +161,7 @@ def _flash_why_not(c: Case) -> str | None:
 
 def _flash_forward(q, k, v, causal, scale):
     k, v = expand_kv(q, k), expand_kv(q, v)   # its causal is the bottom-right diagonal (why_not sees to it)
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, _is_causal(causal, q.shape[2]), False,
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, mask_of(causal) != "none", False,
                                                              scale=scale)
     return out[0], out[1]
 
@@ -179,7 +171,7 @@ def _flash_backward(grad, q, k, v, o, lse, causal, scale):
     ke, ve = expand_kv(q, k), expand_kv(q, v)
     empty = torch.empty(0, dtype=torch.int64, device=q.device)   # dropout's RNG state: unused at p=0
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad, q, ke, ve, o, lse, None, None, q.shape[2], k.shape[2], 0.0, _is_causal(causal, q.shape[2]), empty, empty,
+        grad, q, ke, ve, o, lse, None, None, q.shape[2], k.shape[2], 0.0, mask_of(causal) != "none", empty, empty,
         scale=scale)
     return dq, reduce_kv(dk, hk), reduce_kv(dv, hk)
 
