@@ -149,6 +149,9 @@ def _to_measurement(row: MeasurementRow) -> Measurement:
 
 
 def _to_problem(row: ProblemRow) -> Problem:
+    """The row's problem. Its bucket is `.bucket()` under today's rule: the stored bucket_key is the
+    rule of the flashtune that wrote the row (a one-query bottom-right step was filed as causal_br
+    before problem.seen_mask), so best entries take the problem's own."""
     return Problem(row.batch, row.heads, row.seqlen_q, row.seqlen_k, row.head_dim, row.dtype,
                    row.mask, row.kv_heads, row.max_error or 0.0)
 
@@ -253,14 +256,15 @@ def best_rows(s: Session, gpu_key: str | None = None, *, family: str | None = No
         q = q.where(BestRow.family == family)
     if problem_key is not None:
         q = q.where(ProblemRow.key == problem_key)
-    return [
-        BestEntry(
-            gpu_key=g.key, family=b.family, problem=_to_problem(p), bucket_key=b.bucket_key,
+    out = []
+    for b, g, p, c in s.execute(q):
+        problem = _to_problem(p)
+        out.append(BestEntry(
+            gpu_key=g.key, family=b.family, problem=problem, bucket_key=problem.bucket().key,
             params=json.loads(c.params_json), tflops=b.tflops, median_ms=b.median_ms,
             measurement_id=b.measurement_id,
-        )
-        for b, g, p, c in s.execute(q)
-    ]
+        ))
+    return out
 
 
 def peer_rows(s: Session, gpu_key: str, problem_key: str, run_id: str | None = None) -> dict[str, PeerSummary]:
@@ -299,7 +303,8 @@ def peer_best_rows(s: Session, gpu_key: str | None = None, families: tuple[str, 
     for row, key, family, p in s.execute(q):
         slot = (key, p.id, family)
         if slot not in out:
-            out[slot] = BestEntry(gpu_key=key, family=family, problem=_to_problem(p), bucket_key=p.bucket_key,
+            problem = _to_problem(p)
+            out[slot] = BestEntry(gpu_key=key, family=family, problem=problem, bucket_key=problem.bucket().key,
                                   params={}, tflops=row.tflops, median_ms=row.median_ms, measurement_id=row.id)
     return list(out.values())
 

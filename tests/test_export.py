@@ -293,3 +293,55 @@ def test_a_version_1_lookup_is_read_as_version_2(tmp_path: Path) -> None:
     assert merged["version"] == 2 and len(merged["entries"]) == 4 and all("causal" not in e for e in merged["entries"])
     write_lookup(old, tmp_path / "again.json")   # a version-1 document given to write_lookup is written as 2
     assert json.loads((tmp_path / "again.json").read_text())["version"] == 2
+
+
+def test_a_decode_entry_filed_under_the_bottom_right_bucket_is_read_in_its_bucket_of_today(tmp_path: Path) -> None:
+    """Lookups written before a one-query bottom-right step was bucketed as no mask
+    (problem.seen_mask) are read, not refused (a refused lookup is ignored whole): such an entry
+    moves to the unmasked bucket and serves a decode step posed either way; a speculative step of 4
+    queries keeps its bottom-right bucket."""
+    from tuner.dispatch import Dispatcher
+    from tuner.kernel_templates import get_family
+
+    fam = get_family("flash_decode")
+    step = Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 8)
+    spec = Problem(8, 32, 4, 8192, 128, "bf16", "causal_br", 8)
+    doc = build_lookup([BestEntry(H100_SXM.key, fam.name, p, p.bucket().key, fam.default(H100_SXM, p), 1.0, 0.1, i)
+                        for i, p in enumerate((step, spec))])
+    for e in doc["entries"]:   # as the last version wrote them
+        if e["problem"]["seqlen_q"] == 1:
+            e["bucket"], e["mask"] = e["bucket"].replace("/full/", "/causal_br/"), "causal_br"
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    got = {e["problem"]["seqlen_q"]: e for e in read_lookup(path)["entries"]}
+    assert (got[1]["bucket"], got[1]["mask"]) == ("bf16/d128/full/n1x8192/large", "none")
+    assert (got[4]["bucket"], got[4]["mask"]) == ("bf16/d128/causal_br/n4x8192/large", "causal_br")
+    d = Dispatcher(path)
+    for p in (step, Problem(8, 32, 1, 8192, 128, "bf16", "none", 8)):
+        assert d.select(p, H100_SXM)["problem"]["seqlen_q"] == 1
+
+
+def test_a_decode_step_recorded_under_the_bottom_right_bucket_exports_to_its_bucket_of_today(tmp_path: Path) -> None:
+    """A database whose rows predate problem.seen_mask stores a one-query bottom-right problem's
+    bucket as causal_br; its export files it where the dispatcher looks for it today, and the lookup
+    written from it reads back (a stale key would have made the whole lookup unreadable)."""
+    import sqlite3
+
+    from tuner.kernel_templates import get_family
+
+    fam = get_family("flash_decode")
+    step = Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 8)
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    with session_factory(make_engine(url)).begin() as s:
+        record_measurement(s, H100_SXM, step, fam.name, fam.default(H100_SXM, step),
+                           Measurement("ok", median_ms=0.1, tflops=1.0, versions={"x": "1"}))
+        update_best(s, H100_SXM.key, step.key, fam.name)
+    with sqlite3.connect(tmp_path / "r.db") as c:   # as the last version stored it
+        c.execute("UPDATE ft_problems SET bucket_key = 'bf16/d128/causal_br/n1x8192/large'")
+        c.execute("UPDATE ft_best SET bucket_key = 'bf16/d128/causal_br/n1x8192/large'")
+    with session_factory(make_engine(url))() as s:
+        doc = export.lookup_from_db(s, H100_SXM.key)
+    assert {e["bucket"] for e in doc["entries"] if e["family"] == fam.name} == {"bf16/d128/full/n1x8192/large"}
+    write_lookup(doc, tmp_path / "best.json")
+    assert read_lookup(tmp_path / "best.json")["entries"]
+

@@ -192,6 +192,8 @@ def validate_lookup(doc: Any, source: str = "lookup") -> dict[str, Any]:
     if version == 1:
         entries = [upgrade_v1_entry(e) for e in entries]
         doc = {**doc, "version": SCHEMA_VERSION, "entries": entries}
+    entries = [_decode_rekeyed(e) for e in entries]
+    doc = {**doc, "entries": entries}
     for i, e in enumerate(entries):
         why = _check_entry(e)
         if why:
@@ -213,6 +215,22 @@ def upgrade_v1_entry(e: Any) -> Any:
         return out
     out["problem"], out["bucket"] = problem.to_dict(), problem.bucket().key
     return out
+
+
+def _decode_rekeyed(e: Any) -> Any:
+    """An entry for one query on the bottom-right diagonal, written before such a step was bucketed
+    as no mask (problem.seen_mask), in the bucket its problem has now; anything else as it is."""
+    if not (isinstance(e, dict) and isinstance(e.get("problem"), dict) and e.get("mask") == "causal_br"
+            and isinstance(e.get("bucket"), str)):
+        return e
+    try:
+        problem = Problem.from_dict(e["problem"])
+    except (TypeError, ValueError):
+        return e
+    if problem.seqlen_q != 1 or problem.mask != "causal_br":
+        return e
+    bucket = problem.bucket()
+    return {**e, "bucket": bucket.key, "mask": bucket.mask}
 
 
 def read_lookup(path: str | os.PathLike[str]) -> dict[str, Any]:
