@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .files import atomic_write
 from .problem import DTYPES, MASKS, Bucket, Problem, mask_of
 
 if TYPE_CHECKING:
@@ -254,31 +254,7 @@ def write_lookup(doc: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Atomic: a dispatcher reading concurrently sees the old file or the new one, never half."""
     p = Path(path)
     doc = validate_lookup(doc, str(p))   # a version-1 document is written as this version
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    try:  # make the rename itself durable; not possible everywhere (e.g. Windows)
-        dfd = os.open(p.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    atomic_write(p, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode("utf-8"), durable=True)
 
 
 class LookupRefused(ValueError):
