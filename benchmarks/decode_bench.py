@@ -8,11 +8,12 @@ Shapes: one query per sequence, 32 query heads sharing 8 K/V heads, d=128, bf16 
 decode step), a cache of Nk keys. TB/s is Problem.bytes_moved (q, K, V read once, O written once)
 over the median time, L2 flushed before every repetition (tuner.timing). flashtune's config: a
 short search on the spot (the family's seeds with splits from the occupancy, then the best seed's
-split counts), then timed in turns with the peers; beside it `flashtune_served`, what `tuner.attention`
-runs for the shape as a model's decode step calls it (the lookup's entry for its bucket, its split
-count re-derived where it was tuned on another grid, else flash_decode's default; the row's `served`). Each output is checked against SDPA's (max abs
-difference), since a float64 reference of the large shapes does not fit in memory; the kernel's
-correctness against float64 is tests/test_gpu_decode.py's. `--variant NAME=DIR` adds the kernel
+split counts), then timed in turns with the peers; beside it `flashtune_served`, what
+`tuner.attention` runs for the shape as a model's decode step calls it (the lookup's entry for its
+bucket, its split count re-derived where it was tuned on another grid, else flash_decode's default;
+the row's `served`). Each output is checked against SDPA's (max abs difference), since a float64
+reference of the large shapes does not fit in memory; the kernel's correctness against float64 is
+tests/test_gpu_decode.py's. `--variant NAME=DIR` adds the kernel
 compiled from the sources in the folder DIR (e.g. the sources before a change: `git archive <commit>
 kernel_templates | tar -x -C .abd` gives .abd/kernel_templates), searched the same way and timed in
 the same turns. `--page SIZES` adds, for each page size, the same cache as pages (a vLLM/FlashAttention
@@ -96,14 +97,14 @@ def attention_call(q, k, v):
 
 
 def served_config(problem, gpu) -> dict:
-    """What the dispatcher serves `problem` from: the lookup entry's family and config as it runs
-    here (tuner.dispatch.served_params), or flash_decode's default where no entry serves it."""
-    from tuner.dispatch import _decode_default, default, served_params
+    """What the dispatcher serves `problem` from (Dispatcher.serving_entry): the family and config
+    as it runs here (tuner.dispatch.served_params), and the lookup bucket it came from ("default":
+    flash_decode's default, nothing tuned)."""
+    from tuner.dispatch import default, served_params
 
-    entry = default().select(problem, gpu)
-    if entry is None:
-        return dict(_decode_default(problem, gpu) or {}, source="default")
-    return dict(family=entry["family"], params=served_params(entry, problem), source=entry["bucket"])
+    entry = default().serving_entry(problem, gpu) or {}
+    return dict(family=entry.get("family"), params=served_params(entry, problem) if entry else None,
+                source=entry.get("bucket", "default"))
 
 
 def paged(page_size: int, k, v, g):

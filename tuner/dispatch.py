@@ -185,6 +185,11 @@ class Dispatcher:
         (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away."""
         return next((e for _, e in self.candidates(problem, gpu)), None)
 
+    def serving_entry(self, problem: Problem, gpu) -> dict | None:
+        """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,
+        flash_decode's default; None where neither serves it (SDPA then does)."""
+        return self.select(problem, gpu) or _decode_default(problem, gpu)
+
     def candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
         bucket's first (distance 0), fastest first; then those of tuned buckets up to `octaves`
@@ -233,7 +238,7 @@ class Dispatcher:
             elif winners := autotune.tune(problem, gpu, [e for _, e in self.candidates(problem, gpu, autotune.OCTAVES)],
                                           self._path):
                 self.add_entries(gpu.key, winners)
-        entry = self.select(problem, gpu) or _decode_default(problem, gpu)
+        entry = self.serving_entry(problem, gpu)
         if entry is None:
             why = self._ignored or f"no tuned config for {problem.bucket().key} on {gpu.key}"
             return Plan(None, None, why, problem.dtype, out=out, device=device_index, provisional=provisional)
