@@ -4,6 +4,7 @@ varlen kernel and FlashAttention-4's varlen call (where installed), bf16, causal
 queries a sequence against ragged caches) as K/V TB/s.
 
     python3 benchmarks/varlen_bench.py [--json OUT] [--case WORDS] [--family F] [--variant NAME=DIR ...]
+                                       [--direct NAME:KEY=VALUE,... ...]
 
 Batches: ragged lengths drawn from a long-tailed mix (documents packed for training, prompts of a
 serving batch), fixed seeds. "useful" TFLOP/s counts each sequence's own causal work only; the
@@ -15,7 +16,8 @@ kernel's correctness against float64 is tests/test_gpu_varlen.py's. `--family F`
 varlen variant directly, with the config the dispatcher would build from F's seeds (a family the
 dispatcher does not pick on this GPU: flash_fwd_mma on a Hopper), and `--variant NAME=DIR` the same
 kernel (F's, or the dispatcher's choice) compiled from the sources in DIR: a kernel change before
-and after, in turns (benchmarks/ab_kernel.py's --templates for varlen).
+and after, in turns (benchmarks/ab_kernel.py's --templates for varlen); `--direct NAME:KEY=VALUE,...`
+the same kernel with those parameters changed (e.g. the persistent and the grid schedule, in turns).
 """
 
 from __future__ import annotations
@@ -58,8 +60,12 @@ def main(argv=None) -> int:
     ap.add_argument("--family", help="also this family's varlen variant, launched directly (its seeds' config)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
                     help="also the direct kernel compiled from the sources in DIR, named NAME (repeatable)")
+    ap.add_argument("--direct", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="also the direct kernel with these parameters changed, named NAME (repeatable)")
     a = ap.parse_args(argv)
     variants = dict(v.split("=", 1) for v in a.variant)
+    overrides = {name: {k: int(x) for k, x in (kv.split("=") for kv in spec.split(","))}
+                 for name, spec in (d.split(":", 1) for d in a.direct)}
     gpu = detect()
     timer = Timer(gpu.l2_bytes)
     try:
@@ -90,11 +96,11 @@ def main(argv=None) -> int:
         fns = {"flashtune_varlen": lambda: tuner.attention(q, k, v, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                            max_seqlen_q=longest, max_seqlen_k=longest),
                "flashtune_padded": lambda: tuner.attention(*pads, is_causal=True)}
-        if a.family or variants:
+        if a.family or variants or overrides:
             from tuner.varlen import padded_problem
 
             problem = padded_problem(q, k, cu, longest, longest, "causal", "bf16")
-            fns |= direct_kernels(a.family, variants, problem, gpu, q, k, v, cu, cu, longest, longest)
+            fns |= direct_kernels(a.family, variants, overrides, problem, gpu, q, k, v, cu, cu, longest, longest)
         outs = run_once(with_peers(fns, q, k, v, cu, cu, longest, longest, flash_attn_varlen_func))
         ref = outs["fa2_varlen"]
         got = outs["flashtune_padded"].transpose(1, 2)
@@ -143,10 +149,12 @@ def main(argv=None) -> int:
     return 0
 
 
-def direct_kernels(family: str | None, variants: dict, problem, gpu, q, k, v, cu_q, cu_k, mq: int, mk: int) -> dict:
-    """Callables that launch a varlen variant directly: `family`'s (this checkout's sources) and,
-    for each NAME=DIR of `variants`, the same compiled from DIR; the config is the one the
-    dispatcher builds from the family's seeds (`family` None: the family tuner.attention serves)."""
+def direct_kernels(family: str | None, variants: dict, overrides: dict, problem, gpu, q, k, v, cu_q, cu_k, mq: int,
+                   mk: int) -> dict:
+    """Callables that launch a varlen variant directly: `family`'s (this checkout's sources), for
+    each NAME=DIR of `variants` the same compiled from DIR, and for each NAME of `overrides` the
+    same with those parameters changed; the config is the one the dispatcher builds from the
+    family's seeds (`family` None: the family tuner.attention serves)."""
     import torch
 
     import seed_resources
@@ -169,9 +177,16 @@ def direct_kernels(family: str | None, variants: dict, problem, gpu, q, k, v, cu
             print(f"  direct: {variant.name} has no config for {problem.key} here", file=sys.stderr)
             return {}
     print(f"  direct: {variant.name} {json.dumps(params, sort_keys=True)}", file=sys.stderr)
-    launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
     out = {}
-    for name, folder in {variant.name if family else "direct": None, **variants}.items():
+    runs = {variant.name if family else "direct": (None, params), **{n: (f, params) for n, f in variants.items()},
+            **{n: (None, dict(params, **o)) for n, o in overrides.items()}}
+    for name, (folder, params) in runs.items():
+        if why := variant.check(params, gpu, problem):
+            print(f"  {name}: {why}", file=sys.stderr)
+            continue
+        if name in overrides:
+            print(f"  {name}: {json.dumps(params, sort_keys=True)}", file=sys.stderr)
+        launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
         seed_resources.use_templates(folder)
         ck = compile_kernel(variant, params, problem, gpu.arch)
         seed_resources.use_templates(None)

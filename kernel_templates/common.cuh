@@ -158,10 +158,11 @@ FT_DEVICE float fast_exp2(float x) {
 // VARLEN (a define, 0 where absent): the batch is packed sequences, as FlashAttention's varlen API
 // takes them. q, k, v, o are (1, H, total, D) views of (total, H, D) tensors; sequence b is rows
 // [cu_q[b], cu_q[b + 1]) of q and o and [cu_k[b], cu_k[b + 1]) of k and v; nq and nk are the longest
-// lengths and the LSE is (H, total_q), FlashAttention-2's varlen layout. The grid is (query blocks
-// of all `nseq` sequences, at most total_q / rows + nseq, by heads): a block finds its sequence
-// with `varlen_block`, so no block is spent on a short sequence's missing rows. A kernel appends
-// FT_VARLEN_PARAMS to its parameters and reads its sequence with FT_SEQUENCE.
+// lengths and the LSE is (H, total_q), FlashAttention-2's varlen layout. On a grid of (query blocks
+// of all `nseq` sequences, at most total_q / rows + nseq, by heads) a block finds its sequence with
+// `varlen_block`, so no block is spent on a short sequence's missing rows; a persistent kernel finds
+// each work tile's with `varlen_find` (tile_scheduler.cuh). A kernel appends FT_VARLEN_PARAMS to its
+// parameters and reads its sequence with FT_SEQUENCE.
 #ifndef VARLEN
 #define VARLEN 0
 #endif
@@ -185,36 +186,50 @@ FT_DEVICE Sequence sequence_of(const int* cu_q, const int* cu_k, int b) {
 #define FT_SEQUENCE(b) (Sequence{nq, nk, 0, 0})
 #endif
 
-// VARLEN: (sequence, its query block) of a head's block j, sequence b owning the next
-// ceil(n_b / ROWS) blocks after those of the ones before it; (-1, 0) past the last. With `per`
-// CTAs a block (a launch's heads), j counts those CTAs and the second value is the place among
-// the sequence's blocks x per. Warp 0 walks the offsets 32 sequences at a time (a prefix sum by
-// shuffles); every thread gets the answer through shared memory, so all of the block must call it.
+// VARLEN: where a walk over the sequences stands: sequence `seq`'s first block is the launch's
+// block `first` ({0, 0}: the start).
+struct SeqCursor {
+  int seq, first;
+};
+
+// VARLEN: (sequence, place) of the launch's block j, sequence b owning the next ceil(n_b / ROWS) x
+// `per` blocks after those of the ones before it (`per`: CTAs a query block, a launch's heads;
+// place: j's among b's); (-1, 0) past the last. The calling warp walks the offsets from `at` (a
+// sequence at or before j's), 32 sequences a step (a prefix sum by shuffles); every lane gets the
+// answer, and `at` moves to j's sequence, so a caller whose j only grows walks each sequence once.
+template <int ROWS>
+FT_DEVICE int2 varlen_find(const int* cu_q, int nseq, int j, int per, SeqCursor& at) {
+  const int lane = threadIdx.x % 32;
+  for (int s0 = at.seq, before = at.first; s0 < nseq; s0 += 32) {
+    const int s = s0 + lane;
+    const int blocks = s < nseq ? (cu_q[s + 1] - cu_q[s] + ROWS - 1) / ROWS * per : 0;
+    int upto = blocks;   // inclusive prefix over the chunk
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, upto, off);
+      if (lane >= off) upto += t;
+    }
+    const int first = before + upto - blocks;
+    const unsigned hit = __ballot_sync(0xffffffffu, j >= first && j < first + blocks);
+    if (hit) {
+      const int src = __ffs(hit) - 1;
+      at = SeqCursor{s0 + src, __shfl_sync(0xffffffffu, first, src)};
+      return make_int2(at.seq, j - at.first);
+    }
+    before += __shfl_sync(0xffffffffu, upto, 31);
+  }
+  return make_int2(-1, 0);
+}
+
+// VARLEN on a grid: varlen_find for the CTA's block j, walked by warp 0 from the start; every thread
+// gets the answer through shared memory, so all of the block must call it.
 template <int ROWS>
 FT_DEVICE int2 varlen_block(const int* cu_q, int nseq, int j, int per = 1) {
   __shared__ int2 found;
   if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    int2 r = make_int2(-1, 0);
-    for (int s0 = 0, before = 0; s0 < nseq; s0 += 32) {
-      const int s = s0 + lane;
-      const int blocks = s < nseq ? (cu_q[s + 1] - cu_q[s] + ROWS - 1) / ROWS * per : 0;
-      int upto = blocks;   // inclusive prefix over the chunk
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int t = __shfl_up_sync(0xffffffffu, upto, off);
-        if (lane >= off) upto += t;
-      }
-      const int first = before + upto - blocks;
-      const unsigned hit = __ballot_sync(0xffffffffu, j >= first && j < first + blocks);
-      if (hit) {
-        const int src = __ffs(hit) - 1;
-        r = make_int2(s0 + src, j - __shfl_sync(0xffffffffu, first, src));
-        break;
-      }
-      before += __shfl_sync(0xffffffffu, upto, 31);
-    }
-    if (lane == 0) found = r;
+    SeqCursor at{0, 0};
+    const int2 r = varlen_find<ROWS>(cu_q, nseq, j, per, at);
+    if (threadIdx.x == 0) found = r;
   }
   __syncthreads();
   return found;

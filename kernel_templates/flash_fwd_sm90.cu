@@ -37,8 +37,9 @@
 //
 // VARLEN (common.cuh): packed sequences of their own lengths, read through maps of the packed
 // tensors at each sequence's first row; rows a tile reads past its sequence are the next one's,
-// masked like the keys past N (K) or computed and never stored (Q). Grid schedule (one CTA per
-// query block of each sequence and head, sequence after sequence: varlen_block), ordinary O stores.
+// masked like the keys past N (K) or computed and never stored (Q); O by ordinary stores. Persistent
+// (the producer's warp finds each drawn tile's sequence: TileScheduler) or a grid (one CTA per query
+// block of each sequence and head: varlen_block), in the same order, sequence after sequence.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN;
@@ -71,7 +72,7 @@ constexpr int QBUF = CHAIN ? 2 : 1;          // Q buffers: CHAIN loads the next 
 constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
 constexpr int KV_ROW_BYTES = HEAD_DIM * sizeof(T);
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
-constexpr bool WARP_PRODUCER = PERSISTENT && PRODUCER_REGS == 32;   // see producer()
+constexpr bool WARP_PRODUCER = PERSISTENT && (PRODUCER_REGS == 32 || VARLEN);   // see producer()
 // A consumer runs only the K/V tiles its own 64 rows need: causal ones stop at its own diagonal
 // (192 x 128: 72 of 80 consumer-tiles at N=1024), and rows wholly outside [0, N) need none (a
 // ragged block of 192 rows, a causal block that starts before row 0). Not with CHAIN, whose next
@@ -93,7 +94,7 @@ static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, 
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
 static_assert(!TMA_STORE || (QBUF * Q_BYTES + (FP8 ? 3 : 2) * STAGES * KV_BYTES) % 1024 == 0, "O slabs on the swizzle's 1024 B");
 static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tiles: persistent, overlapped, two consumers");
-static_assert(!VARLEN || (!PERSISTENT && !TMA_STORE && !FP8), "varlen: a grid of work tiles, O by ordinary stores, 16-bit inputs");
+static_assert(!VARLEN || (!TMA_STORE && !CHAIN && !FP8), "varlen: O by ordinary stores, unchained, 16-bit inputs");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 
 using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN>;
@@ -104,7 +105,7 @@ using QState = PipelineState<QBUF>;      // in Q's buffers: the count of work ti
 struct Barriers {
   MbarRing<QBUF> q;          // Q: by TMA; freed by every consumer thread after its last S
   MbarRing<STAGES> k, v;     // K, V tiles: by TMA; freed by the consumers (e4m3 V: by the transposers)
-  TileRing tiles;            // PERSISTENT: the producer's drawn tiles; taken by every other thread
+  TileRing<VARLEN> tiles;    // PERSISTENT: the producer's drawn tiles; taken by every other thread
   MbarRing<STAGES> vt;       // e4m3: V^T, by the transposers; freed by the consumers
 };
 
@@ -151,20 +152,22 @@ FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, MbarRing<STAGES>& bars, cons
 }
 
 // WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps them in
-// uniform registers (the persistent loop then fits split=32; one thread needs 40); lane 0 issues.
-// Otherwise one thread does it all.
-FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, const Sequence& seq, const TmaMap* tq,
-                        const TmaMap* tk, const TmaMap* tv, int* tile_counter, bool leader) {
+// uniform registers (the persistent loop then fits split=32; one thread needs 40), and (VARLEN) its
+// lanes find each drawn tile's sequence together; lane 0 issues. Otherwise one thread does it all.
+FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, const TmaMap* tq, const TmaMap* tk,
+                        const TmaMap* tv, int* tile_counter, bool leader) {
   if (leader) {
     tmap_prefetch(*tq);
     tmap_prefetch(*tk);
     tmap_prefetch(*tv);
   }
   KvState kv{0};
+  SeqCursor at{0, 0};   // VARLEN, persistent: the walk over the sequences (varlen_find)
   for (int it = 0;; ++it) {
-    const int tile = sched.draw<WARP_PRODUCER>(bar.tiles, tile_counter, it, leader);
-    if (sched.done(tile)) break;
-    const WorkTile w = sched.work(tile);
+    const DrawnTile d = sched.draw<WARP_PRODUCER>(bar.tiles, tile_counter, it, leader, at);
+    if (sched.done(d)) break;
+    const WorkTile w = sched.work(d);
+    const Sequence& seq = d.seq;
     // The first K goes ahead of Q: it only needs a free stage, while Q waits for the previous work
     // tile's last S. Then V runs one tile behind K, the order the consumers use them in.
     load_kv(sm.k, tk, bar.k, kv, 0, w, seq, leader);
@@ -194,9 +197,9 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
 FT_DEVICE void transpose_v(const Tiles& sm, Barriers& bar, const Scheduler& sched, int warp) {
   KvState kv{0};
   for (int it = 0;; ++it) {
-    const int tile = sched.take(bar.tiles, it);
-    if (sched.done(tile)) break;
-    for (const int end = kv.count + sched.work(tile).ntiles; kv.count < end; kv.advance()) {
+    const DrawnTile d = sched.take(bar.tiles, it);
+    if (sched.done(d)) break;
+    for (const int end = kv.count + sched.work(d).ntiles; kv.count < end; kv.advance()) {
       bar.v.wait(kv);
       bar.vt.acquire(kv);
       transpose_v_e4m3<BC, HEAD_DIM, ROW_BYTES>(reinterpret_cast<unsigned char*>(sm.vt + kv.index() * BC * HEAD_DIM),
@@ -268,7 +271,6 @@ FT_DEVICE int own_tiles(const WorkTile& w, const Sequence& seq, int cw) {
 struct Consumer {
   Barriers& bar;
   const Scheduler& sched;
-  const Sequence& seq;
   const Output& out;
   float scale_log2;
   int cw, lane, wrow0;   // consumer index, lane, this warp's first row in the block
@@ -279,18 +281,18 @@ struct Consumer {
   // P V's operand B and its barriers: V itself (N-major), or for e4m3 the transposed V^T
   MbarRing<STAGES>& pv;
   Accumulators acc;
-  // The work tile in hand (tile: its index, done() when none is left), how many of its K/V tiles
-  // this consumer runs (OWN_TILES), its Q buffer, and the K/V rings at its first K/V tile.
-  int tile;
+  // The work tile in hand (tile: its index, done() when none is left, and its sequence), how many of
+  // its K/V tiles this consumer runs (OWN_TILES), its Q buffer, and the K/V rings at its first K/V tile.
+  DrawnTile tile;
   WorkTile w;
   int own;
   QState q{0};
   KvState kv{0};
 
-  FT_DEVICE Consumer(Barriers& bar_, const Scheduler& sched_, const Sequence& seq_, const Output& out_, float scale_log2_,
+  FT_DEVICE Consumer(Barriers& bar_, const Scheduler& sched_, const Output& out_, float scale_log2_,
                      int cw_, int lane_, int wrow0_, unsigned long long desc_q_, unsigned long long desc_k_,
                      unsigned long long desc_v_, unsigned o_slab_)
-      : bar(bar_), sched(sched_), seq(seq_), out(out_), scale_log2(scale_log2_), cw(cw_), lane(lane_), wrow0(wrow0_),
+      : bar(bar_), sched(sched_), out(out_), scale_log2(scale_log2_), cw(cw_), lane(lane_), wrow0(wrow0_),
         desc_q(desc_q_), desc_k(desc_k_), desc_v(desc_v_), o_slab(o_slab_), pv(FP8 ? bar_.vt : bar_.v) {}
 
   // Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their products, in the order
@@ -306,8 +308,8 @@ struct Consumer {
   // -inf on the keys of K/V tile t that rows of this warp may not see: past N, or past the diagonal
   FT_DEVICE void mask(int t) {
     const int k0 = t * BC;
-    const int diag0 = w.q0 + wrow0 + (MASK_BR ? seq.nk - seq.nq : 0);   // the warp's first row's last key (params: no register held)
-    if (k0 + BC > seq.nk || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, k0, seq.nk);
+    const int diag0 = w.q0 + wrow0 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0);   // the warp's first row's last key (the batch's: params, no register held)
+    if (k0 + BC > tile.seq.nk || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, k0, tile.seq.nk);
   }
   // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the next
   // work tile's Q streams in under this one's last softmax, P V and epilogue.
@@ -325,7 +327,7 @@ struct Consumer {
   }
   FT_DEVICE void epilogue() {
 #if VARLEN
-    float* lse_bh = out.lse + static_cast<long long>(w.h) * out.lse_rows + seq.q0;
+    float* lse_bh = out.lse + static_cast<long long>(w.h) * out.lse_rows + tile.seq.q0;
 #else
     float* lse_bh = out.lse + static_cast<long long>(w.b * out.heads + w.h) * out.nq;
 #endif
@@ -333,8 +335,8 @@ struct Consumer {
       store_slab_tma<OUT_DTYPE, DTILES>(o_slab, out.tmap, lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, out.nq, w.h, w.b,
                                         scale_log2);
     } else {
-      store_slab<OUT_DTYPE>(out.o + (VARLEN ? seq.q0 * out.sn : w.b * out.sb) + w.h * out.sh, out.sn, lse_bh, acc.o, acc.m,
-                            acc.l, lane, w.q0 + wrow0, seq.nq, scale_log2);
+      store_slab<OUT_DTYPE>(out.o + (VARLEN ? tile.seq.q0 * out.sn : w.b * out.sb) + w.h * out.sh, out.sn, lse_bh, acc.o, acc.m,
+                            acc.l, lane, w.q0 + wrow0, tile.seq.nq, scale_log2);
     }
   }
 
@@ -372,7 +374,7 @@ struct Consumer {
   }
 
   // on to work tile it + 1 (`next`, already taken), this one's K/V tiles done
-  FT_DEVICE void advance(int it, int next) {
+  FT_DEVICE void advance(int it, const DrawnTile& next) {
     kv.advance(w.ntiles);
     tile = next;
     w = sched.work(tile);
@@ -383,8 +385,8 @@ struct Consumer {
   // K/V tiles [0, clean_tiles()) need no mask on any of this consumer's 64 rows: whole tiles of
   // keys, all at or before its first row's diagonal.
   FT_DEVICE int clean_tiles() const {
-    int n = seq.nk / BC;
-    if constexpr (IS_CAUSAL) n = min(n, max(0, w.q0 + cw * 64 + (MASK_BR ? seq.nk - seq.nq : 0) + 1) / BC);
+    int n = tile.seq.nk / BC;
+    if constexpr (IS_CAUSAL) n = min(n, max(0, w.q0 + cw * 64 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0) + 1) / BC);
     return n;
   }
 
@@ -420,7 +422,7 @@ struct Consumer {
   // the rest, the tiles that need no mask first. `chained`: its first S and softmax ran at the last
   // work tile's end. CHAIN: the next work tile's first S goes out with this one's last P V, which
   // `next` (taken here) names.
-  FT_DEVICE void overlapped(int it, bool chained, int& next) {
+  FT_DEVICE void overlapped(int it, bool chained, DrawnTile& next) {
     if (!chained) {
       bar.k.wait(kv);
       turn_begin();
@@ -493,14 +495,14 @@ struct Consumer {
         acc.reset();
         bar.q.wait(q);
       }
-      own = own_tiles(w, seq, cw);
+      own = own_tiles(w, tile.seq, cw);
       if (OWN_TILES && own == 0) {
         pass(0);
         advance(it, sched.take(bar.tiles, it + 1));
         continue;
       }
       if constexpr (OVERLAP) {
-        int next = 0;
+        DrawnTile next{};
         overlapped(it, chained, next);
         if constexpr (CHAIN) {   // O goes out while the next tile's first S runs, then its softmax
           epilogue();
@@ -532,20 +534,24 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   const Tiles sm(smem_raw);
   Barriers& bar = *sm.bar;
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0);   // warp-uniform
-  // the batch's lengths, or (VARLEN: one work tile per CTA) this CTA's sequence's. VARLEN's order
-  // (the launch's, x fastest): sequence after sequence, each one's query blocks heaviest first
-  // (qblk 0, work_tile's last rows), the heads fastest (a K/V group's heads together, one
-  // sequence's K/V in L2). Head after head over every sequence's blocks left the last head's long
-  // sequences' heavy blocks to the end: 1.12-1.18 of the ideal time at d=64 and d=256 in a
-  // list-scheduling model, 1.02-1.04 this way (benchmarks/PERF_NOTES.md, "v5, v6").
+  // The batch's lengths, or (VARLEN on the grid: one work tile per CTA) this CTA's sequence's; a
+  // persistent VARLEN CTA gets each tile's sequence from the producer (TileScheduler). VARLEN's order
+  // (the launch's, x fastest, or the persistent tiles'): sequence after sequence, each one's query
+  // blocks heaviest first (qblk 0, work_tile's last rows), the heads fastest (a K/V group's heads
+  // together, one sequence's K/V in L2). Head after head over every sequence's blocks left the last
+  // head's long sequences' heavy blocks to the end: 1.12-1.18 of the ideal time at d=64 and d=256 in
+  // a list-scheduling model, 1.02-1.04 this way (benchmarks/PERF_NOTES.md, "v5, v6").
 #if VARLEN
-  const int2 blk = varlen_block<BR>(cu_q, nseq, blockIdx.x + blockIdx.y * gridDim.x, heads);
+  int2 blk = make_int2(0, 0);
+  if constexpr (!PERSISTENT) blk = varlen_block<BR>(cu_q, nseq, blockIdx.x + blockIdx.y * gridDim.x, heads);
   if (blk.x < 0) return;
   const int qblk = blk.y / heads, bh = blk.x * heads + blk.y % heads;
-  const bool sections = false;   // one work tile per CTA, placed by varlen_block
+  const bool sections = false;   // varlen's own order, above
   const int bhs = 0, sec = 0;
+  const Sequence seq = PERSISTENT ? Sequence{0, 0, 0, 0} : FT_SEQUENCE(blk.x);
+  const int n_qblk = 1, total = 1;   // persistent: the producer finds where the tiles end (TileScheduler)
+  const int *offsets_q = cu_q, *offsets_k = cu_k, packed = nseq;
 #else
-  const int2 blk = make_int2(0, 0);
   // causal work in sections of `sec` heads where batch x heads (the grid's y) is at most the SM
   // count, worked out once here: on the grid the block the hardware hands out in this place of its
   // order (x fastest) is the scheduler's in that place (causal_tile); else (query block, batch-head)
@@ -556,11 +562,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                            ? causal_tile(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, bhs, sec)
                            : make_int2(blockIdx.x, blockIdx.y);
   const int qblk = grid_at.x, bh = grid_at.y;
+  const Sequence seq{nq, nk, 0, 0};
+  const int n_qblk = (nq + BR - 1) / BR;   // PERSISTENT: the work tiles are n_qblk x batch-heads
+  const int total = PERSISTENT ? n_qblk * bhs : 1;
+  const int *offsets_q = nullptr, *offsets_k = nullptr, packed = 0;
 #endif
-  const Sequence seq = FT_SEQUENCE(blk.x);
-  const int n_qblk = (nq + BR - 1) / BR;   // PERSISTENT (never VARLEN): the work tiles are n_qblk x batch-heads
-  const Scheduler sched{qblk, bh, n_qblk, PERSISTENT ? n_qblk * bhs : 1, heads, kv_group, seq.nq, seq.nk, bhs, sec,
-                        sections};
+  const Scheduler sched{qblk, bh, n_qblk, total, heads, kv_group, seq, bhs, sec, sections, offsets_q, offsets_k, packed};
 
   if (tid == 0) {
     bar.q.init(1, CWG * 128);
@@ -575,7 +582,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   if (wg == 0) {
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
     if (WARP_PRODUCER ? tid < 32 : tid == 0) {
-      producer(sm, bar, sched, seq, &tmap_q, &tmap_k, &tmap_v, tile_counter, !WARP_PRODUCER || tid == 0);
+      producer(sm, bar, sched, &tmap_q, &tmap_k, &tmap_v, tile_counter, !WARP_PRODUCER || tid == 0);
     } else if (FP8 && tid >= 128 - TRANSPOSERS) {
       transpose_v(sm, bar, sched, tid / 32 - (4 - TRANSPOSERS / 32));
     }
@@ -591,7 +598,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
 #endif
                      &tmap_o};
     if (TMA_STORE && lane == 0) tmap_prefetch(tmap_o);   // this warp's slabs go out through O's map
-    Consumer c(bar, sched, seq, out, scale_log2, cw, lane, wrow0,
+    Consumer c(bar, sched, out, scale_log2, cw, lane, wrow0,
                wgmma_desc<ROW_BYTES>(smem_u32(sm.q) + cw * 64 * ROW_BYTES, 16, 8 * ROW_BYTES),
                wgmma_desc<ROW_BYTES>(smem_u32(sm.k), 16, 8 * ROW_BYTES),
                FP8 ? wgmma_desc(smem_u32(sm.vt), 16, 1024) : wgmma_desc(smem_u32(sm.v), BC * 128, 1024),

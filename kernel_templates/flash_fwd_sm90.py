@@ -221,9 +221,9 @@ class _Sm90Args(AttentionArgs):
 
 
 class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
-    """flash_fwd_sm90 on packed sequences: one work tile per CTA (every block finds its own
-    sequence; the persistent scheduler's CTAs would have to for each tile), O by ordinary stores
-    (a TMA store box could cross into the next sequence), 16-bit inputs."""
+    """flash_fwd_sm90 on packed sequences: persistent (the producer's warp finds each drawn tile's
+    sequence, kernel_templates/tile_scheduler.cuh) or a grid (every block finds its own), O by
+    ordinary stores (a TMA store box could cross into the next sequence), 16-bit inputs."""
 
     name = "flash_fwd_sm90_varlen"
 
@@ -231,13 +231,36 @@ class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
         return 64 * params["cwg"]
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
-        if params["persistent"] or params["tma_store"] or params["chain"]:
-            return "varlen runs a grid of work tiles with O by ordinary stores: persistent, tma_store and chain 0"
+        if params["tma_store"] or params["chain"]:
+            return "varlen stores O by ordinary stores, unchained: tma_store and chain 0"
         return super()._check(params, gpu, problem)
 
     def from_tuned(self, params: dict, problem: Problem) -> dict:
-        # the grid schedule of the same tile; split 32 exists only for the persistent producer
-        return dict(params, persistent=0, tma_store=0, chain=0, split=24 if params["split"] == 32 else params["split"])
+        # the same tile, persistent where the consumers keep their registers under its split
+        persistent = self.schedule(dict(params, tma_store=0, chain=0), True, problem)
+        if self.register_estimate(persistent, problem) <= consumer_regs(persistent["cwg"], persistent["split"]):
+            return persistent
+        return self.schedule(persistent, False, problem)
+
+    @staticmethod
+    def schedule(params: dict, persistent: bool, problem: Problem) -> dict:
+        """`params` run persistent or on the grid, with a producer split that schedule allows: the
+        persistent producer's state needs more than 24 registers (32 only for FA3's 192-row tile at
+        d=64, 40 elsewhere), and split 32 exists only for that persistent producer (24 on the grid)."""
+        split = params["split"]
+        if persistent and split == 24:
+            split = 32 if params["cwg"] == 3 and problem.head_dim == 64 else 40
+        elif not persistent and split == 32:
+            split = 24
+        return dict(params, persistent=int(persistent), split=split)
+
+    def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int, total_k: int) -> Launch:
+        grid = super().packed_launch(params, problem, gpu, total_q, total_k)
+        if not params["persistent"]:
+            return grid
+        # one CTA per SM, at most one per work tile; the producers find where the tiles end
+        return Launch(grid=(min(grid.grid[0] * grid.grid[1], gpu.sm_count), 1, 1), block=grid.block,
+                      smem_bytes=grid.smem_bytes)
 
 
 FAMILY = FlashFwdSm90()

@@ -82,74 +82,129 @@ FT_DEVICE int2 causal_tile(int tile, int n_qblk, int bhs, int sec) {
   return make_int2(local / width, first + local % width);
 }
 
-// The producer thread asks for the CTA's tiles in turn (it = 0, 1, ...); a tile >= total means
-// the CTA is done, and it has then signed off on the counter.
-FT_DEVICE int next_tile_dynamic(int* counter, int it, int total) {
-  const int tile = it == 0 ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
-  if (tile >= total && atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+// The producer thread asks for the CTA's tiles in turn (it = 0, 1, ...): its first is its
+// blockIdx.x, later ones come from the counter, so each CTA's tiles only grow. One past the last
+// tile, the CTA signs off (sign_off).
+FT_DEVICE int fetch_tile(int* counter, int it) {
+  return it == 0 ? static_cast<int>(blockIdx.x) : static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
+}
+FT_DEVICE void sign_off(int* counter) {
+  if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
     // every CTA has made its last fetch: no atomicAdd on counter[0] is left in this launch
     atomicExch(counter, 0);
     atomicExch(counter + 1, 0);
   }
+}
+// a tile >= total means the CTA is done, and it has then signed off on the counter
+FT_DEVICE int next_tile_dynamic(int* counter, int it, int total) {
+  const int tile = fetch_tile(counter, it);
+  if (tile >= total) sign_off(counter);
   return tile;
 }
 
-// The producer publishes each tile to the other roles through a two-slot ring in shared memory.
+// The producer publishes each tile to the other roles through a two-slot ring in shared memory;
+// PACKED, with its sequence.
+template <bool PACKED>
 struct TileRing : MbarRing<2> {
   int tile[2];
 };
+template <>
+struct TileRing<true> : MbarRing<2> {
+  int tile[2];
+  Sequence seq[2];
+};
+
+// A work tile as a role gets it: its index, and the sequence it belongs to (the batch's lengths;
+// VARLEN on the grid: the CTA's sequence; PACKED and dynamic: the one the producer found for it).
+struct DrawnTile {
+  int tile;
+  Sequence seq;
+};
 
 // The CTA's work tiles in turn, as each role sees them: `it` counts them (0, 1, ...), and a tile
-// index done() means none is left. DYNAMIC (the kernel's PERSISTENT): the producer draws each tile
+// done() means none is left. DYNAMIC (the kernel's PERSISTENT): the producer draws each tile
 // from the dynamic schedule above and hands it to the other roles through a TileRing; otherwise
 // the CTA runs the grid's one tile, (qblk, bh) as the launch (or VARLEN's varlen_block) placed it,
 // and every loop over tiles folds to one pass. ROWS x COLS: the query block and the K/V tile.
-// KEYLESS_TILE: a query block that sees no key still runs one K/V tile, all masked, so that its
-// O (0) and LSE (-inf) are written (bottom-right with Nq > Nk, a varlen sequence with no keys).
-template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool KEYLESS_TILE>
+// PACKED (VARLEN): a query block that sees no key still runs one K/V tile, all masked, so that its
+// O (0) and LSE (-inf) are written (a sequence with no keys; also bottom-right with Nq > Nk). PACKED
+// and DYNAMIC: tile t of the launch is varlen_find's place t among the sequences' query blocks x
+// heads (sequence after sequence, each one's blocks heaviest first, the heads fastest, as on the
+// grid); the producer's warp finds each one's sequence as it draws it, walking on from the last
+// (a CTA's tiles only grow), and publishes the tile as (its place in its sequence, the sequence);
+// past the last sequence it publishes -1.
+template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool PACKED>
 struct TileScheduler {
   int qblk, bh;              // the grid's tile (not DYNAMIC)
-  int n_qblk, total;         // query blocks per batch-head; work tiles (DYNAMIC; 1 on the grid)
-  int heads, kv_group, nq, nk;
+  int n_qblk, total;         // query blocks per batch-head; work tiles (DYNAMIC, not PACKED; 1 on the grid)
+  int heads, kv_group;
+  Sequence seq;              // the batch's lengths (VARLEN on the grid: the CTA's sequence)
   int bhs, sec;              // DYNAMIC, causal: batch-heads, and heads a section (section_heads, once a launch)
   bool sections;             // DYNAMIC: causal tiles in sections (causal_sections)
+  const int *cu_q, *cu_k;    // PACKED: the sequences' offsets (common.cuh)
+  int nseq;
 
-  FT_DEVICE bool done(int tile) const { return tile >= total; }
-  FT_DEVICE WorkTile work(int tile) const {
+  FT_DEVICE bool done(const DrawnTile& d) const {
+    if constexpr (PACKED && DYNAMIC) return d.tile < 0;
+    return d.tile >= total;
+  }
+  FT_DEVICE WorkTile work(const DrawnTile& d) const {
     int2 at = make_int2(qblk, bh);
-    if constexpr (DYNAMIC) {
-      at = CAUSAL && sections ? causal_tile(tile, n_qblk, bhs, sec) : make_int2(tile % n_qblk, tile / n_qblk);
+    if constexpr (PACKED && DYNAMIC) {
+      at = make_int2(d.tile / heads, d.tile % heads);   // batch 0 of the packed views
+    } else if constexpr (DYNAMIC) {
+      at = CAUSAL && sections ? causal_tile(d.tile, n_qblk, bhs, sec) : make_int2(d.tile % n_qblk, d.tile / n_qblk);
     }
-    WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(at.x, at.y, heads, kv_group, nq, nk);
-    if constexpr (KEYLESS_TILE) w.ntiles = max(1, w.ntiles);
+    WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(at.x, at.y, heads, kv_group, d.seq.nq, d.seq.nk);
+    if constexpr (PACKED) w.ntiles = max(1, w.ntiles);
     return w;
   }
   // The producer's: the CTA's it-th tile, drawn by `leader` and published to the other roles; a
-  // WARP producer's other lanes get it by shuffle, so it stays warp-uniform.
+  // WARP producer's other lanes get it by shuffle, so it stays warp-uniform. PACKED needs the WARP
+  // producer: its lanes walk the sequences from `at` (varlen_find).
   template <bool WARP>
-  FT_DEVICE int draw(TileRing& ring, int* counter, int it, bool leader) const {
-    int tile = it;
+  FT_DEVICE DrawnTile draw(TileRing<PACKED>& ring, int* counter, int it, bool leader, SeqCursor& at) const {
+    DrawnTile d{it, seq};
     if constexpr (DYNAMIC) {
       const PipelineState<2> slot{it};
       ring.acquire(slot);
-      if (leader) {
-        tile = next_tile_dynamic(counter, it, total);
-        ring.tile[slot.index()] = tile;
-        ring.commit(slot);
+      if constexpr (PACKED) {
+        static_assert(WARP, "a packed batch's tiles are found by the producer's warp");
+        const int tile = __shfl_sync(0xffffffffu, leader ? fetch_tile(counter, it) : 0, 0);
+        const int2 found = varlen_find<ROWS>(cu_q, nseq, tile, heads, at);
+        d.tile = found.x < 0 ? -1 : found.y;
+        if (found.x >= 0) d.seq = sequence_of(cu_q, cu_k, found.x);
+        if (leader) {
+          if (found.x < 0) sign_off(counter);
+          ring.tile[slot.index()] = d.tile;
+          ring.seq[slot.index()] = d.seq;
+          ring.commit(slot);
+        }
+      } else {
+        if (leader) {
+          d.tile = next_tile_dynamic(counter, it, total);
+          ring.tile[slot.index()] = d.tile;
+          ring.commit(slot);
+        }
+        if constexpr (WARP) d.tile = __shfl_sync(0xffffffffu, d.tile, 0);
       }
-      if constexpr (WARP) tile = __shfl_sync(0xffffffffu, tile, 0);
     }
-    return tile;
+    return d;
   }
   // Every other role's: the CTA's it-th tile, as the producer published it.
-  FT_DEVICE int take(TileRing& ring, int it) const {
-    int tile = it;
+  FT_DEVICE DrawnTile take(TileRing<PACKED>& ring, int it) const {
+    DrawnTile d{it, seq};
     if constexpr (DYNAMIC) {
       const PipelineState<2> slot{it};
       ring.wait(slot);
-      tile = __shfl_sync(0xffffffffu, ring.tile[slot.index()], 0);   // warp-uniform: uniform registers downstream
+      const int i = slot.index();
+      d.tile = __shfl_sync(0xffffffffu, ring.tile[i], 0);   // warp-uniform: uniform registers downstream
+      if constexpr (PACKED) {
+        d.seq = Sequence{__shfl_sync(0xffffffffu, ring.seq[i].nq, 0), __shfl_sync(0xffffffffu, ring.seq[i].nk, 0),
+                         __shfl_sync(0xffffffffu, ring.seq[i].q0, 0), __shfl_sync(0xffffffffu, ring.seq[i].k0, 0)};
+      }
       ring.release(slot);
     }
-    return tile;
+    return d;
   }
 };

@@ -1,7 +1,7 @@
 """On the GPU: packed sequences (tuner/varlen.py) against float64, sequence by sequence, on fresh
 random batches: ragged lengths up to 3000 with 0 and 1 among them, queries and keys of their own
 lengths or shared offsets, GQA ratios 1 to 8, head dims 64/128/256, the three masks; each varlen
-variant at its default and random points with NaN-poisoned outputs; the public call with its
+variant at its default and random points (the Hopper one's persistent and on the grid) with NaN-poisoned outputs; the public call with its
 gradients, under torch.compile and in a CUDA graph."""
 
 from __future__ import annotations
@@ -71,7 +71,11 @@ def _variant_points(rng, base, variant, gpu, problem):
         if variant.check(p, gpu, problem) is None:
             points.setdefault(tuple(sorted(p.items())), p)
     chosen = list(points.values())
-    return chosen[:1] + rng.sample(chosen[1:], min(2, len(chosen) - 1))
+    chosen = chosen[:1] + rng.sample(chosen[1:], min(2, len(chosen) - 1))
+    if hasattr(variant, "schedule"):   # flash_fwd_sm90: each point persistent and on the grid
+        other = (variant.schedule(p, not p["persistent"], problem) for p in chosen)
+        chosen += [p for p in other if variant.check(p, gpu, problem) is None]
+    return chosen
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])

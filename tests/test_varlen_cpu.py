@@ -58,6 +58,8 @@ def _compile_cases():
             for mask in ("none", "causal", "causal_br"):
                 problem = Problem(3, 8, 16 if name == "flash_decode" else 1000, 1000, d, "bf16", mask, 2)
                 points = _variant_points(base, variant, gpu, problem)
+                if name == "flash_fwd_sm90":   # persistent by default: the grid schedule too
+                    points += [variant.schedule(p, False, problem) for p in points]
                 # every seed's point where the mask changes the most code (causal: FROM_END blocks) on
                 # the arch each family serves, one elsewhere
                 every = mask == "causal" and (name == "flash_fwd_sm90" or arch == "sm_80")
@@ -82,14 +84,33 @@ def test_varlen_variants_compile_without_spills(variant, params, problem, arch):
 
 
 def test_every_hopper_seed_has_a_varlen_point():
-    """A tuned config of any kind (persistent, TMA-stored, chained) turns into a valid varlen point."""
+    """A tuned config of any kind (grid or persistent, TMA-stored, chained) turns into a valid
+    varlen point, persistent (each seed's tile keeps its registers under the persistent split), and
+    runs on the grid too."""
     base, variant = FAMILIES["flash_fwd_sm90"], VARLEN_VARIANTS["flash_fwd_sm90"]
     for d in (64, 128, 256):
         problem = Problem(2, 8, 2048, 2048, d, "bf16", "causal")
         for seed in base.seeds(H100_SXM, problem):
             p = variant.from_tuned(seed, problem)
             assert variant.check(p, H100_SXM, problem) is None, (seed, variant.check(p, H100_SXM, problem))
-            assert not (p["persistent"] or p["tma_store"] or p["chain"])
+            assert p["persistent"] and not (p["tma_store"] or p["chain"]), (seed, p)
+            assert {k: v for k, v in p.items() if k not in ("persistent", "split", "tma_store", "chain")} == \
+                {k: v for k, v in seed.items() if k not in ("persistent", "split", "tma_store", "chain")}
+            grid = variant.schedule(p, False, problem)
+            assert not grid["persistent"] and variant.check(grid, H100_SXM, problem) is None, grid
+
+
+def test_persistent_varlen_launches_one_cta_an_sm_at_most():
+    """Persistent: as many CTAs as SMs, or as the grid schedule's blocks where those are fewer (its
+    query blocks, rounded up to 32, by heads); on the grid, those blocks by heads."""
+    variant = VARLEN_VARIANTS["flash_fwd_sm90"]
+    problem = Problem(3, 8, 1000, 1000, 128, "bf16", "causal", 2)
+    p = variant.from_tuned(FAMILIES["flash_fwd_sm90"].seeds(H100_SXM, problem)[0], problem)
+    assert variant.packed_launch(p, problem, H100_SXM, 3000, 3000).grid == (H100_SXM.sm_count, 1, 1)
+    one_head = Problem(3, 1, 100, 100, 128, "bf16", "causal")
+    assert variant.packed_launch(p, one_head, H100_SXM, 300, 300).grid == (32, 1, 1)
+    grid = variant.packed_launch(variant.schedule(p, False, problem), problem, H100_SXM, 3000, 3000).grid
+    assert grid == (32, 8, 1)   # ceil(3000 / 128) + 3 blocks, rounded up to 32, by 8 heads
 
 
 def test_varlen_defines_and_parameters():
