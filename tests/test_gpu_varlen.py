@@ -84,10 +84,8 @@ def _variant_points(rng, base, variant, gpu, problem):
 def test_varlen_variant_matches_reference(family, dtype, mask):
     import torch
 
-    from tuner.compile import compile_kernel
     from tuner.gpu import detect
     from tuner.kernel_templates import FAMILIES, VARLEN_VARIANTS
-    from tuner.launch import LaunchError, LoadedKernel, launch_on
 
     seed = random.randrange(2**32)   # in every failure's message: the draw can be replayed
     gpu, rng = detect(), random.Random(seed)
@@ -105,23 +103,68 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
         points = _variant_points(rng, base, variant, gpu, problem)
         assert points, f"no {variant.name} point for {problem.key}"
         for params in points:
-            ck = compile_kernel(variant, params, problem, gpu.arch)
-            launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
-            launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, variant.param_kinds(params))
-            o = torch.full_like(q, float("nan"))
-            lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
-            views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
-            args = variant.varlen_values(variant.arg_maker(params), params, problem, launch.grid, views, lse, scale,
-                                         cu_q, cu_k, max(lens_q), max(lens_k))
-            what = (f"{variant.name} {params} d{d} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask} "
-                    f"scale {scale} (seed {seed}, {launch})")
-            try:
-                launch_on(launcher, gpu.index, *args)
-            except LaunchError as exc:
-                raise AssertionError(f"{what}: {exc}") from exc
-            torch.cuda.synchronize()
-            _check_sequences(o, lse, q, k, v, lens_q, lens_k, mask, dtype, 1 / math.sqrt(d) if scale is None else scale,
-                             what)
+            _run_and_check(variant, params, problem, gpu, q, k, v, cu_q, cu_k, lens_q, lens_k, mask, dtype, scale, seed)
+
+
+def _run_and_check(variant, params, problem, gpu, q, k, v, cu_q, cu_k, lens_q, lens_k, mask, dtype, scale, seed):
+    """`variant` at `params` launched directly on the packed batch into NaN-poisoned O and LSE,
+    then each sequence against float64 (_check_sequences)."""
+    import torch
+
+    from tuner.compile import compile_kernel
+    from tuner.launch import LaunchError, LoadedKernel, launch_on
+
+    ck = compile_kernel(variant, params, problem, gpu.arch)
+    launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
+    launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, variant.param_kinds(params))
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
+    views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
+    args = variant.varlen_values(variant.arg_maker(params), params, problem, launch.grid, views, lse, scale,
+                                 cu_q, cu_k, max(lens_q), max(lens_k))
+    what = (f"{variant.name} {params} d{q.shape[2]} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask} "
+            f"scale {scale} (seed {seed}, {launch})")
+    try:
+        launch_on(launcher, gpu.index, *args)
+    except LaunchError as exc:
+        raise AssertionError(f"{what}: {exc}") from exc
+    torch.cuda.synchronize()
+    _check_sequences(o, lse, q, k, v, lens_q, lens_k, mask, dtype, 1 / math.sqrt(q.shape[2]) if scale is None else scale,
+                     what)
+
+
+@pytest.mark.parametrize("mask", ["causal", "causal_br", "none"])
+@pytest.mark.parametrize("family", ["flash_fwd_sm90", "flash_fwd_mma"])
+def test_many_short_sequences(family, mask):
+    """Hundreds of short sequences (0, 1, a block's edges), few heads: more work tiles than SMs and
+    more sequences than a warp walks in one step, so the walk that finds a tile's sequence
+    (varlen_find: a CTA's persistent walk on from its last tile's, or each grid block's from the
+    start) crosses many 32-sequence steps, and short blocks end in every place of a wave."""
+    import torch
+
+    from tuner.gpu import detect
+    from tuner.kernel_templates import FAMILIES, VARLEN_VARIANTS
+
+    seed = random.randrange(2**32)
+    gpu, rng = detect(), random.Random(seed)
+    base, variant = FAMILIES[family], VARLEN_VARIANTS[family]
+    if why := variant.supports(gpu, Problem(1, 2, 128, 128, 64, "bf16", mask)):
+        pytest.skip(f"{variant.name} on {gpu.name}: {why}")
+    lens = [rng.choice([0, 1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 192, 193, 300]) for _ in range(rng.randint(150, 400))]
+    lens[rng.randrange(len(lens))] = 1000   # one long one among them, somewhere
+    hk, group, d = rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([64, 128])
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens), hk * group, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens), hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    problem = Problem(len(lens), hk * group, max(lens), max(lens), d, "bf16", mask, hk)
+    fits = (variant.from_tuned(p, problem) for p in base.seeds(gpu, problem))
+    params = next((p for p in fits if variant.check(p, gpu, problem) is None), None)
+    assert params is not None, f"no {variant.name} point for {problem.key}"
+    points = [params]
+    if hasattr(variant, "schedule"):   # flash_fwd_sm90: persistent by default, and on the grid
+        points.append(variant.schedule(params, not params["persistent"], problem))
+    for params in points:
+        _run_and_check(variant, params, problem, gpu, q, k, v, cu, cu, lens, lens, mask, "bf16", None, seed)
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
