@@ -9,7 +9,9 @@ queries a sequence against ragged caches) as K/V TB/s.
 Batches: ragged lengths drawn from a long-tailed mix (documents packed for training, prompts of a
 serving batch), fixed seeds. "useful" TFLOP/s counts each sequence's own causal work only; the
 padded batch (every sequence at the longest length, right-padded: causal rows never see the
-padding) does (1 - useful share) more. The bar: varlen time <= padded time x useful share, i.e.
+padding) does (1 - useful share) more; it is timed padded with zeros and with random rows (a
+model's pad tokens carry activations; on zeros the tensor cores draw less power, so the H100 holds a
+higher clock under its power cap). The bar: varlen time <= padded time x useful share, i.e.
 faster than the padded batch by at least the padding's share. Timed in turns, L2 flushed
 (tuner.timing). Each output is checked against FA2's varlen (max abs difference per run); the
 kernel's correctness against float64 is tests/test_gpu_varlen.py's. `--family F` also times F's
@@ -86,16 +88,21 @@ def main(argv=None) -> int:
         g = torch.Generator(device="cuda").manual_seed(seed)
         q = torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
         k, v = (torch.randn(total, hk, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        # the padded batch: (B, longest, H, D) storage, each sequence's rows first, viewed (B, H, N, D)
-        pads = []
+        # the padded batch: (B, longest, H, D) storage, each sequence's rows first, viewed (B, H, N, D);
+        # padded with zeros, and with random rows as a model's pad tokens carry activations (the tensor
+        # cores draw less power on zeros, so under the H100's power cap the zero-padded batch runs at a
+        # higher clock than the same work on real data)
+        pads, pads_random = [], []
         for t in (q, k, v):
-            p = torch.zeros(count, longest, t.shape[1], d, device="cuda", dtype=t.dtype)
-            for i, n in enumerate(lens):
-                p[i, :n] = t[cu[i]:cu[i] + n]
-            pads.append(p.transpose(1, 2))
+            for fill, out in ((torch.zeros, pads), (torch.randn, pads_random)):
+                p = fill(count, longest, t.shape[1], d, device="cuda", dtype=t.dtype)
+                for i, n in enumerate(lens):
+                    p[i, :n] = t[cu[i]:cu[i] + n]
+                out.append(p.transpose(1, 2))
         fns = {"flashtune_varlen": lambda: tuner.attention(q, k, v, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
                                                            max_seqlen_q=longest, max_seqlen_k=longest),
-               "flashtune_padded": lambda: tuner.attention(*pads, is_causal=True)}
+               "flashtune_padded": lambda: tuner.attention(*pads, is_causal=True),
+               "flashtune_padded_random": lambda: tuner.attention(*pads_random, is_causal=True)}
         if a.family or variants or overrides:
             from tuner.varlen import padded_problem
 
@@ -103,10 +110,11 @@ def main(argv=None) -> int:
             fns |= direct_kernels(a.family, variants, overrides, problem, gpu, q, k, v, cu, cu, longest, longest)
         outs = run_once(with_peers(fns, q, k, v, cu, cu, longest, longest, flash_attn_varlen_func))
         ref = outs["fa2_varlen"]
-        got = outs["flashtune_padded"].transpose(1, 2)
-        padded_out = torch.cat([got[i, :n] for i, n in enumerate(lens)])
-        diffs = {key: float((o - ref).abs().max()) for key, o in outs.items() if key != "flashtune_padded"}
-        diffs["flashtune_padded"] = float((padded_out - ref).abs().max())
+        padded = ("flashtune_padded", "flashtune_padded_random")
+        diffs = {key: float((o - ref).abs().max()) for key, o in outs.items() if key not in padded}
+        for key in padded:   # each sequence's rows of the padded O
+            got = outs[key].transpose(1, 2)
+            diffs[key] = float((torch.cat([got[i, :n] for i, n in enumerate(lens)]) - ref).abs().max())
         timings = timer.interleaved(fns)
         useful = sum(4 * n * n * d * h / 2 for n in lens)
         padded_work = count * 4 * longest * longest * d * h / 2
@@ -117,23 +125,24 @@ def main(argv=None) -> int:
                    **{f"{k} max diff vs fa2": x for k, x in diffs.items()})
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del q, k, v, pads, outs
+        del q, k, v, pads, pads_random, outs
         torch.cuda.empty_cache()
 
     print(f"\n{gpu.name}: packed sequences, bf16, causal; ms (median), useful TFLOP/s; "
-          "bar: varlen ms <= padded ms x useful share")
-    extra = [k[:-3] for k in (rows[0] if rows else {}) if k.endswith(" ms") and k[:-3] not in
-             ("flashtune_varlen", "flashtune_padded", "fa2_varlen", "fa4_varlen")]
-    impls = ("flashtune_varlen", "flashtune_padded", "fa2_varlen", "fa4_varlen", *extra)
+          "bar: varlen ms <= padded ms x useful share (padded with zeros / with random rows)")
+    main_impls = ("flashtune_varlen", "flashtune_padded", "flashtune_padded_random", "fa2_varlen", "fa4_varlen")
+    extra = [k[:-3] for k in (rows[0] if rows else {}) if k.endswith(" ms") and k[:-3] not in main_impls]
+    impls = (*main_impls, *extra)
     print("| case | tokens | longest | useful share | " + " | ".join(impls) + " | varlen / (padded x share) |")
     print("| --- " * (5 + len(impls)) + "|")
     for r in rows:
         if "decode" in r:
             continue
         cells = [f"{r[f'{i} ms']:.3f} ms ({r[f'{i} useful TFLOP/s']:.0f})" if f"{i} ms" in r else "-" for i in impls]
-        bar = r["flashtune_varlen ms"] / (r["flashtune_padded ms"] * r["useful_share"])
+        bars = " / ".join(f"{r['flashtune_varlen ms'] / (r[f'{p} ms'] * r['useful_share']):.2f}"
+                          for p in ("flashtune_padded", "flashtune_padded_random") if f"{p} ms" in r)
         print(f"| {r['case']} | {r['total']} | {r['longest']} | {r['useful_share']:.2f} | " + " | ".join(cells)
-              + f" | {bar:.2f} |")
+              + f" | {bars} |")
     decode_rows = [r for r in rows if "decode" in r]
     if decode_rows:
         dimpls = ("flashtune_varlen", "fa2_varlen", "fa4_varlen")
