@@ -19,11 +19,10 @@ from .flash_decode import VARLEN_FAMILY as _DECODE_VARLEN
 from .flash_fwd_mma import FAMILY as _MMA
 from .flash_fwd_mma import VARLEN_FAMILY as _MMA_VARLEN
 from .flash_fwd_sm90 import FAMILY as _SM90
-from .flash_fwd_sm90 import PAIRS_FAMILY as _SM90_PAIRS
 from .flash_fwd_sm90 import VARLEN_FAMILY as _SM90_VARLEN
 from .flash_fwd_simt import FAMILY as _SIMT
 
-FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA, _SM90, _SM90_PAIRS, _DECODE)}
+FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA, _SM90, _DECODE)}
 # Each family's variant on packed sequences (tuner/varlen.py), made from its tuned configs: not
 # searched. In order of preference for a default: decode for short queries, then prefill.
 VARLEN_VARIANTS: dict[str, KernelFamily] = {_DECODE.name: _DECODE_VARLEN, _SM90.name: _SM90_VARLEN, _MMA.name: _MMA_VARLEN}

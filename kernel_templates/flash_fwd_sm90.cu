@@ -23,12 +23,6 @@
 // CHAIN (persistent, two consumers, overlap): Q is double-buffered and a consumer issues the next
 // work tile's first S together with this tile's last P V, in the same ping-pong turn, so the tensor
 // cores run that S while the consumer writes this tile's O; its softmax follows the epilogue.
-// CLUSTER 2 (flash_fwd_sm90_pairs, FA3's cluster for d >= 128 non-causal): grid CTAs in pairs, adjacent query
-// blocks of one head, and one CTA brings each K tile, the other each V tile, by TMA multicast into
-// both CTAs' rings, so the pair reads each K/V tile from L2 once. Both producers wait for the stage
-// and post its bytes on their own barrier. A stage is refilled only once both CTAs' consumers have
-// freed it: each consumer thread frees it in its own CTA, and each consumer warp's lane 0 in the other
-// CTA too (MULTICAST_FREES more arrivals there).
 // TMA_STORE: each consumer warp stages its 16 rows of O in shared memory and one lane stores them
 // by TMA (sm90_epilogue.cuh), so the warp starts its next work tile without waiting on the stores;
 // otherwise O goes from registers in 16-byte stores (store_slab).
@@ -48,7 +42,7 @@
 // block of each sequence and head: varlen_block), in the same order, sequence after sequence.
 //
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, CLUSTER (1 if unset);
+// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
@@ -57,10 +51,6 @@
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 // <wgmma wrappers>
-
-#ifndef CLUSTER
-#define CLUSTER 1
-#endif
 
 constexpr bool FP8 = IN_DTYPE == FT_E4M3;
 using T = typename Elem<IN_DTYPE>::type;
@@ -96,8 +86,6 @@ constexpr bool FROM_END = IS_CAUSAL && !TMA_STORE;
 // persistent loop's state left no room for the second loop's bounds (8 bytes spilled).
 constexpr bool PEEL_MASKS = !(HEAD_DIM > 128 && IS_CAUSAL && PERSISTENT);
 constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a 16-row slab per consumer warp
-constexpr bool MULTICAST = CLUSTER > 1;      // K/V tiles shared by the cluster's CTAs (above)
-constexpr int MULTICAST_FREES = MULTICAST ? CWG * 4 : 0;   // the other CTA's consumer warps, freeing a K/V stage
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && ROW_BYTES % 64 == 0, "head dim in whole 64- or 128-byte panels");
 static_assert(FP8 || ROW_BYTES == 128, "fp16/bf16: 128-byte panels");
@@ -108,8 +96,6 @@ static_assert(!TMA_STORE || (QBUF * Q_BYTES + (FP8 ? 3 : 2) * STAGES * KV_BYTES)
 static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tiles: persistent, overlapped, two consumers");
 static_assert(!VARLEN || (!TMA_STORE && !CHAIN && !FP8), "varlen: O by ordinary stores, unchained, 16-bit inputs");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
-static_assert(!MULTICAST || (CLUSTER == 2 && !PERSISTENT && !IS_CAUSAL && !VARLEN && !FP8),
-              "K/V multicast: pairs of grid CTAs on the same K/V tiles (non-causal, 16-bit)");
 
 using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN>;
 using KvState = PipelineState<STAGES>;   // a role's place in the K/V (and V^T) rings
@@ -153,20 +139,16 @@ struct Output {
 
 // ---- the producer: each work tile's Q and K/V tiles, by TMA ----
 
-// K/V tile t of work tile w (at `p` in its ring) into `ring`, once the consumers freed the stage
-// (MULTICAST: the copy into both CTAs comes from cluster CTA `source`).
+// K/V tile t of work tile w (at `p` in its ring) into `ring`, once the consumers freed the stage.
 FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, MbarRing<STAGES>& bars, const KvState& p, int t, const WorkTile& w,
-                       const Sequence& seq, bool leader, unsigned source) {
+                       const Sequence& seq, bool leader) {
   bars.acquire(p);
   if (!leader) return;
   bars.expect(p, KV_BYTES);
-  if (MULTICAST && cluster_rank() != source) return;   // the other CTA's copy brings the tile here
 #pragma unroll
-  for (int panel = 0; panel < PANELS; ++panel) {
-    T* dst = ring + p.index() * BC * HEAD_DIM + panel * BC * PANEL_COLS;
-    if constexpr (MULTICAST) tma_load_4d_multicast(dst, tmap, bars.full_bar(p), panel * PANEL_COLS, seq.k0 + t * BC, w.hk, w.b, 0x3);
-    else tma_load_4d(dst, tmap, bars.full_bar(p), panel * PANEL_COLS, seq.k0 + t * BC, w.hk, VARLEN ? 0 : w.b);
-  }
+  for (int panel = 0; panel < PANELS; ++panel)
+    tma_load_4d(ring + p.index() * BC * HEAD_DIM + panel * BC * PANEL_COLS, tmap, bars.full_bar(p), panel * PANEL_COLS,
+                seq.k0 + t * BC, w.hk, VARLEN ? 0 : w.b);
 }
 
 // WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps them in
@@ -188,7 +170,7 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     const Sequence& seq = d.seq;
     // The first K goes ahead of Q: it only needs a free stage, while Q waits for the previous work
     // tile's last S. Then V runs one tile behind K, the order the consumers use them in.
-    load_kv(sm.k, tk, bar.k, kv, 0, w, seq, leader, 0);
+    load_kv(sm.k, tk, bar.k, kv, 0, w, seq, leader);
     const QState q{it};
     bar.q.acquire(q);
     if (leader) {
@@ -202,10 +184,10 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     // the cost of this body (two configs spilled 108 B when it grew, others halved their unroll).
 #pragma unroll 1
     for (int t = 1; t < w.ntiles; ++t) {
-      load_kv(sm.k, tk, bar.k, kv + t, t, w, seq, leader, 0);
-      load_kv(sm.v, tv, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1);
+      load_kv(sm.k, tk, bar.k, kv + t, t, w, seq, leader);
+      load_kv(sm.v, tv, bar.v, kv + (t - 1), t - 1, w, seq, leader);
     }
-    load_kv(sm.v, tv, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1);
+    load_kv(sm.v, tv, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader);
     kv.advance(w.ntiles);
   }
 }
@@ -329,16 +311,10 @@ struct Consumer {
     const int diag0 = w.q0 + wrow0 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0);   // the warp's first row's last key (the batch's: params, no register held)
     if (k0 + BC > tile.seq.nk || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, k0, tile.seq.nk);
   }
-  // This thread is done with a K/V stage (MULTICAST: and, from lane 0, this warp in the other CTA,
-  // whose producer fills this stage's other half here).
-  FT_DEVICE void free_kv(MbarRing<STAGES>& ring, const KvState& p) {
-    ring.release(p);
-    if (MULTICAST && lane == 0) mbar_arrive_remote(&ring.empty[p.index()], cluster_rank() ^ 1);
-  }
   // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the next
   // work tile's Q streams in under this one's last softmax, P V and epilogue.
   FT_DEVICE void release_k(int t) {
-    free_kv(bar.k, kv + t);
+    bar.k.release(kv + t);
     if (t == own - 1) bar.q.release(q);
   }
   // the first S of a work tile has landed: its softmax starts the tile's O
@@ -371,7 +347,7 @@ struct Consumer {
   FT_DEVICE void pass(int from) {
     auto skip = [&](MbarRing<STAGES>& ring, int t) {
       ring.wait(kv + t);
-      free_kv(ring, kv + t);
+      ring.release(kv + t);
     };
     if (from == 0) bar.q.release(q);   // Q unread: free it at once
     if constexpr (OVERLAP) {
@@ -437,7 +413,7 @@ struct Consumer {
     softmax_advance(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
     wgmma_wait<0>();                                // P V of tile t-1 has landed
     wgmma_pin(acc.o);
-    free_kv(pv, kv + (t - 1));
+    pv.release(kv + (t - 1));
     rescale_rows(acc.o, acc.alpha);
     acc.make_p();
   }
@@ -479,7 +455,7 @@ struct Consumer {
     turn_end();
     wgmma_wait<CHAIN ? 1 : 0>();                      // this tile's last P V has landed
     wgmma_pin(acc.o);
-    free_kv(pv, kv + (n - 1));
+    pv.release(kv + (n - 1));
   }
 
   // The schedule of one work tile without overlap: per K/V tile, S, its softmax, then P V.
@@ -504,7 +480,7 @@ struct Consumer {
       turn_end();
       wgmma_wait<0>();
       wgmma_pin(acc.o);
-      free_kv(pv, kv + t);
+      pv.release(kv + t);
     }
   }
 
@@ -550,12 +526,7 @@ struct Consumer {
 };
 
 // The tensor maps of Q, K, V and O (read only with TMA_STORE) come by value (kernel_templates/sm90_tma.py).
-#if CLUSTER > 1
-#define FT_CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
-#else
-#define FT_CLUSTER_DIMS
-#endif
-extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
+extern "C" __global__ void __launch_bounds__(NT, 1)
     flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_k,
                    const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_o, int batch,
                    int* __restrict__ tile_counter FT_VARLEN_PARAMS) {
@@ -601,13 +572,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
   if (tid == 0) {
     bar.q.init(1, CWG * 128);
     bar.tiles.init(1, CWG * 128 + (FP8 ? TRANSPOSERS : 0));
-    bar.k.init(1, CWG * 128 + MULTICAST_FREES);
-    bar.v.init(1, FP8 ? TRANSPOSERS : CWG * 128 + MULTICAST_FREES);
+    bar.k.init(1, CWG * 128);
+    bar.v.init(1, FP8 ? TRANSPOSERS : CWG * 128);
     if constexpr (FP8) bar.vt.init(TRANSPOSERS, CWG * 128);
     mbar_fence_init();
   }
-  if constexpr (MULTICAST) cluster_sync();   // both CTAs' barriers set up before either copies into the other
-  else __syncthreads();
+  __syncthreads();
 
   if (wg == 0) {
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
@@ -635,6 +605,4 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
                smem_u32(sm.o) + (wrow0 / 16) * 16 * HEAD_DIM * static_cast<unsigned>(sizeof(TO)));
     c.run();
   }
-  // MULTICAST: the other CTA's consumers free stages here and its copies land here until it is done
-  if constexpr (MULTICAST) cluster_sync();
 }

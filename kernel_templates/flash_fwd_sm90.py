@@ -263,43 +263,5 @@ class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
                       smem_bytes=grid.smem_bytes)
 
 
-class FlashFwdSm90Pairs(FlashFwdSm90):
-    """flash_fwd_sm90 with its grid CTAs in clusters of two (CLUSTER 2, FA3's cluster): two adjacent
-    query blocks of one head share each K/V tile, one CTA bringing K and the other V by TMA multicast
-    into both, so each tile leaves L2 once for two blocks. A family of its own, not a parameter of
-    flash_fwd_sm90: the pair suits long non-causal rows at d >= 128 (on the H100, the same grid
-    config read 1.01-1.04x at N=16384 and 0.94-0.97x at N=1024: benchmarks/PERF_NOTES.md, "c1"),
-    so the search weighs it per shape beside the family, whose stored points keep their meaning.
-    Its space is the grid's two-consumer tiles that win those rows."""
-
-    name = "flash_fwd_sm90_pairs"
-    dtypes = ("fp16", "bf16")
-    head_dims = (128, 256)
-    masks = ("none",)
-    space = {
-        "Bc": (80, 128, 176),
-        "stages": (2,),
-        "cwg": (2,),
-        "split": (24, 40),
-        "overlap": (1,),
-        "pingpong": (0, 1),
-        "persistent": (0,),
-        "tma_store": (0,),
-        "chain": (0,),
-    }
-
-    def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
-        # the family's grid seeds that are pairs' points (FA3's 128 x 176 ping-pong at d=128, 128 x 80 at d=256)
-        return [p for p in super().seeds(gpu, problem) if self.space_error(p) is None]
-
-    def defines(self, params: dict, problem: Problem) -> dict[str, int]:
-        return {**super().defines(params, problem), "CLUSTER": 2}
-
-    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
-        grid = super().launch(params, problem, gpu)   # whole pairs of query blocks: the last may have no rows
-        return Launch(grid=(ceil_div(grid.grid[0], 2) * 2, *grid.grid[1:]), block=grid.block, smem_bytes=grid.smem_bytes)
-
-
 FAMILY = FlashFwdSm90()
-PAIRS_FAMILY = FlashFwdSm90Pairs()
 VARLEN_FAMILY = VarlenFlashFwdSm90()

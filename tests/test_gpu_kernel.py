@@ -336,36 +336,6 @@ def test_sm90_causal_work_in_sections_of_heads(mask):
         _assert_within_budget(compare(o, lse, ref_o, ref_lse), problem, f"{problem.key} {params}")
 
 
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("d", [128, 256])
-def test_sm90_pairs_share_kv_tiles(dtype, d):
-    """flash_fwd_sm90_pairs (CLUSTER 2): CTAs in pairs on adjacent query blocks, one bringing each K
-    tile and the other each V tile into both. An odd number of query blocks (the grid's last CTA has
-    no rows), a ragged last block and last K/V tile, Nq != Nk, GQA; a sample of its points against
-    float64, and each bit for bit against flash_fwd_sm90 at the same point (the same products in the
-    same order, the tiles only brought differently)."""
-    import torch
-
-    from tuner.gpu import detect
-    from tuner.kernel_templates import get_family
-    from tuner.reference import compare
-
-    pairs, single, gpu, rng = get_family("flash_fwd_sm90_pairs"), get_family("flash_fwd_sm90"), detect(), random.Random()
-    kvh = rng.choice([1, 2])
-    nq = 128 * rng.choice([3, 5, 7]) - rng.randint(1, 100)   # an odd number of 128-row blocks, the last ragged
-    problem = Problem(rng.randint(1, 3), kvh * rng.choice([1, 4]), nq, rng.randint(300, 2000), d, dtype, "none", kvh)
-    if reason := pairs.supports(gpu, problem):
-        pytest.skip(reason)
-    q, k, v, ref_o, ref_lse = _inputs_and_reference(rng, problem)
-    points = pairs.valid_points(gpu, problem)
-    for params in [pairs.default(gpu, problem)] + rng.sample(points, min(3, len(points))):
-        assert pairs.launch(params, problem, gpu).grid[0] % 2 == 0
-        o, lse = _run_inputs(pairs, params, problem, q, k, v, with_lse=True)
-        _assert_within_budget(compare(o, lse, ref_o, ref_lse), problem, f"{problem.key} {params} in pairs")
-        o1, lse1 = _run_inputs(single, params, problem, q, k, v, with_lse=True)
-        assert torch.equal(o, o1) and torch.equal(lse, lse1), f"{problem.key} {params}: pairs and single CTAs differ"
-
-
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_chained_work_tiles(dtype, causal):

@@ -118,32 +118,3 @@ def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
     for gpu in (H100_SXM, H100_PCIE):   # one CTA per SM of the GPU it runs on: 132, or 114
         persistent = SM90.launch(pt(cwg=cwg, persistent=1), p, gpu)
         assert persistent.grid == (min(tiles * p.batch * p.heads, gpu.sm_count), 1, 1)
-
-
-PAIRS = get_family("flash_fwd_sm90_pairs")
-
-
-def test_pairs_family_serves_long_unmasked_rows_at_d128_and_256():
-    """flash_fwd_sm90_pairs: fp16/bf16, d=128 and 256, no mask, Hopper only; its points are the
-    family's own (same kernel), on the grid; the default is the family's first grid seed."""
-    assert PAIRS.supports(H100_SXM, problem()) is None and PAIRS.supports(H100_SXM, problem(256)) is None
-    for p, words in ((problem(causal=True), "masks"), (problem(64), "head dim"), (problem(dtype="fp8"), "inputs")):
-        assert words in PAIRS.supports(H100_SXM, p)
-    assert "Hopper" in PAIRS.supports(A100_SXM, problem())
-    for d in (128, 256):
-        points = PAIRS.valid_points(H100_SXM, problem(d))
-        assert points and all(not p["persistent"] and SM90.check(p, H100_SXM, problem(d)) is None for p in points)
-    assert PAIRS.default(H100_SXM, problem()) == next(s for s in SM90.seeds(H100_SXM, problem()) if not s["persistent"])
-
-
-@pytest.mark.parametrize("n,blocks", [(4096, 32), (4000, 32), (3900, 32), (3800, 30), (300, 4)])
-def test_pairs_launch_whole_pairs_of_query_blocks(n, blocks):
-    """CLUSTER 2 in the source and a grid of whole pairs of query blocks (an odd count gets one
-    CTA with no rows), the rest as the family's grid launch."""
-    p = replace(problem(), seqlen_q=n, seqlen_k=n)
-    params = PAIRS.default(H100_SXM, p)
-    assert PAIRS.defines(params, p)["CLUSTER"] == 2 and "CLUSTER" not in SM90.defines(params, p)
-    assert "#define CLUSTER 2" in PAIRS.render(params, p)
-    got, own = PAIRS.launch(params, p, H100_SXM), SM90.launch(params, p, H100_SXM)
-    assert got.grid == (blocks, own.grid[1], 1) and own.grid[0] == ceil_div(n, 128)
-    assert (got.block, got.smem_bytes) == (own.block, own.smem_bytes)
