@@ -26,6 +26,9 @@ FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA, _SM90, _DE
 # Each family's variant on packed sequences (tuner/varlen.py), made from its tuned configs: not
 # searched. In order of preference for a default: decode for short queries, then prefill.
 VARLEN_VARIANTS: dict[str, KernelFamily] = {_DECODE.name: _DECODE_VARLEN, _SM90.name: _SM90_VARLEN, _MMA.name: _MMA_VARLEN}
+# The same by their own names: a search may tune one by name (packed, on a representative length mix)
+# and its entries name it.
+VARIANTS_BY_NAME: dict[str, KernelFamily] = {v.name: v for v in VARLEN_VARIANTS.values()}
 EXTRA_ENV = "TUNER_EXTRA_FAMILIES"
 
 
@@ -52,7 +55,8 @@ _load_extra(os.environ.get(EXTRA_ENV, ""))
 
 
 def get_family(name: str) -> KernelFamily:
-    try:
-        return FAMILIES[name]
-    except KeyError:
-        raise ValueError(f"unknown kernel family {name!r}; known: {', '.join(FAMILIES)}") from None
+    """A family, or a varlen variant, by name."""
+    found = FAMILIES.get(name) or VARIANTS_BY_NAME.get(name)
+    if found is None:
+        raise ValueError(f"unknown kernel family {name!r}; known: {', '.join([*FAMILIES, *VARIANTS_BY_NAME])}")
+    return found

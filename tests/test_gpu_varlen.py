@@ -248,3 +248,55 @@ def test_fp32_packed_batch_falls_back_with_one_warning():
         tuner.varlen_attention(q, k, v, cu_q, cu_k, mask="causal_br")
     assert sum("flashtune" in str(w.message) for w in caught) <= 1
     _check_sequences(o, lse, q, k, v, lens_q, lens_k, "causal_br", "fp32", 1 / 8, "fp32 fallback")
+
+
+def test_search_tunes_a_varlen_variant_on_its_length_mix(tmp_path):
+    """`tuner search --family flash_fwd_sm90_varlen`: each trial runs the padded problem's
+    representative length mix (checked sequence by sequence against float64); the database holds
+    the variant's rows at the mix's useful TFLOP/s, the lookup its entry, and a packed call of
+    that bucket plans and runs it."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    import tuner
+    from tuner import dispatch
+    from tuner import varlen as V
+    from tuner.db import queries
+    from tuner.db.engine import make_engine, session_factory
+    from tuner.export import read_lookup
+    from tuner.gpu import detect
+    from tuner.length_mix import representative_mix
+
+    gpu, variant = detect(), "flash_fwd_sm90_varlen"
+    problem = Problem(12, 8, 1024, 1024, 128, "bf16", "causal", 2)
+    if gpu.major != 9:
+        pytest.skip(f"{variant} is Hopper's; {gpu.name} is {gpu.cc}")
+    db, lookup = f"sqlite:///{tmp_path / 'results.db'}", tmp_path / "best.json"
+    cmd = [sys.executable, "-m", "tuner.cli", "search", "--gpu", "auto", "--family", variant, "--shape", "12,8:2,1024,128,causal",
+           "--dtype", "bf16", "--trials", "3", "--db", db, "--lookup", str(lookup)]
+    out = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    mix = representative_mix(problem)
+    with session_factory(make_engine(db))() as s:
+        rows = [r for r in queries.measurements(s, gpu_key=gpu.key, family=variant, problem_key=problem.key)
+                if r["status"] == "ok"]
+    assert rows, out.stdout[-3000:]
+    for r in rows:
+        assert r["tflops"] == pytest.approx(mix.tflops(r["median_ms"]), rel=1e-9)
+    entry = next(e for e in read_lookup(lookup)["entries"] if e["family"] == variant)
+    assert entry["bucket"] == problem.bucket().key
+    try:
+        dispatch.reset(lookup)
+        q, k, v, cu_q, cu_k = mix.inputs(seed=7)
+        o, lse = tuner.varlen_attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1024,
+                                        max_seqlen_k=1024, mask="causal", return_lse=True)
+        plan = V._plan_for(V.padded_problem(q, k, cu_q, 1024, 1024, "causal", "bf16"), q)
+        assert plan.family is not None and plan.family.name == variant and plan.params == entry["params"], plan.reason
+        torch.cuda.synchronize()
+        _check_sequences(o, lse, q, k, v, list(mix.lengths_q), list(mix.lengths_k), "causal", "bf16", 1 / math.sqrt(128),
+                         f"{variant} {plan.params}")
+    finally:
+        dispatch.reset()

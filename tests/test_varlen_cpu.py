@@ -280,3 +280,78 @@ def test_compile_fullgraph_traces_the_varlen_op():
     assert len(graphs) == 1
     assert "flashtune.attention_varlen" in [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert y.shape == (700, 8, 128) and y.dtype == torch.bfloat16
+
+
+# ---- a varlen variant tuned on a representative length mix ----
+
+@pytest.mark.parametrize("key", ["B16-H32/kv8-N4096-D128-bf16-causal", "B64-H32/kv8-N2048-D128-bf16-full",
+                                 "B8-H32/kv8-N512x4096-D128-bf16-causal_br", "B32-H32/kv8-N8x32768-D128-bf16-causal_br",
+                                 "B1-H8-N100-D64-fp16-causal"])
+def test_representative_mix_of_a_padded_problem(key):
+    """One draw per padded problem (the same each time), its batch of sequences, the first at the
+    longest lengths and the rest at most that (at least 1, at least longest / 2^7 for a prefill),
+    queries = keys for self-attention; its work is each sequence's own visible pairs."""
+    from tuner.length_mix import OCTAVES, representative_mix
+    from tuner.problem import visible_pairs
+
+    p = Problem.from_key(key)
+    mix = representative_mix(p)
+    assert mix == representative_mix(p) and mix.problem == p
+    assert len(mix.lengths_q) == len(mix.lengths_k) == p.batch
+    assert (mix.lengths_q[0], mix.lengths_k[0]) == (p.seqlen_q, p.seqlen_k)
+    assert all(1 <= q <= p.seqlen_q and 1 <= k <= p.seqlen_k for q, k in zip(mix.lengths_q, mix.lengths_k))
+    if p.seqlen_q > 64:
+        assert min(mix.lengths_q) >= p.seqlen_q >> OCTAVES
+    if p.seqlen_q == p.seqlen_k:
+        assert mix.lengths_q == mix.lengths_k
+    if p.batch > 8:   # a mix, not one length (a decode batch's few query counts: its caches)
+        assert len(set(mix.lengths_q if p.seqlen_q > 64 else mix.lengths_k)) > p.batch // 2
+    pairs = sum(visible_pairs(q, k, p.mask) for q, k in zip(mix.lengths_q, mix.lengths_k))
+    assert mix.flops() == 4.0 * p.heads * p.head_dim * pairs and mix.tflops(2.0) == mix.flops() / 2e-3 / 1e12
+
+
+def test_varlen_variants_are_tuned_by_name_only():
+    """`--family flash_fwd_sm90_varlen` finds the variant (its points: the family's seeds made
+    varlen), `auto` never includes one, and it counts its TFLOP/s by its length mix."""
+    from tuner.choices import family_names
+    from tuner.cli import _families
+    from tuner.kernel_templates import VARIANTS_BY_NAME, get_family
+    from tuner.length_mix import representative_mix
+
+    p = Problem(16, 32, 4096, 4096, 128, "bf16", "causal", 8)
+    for name, variant in VARIANTS_BY_NAME.items():
+        assert get_family(name) is variant and variant.packed and name in family_names(auto=True)
+    variant = get_family("flash_fwd_sm90_varlen")
+    assert _families("flash_fwd_sm90_varlen", H100_SXM, p) == [variant]
+    assert all(not f.packed for f in _families("auto", H100_SXM, p))
+    seeds = variant.seeds(H100_SXM, p)
+    assert seeds and all(variant.check(s, H100_SXM, p) is None for s in seeds)
+    assert variant.default(H100_SXM, p) == seeds[0]
+    assert variant.work(p) == representative_mix(p) and FAMILIES["flash_fwd_sm90"].work(p) is p
+
+
+def test_the_varlen_plan_prefers_an_entry_tuned_on_a_mix(tmp_path, monkeypatch):
+    """A lookup holding, for the padded problem's bucket, the family's dense entry and the variant's
+    own (a search of it on the bucket's length mix): a packed call plans the variant's own config;
+    without it, the dense entry's config made varlen; a dense call never plans a variant's entry."""
+    from tuner import compile as compiling, dispatch
+    from tuner.export import lookup_of, write_lookup
+
+    p = Problem(16, 32, 4096, 4096, 128, "bf16", "causal", 8)
+    dense = dict(Bc=176, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent=0, tma_store=0, chain=0)
+    own = dict(Bc=128, stages=2, cwg=2, split=40, overlap=1, pingpong=0, persistent=1, tma_store=0, chain=0)
+    entries = [(p, "flash_fwd_sm90", dense, 600.0), (p, "flash_fwd_sm90_varlen", own, 500.0)]
+    monkeypatch.setattr(dispatch.Dispatcher, "_gpu", lambda self, index: H100_SXM)
+
+    def compile_stub(variant, params, problem, arch):
+        raise RuntimeError(f"would compile {variant.name} {sorted(params.items())}")
+
+    monkeypatch.setattr(compiling, "compile_kernel", compile_stub)
+    for served, want in ((entries, own), (entries[:1], VARLEN_VARIANTS["flash_fwd_sm90"].from_tuned(dense, p))):
+        path = tmp_path / f"lookup-{len(served)}.json"
+        write_lookup(lookup_of(H100_SXM.key, served), path)
+        d = dispatch.reset(path)
+        plan = V._plan(p, 0)
+        assert f"would compile flash_fwd_sm90_varlen {sorted(want.items())}" in plan.reason, plan.reason
+        assert [e["family"] for _, e in d.candidates(p, H100_SXM)] == ["flash_fwd_sm90"]
+    dispatch.reset()

@@ -16,10 +16,11 @@ def choice(name: str, values: tuple[str, ...] | list[str]) -> type[Enum]:
 
 
 def family_names(*, auto: bool) -> list[str]:
-    """Every registered kernel family (TUNER_EXTRA_FAMILIES included), after "auto" where asked."""
-    from .kernel_templates import FAMILIES
+    """Every registered kernel family (TUNER_EXTRA_FAMILIES included), after "auto" where asked,
+    then the varlen variants (tuned only when named)."""
+    from .kernel_templates import FAMILIES, VARIANTS_BY_NAME
 
-    return (["auto"] if auto else []) + list(FAMILIES)
+    return (["auto"] if auto else []) + list(FAMILIES) + list(VARIANTS_BY_NAME)
 
 
 def _family_choice(name: str, *, auto: bool) -> type:

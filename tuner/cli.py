@@ -285,7 +285,8 @@ def search(
                 if deadline is not None and time.monotonic() > deadline:
                     unreached.append(p.key)
                     continue
-                measured_peers = s.measure_peers(p) if peers else {}
+                # a varlen variant runs its length mix, which no dense peer runs: no peers for it alone
+                measured_peers = s.measure_peers(p) if peers and any(not f.packed for q, f in plan if q == p) else {}
                 for r in s.tune_all([f for q, f in plan if q == p], p, trials, deadline, on_drop=dropped):
                     bar.update(tasks[(p.key, r.family)], completed=trials)
                     r.peers = measured_peers

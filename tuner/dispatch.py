@@ -211,6 +211,25 @@ class Dispatcher:
                 if self._runs(e, problem, gpu):
                     yield dist, e
 
+    def packed_candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
+        """(octaves away, variant, entry) for each entry a varlen variant was tuned to (a search of
+        it by name, on a length mix) that serves the padded `problem`, as `candidates` orders
+        them. A dense call never runs these: `candidates` knows only FAMILIES."""
+        from .kernel_templates import VARIANTS_BY_NAME
+        from .nearest import nearest
+        from .problem import Bucket
+
+        if self._table is None:
+            self._table = self._load_table()
+        bucket = problem.bucket()
+        tuned = [Bucket.from_key(key) for g, key in self._table if g == gpu.key and key != bucket.key]
+        slots = [(0.0, bucket)] + [(d, b) for d, b in nearest(bucket, tuned, lambda b: b) if d <= octaves]
+        for dist, b in slots:
+            for e in self._table.get((gpu.key, b.key), []):
+                variant = VARIANTS_BY_NAME.get(e["family"])
+                if variant is not None and variant.check(e["params"], gpu, problem) is None:
+                    yield dist, variant, e
+
     @staticmethod
     def _runs(e: dict, problem: Problem, gpu) -> bool:
         """Whether entry `e` can run `problem` on `gpu`: its family's check, or its SDPA backend's."""

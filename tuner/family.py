@@ -66,6 +66,9 @@ class KernelFamily(ABC):
     # Parameters that only shape the launch (flash_decode's splits): points differing in them alone
     # share one cubin.
     launch_params: tuple[str, ...] = ()
+    # A varlen variant (VarlenVariant): it runs packed sequences, timed on a representative mix of
+    # them (tuner/length_mix.py), never a dense call.
+    packed: bool = False
 
     # ---- what the search explores ----
     def points(self) -> list[dict]:
@@ -120,6 +123,11 @@ class KernelFamily(ABC):
         if smem > gpu.smem_per_block_optin:
             return f"needs {smem} B of shared memory, {gpu.name} allows {gpu.smem_per_block_optin} B per block"
         return None
+
+    def work(self, problem: Problem):
+        """What a measurement of `problem` counts its TFLOP/s by (`.tflops(ms)`): the problem's
+        FLOPs, or a packed variant's representative mix's useful ones."""
+        return problem
 
     def adapt(self, params: dict, tuned: Problem, problem: Problem) -> dict:
         """A config tuned on `tuned`, as it should serve `problem` (a shape of the same or a nearby
@@ -214,14 +222,29 @@ def log2_int(n: int) -> int:
 class VarlenVariant:
     """A family's kernel on packed sequences (VARLEN, kernel_templates/common.cuh: FlashAttention's
     varlen layout, each sequence its own lengths, the LSE (H, total_q)). Mixed in before the family
-    it varies; built from that family's tuned configs (`from_tuned`), never searched on its own.
+    it varies; built from that family's tuned configs (`from_tuned`) unless it was tuned itself.
     Its launch takes the family's arguments for (1, H, total, D) views of the packed tensors, then
-    the longest lengths in place of nq and nk and the sequences' offsets (`packed_args`)."""
+    the longest lengths in place of nq and nk and the sequences' offsets (`packed_args`). A search
+    may tune it by name (`tuner search --family flash_fwd_sm90_varlen`) on the representative length
+    mix of each padded problem; the varlen plan prefers such an entry to one made from its family's."""
 
     dtypes: tuple[str, ...] = ("fp16", "bf16")
+    packed = True
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         return {**super().defines(params, problem), "VARLEN": 1}
+
+    def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
+        """The family's seeds as this variant's points (from_tuned), each once."""
+        points = (self.from_tuned(p, problem) for p in super().seeds(gpu, problem))
+        return list({tuple(sorted(p.items())): p for p in points}.values())
+
+    def work(self, problem: Problem):
+        """The representative mix of `problem` (the padded problem of a bucket), which a search of
+        this variant times (tuner/length_mix.py)."""
+        from .length_mix import representative_mix
+
+        return representative_mix(problem)
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         return super().param_kinds(params) + ("ptr", "ptr", "i32", "i32")   # cu_seqlens_q, cu_seqlens_k, total_q, nseq

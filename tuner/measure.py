@@ -60,6 +60,8 @@ Prepared = tuple[Callable[[], None] | None, Measurement]  # (what to time, or No
 def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
                    seed: int, gpu: GpuSpec) -> Prepared:
     """Load and launch the candidate once, and check its output against the fp64 reference."""
+    if family.packed:
+        return prepare_packed(family, params, problem, ck, seed, gpu)
     base = dict(resources=ck.resources, compile_seconds=ck.compile_seconds)
     launch = family.launch(params, problem, gpu)
     device_index = gpu.index
@@ -89,6 +91,53 @@ def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
         return None, Measurement("wrong_result", message=f"{what}: rel {err.rel:.3g}, lse {err.lse}", **figures, **base)
     stream = raw_stream(device_index)
     return (lambda: launcher(stream, *args)), Measurement("ok", **figures, **base)
+
+
+def prepare_packed(variant, params: dict, problem: Problem, ck: CompiledKernel, seed: int, gpu: GpuSpec) -> Prepared:
+    """A varlen variant on the representative packed batch of the padded `problem`
+    (tuner/length_mix.py), launched once into NaN-poisoned O and LSE and checked sequence by
+    sequence against the fp64 reference: the worst sequence's errors are the figures."""
+    import torch
+
+    base = dict(resources=ck.resources, compile_seconds=ck.compile_seconds)
+    mix = variant.work(problem)
+    q, k, v, cu_q, cu_k = mix.inputs(seed)
+    launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
+    try:
+        launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, variant.param_kinds(params))
+    except LaunchError as exc:
+        return None, Measurement("launch_error", message=str(exc), **base)
+    except Exception as exc:
+        return None, Measurement("launch_error", message=f"cannot load the cubin: {exc}", **base)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device, dtype=torch.float32)
+    scale = 1.0 / math.sqrt(problem.head_dim)
+    views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]   # (1, H, total, D)
+    try:
+        args = variant.varlen_values(variant.arg_maker(params), params, problem, launch.grid, views, lse, scale,
+                                     cu_q, cu_k, max(mix.lengths_q), max(mix.lengths_k))
+        if args is None:
+            raise ValueError("the packed views are not as the kernel reads them")
+        launch_on(launcher, gpu.index, *args)
+    except (LaunchError, ValueError) as exc:
+        return None, Measurement("launch_error", message=str(exc), **base)
+    _sync_or_fault()
+    worst = dict(rel_err=0.0, max_abs_err=0.0, lse_err=0.0)
+    a = c = 0
+    for nq, nk in zip(mix.lengths_q, mix.lengths_k):
+        seq = lambda t, s, n: t[s:s + n].transpose(0, 1)[None]   # (1, H, n, D)
+        ref_o, ref_lse = attention_fp64(seq(q, a, nq), seq(k, c, nk), seq(v, c, nk), problem.mask, scale)
+        err = compare(seq(o, a, nq), lse[:, a:a + nq][None], ref_o, ref_lse)
+        if not err.within(problem.rel_budget, problem.lse_budget):
+            what = "NaN/Inf in the output (unwritten or overflowed)" if not err.finite else "error over budget"
+            return None, Measurement("wrong_result", message=f"{what} in sequence ({nq}, {nk}) of the packed batch: "
+                                     f"rel {err.rel:.3g}, lse {err.lse}", rel_err=err.rel, max_abs_err=err.max_abs,
+                                     lse_err=err.lse, **base)
+        worst = dict(rel_err=max(worst["rel_err"], err.rel), max_abs_err=max(worst["max_abs_err"], err.max_abs),
+                     lse_err=max(worst["lse_err"], err.lse or 0.0))
+        a, c = a + nq, c + nk
+    stream = raw_stream(gpu.index)
+    return (lambda: launcher(stream, *args)), Measurement("ok", **worst, **base)
 
 
 def prepare_fa4(problem: Problem, seed: int) -> Prepared:
@@ -164,14 +213,17 @@ def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:
     return run, Measurement("ok", rel_err=err.rel, max_abs_err=err.max_abs)
 
 
-def timed(m: Measurement, t: Timing, problem: Problem) -> Measurement:
+def timed(m: Measurement, t: Timing, problem) -> Measurement:
+    """`m` with the timing; TFLOP/s of `problem` (a Problem, or anything with `.tflops(ms)`: a
+    packed variant's length mix)."""
     return replace(m, median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms,
                    tflops=problem.tflops(t.median_ms), reps=t.reps)
 
 
-def measure_prepared(prepared: dict[str, Prepared], problem: Problem, timer: Timer,
+def measure_prepared(prepared: dict[str, Prepared], problem, timer: Timer,
                      rounds: int = 8) -> dict[str, Measurement]:
-    """Time whatever prepared cleanly (in turns when there are several), then check for a fault."""
+    """Time whatever prepared cleanly (in turns when there are several), then check for a fault.
+    TFLOP/s count `problem`'s work (timed)."""
     runnable = {name: run for name, (run, _) in prepared.items() if run is not None}
     timings = timer.interleaved(runnable, rounds=rounds) if runnable else {}
     _sync_or_fault()
@@ -180,7 +232,8 @@ def measure_prepared(prepared: dict[str, Prepared], problem: Problem, timer: Tim
 
 def measure_kernel(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
                    timer: Timer, seed: int, gpu: GpuSpec) -> Measurement:
-    return measure_prepared({"": prepare_kernel(family, params, problem, ck, seed, gpu)}, problem, timer)[""]
+    prepared = {"": prepare_kernel(family, params, problem, ck, seed, gpu)}
+    return measure_prepared(prepared, family.work(problem), timer)[""]
 
 
 def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Measurement:
@@ -189,7 +242,10 @@ def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Mea
 
 def measure_side_by_side(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
                          backends: tuple[str, ...], timer: Timer, seed: int, gpu: GpuSpec) -> SideBySide:
-    """The candidate and the SDPA peers on the same inputs, timed in turns (docs/benchmarks.md's method)."""
+    """The candidate and the SDPA peers on the same inputs, timed in turns (docs/benchmarks.md's method).
+    A packed variant runs its length mix, which no dense peer runs: it is timed alone."""
+    if family.packed:
+        return SideBySide(measure_kernel(family, params, problem, ck, timer, seed, gpu), {})
     prepared = {"": prepare_kernel(family, params, problem, ck, seed, gpu)}
     prepared |= {b: prepare_peer(b, problem, seed) for b in backends}
     out = measure_prepared(prepared, problem, timer)

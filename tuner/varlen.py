@@ -6,9 +6,11 @@ cu_seqlens_q[b + 1]) of q and O and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k 
 are the dense ones, per sequence. O is (total_q, H, D), the natural-log LSE (H, total_q) in float32.
 
 Served by a family's varlen variant (kernel_templates: flash_decode_varlen where no sequence has
-more than 64 queries, else flash_fwd_sm90_varlen on Hopper, flash_fwd_mma_varlen from sm_80),
-built from the config the lookup holds for the padded problem's bucket (the batch, the longest
-lengths), or from the family's default. Elsewhere torch answers,
+more than 64 queries, else flash_fwd_sm90_varlen on Hopper, flash_fwd_mma_varlen from sm_80) at
+the config the lookup holds for the padded problem's bucket (the batch, the longest lengths): the
+variant's own where it was tuned (`tuner search --family <variant>`, on that bucket's
+representative length mix, tuner/length_mix.py), else built from its family's, or from the
+family's default. Elsewhere torch answers,
 with one warning: FlashAttention-2's varlen kernel where it takes the case, else each sequence in
 float32 (exact, slow: it reads the lengths on the host). Gradients: FlashAttention-2's varlen
 backward on our O and LSE where it takes the case, else each sequence through float32 autograd.
@@ -144,16 +146,17 @@ def _plan_for(problem: Problem, q) -> _Plan:
 
 
 def _plan(problem: Problem, device_index: int) -> _Plan:
-    """The varlen variant of the fastest tuned config that has one (the padded problem's bucket,
-    or the nearest tuned one), else of the first family's default that serves the GPU."""
+    """A varlen variant's own tuned config (a search of it on a length mix: the padded problem's
+    bucket or the nearest tuned one), else the varlen variant of the fastest tuned config that has
+    one, else of the first family's default that serves the GPU."""
     from .compile import compile_kernel
     from .dispatch import default
     from .kernel_templates import FAMILIES, VARLEN_VARIANTS
 
     dispatcher = default()
     gpu = dispatcher._gpu(device_index)
-    chosen = None
-    for _, e in dispatcher.candidates(problem, gpu):
+    chosen = next(((variant, e["params"]) for _, variant, e in dispatcher.packed_candidates(problem, gpu)), None)
+    for _, e in () if chosen else dispatcher.candidates(problem, gpu):
         variant = VARLEN_VARIANTS.get(e["family"])
         if variant is not None and variant.check(params := variant.from_tuned(e["params"], problem), gpu, problem) is None:
             chosen = variant, params
