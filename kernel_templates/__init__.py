@@ -23,8 +23,9 @@ from .flash_fwd_sm90 import VARLEN_FAMILY as _SM90_VARLEN
 from .flash_fwd_simt import FAMILY as _SIMT
 
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA, _SM90, _DECODE)}
-# Each family's variant on packed sequences (tuner/varlen.py), made from its tuned configs: not
-# searched. In order of preference for a default: decode for short queries, then prefill.
+# Each family's variant on packed sequences (tuner/varlen.py), made from its tuned configs unless a
+# search tuned it by name (never under `auto`). In order of preference for a default: decode for
+# short queries, then prefill.
 VARLEN_VARIANTS: dict[str, KernelFamily] = {_DECODE.name: _DECODE_VARLEN, _SM90.name: _SM90_VARLEN, _MMA.name: _MMA_VARLEN}
 # The same by their own names: a search may tune one by name (packed, on a representative length mix)
 # and its entries name it.

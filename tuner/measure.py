@@ -123,9 +123,9 @@ def prepare_packed(variant, params: dict, problem: Problem, ck: CompiledKernel, 
         return None, Measurement("launch_error", message=str(exc), **base)
     _sync_or_fault()
     worst = dict(rel_err=0.0, max_abs_err=0.0, lse_err=0.0)
+    seq = lambda t, s, n: t[s:s + n].transpose(0, 1)[None]   # a sequence's rows as (1, H, n, D)
     a = c = 0
     for nq, nk in zip(mix.lengths_q, mix.lengths_k):
-        seq = lambda t, s, n: t[s:s + n].transpose(0, 1)[None]   # (1, H, n, D)
         ref_o, ref_lse = attention_fp64(seq(q, a, nq), seq(k, c, nk), seq(v, c, nk), problem.mask, scale)
         err = compare(seq(o, a, nq), lse[:, a:a + nq][None], ref_o, ref_lse)
         if not err.within(problem.rel_budget, problem.lse_budget):

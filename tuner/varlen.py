@@ -156,11 +156,12 @@ def _plan(problem: Problem, device_index: int) -> _Plan:
     dispatcher = default()
     gpu = dispatcher._gpu(device_index)
     chosen = next(((variant, e["params"]) for _, variant, e in dispatcher.packed_candidates(problem, gpu)), None)
-    for _, e in () if chosen else dispatcher.candidates(problem, gpu):
-        variant = VARLEN_VARIANTS.get(e["family"])
-        if variant is not None and variant.check(params := variant.from_tuned(e["params"], problem), gpu, problem) is None:
-            chosen = variant, params
-            break
+    if chosen is None:
+        for _, e in dispatcher.candidates(problem, gpu):
+            variant = VARLEN_VARIANTS.get(e["family"])
+            if variant is not None and variant.check(params := variant.from_tuned(e["params"], problem), gpu, problem) is None:
+                chosen = variant, params
+                break
     if chosen is None:
         for name, variant in VARLEN_VARIANTS.items():
             if variant.supports(gpu, problem) is None:
