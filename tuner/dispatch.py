@@ -194,6 +194,24 @@ class Dispatcher:
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
         bucket's first (distance 0), fastest first; then those of tuned buckets up to `octaves`
         away, nearer first."""
+        for dist, e in self._entries_near(problem, gpu, octaves):
+            if self._runs(e, problem, gpu):
+                yield dist, e
+
+    def packed_candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
+        """(octaves away, variant, entry) for each entry a varlen variant was tuned to (a search of
+        it by name, on a length mix) that serves the padded `problem`, as `candidates` orders
+        them. A dense call never runs these: `candidates` knows only FAMILIES."""
+        from .kernel_templates import VARIANTS_BY_NAME
+
+        for dist, e in self._entries_near(problem, gpu, octaves):
+            variant = VARIANTS_BY_NAME.get(e["family"])
+            if variant is not None and variant.check(e["params"], gpu, problem) is None:
+                yield dist, variant, e
+
+    def _entries_near(self, problem: Problem, gpu, octaves: float):
+        """(octaves away, entry) of every entry of `problem`'s bucket (distance 0, fastest first),
+        then of the tuned buckets up to `octaves` away, nearer first."""
         from .nearest import nearest
         from .problem import Bucket
 
@@ -201,34 +219,13 @@ class Dispatcher:
             self._table = self._load_table()
         bucket = problem.bucket()
         for e in self._table.get((gpu.key, bucket.key), []):
-            if self._runs(e, problem, gpu):
-                yield 0.0, e
+            yield 0.0, e
         tuned = [Bucket.from_key(key) for g, key in self._table if g == gpu.key and key != bucket.key]
         for dist, other in nearest(bucket, tuned, lambda b: b):
             if dist > octaves:
                 break
             for e in self._table[(gpu.key, other.key)]:
-                if self._runs(e, problem, gpu):
-                    yield dist, e
-
-    def packed_candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
-        """(octaves away, variant, entry) for each entry a varlen variant was tuned to (a search of
-        it by name, on a length mix) that serves the padded `problem`, as `candidates` orders
-        them. A dense call never runs these: `candidates` knows only FAMILIES."""
-        from .kernel_templates import VARIANTS_BY_NAME
-        from .nearest import nearest
-        from .problem import Bucket
-
-        if self._table is None:
-            self._table = self._load_table()
-        bucket = problem.bucket()
-        tuned = [Bucket.from_key(key) for g, key in self._table if g == gpu.key and key != bucket.key]
-        slots = [(0.0, bucket)] + [(d, b) for d, b in nearest(bucket, tuned, lambda b: b) if d <= octaves]
-        for dist, b in slots:
-            for e in self._table.get((gpu.key, b.key), []):
-                variant = VARIANTS_BY_NAME.get(e["family"])
-                if variant is not None and variant.check(e["params"], gpu, problem) is None:
-                    yield dist, variant, e
+                yield dist, e
 
     @staticmethod
     def _runs(e: dict, problem: Problem, gpu) -> bool:
