@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|ab|sweep|profile|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|varlen-ship|ab|sweep|profile|all]...
 # `tests` runs `pytest -m gpu` as six processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -111,6 +111,18 @@ for step in $steps; do
           --json "$OUT/ab.json" 2>&1 | grep -v Warning | tee "$OUT/ab.log" ;;&
     varlen) # issue 23's varlen figure: packed sequences against the same padded, beside FA2's and FA4's varlen
             python3 benchmarks/varlen_bench.py --json "$OUT/varlen.json" 2>&1 | grep -v Warning | tee "$OUT/varlen.log" ;;&
+    varlen-ship) # issue 23: the varlen variants tuned on the padded problems of varlen_bench's batches (each
+                 # trial on its problem's representative length mix), the lookup of those entries in
+                 # $OUT/lookup-varlen.json (merge it into the shipped one: `tuner export --merge`), then
+                 # varlen_bench served from it; VARLEN_TIMEOUT bounds each of the two searches (seconds)
+          for kind in prefill:flash_fwd_sm90_varlen decode:flash_decode_varlen; do
+            tuner search --gpu auto --family ${kind#*:} $(python3 benchmarks/varlen_bench.py --shapes ${kind%%:*}) \
+              --dtype bf16 --trials "${TRIALS:-16}" --timeout "${VARLEN_TIMEOUT:-240}" --lookup /tmp/flashtune/varlen.json 2>&1 \
+              | grep -v -E "UserWarning|warnings.warn" | tail -12 | tee -a "$OUT/varlen-ship.log"
+          done
+          cp /tmp/flashtune/varlen.json "$OUT/lookup-varlen.json"
+          TUNER_LOOKUP=/tmp/flashtune/varlen.json python3 benchmarks/varlen_bench.py --json "$OUT/varlen.json" 2>&1 \
+            | grep -v Warning | tee "$OUT/varlen.log" ;;&
     fa4bench) # the issue-22 figure: the standard grid (d=64/128/256) and the model shapes, served from the
               # shipped lookup of this GPU (FA4_LOOKUP: another), against SDPA flash, SDPA cuDNN and
               # FlashAttention-4 in the same run; FA4_WHAT narrows it ("bf16 fp16 models")

@@ -48,8 +48,26 @@ def lengths(count: int, low: int, high: int, seed: int) -> list[int]:
     return [int(round(low * (high / low) ** rng.random())) for _ in range(count)]
 
 
+def padded_shapes(kind: str, words: list[str]) -> list[str]:
+    """`tuner search --shape` texts of the cases' padded problems (the batch, the heads, the longest
+    lengths): the buckets their varlen calls are served from, which a varlen variant is tuned on.
+    kind "prefill": the packed self-attention batches (causal); "decode": the speculative ones
+    (bottom-right causal)."""
+    shapes = []
+    for name, (h, hk, d, count, (low, high), seed, *decode) in CASES.items():
+        if bool(decode) != (kind == "decode") or (words and not any(w in name for w in words)):
+            continue
+        heads = f"{h}:{hk}" if hk != h else f"{h}"
+        if decode:
+            rng = random.Random(seed)   # run_decode's draw: queries first, then the caches
+            nq, nk = max(rng.randint(*decode[0]) for _ in range(count)), max(lengths(count, low, high, seed))
+            shapes.append(f"{count},{heads},{nq}:{nk},{d},causal_br")
+        else:
+            shapes.append(f"{count},{heads},{max(lengths(count, low, high, seed))},{d},causal")
+    return shapes
+
+
 def main(argv=None) -> int:
-    import torch
 
     import tuner
     from tuner.gpu import detect
@@ -64,7 +82,14 @@ def main(argv=None) -> int:
                     help="also the direct kernel compiled from the sources in DIR, named NAME (repeatable)")
     ap.add_argument("--direct", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="also the direct kernel with these parameters changed, named NAME (repeatable)")
+    ap.add_argument("--shapes", choices=("prefill", "decode"),
+                    help="print the --shape arguments of these cases' padded problems (their lookup buckets) and exit")
     a = ap.parse_args(argv)
+    if a.shapes:
+        print(" ".join(f"--shape {s}" for s in padded_shapes(a.shapes, a.case)))
+        return 0
+    import torch
+
     variants = dict(v.split("=", 1) for v in a.variant)
     overrides = {name: {k: int(x) for k, x in (kv.split("=") for kv in spec.split(","))}
                  for name, spec in (d.split(":", 1) for d in a.direct)}

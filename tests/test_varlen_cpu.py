@@ -355,3 +355,34 @@ def test_the_varlen_plan_prefers_an_entry_tuned_on_a_mix(tmp_path, monkeypatch):
         assert f"would compile flash_fwd_sm90_varlen {sorted(want.items())}" in plan.reason, plan.reason
         assert [e["family"] for _, e in d.candidates(p, H100_SXM)] == ["flash_fwd_sm90"]
     dispatch.reset()
+
+
+def test_varlen_bench_shapes_are_the_buckets_its_batches_are_served_from():
+    """benchmarks/varlen_bench.py --shapes (what gpu_session.sh varlen-ship tunes the varlen variants on)
+    names each batch's padded problem exactly as varlen_forward builds it from the packed tensors, so
+    the tuned entries land in the bucket the batch's call reads."""
+    import random
+    import runpy
+    from pathlib import Path
+
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "varlen_bench.py"))
+    cases = bench["CASES"]
+    for kind in ("prefill", "decode"):
+        shapes = bench["padded_shapes"](kind, [])
+        names = [n for n, c in cases.items() if (len(c) > 6) == (kind == "decode")]
+        assert len(shapes) == len(names) > 0
+        for text, name in zip(shapes, names):
+            h, hk, d, count, (low, high), seed, *decode = cases[name]
+            lens_k = bench["lengths"](count, low, high, seed)
+            if decode:   # the draw run_decode makes
+                rng = random.Random(seed)
+                lens_q = [rng.randint(*decode[0]) for _ in range(count)]
+            else:
+                lens_q = lens_k
+            q = torch.empty(sum(lens_q), h, d, device="meta")
+            k = torch.empty(sum(lens_k), hk, d, device="meta")
+            cu_q = torch.zeros(count + 1, dtype=torch.int32)
+            want = V.padded_problem(q, k, cu_q, max(lens_q), max(lens_k), "causal_br" if decode else "causal", "bf16")
+            assert Problem.parse(text, "bf16").key == want.key, name
+    every = bench["padded_shapes"]("prefill", [])   # --case narrows by the case's name
+    assert bench["padded_shapes"]("prefill", ["d256"]) == [s for s in every if s.endswith(",256,causal")]
