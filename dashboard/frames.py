@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from tuner.dashboard import data
+from tuner.kernel_templates import times_a_length_mix
 from tuner.peers import PEER_FAMILIES, peer_dtype
 from tuner.problem import GPT2_FP32, Problem, standard_grid
 
@@ -44,13 +45,15 @@ def problems(summ: pd.DataFrame, gpu_key: str | None = None) -> dict[str, Proble
 
 def best_frame(url: str, summ: pd.DataFrame) -> pd.DataFrame:
     """One row per tuned best (GPU, family, problem) left by the filters, its peers beside it
-    (`<peer> TFLOP/s`, the latest ok row of each on the same GPU and problem)."""
+    (`<peer> TFLOP/s`, the latest ok row of each on the same GPU and problem). A varlen variant's
+    best has none: it was timed on a packed length mix, the peers on the padded problem."""
     keep = set(zip(summ["gpu_key"], summ["family"], summ["problem_key"]))
     rows = []
     for b in data.best(url):
         if b.family in PEER_FAMILIES or (b.gpu_key, b.family, b.problem.key) not in keep:
             continue
-        peers = {f: p.tflops for f, p in data.peers(url, b.gpu_key, b.problem.key).items() if p.tflops}
+        peers = {} if times_a_length_mix(b.family) else \
+            {f: p.tflops for f, p in data.peers(url, b.gpu_key, b.problem.key).items() if p.tflops}
         top = max(peers.values(), default=None)
         row: dict[str, Any] = {"GPU": b.gpu_key, "problem": b.problem.key, "family": b.family,
                                "params": params_text(b.params), "ms": b.median_ms, "TFLOP/s": b.tflops}
@@ -60,13 +63,25 @@ def best_frame(url: str, summ: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def dense(best: pd.DataFrame) -> pd.DataFrame:
+    """best_frame's rows of dense runs: a varlen variant's TFLOP/s are of its length mix, so it is
+    never the fastest family of its padded problem nor a point of the roofline."""
+    return best[~best["family"].map(times_a_length_mix)] if not best.empty else best
+
+
+def fastest(best: pd.DataFrame) -> pd.DataFrame:
+    """The fastest dense tuned family per (GPU, problem)."""
+    best = dense(best)
+    return best if best.empty else best.sort_values("TFLOP/s", ascending=False).drop_duplicates(["GPU", "problem"])
+
+
 def versus(best: pd.DataFrame, summ: pd.DataFrame) -> pd.DataFrame:
     """The fastest tuned family per (GPU, problem) against each peer measured beside it: one row
     per pair with the ratio (above 1: ours is faster), the shape's kind and a sort order."""
     cols = ["GPU", "problem", "kind", "family", "params", "TFLOP/s", "peer", "peer TFLOP/s", "ratio", "order"]
-    if best.empty:
+    top = fastest(best)
+    if top.empty:
         return pd.DataFrame(columns=cols)
-    top = best.sort_values("TFLOP/s", ascending=False).drop_duplicates(["GPU", "problem"])
     known = problems(summ)
     rows = []
     for r in top.to_dict("records"):
@@ -84,9 +99,9 @@ def versus(best: pd.DataFrame, summ: pd.DataFrame) -> pd.DataFrame:
 def winners_across_gpus(best: pd.DataFrame) -> pd.DataFrame:
     """Problems tuned on more than one GPU: each GPU's winner (family and params) and its TFLOP/s,
     and whether the winners differ; differing ones first."""
-    if best.empty:
+    top = fastest(best)
+    if top.empty:
         return pd.DataFrame()
-    top = best.sort_values("TFLOP/s", ascending=False).drop_duplicates(["GPU", "problem"])
     shared = top.groupby("problem")["GPU"].nunique()
     top = top[top["problem"].isin(shared[shared > 1].index)]
     if top.empty:

@@ -33,6 +33,14 @@ VARIANTS_BY_NAME: dict[str, KernelFamily] = {v.name: v for v in VARLEN_VARIANTS.
 EXTRA_ENV = "TUNER_EXTRA_FAMILIES"
 
 
+def times_a_length_mix(name: str) -> bool:
+    """Whether `name`'s stored timings are of packed batches: a varlen variant tuned by name, whose
+    TFLOP/s count its padded problem's length mix's useful work, so that no dense run of the padded
+    problem (a dense family's, a peer's) ranks beside them."""
+    found = VARIANTS_BY_NAME.get(name)
+    return found is not None and found.packed
+
+
 def _load_extra(spec: str) -> None:
     for name in (s.strip() for s in spec.split(",")):
         if not name:

@@ -352,6 +352,37 @@ def test_bench_replays_a_recording(cli, tmp_path):
     assert len({r["run_id"] for r in got}) == 1   # one bench, one run
 
 
+def test_bench_leaves_a_varlen_variants_best_to_varlen_bench(cli, tmp_path):
+    """A varlen variant's stored best was timed on a packed length mix: `tuner bench` (dense calls
+    beside dense peers) times the dense family's best of that problem without a word about the
+    variant's, and --family <variant> is refused in one line that says what times packed calls."""
+    import json
+
+    from tuner.kernel_templates import FAMILIES, VARIANTS_BY_NAME
+
+    p, variant = Problem(4, 8, 1024, 1024, 128, "bf16", True, kv_heads=2), VARIANTS_BY_NAME["flash_fwd_sm90_varlen"]
+    dense = FAMILIES["flash_fwd_sm90"].seeds(H100_SXM, p)[0]
+    replay = f"sqlite:///{tmp_path / 'replay.db'}"
+    with session_factory(make_engine(replay)).begin() as s:
+        for family, params, tflops in ((variant.name, variant.from_tuned(dense, p), 900.0),
+                                       ("flash_fwd_sm90", dense, 300.0)):
+            ms = p.flops() / tflops / 1e9
+            queries.record_measurement(s, H100_SXM, p, family, params,
+                                       Measurement("ok", median_ms=ms, tflops=tflops, versions={"x": "1"}))
+            queries.update_best(s, H100_SXM.key, p.key, family)
+        queries.record_measurement(s, H100_SXM, p, "sdpa_flash", {}, Measurement("ok", median_ms=1.0, tflops=p.tflops(1.0)))
+    args = ("bench", "--replay", replay, "--db", f"sqlite:///{tmp_path / 'b.db'}", "--shape", "4,8:2,1024,128,causal",
+            "--dtype", "bf16", "--json", str(tmp_path / "b.json"))
+    out = cli(*args)
+    assert out.code == 0, out.text
+    assert variant.name not in out.text and "warning" not in out.text
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [(r["family"], r["config"]) for r in rows] == [("flash_fwd_sm90", dense)]
+    out = cli(*args, "--family", variant.name)
+    one_line_error(out, "--family", "packed sequences", "varlen_bench.py")
+    assert out.code == 2 and out.stdout == ""
+
+
 def test_bench_json_keeps_the_rows_measured_before_a_failure(tmp_path, monkeypatch):
     """`tuner bench --json` writes its rows after every problem: a run that dies on its third
     problem (a killed call, a crashed peer) keeps the two it measured, and no temporary file."""

@@ -505,6 +505,40 @@ def test_overview_pictures_each_gpu_against_each_peer(fleet_url: str) -> None:
     assert "1 of 2 shapes tuned on more than one GPU" in texts
 
 
+def test_a_varlen_variants_best_ranks_beside_no_dense_run(fleet_url: str) -> None:
+    """A varlen variant tuned by name stores the TFLOP/s of its padded problem's length mix: shown in
+    the best table with no peers, never the fastest family against the peers or across GPUs, no
+    roofline point; even where its figure is the larger."""
+    from dashboard_dbs import GRID, H200, PEERS
+
+    from tuner.kernel_templates import VARIANTS_BY_NAME
+
+    variant, p = VARIANTS_BY_NAME["flash_fwd_sm90_varlen"], GRID[0]
+    with _sessions(fleet_url)() as s, s.begin():
+        for gpu in (H100_SXM, H200):
+            ms = p.flops() / 2000.0 / 1e9   # 2000 TFLOP/s: above every dense row and peer
+            queries.record_measurement(s, gpu, p, variant.name, {"Bc": 128, "cwg": 2 if gpu is H200 else 3},
+                                       Measurement("ok", ms, ms, ms, 2000.0), run_id="mix")
+            queries.update_best(s, gpu.key, p.key, variant.name)
+    at = _app()
+    best = _best_table(at)
+    mine = best[best["family"] == variant.name]
+    assert len(mine) == 2 and set(mine["vs best peer"]) == {"-"} and set(mine["fa4 TFLOP/s"]) == {"-"}
+    heat = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    grid_h100 = next(f for f in heat if f["data"][0]["type"] == "heatmap")["data"][0]
+    ratios = {x: 1 / PEERS[f] for f, x in (("sdpa_cudnn", "cudnn"), ("fa4", "fa4"), ("sdpa_flash", "flash"))}
+    assert grid_h100["y"][0] == p.key and grid_h100["text"][0] == [f"{ratios[x]:.2f}x" for x in grid_h100["x"]]
+    winners = _frame(at, "problem", "winners differ").set_index("problem")
+    assert bool(winners.loc[p.key, "winners differ"]) is True   # the dense winners (Bc 128 / 176), not the mix's
+    assert not any(variant.name in str(v) for v in winners.to_numpy().ravel())
+    _go(at, "compare")
+    bars = _frame(at, "GPU", "problem")
+    assert f"tuned {variant.name}" in bars.columns
+    roof = next(f for f in _figures(at) if f["layout"]["title"]["text"].startswith("Achieved"))
+    assert not any(variant.name in str(t.get("name")) or variant.name in json.dumps(t.get("customdata", ""))
+                   for t in roof["data"])
+
+
 def test_explore_opens_the_study_and_trial_in_the_link(fleet_url: str) -> None:
     from dashboard_dbs import GRID, H200, INVALID
 

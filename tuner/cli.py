@@ -379,9 +379,14 @@ def bench(
     from .bench import Bench
     from .db import queries
     from .db.engine import make_engine, session_factory
+    from .kernel_templates import times_a_length_mix
     from .peers import FA4, MEASURED_PEERS, fa4_missing
 
     family = _value(family)
+    if times_a_length_mix(family):
+        raise typer.BadParameter(f"{family} runs packed sequences, which `tuner bench` does not time: "
+                                 "benchmarks/varlen_bench.py times packed calls beside the padded batch and the "
+                                 "peers' varlen kernels", param_hint="--family")
     if unknown := [x for x in peer if x not in MEASURED_PEERS]:
         raise typer.BadParameter(f"unknown peer {unknown[0]!r}; known: {', '.join(MEASURED_PEERS)}", param_hint="--peer")
     if FA4 in peer and (why := fa4_missing()) and not replay:
@@ -449,11 +454,11 @@ def _runnable_best(rows, gpu, family: str) -> dict:
     """The fastest stored best per problem key that `family` allows and whose params pass its
     family's `check` (by type, before anything is rendered): a row that does not, from a
     crafted or foreign database, is skipped with one line and never compiled."""
-    from .kernel_templates import FAMILIES
+    from .kernel_templates import FAMILIES, times_a_length_mix
 
     best: dict = {}
     for b in rows:
-        if family not in ("auto", b.family):
+        if family not in ("auto", b.family) or times_a_length_mix(b.family):   # timed on a mix: not a dense best
             continue
         fam = FAMILIES.get(b.family)
         why = f"unknown kernel family {b.family!r}" if fam is None else fam.check(b.params, gpu, b.problem)

@@ -54,7 +54,7 @@ def _across_gpus(best: pd.DataFrame) -> None:
     st.subheader("Across GPUs")
     n = int(wide["winners differ"].sum())
     st.markdown(f"{n} of {len(wide)} shapes tuned on more than one GPU have a different winner on each.")
-    top = best.sort_values("TFLOP/s", ascending=False).drop_duplicates(["GPU", "problem"])
+    top = frames.fastest(best)
     st.plotly_chart(charts.tflops_by_gpu(top[top["problem"].isin(wide["problem"])]), key="across_gpus")
     st.dataframe(wide, hide_index=True, key="winners_table")
 
