@@ -48,6 +48,13 @@ def lengths(count: int, low: int, high: int, seed: int) -> list[int]:
     return [int(round(low * (high / low) ** rng.random())) for _ in range(count)]
 
 
+def decode_lengths(count: int, low: int, high: int, seed: int, queries: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """A speculative-decoding batch's draw: `queries` (low, high) new queries a sequence, uniform,
+    against caches log-uniform between low and high."""
+    rng = random.Random(seed)
+    return [rng.randint(*queries) for _ in range(count)], lengths(count, low, high, seed)
+
+
 def padded_shapes(kind: str, words: list[str]) -> list[str]:
     """`tuner search --shape` texts of the cases' padded problems (the batch, the heads, the longest
     lengths): the buckets their varlen calls are served from, which a varlen variant is tuned on.
@@ -59,8 +66,7 @@ def padded_shapes(kind: str, words: list[str]) -> list[str]:
             continue
         heads = f"{h}:{hk}" if hk != h else f"{h}"
         if decode:
-            rng = random.Random(seed)   # run_decode's draw: queries first, then the caches
-            nq, nk = max(rng.randint(*decode[0]) for _ in range(count)), max(lengths(count, low, high, seed))
+            nq, nk = map(max, decode_lengths(count, low, high, seed, decode[0]))
             shapes.append(f"{count},{heads},{nq}:{nk},{d},causal_br")
         else:
             shapes.append(f"{count},{heads},{max(lengths(count, low, high, seed))},{d},causal")
@@ -269,9 +275,7 @@ def run_decode(name, h, hk, d, count, low, high, seed, queries, timer, fa4_varle
 
     import tuner
 
-    rng = random.Random(seed)
-    lens_q = [rng.randint(*queries) for _ in range(count)]
-    lens_k = lengths(count, low, high, seed)
+    lens_q, lens_k = decode_lengths(count, low, high, seed, queries)
     off = lambda lens: torch.tensor([0] + [sum(lens[:i + 1]) for i in range(count)], dtype=torch.int32, device="cuda")
     cu_q, cu_k = off(lens_q), off(lens_k)
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -361,7 +361,6 @@ def test_varlen_bench_shapes_are_the_buckets_its_batches_are_served_from():
     """benchmarks/varlen_bench.py --shapes (what gpu_session.sh varlen-ship tunes the varlen variants on)
     names each batch's padded problem exactly as varlen_forward builds it from the packed tensors, so
     the tuned entries land in the bucket the batch's call reads."""
-    import random
     import runpy
     from pathlib import Path
 
@@ -373,12 +372,10 @@ def test_varlen_bench_shapes_are_the_buckets_its_batches_are_served_from():
         assert len(shapes) == len(names) > 0
         for text, name in zip(shapes, names):
             h, hk, d, count, (low, high), seed, *decode = cases[name]
-            lens_k = bench["lengths"](count, low, high, seed)
             if decode:   # the draw run_decode makes
-                rng = random.Random(seed)
-                lens_q = [rng.randint(*decode[0]) for _ in range(count)]
+                lens_q, lens_k = bench["decode_lengths"](count, low, high, seed, decode[0])
             else:
-                lens_q = lens_k
+                lens_q = lens_k = bench["lengths"](count, low, high, seed)
             q = torch.empty(sum(lens_q), h, d, device="meta")
             k = torch.empty(sum(lens_k), hk, d, device="meta")
             cu_q = torch.zeros(count + 1, dtype=torch.int32)

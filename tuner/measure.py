@@ -65,12 +65,9 @@ def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
     base = dict(resources=ck.resources, compile_seconds=ck.compile_seconds)
     launch = family.launch(params, problem, gpu)
     device_index = gpu.index
-    try:
-        launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, family.param_kinds(params))
-    except LaunchError as exc:
-        return None, Measurement("launch_error", message=str(exc), **base)
-    except Exception as exc:
-        return None, Measurement("launch_error", message=f"cannot load the cubin: {exc}", **base)
+    launcher, refused = _load(family, params, ck, launch, device_index, base)
+    if refused is not None:
+        return None, refused
 
     q, k, v = random_inputs(problem, seed)
     o, lse = poisoned_outputs(problem, q)
@@ -87,10 +84,24 @@ def prepare_kernel(family: KernelFamily, params: dict, problem: Problem, ck: Com
     del ref_o, ref_lse
     figures = dict(rel_err=err.rel, max_abs_err=err.max_abs, lse_err=err.lse)
     if not err.within(problem.rel_budget, problem.lse_budget):
-        what = "NaN/Inf in the output (unwritten or overflowed)" if not err.finite else "error over budget"
-        return None, Measurement("wrong_result", message=f"{what}: rel {err.rel:.3g}, lse {err.lse}", **figures, **base)
+        return None, Measurement("wrong_result", message=f"{_wrong(err)}: rel {err.rel:.3g}, lse {err.lse}", **figures, **base)
     stream = raw_stream(device_index)
     return (lambda: launcher(stream, *args)), Measurement("ok", **figures, **base)
+
+
+def _load(family: KernelFamily, params: dict, ck: CompiledKernel, launch, device_index: int, base: dict):
+    """(the candidate's launcher, None), or (None, the launch_error that says why it cannot load)."""
+    try:
+        return LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, family.param_kinds(params)), None
+    except LaunchError as exc:
+        return None, Measurement("launch_error", message=str(exc), **base)
+    except Exception as exc:
+        return None, Measurement("launch_error", message=f"cannot load the cubin: {exc}", **base)
+
+
+def _wrong(err) -> str:
+    """What a check over budget found: unwritten or overflowed output, or plain error."""
+    return "NaN/Inf in the output (unwritten or overflowed)" if not err.finite else "error over budget"
 
 
 def prepare_packed(variant, params: dict, problem: Problem, ck: CompiledKernel, seed: int, gpu: GpuSpec) -> Prepared:
@@ -103,12 +114,9 @@ def prepare_packed(variant, params: dict, problem: Problem, ck: CompiledKernel, 
     mix = variant.work(problem)
     q, k, v, cu_q, cu_k = mix.inputs(seed)
     launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
-    try:
-        launcher = LoadedKernel.load(ck, launch.smem_bytes, gpu.index).launcher(launch, variant.param_kinds(params))
-    except LaunchError as exc:
-        return None, Measurement("launch_error", message=str(exc), **base)
-    except Exception as exc:
-        return None, Measurement("launch_error", message=f"cannot load the cubin: {exc}", **base)
+    launcher, refused = _load(variant, params, ck, launch, gpu.index, base)
+    if refused is not None:
+        return None, refused
     o = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device=q.device, dtype=torch.float32)
     scale = 1.0 / math.sqrt(problem.head_dim)
@@ -129,8 +137,7 @@ def prepare_packed(variant, params: dict, problem: Problem, ck: CompiledKernel, 
         ref_o, ref_lse = attention_fp64(seq(q, a, nq), seq(k, c, nk), seq(v, c, nk), problem.mask, scale)
         err = compare(seq(o, a, nq), lse[:, a:a + nq][None], ref_o, ref_lse)
         if not err.within(problem.rel_budget, problem.lse_budget):
-            what = "NaN/Inf in the output (unwritten or overflowed)" if not err.finite else "error over budget"
-            return None, Measurement("wrong_result", message=f"{what} in sequence ({nq}, {nk}) of the packed batch: "
+            return None, Measurement("wrong_result", message=f"{_wrong(err)} in sequence ({nq}, {nk}) of the packed batch: "
                                      f"rel {err.rel:.3g}, lse {err.lse}", rel_err=err.rel, max_abs_err=err.max_abs,
                                      lse_err=err.lse, **base)
         worst = dict(rel_err=max(worst["rel_err"], err.rel), max_abs_err=max(worst["max_abs_err"], err.max_abs),
