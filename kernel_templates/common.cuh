@@ -161,8 +161,8 @@ FT_DEVICE float fast_exp2(float x) {
 // lengths and the LSE is (H, total_q), FlashAttention-2's varlen layout. On a grid of (query blocks
 // of all `nseq` sequences, at most total_q / rows + nseq, by heads) a block finds its sequence with
 // `varlen_block`, so no block is spent on a short sequence's missing rows; a persistent kernel finds
-// each work tile's with `varlen_find` (tile_scheduler.cuh). A kernel appends FT_VARLEN_PARAMS to its
-// parameters and reads its sequence with FT_SEQUENCE.
+// each work tile's with `varlen_find_longest` (tile_scheduler.cuh). A kernel appends
+// FT_VARLEN_PARAMS to its parameters and reads its sequence with FT_SEQUENCE.
 #ifndef VARLEN
 #define VARLEN 0
 #endif
@@ -187,9 +187,10 @@ FT_DEVICE Sequence sequence_of(const int* cu_q, const int* cu_k, int b) {
 #endif
 
 // VARLEN: where a walk over the sequences stands: sequence `seq`'s first block is the launch's
-// block `first` ({0, 0}: the start).
+// block `first` ({0, 0}: the start); varlen_find_longest: within octave `level` of those up to `top`
+// ({0, 0, top, top}).
 struct SeqCursor {
-  int seq, first;
+  int seq, first, level, top;
 };
 
 // VARLEN: (sequence, place) of the launch's block j, sequence b owning the next ceil(n_b / ROWS) x
@@ -221,13 +222,51 @@ FT_DEVICE int2 varlen_find(const int* cu_q, int nseq, int j, int per, SeqCursor&
   return make_int2(-1, 0);
 }
 
+// VARLEN, persistent: varlen_find with the sequences taken longest first, so a long sequence late in
+// the batch does not end the launch alone: octave `level` (the sequences of 2^level to
+// 2^(level+1) - 1 query blocks, in the batch's order) after every higher one. `at` starts at {0, 0, top, top}, top the octave of the longest length the launch was given (a sequence
+// longer than that, against the caller's word, goes in octave top: none is left out); an octave
+// left empty costs one pass over the offsets; a caller whose j only grows walks each octave once.
+template <int ROWS>
+FT_DEVICE int2 varlen_find_longest(const int* cu_q, int nseq, int j, int per, SeqCursor& at) {
+  const int lane = threadIdx.x % 32;
+  for (; at.level >= 0; at = SeqCursor{0, at.first, at.level - 1, at.top}) {
+    for (int s0 = at.seq; s0 < nseq; s0 += 32) {
+      const int s = s0 + lane;
+      const int nb = s < nseq ? (cu_q[s + 1] - cu_q[s] + ROWS - 1) / ROWS : 0;
+      const int blocks = nb > 0 && min(31 - __clz(nb), at.top) == at.level ? nb * per : 0;
+      int upto = blocks;   // inclusive prefix over the chunk
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, upto, off);
+        if (lane >= off) upto += t;
+      }
+      const int first = at.first + upto - blocks;
+      const unsigned hit = __ballot_sync(0xffffffffu, j >= first && j < first + blocks);
+      if (hit) {
+        const int src = __ffs(hit) - 1;
+        at = SeqCursor{s0 + src, __shfl_sync(0xffffffffu, first, src), at.level, at.top};
+        return make_int2(at.seq, j - at.first);
+      }
+      at.first += __shfl_sync(0xffffffffu, upto, 31);
+    }
+  }
+  return make_int2(-1, 0);
+}
+
+// The octave of `rows` query rows' block count: where varlen_find_longest starts (0 at least).
+template <int ROWS>
+FT_DEVICE int varlen_top_level(int rows) {
+  return rows > ROWS ? 31 - __clz((rows + ROWS - 1) / ROWS) : 0;
+}
+
 // VARLEN on a grid: varlen_find for the CTA's block j, walked by warp 0 from the start; every thread
 // gets the answer through shared memory, so all of the block must call it.
 template <int ROWS>
 FT_DEVICE int2 varlen_block(const int* cu_q, int nseq, int j, int per = 1) {
   __shared__ int2 found;
   if (threadIdx.x < 32) {
-    SeqCursor at{0, 0};
+    SeqCursor at{0, 0, 0, 0};
     const int2 r = varlen_find<ROWS>(cu_q, nseq, j, per, at);
     if (threadIdx.x == 0) found = r;
   }

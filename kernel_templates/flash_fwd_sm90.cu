@@ -162,7 +162,7 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     tmap_prefetch(*tv);
   }
   KvState kv{0};
-  SeqCursor at{0, 0};   // VARLEN, persistent: the walk over the sequences (varlen_find)
+  SeqCursor at = sched.walk();   // VARLEN, persistent: the walk over the sequences (varlen_find_longest)
   for (int it = 0;; ++it) {
     const DrawnTile d = sched.draw<WARP_PRODUCER>(bar.tiles, tile_counter, it, leader, at);
     if (sched.done(d)) break;
@@ -548,7 +548,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   const int qblk = blk.y / heads, bh = blk.x * heads + blk.y % heads;
   const bool sections = false;   // varlen's own order, above
   const int bhs = 0, sec = 0;
-  const Sequence seq = PERSISTENT ? Sequence{0, 0, 0, 0} : FT_SEQUENCE(blk.x);
+  // persistent: none of its own; the longest lengths, where the producer's walk starts
+  const Sequence seq = PERSISTENT ? Sequence{nq, 0, 0, 0} : FT_SEQUENCE(blk.x);
   const int n_qblk = 1, total = 1;   // persistent: the producer finds where the tiles end (TileScheduler)
   const int *offsets_q = cu_q, *offsets_k = cu_k, packed = nseq;
 #else

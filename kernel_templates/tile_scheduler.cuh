@@ -128,11 +128,11 @@ struct DrawnTile {
 // and every loop over tiles folds to one pass. ROWS x COLS: the query block and the K/V tile.
 // PACKED (VARLEN): a query block that sees no key still runs one K/V tile, all masked, so that its
 // O (0) and LSE (-inf) are written (a sequence with no keys; also bottom-right with Nq > Nk). PACKED
-// and DYNAMIC: tile t of the launch is varlen_find's place t among the sequences' query blocks x
-// heads (sequence after sequence, each one's blocks heaviest first, the heads fastest, as on the
-// grid); the producer's warp finds each one's sequence as it draws it, walking on from the last
-// (a CTA's tiles only grow), and publishes the tile as (its place in its sequence, the sequence);
-// past the last sequence it publishes -1.
+// and DYNAMIC: tile t of the launch is varlen_find_longest's place t among the sequences' query
+// blocks x heads (the sequences longest first, by octaves of blocks, sequence after sequence; each
+// one's blocks heaviest first, the heads fastest, as on the grid); the producer's warp finds each
+// one's sequence as it draws it, walking on from the last (a CTA's tiles only grow), and publishes
+// the tile as (its place in its sequence, the sequence); past the last sequence it publishes -1.
 template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool PACKED>
 struct TileScheduler {
   int qblk, bh;              // the grid's tile (not DYNAMIC)
@@ -159,9 +159,14 @@ struct TileScheduler {
     if constexpr (PACKED) w.ntiles = max(1, w.ntiles);
     return w;
   }
+  // Where the producer's walk over a packed batch's sequences starts (draw's `at`).
+  FT_DEVICE SeqCursor walk() const {
+    const int top = varlen_top_level<ROWS>(seq.nq);
+    return SeqCursor{0, 0, top, top};
+  }
   // The producer's: the CTA's it-th tile, drawn by `leader` and published to the other roles; a
   // WARP producer's other lanes get it by shuffle, so it stays warp-uniform. PACKED needs the WARP
-  // producer: its lanes walk the sequences from `at` (varlen_find).
+  // producer: its lanes walk the sequences from `at` (varlen_find_longest).
   template <bool WARP>
   FT_DEVICE DrawnTile draw(TileRing<PACKED>& ring, int* counter, int it, bool leader, SeqCursor& at) const {
     DrawnTile d{it, seq};
@@ -171,7 +176,7 @@ struct TileScheduler {
       if constexpr (PACKED) {
         static_assert(WARP, "a packed batch's tiles are found by the producer's warp");
         const int tile = __shfl_sync(0xffffffffu, leader ? fetch_tile(counter, it) : 0, 0);
-        const int2 found = varlen_find<ROWS>(cu_q, nseq, tile, heads, at);
+        const int2 found = varlen_find_longest<ROWS>(cu_q, nseq, tile, heads, at);
         d.tile = found.x < 0 ? -1 : found.y;
         if (found.x >= 0) d.seq = sequence_of(cu_q, cu_k, found.x);
         if (leader) {

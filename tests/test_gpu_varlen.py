@@ -73,9 +73,13 @@ def _variant_points(rng, base, variant, gpu, problem):
     chosen = list(points.values())
     chosen = chosen[:1] + rng.sample(chosen[1:], min(2, len(chosen) - 1))
     if hasattr(variant, "schedule"):   # flash_fwd_sm90: each point persistent and on the grid
-        other = (variant.schedule(p, not p["persistent"], problem) for p in chosen)
-        chosen += [p for p in other if variant.check(p, gpu, problem) is None]
+        chosen = [q for p in chosen for q in _schedules(variant, p, problem) if variant.check(q, gpu, problem) is None]
     return chosen
+
+
+def _schedules(variant, p, problem) -> list[dict]:
+    """flash_fwd_sm90_varlen's point `p` persistent (the sequences longest first) and on the grid (in the batch's order)."""
+    return [variant.schedule(p, True, problem), variant.schedule(p, False, problem)]
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
@@ -106,9 +110,11 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
             _run_and_check(variant, params, problem, gpu, q, k, v, cu_q, cu_k, lens_q, lens_k, mask, dtype, scale, seed)
 
 
-def _run_and_check(variant, params, problem, gpu, q, k, v, cu_q, cu_k, lens_q, lens_k, mask, dtype, scale, seed):
+def _run_and_check(variant, params, problem, gpu, q, k, v, cu_q, cu_k, lens_q, lens_k, mask, dtype, scale, seed,
+                   longest_q=None):
     """`variant` at `params` launched directly on the packed batch into NaN-poisoned O and LSE,
-    then each sequence against float64 (_check_sequences)."""
+    then each sequence against float64 (_check_sequences); `longest_q` the longest query length the
+    launch is told (default: the true one)."""
     import torch
 
     from tuner.compile import compile_kernel
@@ -121,8 +127,8 @@ def _run_and_check(variant, params, problem, gpu, q, k, v, cu_q, cu_k, lens_q, l
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
     views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v, o)]
     args = variant.varlen_values(variant.arg_maker(params), params, problem, launch.grid, views, lse, scale,
-                                 cu_q, cu_k, max(lens_q), max(lens_k))
-    what = (f"{variant.name} {params} d{q.shape[2]} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask} "
+                                 cu_q, cu_k, longest_q or max(lens_q), max(lens_k))
+    what = (f"{variant.name} {params} longest q told {longest_q or max(lens_q)} d{q.shape[2]} H{q.shape[1]}/kv{k.shape[1]} lens q {lens_q} k {lens_k} {mask} "
             f"scale {scale} (seed {seed}, {launch})")
     try:
         launch_on(launcher, gpu.index, *args)
@@ -138,8 +144,10 @@ def _run_and_check(variant, params, problem, gpu, q, k, v, cu_q, cu_k, lens_q, l
 def test_many_short_sequences(family, mask):
     """Hundreds of short sequences (0, 1, a block's edges), few heads: more work tiles than SMs and
     more sequences than a warp walks in one step, so the walk that finds a tile's sequence
-    (varlen_find: a CTA's persistent walk on from its last tile's, or each grid block's from the
-    start) crosses many 32-sequence steps, and short blocks end in every place of a wave."""
+    (a CTA's persistent walk on from its last tile's, longest first; each grid block's from the
+    start) crosses many 32-sequence steps, and short blocks end in every place of a wave. The
+    persistent walk starts at the octave of the longest length it is told: told too short a one,
+    it still runs every sequence."""
     import torch
 
     from tuner.gpu import detect
@@ -161,10 +169,13 @@ def test_many_short_sequences(family, mask):
     params = next((p for p in fits if variant.check(p, gpu, problem) is None), None)
     assert params is not None, f"no {variant.name} point for {problem.key}"
     points = [params]
-    if hasattr(variant, "schedule"):   # flash_fwd_sm90: persistent by default, and on the grid
-        points.append(variant.schedule(params, not params["persistent"], problem))
+    if hasattr(variant, "schedule"):   # flash_fwd_sm90: persistent and on the grid
+        points = _schedules(variant, params, problem)
     for params in points:
         _run_and_check(variant, params, problem, gpu, q, k, v, cu, cu, lens, lens, mask, "bf16", None, seed)
+    if points[0].get("persistent"):
+        _run_and_check(variant, points[0], problem, gpu, q, k, v, cu, cu, lens, lens, mask, "bf16", None, seed,
+                       longest_q=300)
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
