@@ -278,6 +278,36 @@ def test_a_search_on_another_gpu_of_the_architecture_starts_from_the_shipped_con
     assert a100.starts(get_family("flash_fwd_mma"), BF16)[0] == get_family("flash_fwd_mma").default(A100_SXM, BF16)
 
 
+def test_a_varlen_search_measures_what_the_plan_serves_without_it(tmp_path, shipped):
+    """A study of flash_fwd_sm90_varlen with no entry of its own starts from its family's tuned
+    configs made varlen (what the varlen plan serves in its absence), the padded problem's own
+    (this GPU's database) first, then the shipped one; its own shipped entry comes before both."""
+    from types import SimpleNamespace
+
+    from tuner.search import Search
+
+    variant = get_family("flash_fwd_sm90_varlen")
+    padded = replace(BF16, batch=16)
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    sessions = session_factory(make_engine(url))
+    search = Search(SimpleNamespace(gpu=H100_SXM), sessions, url)
+    made = lambda p: variant.from_tuned(p, padded)
+    dense = next(p for p in SM90.seeds(H100_SXM, padded) if made(p) != variant.default(H100_SXM, padded))
+    lookup(shipped / "h100.json", [entry(BF16, SM90.name, dense, 300.0)])
+    served = made(dense)
+    assert search.starts(variant, padded)[0] == served
+    mine = next(p for p in SM90.seeds(H100_SXM, padded) if made(p) not in (served, variant.default(H100_SXM, padded)))
+    with sessions.begin() as s:   # the padded problem itself tuned densely on this GPU
+        record_measurement(s, H100_SXM, padded, SM90.name, mine,
+                           Measurement("ok", median_ms=padded.flops() / 500.0 / 1e9, tflops=500.0), run_id="a")
+        update_best(s, H100_SXM.key, padded.key, SM90.name)
+    starts = search.starts(variant, padded)
+    assert starts[:2] == [made(mine), served], starts[:3]
+    own = made(next(p for p in SM90.seeds(H100_SXM, padded) if made(p) not in starts[:2]))
+    lookup(shipped / "h100.json", [entry(BF16, SM90.name, dense, 300.0), entry(padded, variant.name, own, 200.0)])
+    assert search.starts(variant, padded)[0] == own
+
+
 # ---- FlashAttention-4 as a peer ----
 
 def test_fa4_is_a_default_peer_only_where_installed_and_it_runs_the_case(monkeypatch):

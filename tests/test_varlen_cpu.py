@@ -310,6 +310,20 @@ def test_representative_mix_of_a_padded_problem(key):
     assert mix.flops() == 4.0 * p.heads * p.head_dim * pairs and mix.tflops(2.0) == mix.flops() / 2e-3 / 1e12
 
 
+def test_a_trial_runs_several_draws_of_the_mix():
+    """A varlen variant's work is DRAWS batches of its padded problem, draw 0 first, each its own
+    lengths (the first at the longest), the same every time; TFLOP/s count all of them."""
+    from tuner.kernel_templates import VARIANTS_BY_NAME
+    from tuner.length_mix import DRAWS, representative_mix, representative_mixes
+
+    p = Problem.from_key("B16-H8/kv1-N5762-D256-bf16-causal")
+    work = VARIANTS_BY_NAME["flash_fwd_sm90_varlen"].work(p)
+    assert work == representative_mixes(p) and DRAWS > 1 and len(work.mixes) == DRAWS
+    assert work.mixes == tuple(representative_mix(p, d) for d in range(DRAWS)) and work.mixes[0] == representative_mix(p)
+    assert len({m.lengths_q for m in work.mixes}) == DRAWS and all(m.lengths_q[0] == p.seqlen_q for m in work.mixes)
+    assert work.flops() == sum(m.flops() for m in work.mixes) and work.tflops(4.0) == work.flops() / 4e-3 / 1e12
+
+
 def test_varlen_variants_are_tuned_by_name_only():
     """`--family flash_fwd_sm90_varlen` finds the variant (its points: the family's seeds made
     varlen), `auto` never includes one, and it counts its TFLOP/s by its length mix."""
@@ -327,7 +341,7 @@ def test_varlen_variants_are_tuned_by_name_only():
     seeds = variant.seeds(H100_SXM, p)
     assert seeds and all(variant.check(s, H100_SXM, p) is None for s in seeds)
     assert variant.default(H100_SXM, p) == seeds[0]
-    assert variant.work(p) == representative_mix(p) and FAMILIES["flash_fwd_sm90"].work(p) is p
+    assert variant.work(p).mixes[0] == representative_mix(p) and FAMILIES["flash_fwd_sm90"].work(p) is p
 
 
 def test_the_varlen_plan_prefers_an_entry_tuned_on_a_mix(tmp_path, monkeypatch):

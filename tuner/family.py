@@ -126,7 +126,7 @@ class KernelFamily(ABC):
 
     def work(self, problem: Problem):
         """What a measurement of `problem` counts its TFLOP/s by (`.tflops(ms)`): the problem's
-        FLOPs, or a packed variant's representative mix's useful ones."""
+        FLOPs, or a packed variant's representative mixes' useful ones."""
         return problem
 
     def adapt(self, params: dict, tuned: Problem, problem: Problem) -> dict:
@@ -225,8 +225,8 @@ class VarlenVariant:
     it varies; built from that family's tuned configs (`from_tuned`) unless it was tuned itself.
     Its launch takes the family's arguments for (1, H, total, D) views of the packed tensors, then
     the longest lengths in place of nq and nk and the sequences' offsets (`packed_args`). A search
-    may tune it by name (`tuner search --family flash_fwd_sm90_varlen`) on the representative length
-    mix of each padded problem; the varlen plan prefers such an entry to one made from its family's."""
+    may tune it by name (`tuner search --family flash_fwd_sm90_varlen`) on representative length
+    mixes of each padded problem; the varlen plan prefers such an entry to one made from its family's."""
 
     dtypes: tuple[str, ...] = ("fp16", "bf16")
     packed = True
@@ -240,11 +240,11 @@ class VarlenVariant:
         return list({tuple(sorted(p.items())): p for p in points}.values())
 
     def work(self, problem: Problem):
-        """The representative mix of `problem` (the padded problem of a bucket), which a search of
+        """The representative mixes of `problem` (the padded problem of a bucket), which a search of
         this variant times (tuner/length_mix.py)."""
-        from .length_mix import representative_mix
+        from .length_mix import representative_mixes
 
-        return representative_mix(problem)
+        return representative_mixes(problem)
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         return super().param_kinds(params) + ("ptr", "ptr", "i32", "i32")   # cu_seqlens_q, cu_seqlens_k, total_q, nseq

@@ -105,13 +105,30 @@ def _wrong(err) -> str:
 
 
 def prepare_packed(variant, params: dict, problem: Problem, ck: CompiledKernel, seed: int, gpu: GpuSpec) -> Prepared:
-    """A varlen variant on the representative packed batch of the padded `problem`
-    (tuner/length_mix.py), launched once into NaN-poisoned O and LSE and checked sequence by
-    sequence against the fp64 reference: the worst sequence's errors are the figures."""
+    """A varlen variant on the representative packed batches of the padded `problem`
+    (tuner/length_mix.py), each launched once into NaN-poisoned O and LSE and checked sequence by
+    sequence against the fp64 reference (the worst sequence's errors are the figures); what is
+    timed launches them all, one after another."""
+    base = dict(resources=ck.resources, compile_seconds=ck.compile_seconds)
+    runs, worst = [], dict(rel_err=0.0, max_abs_err=0.0, lse_err=0.0)
+    for draw, mix in enumerate(variant.work(problem).mixes):
+        run, m = _prepare_mix(variant, params, problem, ck, mix, seed + draw, gpu, base)
+        if run is None:
+            return None, m
+        runs.append(run)
+        worst = {key: max(value, getattr(m, key) or 0.0) for key, value in worst.items()}
+
+    def run_all() -> None:
+        for run in runs:
+            run()
+    return run_all, Measurement("ok", **worst, **base)
+
+
+def _prepare_mix(variant, params: dict, problem: Problem, ck: CompiledKernel, mix, seed: int, gpu: GpuSpec,
+                 base: dict) -> Prepared:
+    """One packed batch of prepare_packed: launched, checked, and what launches it again."""
     import torch
 
-    base = dict(resources=ck.resources, compile_seconds=ck.compile_seconds)
-    mix = variant.work(problem)
     q, k, v, cu_q, cu_k = mix.inputs(seed)
     launch = variant.packed_launch(params, problem, gpu, q.shape[0], k.shape[0])
     launcher, refused = _load(variant, params, ck, launch, gpu.index, base)
@@ -222,7 +239,7 @@ def prepare_peer(backend: str, problem: Problem, seed: int) -> Prepared:
 
 def timed(m: Measurement, t: Timing, problem) -> Measurement:
     """`m` with the timing; TFLOP/s of `problem` (a Problem, or anything with `.tflops(ms)`: a
-    packed variant's length mix)."""
+    packed variant's length mixes)."""
     return replace(m, median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms,
                    tflops=problem.tflops(t.median_ms), reps=t.reps)
 
@@ -250,7 +267,7 @@ def measure_peer(backend: str, problem: Problem, timer: Timer, seed: int) -> Mea
 def measure_side_by_side(family: KernelFamily, params: dict, problem: Problem, ck: CompiledKernel,
                          backends: tuple[str, ...], timer: Timer, seed: int, gpu: GpuSpec) -> SideBySide:
     """The candidate and the SDPA peers on the same inputs, timed in turns (docs/benchmarks.md's method).
-    A packed variant runs its length mix, which no dense peer runs: it is timed alone."""
+    A packed variant runs its length mixes, which no dense peer runs: it is timed alone."""
     if family.packed:
         return SideBySide(measure_kernel(family, params, problem, ck, timer, seed, gpu), {})
     prepared = {"": prepare_kernel(family, params, problem, ck, seed, gpu)}

@@ -118,21 +118,32 @@ class Search:
         """What a new study is opened with, each valid once, in order: the best configs of the
         nearest problems this family was tuned on (this GPU); those of the same and nearest
         problems tuned on other GPUs of its architecture (an H100's winners open an H200's
-        search); those of the lookups flashtune ships for GPUs of its architecture; its
-        default; its seeds."""
+        search); those of the lookups flashtune ships for GPUs of its architecture; for a varlen
+        variant, the same of its family made varlen (what the varlen plan serves where the variant
+        has no entry of its own, so its tuned entry is measured against it); its default; its seeds."""
+        from .kernel_templates import VARLEN_VARIANTS
+
+        near = self._near(family.name, problem)
+        if family.packed:
+            base = next(name for name, variant in VARLEN_VARIANTS.items() if variant is family)
+            near += [family.from_tuned(p, problem) for p in self._near(base, problem, same=True)]
+        points = near + [family.default(self.gpu, problem)] + family.seeds(self.gpu, problem)
+        valid = {params_key(p): p for p in points if family.check(p, self.gpu, problem) is None}
+        return list(valid.values())
+
+    def _near(self, name: str, problem: Problem, same: bool = False) -> list[dict]:
+        """Family `name`'s best configs for the problems nearest `problem`: this GPU's (`problem`'s
+        own only if `same`: a study of it resumes from its own trials), its architecture's other
+        GPUs', then the shipped lookups' of that architecture."""
         from .export import shipped_entries
 
         arch = self.gpu.key.rsplit("/", 1)[-1]
         with self.sessions() as s:
-            rows = queries.best_rows(s, family=family.name)
-        mine = [b for b in rows if b.gpu_key == self.gpu.key and b.problem != problem]
+            rows = queries.best_rows(s, family=name)
+        mine = [b for b in rows if b.gpu_key == self.gpu.key and (same or b.problem != problem)]
         kin = [b for b in rows if b.gpu_key != self.gpu.key and b.gpu_key.rsplit("/", 1)[-1] == arch]
-        shipped = [b for b in shipped_entries(family.name) if b.gpu_key.rsplit("/", 1)[-1] == arch]
-        near = [b.params for tuned in (mine, kin, shipped)
-                for _, b in nearest(problem, tuned, lambda b: b.problem, WARM_START)]
-        points = near + [family.default(self.gpu, problem)] + family.seeds(self.gpu, problem)
-        valid = {params_key(p): p for p in points if family.check(p, self.gpu, problem) is None}
-        return list(valid.values())
+        shipped = [b for b in shipped_entries(name) if b.gpu_key.rsplit("/", 1)[-1] == arch]
+        return [b.params for tuned in (mine, kin, shipped) for _, b in nearest(problem, tuned, lambda b: b.problem, WARM_START)]
 
     # ---- one problem ----
     def tune(self, family: KernelFamily, problem: Problem, trials: int, deadline: float | None = None) -> ProblemResult:
