@@ -117,7 +117,7 @@ for step in $steps; do
                  # varlen_bench served from it; VARLEN_TIMEOUT bounds each of the two searches (seconds)
           for kind in prefill:flash_fwd_sm90_varlen decode:flash_decode_varlen; do
             tuner search --gpu auto --family ${kind#*:} $(python3 benchmarks/varlen_bench.py --shapes ${kind%%:*}) \
-              --dtype bf16 --trials "${TRIALS:-16}" --timeout "${VARLEN_TIMEOUT:-180}" --lookup /tmp/flashtune/varlen.json 2>&1 \
+              --dtype bf16 --trials "${TRIALS:-16}" --timeout "${VARLEN_TIMEOUT:-300}" --lookup /tmp/flashtune/varlen.json 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | tail -12 | tee -a "$OUT/varlen-ship.log"
           done
           cp /tmp/flashtune/varlen.json "$OUT/lookup-varlen.json"
