@@ -8,7 +8,7 @@ from the longest down. A mix here is log-uniform over seven octaves below the lo
 the longest. A trial runs DRAWS such batches one after another, the same ones for every trial of a
 study (fixed draws), so trials compare alike: in one draw of 16 sequences a few long ones decide
 how the launch's tail falls, and a config tuned on it alone lost 4% to the untuned one on another
-draw of the same bucket (benchmarks/PERF_NOTES.md, "v10").
+draw of the same bucket (benchmarks/PERF_NOTES.md, "v11").
 """
 
 from __future__ import annotations
