@@ -217,6 +217,28 @@ def test_find_measurement_respects_versions_and_takes_latest(Session) -> None:
         assert f({"Br": 64}, V1, fam="wgmma") is None
 
 
+def test_a_timing_answers_only_for_the_sources_it_was_measured_with(tmp_path) -> None:
+    """The versions a stored timing is reused under carry a hash of the kernel templates and the
+    measuring code, which moves with any change to either (the package version does not)."""
+    import shutil
+    from pathlib import Path
+
+    import tuner
+    from tuner.kernel_templates import __file__ as templates_init
+    from tuner.versions import software_versions, sources_hash, sources_version
+
+    templates, code = tmp_path / "kernel_templates", tmp_path / "tuner"
+    shutil.copytree(Path(templates_init).parent, templates, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(Path(tuner.__file__).parent, code, ignore=shutil.ignore_patterns("__pycache__", "kernel_templates"))
+    before = sources_hash(templates, code)
+    assert before == sources_version() and software_versions()["sources"] == before
+    (templates / "common.cuh").write_text((templates / "common.cuh").read_text() + "\n// a changed kernel\n")
+    after_kernel = sources_hash(templates, code)
+    (code / "length_mix.py").write_text((code / "length_mix.py").read_text().replace("DRAWS = 4", "DRAWS = 3"))
+    assert len({before, after_kernel, sources_hash(templates, code)}) == 3
+    assert versions_key({**V1, "sources": before}) != versions_key({**V1, "sources": after_kernel})
+
+
 def test_update_best_picks_fastest_ok(Session) -> None:
     with Session() as s, s.begin():
         assert update_best(s, H100_SXM.key, P1.key, "simt") is None  # nothing known yet

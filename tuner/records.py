@@ -91,7 +91,8 @@ class SideBySide:
 
 
 def versions_key(versions: dict) -> str:
-    """Measurements are reused only under the same driver, NVRTC, torch and tuner versions."""
+    """Measurements are reused only under the same driver, NVRTC, torch, tuner and kernel-source versions
+    (tuner/versions.py)."""
     return short_hash(params_key(versions))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 from importlib import metadata
+from pathlib import Path
 
 
 def _dist(name: str) -> str:
@@ -13,12 +14,36 @@ def _dist(name: str) -> str:
         return "none"
 
 
+# What a timing depends on besides the tools: the kernels (sources and launch rules) and the code
+# that times and counts them (a varlen variant's length mixes among it).
+_MEASURED = ("measure.py", "timing.py", "length_mix.py")
+
+
+def sources_hash(templates: Path, tuner_dir: Path) -> str:
+    """A hash of the kernel templates in `templates` and the measuring code in `tuner_dir`."""
+    from .records import short_hash
+
+    files = sorted(f for f in templates.iterdir() if f.suffix in (".cu", ".cuh", ".py")) + [tuner_dir / n for n in _MEASURED]
+    return short_hash("\n".join(f"{f.name}\n{f.read_text()}" for f in files), 16)
+
+
+@cache
+def sources_version() -> str:
+    """This install's sources_hash: the package's version does not move with each change to the
+    kernels or the measuring code, and a timing of an older kernel, or one counted another way,
+    must not answer for this one (a search measures such a point again)."""
+    from importlib.util import find_spec
+
+    return sources_hash(Path(find_spec("tuner.kernel_templates").origin).parent, Path(__file__).parent)
+
+
 @cache
 def software_versions() -> dict:
     from .compile import nvrtc_version
 
     return {
         "tuner": _dist("flashtune"),
+        "sources": sources_version(),
         "torch": _dist("torch"),
         "cuda_core": _dist("cuda-core"),
         "nvrtc": nvrtc_version(),
