@@ -32,9 +32,9 @@ def sources_version() -> str:
     """This install's sources_hash: the package's version does not move with each change to the
     kernels or the measuring code, and a timing of an older kernel, or one counted another way,
     must not answer for this one (a search measures such a point again)."""
-    from importlib.util import find_spec
+    from . import kernel_templates
 
-    return sources_hash(Path(find_spec("tuner.kernel_templates").origin).parent, Path(__file__).parent)
+    return sources_hash(Path(kernel_templates.__file__).parent, Path(__file__).parent)
 
 
 @cache
