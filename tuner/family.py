@@ -18,6 +18,7 @@ from importlib import resources
 from .gpu import GpuSpec
 from .launch import ATTENTION_PARAMS, Launch
 from .problem import MASKS, Problem
+from .records import params_key
 
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 
@@ -237,7 +238,7 @@ class VarlenVariant:
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
         """The family's seeds as this variant's points (from_tuned), each once."""
         points = (self.from_tuned(p, problem) for p in super().seeds(gpu, problem))
-        return list({tuple(sorted(p.items())): p for p in points}.values())
+        return list({params_key(p): p for p in points}.values())
 
     def work(self, problem: Problem):
         """The representative mixes of `problem` (the padded problem of a bucket), which a search of
