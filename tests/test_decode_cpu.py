@@ -203,12 +203,21 @@ def test_kvcache_attention_traces_under_compile_fullgraph():
 
 
 def test_kvcache_operator_opcheck_with_a_cpu_stand_in():
-    """opcheck (schema, fake, dispatch) with torch's per-sequence answer as the CPU kernel."""
-    from tuner import kvcache
+    """opcheck (schema, fake, dispatch) with torch's per-sequence float32 answer as the CPU kernel."""
+    from tuner.dispatch import out_layout
+    from tuner.kvcache import gather_sequence
+    from tuner.torch_attention import MATH
 
     def forward(q, k, v, lens=None, table=None, mask="causal_br", scale=None):
         nk, _ = check_cache_inputs(q, k, v, lens, table, cuda=False)
-        return kvcache._torch_attention(q, k, v, lens, table, nk, mask, scale)
+        size, stride = out_layout(q)
+        o = torch.empty_strided(size, stride, dtype=q.dtype)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32)
+        for i in range(q.shape[0]):
+            ki, vi = (gather_sequence(t, lens, table, i, nk)[None] for t in (k, v))
+            oi, li = MATH.forward(q[i:i + 1], ki, vi, mask, scale)
+            o[i], lse[i] = oi[0], li[0]
+        return o, lse
 
     import tuner.op  # noqa: F401
 

@@ -108,6 +108,73 @@ def test_kvcache_ragged_lengths_dense_and_paged(dtype, page):
             assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence {i}: {err}"
 
 
+@pytest.mark.parametrize("page", [0, 64], ids=["dense", "page64"])
+def test_kvcache_prefill_past_decode_queries_through_attention(page):
+    """More new queries than flash_decode serves (a prompt's prefill into the cache): attention's
+    kernels on each sequence's held keys (lengths 0, 1, fewer than the queries, thousands; rows past
+    them NaN), bottom-right causal or not; against float64. A dense cache with no lengths is one
+    dispatcher call: none of kvcache's per-sequence warning, and a CUDA graph captures it."""
+    import warnings
+
+    import torch
+
+    from tuner import kvcache_attention
+    from tuner.kernel_templates.flash_decode import MAX_QUERIES
+    from tuner.kvcache import gather_sequence
+    from tuner.reference import attention_fp64, compare
+
+    rng = random.Random()
+    b, kvh, group, d, cap = 5, 2, 4, rng.choice([64, 128]), 3000
+    nq = rng.randint(MAX_QUERIES + 1, 200)
+    lens = [0, 1, nq // 2, nq + 7, cap]
+    rng.shuffle(lens)
+    k, v, table = _cache(rng, torch, b, kvh, d, cap, page, torch.bfloat16)
+    if page:
+        cap = table.shape[1] * page
+    for i, n in enumerate(lens):
+        for t in (k, v):
+            if page:
+                pos = torch.arange(n, cap, device="cuda")
+                t[table[i, pos // page].long(), :, pos % page] = float("nan")
+            else:
+                t[i, :, n:] = float("nan")
+    q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for causal in (True, False):
+        mask = "causal_br" if causal else "none"
+        o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
+        for i, n in enumerate(lens):
+            if n == 0:
+                assert torch.equal(o[i], torch.zeros_like(o[i])) and bool(torch.isneginf(lse[i]).all()), lens
+                continue
+            ks, vs = (gather_sequence(t, seqlens, table, i, cap)[None] for t in (k, v))
+            ref_o, ref_lse = attention_fp64(q[i:i + 1], ks, vs, mask, 1.0 / math.sqrt(d))
+            err = compare(o[i:i + 1], lse[i:i + 1], ref_o, ref_lse)
+            p = Problem(1, kvh * group, nq, n, d, "bf16", mask, kvh)
+            assert err.finite and err.within(p.rel_budget, p.lse_budget), f"nq {nq} lens {lens} causal {causal}: {i}: {err}"
+    if page:
+        return
+    full = torch.randn(b, kvh, 700, d, device="cuda", dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        o, lse = kvcache_attention(q, full, full, return_lse=True)
+    assert not [w for w in seen if "one at a time" in str(w.message)], [str(w.message) for w in seen]
+    ref_o, ref_lse = attention_fp64(q, full, full, "causal_br", 1.0 / math.sqrt(d))
+    p = Problem(b, kvh * group, nq, 700, d, "bf16", "causal_br", kvh)
+    assert compare(o, lse, ref_o, ref_lse).within(p.rel_budget, p.lse_budget)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = kvcache_attention(q, full, full)
+    torch.cuda.current_stream().wait_stream(side)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, kvcache_attention(q, full, full))
+
+
 def test_split_workspace_is_reused_and_graph_capture_replays():
     """Several splits per sequence merge through the workspace's self-resetting counters: repeated
     launches give the same bits, and a captured CUDA graph replays on new inputs written in place."""

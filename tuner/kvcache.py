@@ -5,8 +5,10 @@ vLLM and FlashAttention lay it out).
 Served by flash_decode (kernel_templates/flash_decode.py): the config the lookup holds for the
 call's bucket (the dense problem of the same shape: a paged cache reads the same bytes), else the
 family's default, which needs no tuning to be right. Where flash_decode cannot serve (more than
-its MAX_QUERIES queries, fp32, a head dim it lacks, a GPU before sm_80) torch answers, with one
-warning: each sequence's held keys gathered and attended in float32 (slow, exact).
+its MAX_QUERIES queries, as a prompt's prefill into the cache; fp32; a head dim it lacks; a GPU
+before sm_80) attention's dispatcher answers (`through_attention`): the tuned prefill kernels on
+the held keys, one call where a dense cache's sequences hold every key, else per sequence after
+one read of the lengths (a host sync, with one warning).
 """
 
 from __future__ import annotations
@@ -81,8 +83,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens=None, block_table=None, m
             plan = _plans.get(key) or _plans.setdefault(key, _plan(problem, k_cache.shape[2] if paged else 0,
                                                                    q.device.index or 0))
     if plan.launcher is None:
-        _warn(plan.reason)
-        return _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk, mask, scale)
+        return through_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk, mask, scale, plan.reason)
     size, stride = out_layout(q)
     o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -158,11 +159,37 @@ def _plan(problem: Problem, page_size: int, device_index: int) -> _Plan:
     return _Plan(launcher, fam, params, launch)
 
 
+def through_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk: int, mask: str, scale, why: str):
+    """O and the LSE of a cache call flash_decode cannot serve (`why`), from attention's dispatcher
+    (the lookup's prefill kernels, else torch): a dense cache whose sequences hold every key is one
+    call on it as it is (no sync: CUDA graphs capture it); otherwise each sequence's held keys (its
+    pages gathered) in a call of its own, after one read of the lengths, with one warning."""
+    from .dispatch import default
+
+    dispatcher = default()
+    if cache_seqlens is None and block_table is None:
+        return dispatcher.forward(q, k_cache, v_cache, mask, scale, None, need_lse=True)
+    _warn(f"{why}; each sequence's held keys through attention, one at a time (the lengths read on the host)")
+    size, stride = out_layout(q)
+    o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    lengths = cache_seqlens.tolist() if cache_seqlens is not None else [nk] * q.shape[0]
+    for i, n in enumerate(lengths):
+        if min(n, nk) <= 0:   # nothing held: every row sees no key
+            o[i], lse[i] = 0.0, float("-inf")
+            continue
+        k = gather_sequence(k_cache, cache_seqlens, block_table, i, nk)[None]
+        v = gather_sequence(v_cache, cache_seqlens, block_table, i, nk)[None]
+        oi, li = dispatcher.forward(q[i:i + 1], k, v, mask, scale, None, need_lse=True)
+        o[i], lse[i] = oi[0], li[0]
+    return o, lse
+
+
 def _warn(message: str) -> None:
     if message in _warned:
         return
     _warned.add(message)
-    warnings.warn(f"flashtune: {message}; using torch's matmuls per sequence", stacklevel=3)
+    warnings.warn(f"flashtune: {message}", stacklevel=5)
 
 
 def gather_sequence(k_cache, cache_seqlens, block_table, index: int, nk: int):
@@ -174,18 +201,3 @@ def gather_sequence(k_cache, cache_seqlens, block_table, index: int, nk: int):
     pages = block_table[index, : -(-n // page)].long()
     return k_cache[pages].permute(1, 0, 2, 3).reshape(k_cache.shape[1], -1, k_cache.shape[3])[:, :n]
 
-
-def _torch_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk: int, mask: str, scale):
-    """The fallback, per sequence through torch's float32 math attention (host syncs: it reads
-    the lengths): O and the LSE."""
-    from .torch_attention import MATH
-
-    size, stride = out_layout(q)
-    o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    for i in range(q.shape[0]):
-        k = gather_sequence(k_cache, cache_seqlens, block_table, i, nk)
-        v = gather_sequence(v_cache, cache_seqlens, block_table, i, nk)
-        oi, li = MATH.forward(q[i:i + 1], k[None], v[None], mask, scale)
-        o[i], lse[i] = oi[0], li[0]
-    return o, lse
