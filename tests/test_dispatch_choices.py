@@ -128,6 +128,34 @@ def test_the_package_ships_lookups_that_read():
         assert doc["entries"] and len({e["gpu_key"] for e in doc["entries"]}) == 1, path
 
 
+@pytest.mark.parametrize("dtype,heads,kv_heads,d", [("bf16", 32, 8, 128), ("fp16", 32, 8, 128), ("bf16", 64, 8, 128),
+                                                    ("bf16", 16, 8, 256)])
+def test_the_shipped_h100_lookup_serves_chunked_prefill_with_our_kernel(tmp_path, monkeypatch, dtype, heads, kv_heads, d):
+    """A prompt's chunk against its cached keys (Nq < Nk, bottom-right), as a serving engine's chunked
+    prefill or a KV-cache call of more queries than decode takes: the shipped H100 lookup's own
+    buckets or their neighbours serve it with flash_fwd_sm90 (1.8-2.5x SDPA there, PERF_NOTES "p1"),
+    not SDPA, for chunks of 256-8192 queries against 2k-64k keys, 32 heads or more."""
+    monkeypatch.setenv(export.SHIPPED_ENV, "1")
+    dispatcher = Dispatcher(tmp_path / "absent.json")
+    shapes = [(1, 512, 4096), (8, 512, 4096), (4, 256, 2048), (2, 1024, 16384), (1, 4096, 8192), (8, 2048, 65536),
+              (1, 333, 5000), (2, 8192, 16384)]
+    for batch, nq, nk in shapes[:2] if d == 256 else shapes:   # Gemma's shipped chunks: of one sequence
+        p = Problem(batch, heads, nq, nk, d, dtype, "causal_br", kv_heads)
+        e = dispatcher.select(p, H100_SXM)
+        assert e is not None and e["family"] == SM90.name, (p.key, e and e["family"])
+
+
+def test_the_shipped_h100_lookup_serves_a_shard_s_chunks_with_what_measured_fastest(tmp_path, monkeypatch):
+    """A tensor-parallel shard's chunk (8 query heads, 1 K/V head): few CTAs for a kernel without a
+    split of the keys, so where SDPA flash measured faster (short chunks) the shipped lookup serves
+    it, and flash_fwd_sm90 where it measured faster (2048 against 16k keys)."""
+    monkeypatch.setenv(export.SHIPPED_ENV, "1")
+    dispatcher = Dispatcher(tmp_path / "absent.json")
+    for nq, nk, family in ((512, 4096, "sdpa_flash"), (512, 32768, "sdpa_flash"), (2048, 16384, SM90.name)):
+        e = dispatcher.select(Problem(1, 8, nq, nk, 128, "bf16", "causal_br", 1), H100_SXM)
+        assert e is not None and e["family"] == family, (nq, nk, e and e["family"])
+
+
 # ---- first-call autotuning ----
 
 def test_autotune_is_off_unless_asked(monkeypatch):
