@@ -188,7 +188,10 @@ def test_nearest_bucket_order_limit_and_mask(tmp_path):
     d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0, problem=near), entry(SLOW, 90.0, problem=far, mid=2)]))
     assert d.select(replace(TUNED, seqlen_q=512, seqlen_k=512), H100_SXM)["params"] == SLOW   # n256: 2 away, n2048: 4
     assert d.select(replace(TUNED, seqlen_q=4000, seqlen_k=4000), H100_SXM)["params"] == FAST  # n4096: next to n2048
-    assert d.select(replace(TUNED, seqlen_q=16384, seqlen_k=16384), H100_SXM) is None        # 6 octaves: too far
+    far = replace(TUNED, seqlen_q=16384, seqlen_k=16384)
+    assert next(d.candidates(far, H100_SXM), None) is None                                  # 6 octaves: too far,
+    assert d.select(far, H100_SXM)["params"] == FAST                                        # but it fills the GPU
+    assert d.select(replace(far, batch=1, heads=1, kv_heads=1), H100_SXM) is None          # 128 blocks: SDPA
     assert d.select(replace(TUNED, mask="causal_br", seqlen_q=512, seqlen_k=4096), H100_SXM) is None  # another mask
     assert d.select(replace(TUNED, seqlen_q=1024, seqlen_k=1024), A100_SXM) is None           # another GPU
 
@@ -211,7 +214,9 @@ def test_bucketing_of_lengths(tmp_path):
     for n in (513, 1000, 1024):
         assert d.select(replace(TUNED, seqlen_q=n, seqlen_k=n), H100_SXM) is not None, n
     assert d.select(replace(TUNED, seqlen_q=2048, seqlen_k=2048), H100_SXM)["bucket"] == TUNED.bucket().key  # nearest
-    assert d.select(replace(TUNED, seqlen_q=8192, seqlen_k=8192), H100_SXM) is None   # 6 octaves: too far
+    far = replace(TUNED, seqlen_q=8192, seqlen_k=8192)
+    assert next(d.candidates(far, H100_SXM), None) is None   # 3 octaves in each length: too far for the nearest rule
+    assert d.select(far, H100_SXM)["bucket"] == TUNED.bucket().key   # ... not for a call that fills the GPU
 
 
 def test_select_none_for_other_gpu_key(tmp_path):

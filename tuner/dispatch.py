@@ -15,6 +15,7 @@ its few best candidates timed on the exact shape instead, once, outside CUDA-gra
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import torch
 
 from . import autotune, recording
 from .launch import Launcher, launch_on
-from .problem import TORCH_DTYPES, Problem, mask_of, torch_dtype
+from .problem import DECODE_QUERIES, TORCH_DTYPES, Problem, mask_of, torch_dtype
 from .records import one_line
 
 TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
@@ -34,6 +35,9 @@ MASK_CODES = {False: 0, True: 1, "none": 0, "causal": 1, "causal_br": 2}
 # How far (tuner.nearest's octaves) a tuned bucket may be from an untuned one and still serve it:
 # a length up to 4x off, or 2x off in both, or the work two classes off.
 NEAREST_OCTAVES = 2.0
+# Past that, a prefill call whose work fills the GPU (a query block of FILL_ROWS rows per SM at
+# least) still borrows the nearest tuned bucket, at any distance (Dispatcher.select).
+FILL_ROWS = 128
 
 
 @dataclass
@@ -182,8 +186,12 @@ class Dispatcher:
         """The lookup entry that serves `problem` on `gpu`: its bucket's fastest runnable entry
         (a tuned config, or an SDPA backend that measured faster); for a bucket nobody tuned,
         that of the nearest tuned bucket of the same GPU, dtype, head dim, mask and error budget
-        (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away."""
-        return next((e for _, e in self.candidates(problem, gpu)), None)
+        (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away; past
+        that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`)."""
+        near = next((e for _, e in self.candidates(problem, gpu)), None)
+        if near is None and fills_gpu(problem, gpu):
+            return next((e for _, e in self.candidates(problem, gpu, math.inf)), None)
+        return near
 
     def serving_entry(self, problem: Problem, gpu) -> dict | None:
         """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,
@@ -414,6 +422,17 @@ class Dispatcher:
         if o.stride() != stride:
             o = torch.empty_strided(size, stride, dtype=o.dtype, device=o.device).copy_(o)
         return o, lse.contiguous()
+
+
+def fills_gpu(problem: Problem, gpu) -> bool:
+    """Whether `problem` may borrow a tuned bucket of any distance: a prefill call (more queries
+    than decode takes: decode has flash_decode's default) with a query block of FILL_ROWS rows per
+    SM at least. A tuned config's work per CTA holds across lengths and batches (long prompts past
+    the tuned 16k, chunks after 64k keys: 1.9-2.5x SDPA where measured, PERF_NOTES "p1", "p2"); with
+    fewer blocks than SMs a kernel that does not split the keys idles most of the GPU, and SDPA
+    (whose flash kernel reads such shapes faster, p1's 8-head shard) serves instead."""
+    blocks = problem.batch * problem.heads * -(-problem.seqlen_q // FILL_ROWS)
+    return problem.seqlen_q > DECODE_QUERIES and blocks >= gpu.sm_count
 
 
 def served_params(entry: dict, problem: Problem) -> dict:
