@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from cuda_graphs import capture
 from tuner.problem import Problem
 
 pytestmark = pytest.mark.gpu
@@ -56,6 +57,20 @@ def _cache(rng: random.Random, torch, b: int, kvh: int, d: int, cap: int, page: 
     return k, v, table
 
 
+def _poison_past(torch, k, v, table, lens: list[int], page: int) -> int:
+    """NaN in every cache row past each sequence's length, as a cache never written there may hold
+    (torch.empty); the keys a sequence can hold (the pages' rows where paged)."""
+    cap = table.shape[1] * page if page else k.shape[2]
+    for i, n in enumerate(lens):
+        for t in (k, v):
+            if page:
+                pos = torch.arange(n, cap, device="cuda")
+                t[table[i, pos // page].long(), :, pos % page] = float("nan")
+            else:
+                t[i, :, n:] = float("nan")
+    return cap
+
+
 # pages of 16, 64 and 256 rows come as tensor-map boxes on sm_90 (a stage's rows divide them or
 # they divide a stage's), 48 row by row
 @pytest.mark.parametrize("page", [0, 16, 48, 64, 256], ids=["dense", "page16", "page48", "page64", "page256"])
@@ -80,15 +95,7 @@ def test_kvcache_ragged_lengths_dense_and_paged(dtype, page):
         lens = [0, 1] + [rng.randint(0, cap) for _ in range(b - 2)]
         rng.shuffle(lens)
         k, v, table = _cache(rng, torch, b, kvh, d, cap, page, dt)
-        if page:
-            cap = table.shape[1] * page
-        for i, n in enumerate(lens):
-            for t in (k, v):
-                if page:
-                    pos = torch.arange(n, cap, device="cuda")
-                    t[table[i, pos // page].long(), :, pos % page] = float("nan")
-                else:
-                    t[i, :, n:] = float("nan")
+        cap = _poison_past(torch, k, v, table, lens, page)
         q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=dt).transpose(1, 2)
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
@@ -129,15 +136,7 @@ def test_kvcache_prefill_past_decode_queries_through_attention(page):
     lens = [0, 1, nq // 2, nq + 7, cap]
     rng.shuffle(lens)
     k, v, table = _cache(rng, torch, b, kvh, d, cap, page, torch.bfloat16)
-    if page:
-        cap = table.shape[1] * page
-    for i, n in enumerate(lens):
-        for t in (k, v):
-            if page:
-                pos = torch.arange(n, cap, device="cuda")
-                t[table[i, pos // page].long(), :, pos % page] = float("nan")
-            else:
-                t[i, :, n:] = float("nan")
+    cap = _poison_past(torch, k, v, table, lens, page)
     q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     for causal in (True, False):
@@ -162,13 +161,7 @@ def test_kvcache_prefill_past_decode_queries_through_attention(page):
     ref_o, ref_lse = attention_fp64(q, full, full, "causal_br", 1.0 / math.sqrt(d))
     p = Problem(b, kvh * group, nq, 700, d, "bf16", "causal_br", kvh)
     assert compare(o, lse, ref_o, ref_lse).within(p.rel_budget, p.lse_budget)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = kvcache_attention(q, full, full)
-    torch.cuda.current_stream().wait_stream(side)
+    graph, captured = capture(lambda: kvcache_attention(q, full, full), warmup=False)
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
@@ -192,13 +185,7 @@ def test_split_workspace_is_reused_and_graph_capture_replays():
     assert plan.launch.grid[2] > 1, "a batch of one should be split across CTAs"
     for _ in range(3):
         assert torch.equal(kvcache_attention(q, k, v, lens), first)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = kvcache_attention(q, k, v, lens)
-    torch.cuda.current_stream().wait_stream(side)
+    graph, captured = capture(lambda: kvcache_attention(q, k, v, lens), warmup=False)
     q.copy_(torch.randn_like(q))
     lens.fill_(777)
     graph.replay()

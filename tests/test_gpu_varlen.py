@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from cuda_graphs import capture
 from tuner.problem import Problem
 
 pytestmark = pytest.mark.gpu
@@ -230,14 +231,7 @@ def test_varlen_under_compile_and_in_a_cuda_graph():
     eager = f(q, k, v)
     compiled = torch.compile(f, fullgraph=True)(q, k, v)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        f(q, k, v)   # plans made outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = f(q, k, v)
-    torch.cuda.current_stream().wait_stream(side)
+    graph, captured = capture(lambda: f(q, k, v))
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
