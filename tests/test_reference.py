@@ -94,6 +94,35 @@ def test_a_long_decode_batch_stays_within_the_chunk_budget(monkeypatch):
     torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+@pytest.mark.parametrize("nq,nk", [(13, 40), (40, 13), (29, 29)])
+def test_a_head_too_large_for_the_budget_runs_a_block_of_rows_at_a_time(monkeypatch, mask, nq, nk):
+    """One head's float64 scores over the budget (a 64k-token prompt's are 69 GB with their exp,
+    where checking a search's candidate ran the GPU out of memory): blocks of its query rows, each
+    with the mask built for its rows, give the definition, rows that see no key included; every
+    score block stays within the budget."""
+    import tuner.reference as reference
+
+    d = 16
+    budget = 16 * nk * d + 8 * (2 * nk + 2 * d) * 4   # K and V, and 4 query rows' scores
+    monkeypatch.setattr(reference, "_CHUNK_BYTES", budget)
+    q, k, v = _inputs(nq, nk, h=4, hk=2, d=d)
+    seen, real_matmul = [], torch.matmul
+
+    def matmul(x, y):
+        seen.append(x.shape[-2] if y.shape[-1] == nk else None)   # the rows of a score block
+        return real_matmul(x, y)
+
+    monkeypatch.setattr(torch, "matmul", matmul)
+    o, lse = attention_fp64(q, k, v, mask, 0.3)
+    monkeypatch.setattr(torch, "matmul", real_matmul)
+    blocks = [r for r in seen if r is not None]
+    assert max(blocks) == 4 and len(blocks) == 8 * -(-nq // 4)   # 4 rows at a time, each of the 8 heads
+    want_o, want_lse = _row_by_row(q, k, v, mask, 0.3)
+    torch.testing.assert_close(o, want_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("nq,nk", [(5, 9), (7, 7), (9, 5)])
 @pytest.mark.filterwarnings("ignore:Lower right causal bias")
 def test_masks_agree_with_sdpa(nq, nk):
