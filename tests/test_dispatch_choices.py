@@ -107,6 +107,12 @@ def test_a_prefill_that_fills_the_gpu_borrows_a_tuned_bucket_at_any_distance(tmp
     for p in (few_blocks, decode):
         assert d.select(p, H100_SXM) is None, p.key
     assert d.serving_entry(decode, H100_SXM)["family"] == "flash_decode"
+    # a decode bucket is no far neighbour of a prefill: a chunk after a long cache, with only decode
+    # steps of its mask tuned (here SDPA flash's), runs SDPA unpinned, not a decode measurement's pick
+    step = Problem(32, 32, 4, 8192, 128, "bf16", "causal_br", 8)   # 4 queries: a speculative step
+    d = Dispatcher(lookup(tmp_path / "decode.json", [entry(step, "sdpa_flash", {}, 10.0)]))
+    chunk = Problem(8, 32, 512, 65536, 128, "bf16", "causal_br", 8)
+    assert d.select(step, H100_SXM)["family"] == "sdpa_flash" and d.select(chunk, H100_SXM) is None
 
 
 # ---- the shipped lookups ----

@@ -189,8 +189,9 @@ class Dispatcher:
         (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away; past
         that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`)."""
         near = next((e for _, e in self.candidates(problem, gpu)), None)
-        if near is None and fills_gpu(problem, gpu):
-            return next((e for _, e in self.candidates(problem, gpu, math.inf)), None)
+        if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
+            return next((e for _, e in self.candidates(problem, gpu, math.inf)
+                         if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
         return near
 
     def serving_entry(self, problem: Problem, gpu) -> dict | None:
