@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch import TORCH_TO_DTYPE, out_layout
+from .dispatch import TORCH_TO_DTYPE, default, out_layout, served_params
 from .launch import Launch, Launcher, launch_on
 from .problem import Problem, mask_of
 from .records import one_line
@@ -138,7 +138,6 @@ def _plan(problem: Problem, page_size: int, device_index: int) -> _Plan:
     """The launch for a cache call: dense (`page_size` 0), or pages, as tensor-map boxes where
     their size fits a stage's rows (PAGED_BOXES.page_fits), else row by row."""
     from .compile import compile_kernel
-    from .dispatch import default, served_params
     from .kernel_templates.flash_decode import FAMILY, PAGED, PAGED_BOXES
     from .launch import LoadedKernel
 
@@ -164,8 +163,6 @@ def through_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk: int, 
     (the lookup's prefill kernels, else torch): a dense cache whose sequences hold every key is one
     call on it as it is (no sync: CUDA graphs capture it); otherwise each sequence's held keys (its
     pages gathered) in a call of its own, after one read of the lengths, with one warning."""
-    from .dispatch import default
-
     dispatcher = default()
     if cache_seqlens is None and block_table is None:
         return dispatcher.forward(q, k_cache, v_cache, mask, scale, None, need_lse=True)
@@ -178,8 +175,7 @@ def through_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk: int, 
         if min(n, nk) <= 0:   # nothing held: every row sees no key
             o[i], lse[i] = 0.0, float("-inf")
             continue
-        k = gather_sequence(k_cache, cache_seqlens, block_table, i, nk)[None]
-        v = gather_sequence(v_cache, cache_seqlens, block_table, i, nk)[None]
+        k, v = (held_keys(t, block_table, i, min(n, nk))[None] for t in (k_cache, v_cache))
         oi, li = dispatcher.forward(q[i:i + 1], k, v, mask, scale, None, need_lse=True)
         o[i], lse[i] = oi[0], li[0]
     return o, lse
@@ -195,6 +191,12 @@ def _warn(message: str) -> None:
 def gather_sequence(k_cache, cache_seqlens, block_table, index: int, nk: int):
     """Sequence `index`'s held keys (or values) as a (Hk, n, D) tensor: what the kernel reads."""
     n = nk if cache_seqlens is None else min(int(cache_seqlens[index]), nk)
+    return held_keys(k_cache, block_table, index, n)
+
+
+def held_keys(k_cache, block_table, index: int, n: int):
+    """The first `n` keys (or values) of sequence `index` as a (Hk, n, D) tensor: a view of a dense
+    cache, its pages gathered where `block_table` is given."""
     if block_table is None:
         return k_cache[index, :, :n]
     page = k_cache.shape[2]

@@ -27,19 +27,14 @@ class Errors:
 def hidden_keys(nq: int, nk: int, mask: bool | str, device=None):
     """The (Nq, Nk) bool matrix of the keys each query row must not see (None: none hidden).
     Row i sees keys j <= i + shift: shift 0 top-left (SDPA's is_causal), Nk - Nq bottom-right."""
-    import torch
-
-    mask = mask_of(mask)
-    if mask == "none":
-        return None
-    shift = nk - nq if mask == "causal_br" else 0
-    return torch.ones(nq, nk, dtype=torch.bool, device=device).triu(1 + shift)
+    return _hidden_rows(0, nq, nq, nk, mask, device)
 
 
-def _hidden_rows(r0: int, r1: int, nq: int, nk: int, mask: str, device):
+def _hidden_rows(r0: int, r1: int, nq: int, nk: int, mask: bool | str, device):
     """Rows r0..r1 of hidden_keys(nq, nk, mask), built for those rows alone (None: none hidden)."""
     import torch
 
+    mask = mask_of(mask)
     if mask == "none":
         return None
     shift = nk - nq if mask == "causal_br" else 0
@@ -60,7 +55,6 @@ def attention_fp64(q, k, v, mask: bool | str, scale: float):
 
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    mask = mask_of(mask)
     q2, k2, v2 = q.reshape(b * h, nq, d), k.reshape(b * hk, nk, d), v.reshape(b * hk, nk, d)
     kv_row = torch.arange(b * h, device=q.device)
     kv_row = kv_row // h * hk + kv_row % h // (h // hk)   # query (batch, head) -> its K/V (batch, head)
