@@ -41,8 +41,12 @@
 // (the producer's warp finds each drawn tile's sequence: TileScheduler) or a grid (one CTA per query
 // block of each sequence and head: varlen_block), in the same order, sequence after sequence.
 //
+// SPLIT_KV (split_kv.cuh): a grid whose z splits each query block's K/V tiles; each split writes
+// its share of O and the LSE to a workspace and the block's last split merges them. For calls whose
+// work tiles leave SMs idle (few heads, a short chunk against a long cache).
+//
 // Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN;
+// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
@@ -50,6 +54,7 @@
 #include "sm90_pipeline.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
+#include "split_kv.cuh"
 // <wgmma wrappers>
 
 constexpr bool FP8 = IN_DTYPE == FT_E4M3;
@@ -82,9 +87,10 @@ constexpr bool OWN_TILES = !CHAIN && CWG >= 2 && (IS_CAUSAL || CWG == 3);
 // store box cannot start before row 0 (sm90_epilogue.cuh)
 constexpr bool FROM_END = IS_CAUSAL && !TMA_STORE;
 // The overlapped schedule runs the K/V tiles that need no mask in a loop of their own (Consumer::
-// overlapped_tile), except at d=256 causal persistent, where O's 128 registers a thread and the
-// persistent loop's state left no room for the second loop's bounds (8 bytes spilled).
-constexpr bool PEEL_MASKS = !(HEAD_DIM > 128 && IS_CAUSAL && PERSISTENT);
+// overlapped_tile), except at d=256 causal persistent or with split keys, where O's 128 registers a
+// thread and the persistent loop's state (or the split's bounds) left no room for the second loop's
+// bounds (8 and 112 bytes spilled).
+constexpr bool PEEL_MASKS = !(HEAD_DIM > 128 && IS_CAUSAL && (PERSISTENT || SPLIT_KV));
 constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a 16-row slab per consumer warp
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && ROW_BYTES % 64 == 0, "head dim in whole 64- or 128-byte panels");
@@ -96,6 +102,8 @@ static_assert(!TMA_STORE || (QBUF * Q_BYTES + (FP8 ? 3 : 2) * STAGES * KV_BYTES)
 static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tiles: persistent, overlapped, two consumers");
 static_assert(!VARLEN || (!TMA_STORE && !CHAIN && !FP8), "varlen: O by ordinary stores, unchained, 16-bit inputs");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
+static_assert(!SPLIT_KV || (!PERSISTENT && !VARLEN && !TMA_STORE && !FP8), "split keys: one work tile per CTA, 16-bit inputs, O by ordinary stores");
+constexpr int MERGE_BAR = 1 + CWG;   // SPLIT_KV: the consumers' named barrier for the merge (ping-pong's are 1..CWG)
 
 using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN>;
 using KvState = PipelineState<STAGES>;   // a role's place in the K/V (and V^T) rings
@@ -107,6 +115,9 @@ struct Barriers {
   MbarRing<STAGES> k, v;     // K, V tiles: by TMA; freed by the consumers (e4m3 V: by the transposers)
   TileRing<VARLEN> tiles;    // PERSISTENT: the producer's drawn tiles; taken by every other thread
   MbarRing<STAGES> vt;       // e4m3: V^T, by the transposers; freed by the consumers
+#if SPLIT_KV
+  int last_split;            // whether this CTA merges its work tile's splits
+#endif
 };
 
 // Shared memory: Q's buffers, the K and V rings (e4m3: and V^T's), O's slabs (TMA_STORE), barriers.
@@ -135,16 +146,45 @@ struct Output {
   int heads, nq;
   int lse_rows;         // VARLEN: the LSE is (H, total_q)
   const TmaMap* tmap;   // TMA_STORE
+#if SPLIT_KV
+  SplitWorkspace split; // the splits' partials (split_kv.cuh)
+#endif
 };
+
+// A work tile as the roles run it: SPLIT_KV, with its split's share of the K/V tiles (split_kv.cuh).
+template <bool SPLIT> struct RunTileOf { using type = WorkTile; };
+template <> struct RunTileOf<true> { using type = SplitTile; };
+using RunTile = typename RunTileOf<SPLIT_KV>::type;
+FT_DEVICE RunTile work_of(const Scheduler& sched, const DrawnTile& d) {
+#if SPLIT_KV
+  return keep_split<BC>(sched.work(d), d.seq.nk, blockIdx.z, gridDim.z);
+#else
+  return sched.work(d);
+#endif
+}
+// The K/V tile that run-relative tile t of w is, and the key its masking ends at: with split keys,
+// the split's; else tile t and the sequence's last key.
+template <class W> FT_DEVICE int kv_tile(const W& w, int t) {
+  if constexpr (SPLIT_KV) return w.t0 + t;
+  else return t;
+}
+template <class W> FT_DEVICE int kv_end(const W& w, const Sequence& seq) {
+  if constexpr (SPLIT_KV) return w.kv_end;
+  else return seq.nk;
+}
 
 // ---- the producer: each work tile's Q and K/V tiles, by TMA ----
 
 // K/V tile t of work tile w (at `p` in its ring) into `ring`, once the consumers freed the stage.
-FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, MbarRing<STAGES>& bars, const KvState& p, int t, const WorkTile& w,
+FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, MbarRing<STAGES>& bars, const KvState& p, int t, const RunTile& w,
                        const Sequence& seq, bool leader) {
   bars.acquire(p);
   if (!leader) return;
   bars.expect(p, KV_BYTES);
+#if SPLIT_KV
+  t += w.t0;   // the split's tile t (not through kv_tile: where that folds to t, ptxas still placed the
+               // producer's address arithmetic differently, and flash_fwd_sm90's SASS moved)
+#endif
 #pragma unroll
   for (int panel = 0; panel < PANELS; ++panel)
     tma_load_4d(ring + p.index() * BC * HEAD_DIM + panel * BC * PANEL_COLS, tmap, bars.full_bar(p), panel * PANEL_COLS,
@@ -166,7 +206,7 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
   for (int it = 0;; ++it) {
     const DrawnTile d = sched.draw<WARP_PRODUCER>(bar.tiles, tile_counter, it, leader, at);
     if (sched.done(d)) break;
-    const WorkTile w = sched.work(d);
+    const RunTile w = work_of(sched, d);
     const Sequence& seq = d.seq;
     // The first K goes ahead of Q: it only needs a free stage, while Q waits for the previous work
     // tile's last S. Then V runs one tile behind K, the order the consumers use them in.
@@ -199,7 +239,7 @@ FT_DEVICE void transpose_v(const Tiles& sm, Barriers& bar, const Scheduler& sche
   for (int it = 0;; ++it) {
     const DrawnTile d = sched.take(bar.tiles, it);
     if (sched.done(d)) break;
-    for (const int end = kv.count + sched.work(d).ntiles; kv.count < end; kv.advance()) {
+    for (const int end = kv.count + work_of(sched, d).ntiles; kv.count < end; kv.advance()) {
       bar.v.wait(kv);
       bar.vt.acquire(kv);
       transpose_v_e4m3<BC, HEAD_DIM, ROW_BYTES>(reinterpret_cast<unsigned char*>(sm.vt + kv.index() * BC * HEAD_DIM),
@@ -260,10 +300,12 @@ FT_DEVICE void issue_pv(float (&o)[DTILES][4], unsigned (&p)[PSTEPS][4], unsigne
 }
 
 // OWN_TILES: how many of work tile w's K/V tiles the rows [r0, r1) of consumer cw need
-FT_DEVICE int own_tiles(const WorkTile& w, const Sequence& seq, int cw) {
+FT_DEVICE int own_tiles(const RunTile& w, const Sequence& seq, int cw) {
   const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, seq.nq);
   if (!OWN_TILES) return w.ntiles;
   if (r1 <= 0 || r0 >= seq.nq) return 0;
+  if constexpr (SPLIT_KV && IS_CAUSAL)   // up to the last row's diagonal, from the split's first tile
+    return max(1, min(w.ntiles, (r1 - 1 + (MASK_BR ? seq.nk - seq.nq : 0)) / BC + 1 - kv_tile(w, 0)));
   if constexpr (IS_CAUSAL && MASK_BR) return max(1, min(w.ntiles, (r1 - 1 + seq.nk - seq.nq) / BC + 1));   // no key seen: one masked tile
   return IS_CAUSAL ? min(w.ntiles, (r1 - 1) / BC + 1) : w.ntiles;
 }
@@ -284,7 +326,7 @@ struct Consumer {
   // The work tile in hand (tile: its index, done() when none is left, and its sequence), how many of
   // its K/V tiles this consumer runs (OWN_TILES), its Q buffer, and the K/V rings at its first K/V tile.
   DrawnTile tile;
-  WorkTile w;
+  RunTile w;
   int own;
   QState q{0};
   KvState kv{0};
@@ -307,9 +349,9 @@ struct Consumer {
 
   // -inf on the keys of K/V tile t that rows of this warp may not see: past N, or past the diagonal
   FT_DEVICE void mask(int t) {
-    const int k0 = t * BC;
+    const int k0 = kv_tile(w, t) * BC;
     const int diag0 = w.q0 + wrow0 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0);   // the warp's first row's last key (the batch's: params, no register held)
-    if (k0 + BC > tile.seq.nk || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, k0, tile.seq.nk);
+    if (k0 + BC > kv_end(w, tile.seq) || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, k0, kv_end(w, tile.seq));
   }
   // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the next
   // work tile's Q streams in under this one's last softmax, P V and epilogue.
@@ -330,6 +372,14 @@ struct Consumer {
     float* lse_bh = out.lse + static_cast<long long>(w.h) * out.lse_rows + tile.seq.q0;
 #else
     float* lse_bh = out.lse + static_cast<long long>(w.b * out.heads + w.h) * out.nq;
+#endif
+#if SPLIT_KV
+    if (gridDim.z > 1) {   // this split's share: O / l in fp32 and the LSE, to the workspace
+      const long long rows = (static_cast<long long>(blockIdx.z) * out.split.bhs + w.b * out.heads + w.h) * out.nq;
+      store_slab<FT_F32>(out.split.o + rows * HEAD_DIM, HEAD_DIM, out.split.lse + rows, acc.o, acc.m, acc.l, lane,
+                         w.q0 + wrow0, out.nq, scale_log2);
+      return;
+    }
 #endif
     if constexpr (TMA_STORE) {
       store_slab_tma<OUT_DTYPE, DTILES>(o_slab, out.tmap, lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, out.nq, w.h, w.b,
@@ -377,7 +427,7 @@ struct Consumer {
   FT_DEVICE void advance(int it, const DrawnTile& next) {
     kv.advance(w.ntiles);
     tile = next;
-    w = sched.work(tile);
+    w = work_of(sched, tile);
     own = w.ntiles;
     q = QState{it + 1};
   }
@@ -385,9 +435,9 @@ struct Consumer {
   // K/V tiles [0, clean_tiles()) need no mask on any of this consumer's 64 rows: whole tiles of
   // keys, all at or before its first row's diagonal.
   FT_DEVICE int clean_tiles() const {
-    int n = tile.seq.nk / BC;
+    int n = kv_end(w, tile.seq) / BC;
     if constexpr (IS_CAUSAL) n = min(n, max(0, w.q0 + cw * 64 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0) + 1) / BC);
-    return n;
+    return n - kv_tile(w, 0);   // run-relative (a split's first tile is kv_tile(w, 0))
   }
 
   // One overlapped K/V tile t >= 1: S of tile t goes out with P V of tile t-1, and the softmax of
@@ -484,10 +534,24 @@ struct Consumer {
     }
   }
 
+#if SPLIT_KV
+  // SPLIT_KV: once every consumer's share is out, the work tile's last split to arrive merges all
+  // of them into its rows of O and the LSE (split_kv.cuh). `w` is still the CTA's one work tile.
+  FT_DEVICE void merge() {
+    const int ctid = threadIdx.x - 128;
+    if (!last_split(out.split, sched.qblk + sched.n_qblk * sched.bh, gridDim.z, MERGE_BAR, CWG * 128, ctid == 0,
+                    bar.last_split))
+      return;
+    const int bh = w.b * out.heads + w.h;
+    merge_splits<HEAD_DIM, OUT_DTYPE>(out.split, gridDim.z, bh, out.nq, w.q0, BR, out.o + w.b * out.sb + w.h * out.sh, out.sn,
+                                      out.lse + static_cast<long long>(bh) * out.nq, ctid / 32, CWG * 4, lane);
+  }
+#endif
+
   FT_DEVICE void run() {
     if constexpr (PINGPONG) { if (cw == CWG - 1) named_arrive(1, 256); }   // consumer 0 goes first
     tile = sched.take(bar.tiles, 0);
-    w = sched.work(tile);
+    w = work_of(sched, tile);
     own = w.ntiles;
     for (int it = 0; !sched.done(tile); ++it) {
       const bool chained = CHAIN && it > 0;   // this tile's first S and softmax ran at the last one's end
@@ -522,6 +586,9 @@ struct Consumer {
     }
     if constexpr (PINGPONG) { if (cw == 0) named_sync(1, 256); }   // the last consumer's final hand-over
     if (TMA_STORE && lane == 0) bulk_wait<0>();   // the slab stays until its last store is done
+#if SPLIT_KV
+    if (gridDim.z > 1) merge();
+#endif
   }
 };
 
@@ -529,7 +596,7 @@ struct Consumer {
 extern "C" __global__ void __launch_bounds__(NT, 1)
     flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_k,
                    const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_o, int batch,
-                   int* __restrict__ tile_counter FT_VARLEN_PARAMS) {
+                   int* __restrict__ tile_counter FT_VARLEN_PARAMS FT_SPLIT_PARAMS) {
   extern __shared__ unsigned char smem_raw[];
   const Tiles sm(smem_raw);
   Barriers& bar = *sm.bar;
@@ -597,7 +664,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
 #else
                      0,
 #endif
-                     &tmap_o};
+                     &tmap_o
+#if SPLIT_KV
+                     , SplitWorkspace{part_o, part_lse, split_counter, batch * heads}
+#endif
+    };
     if (TMA_STORE && lane == 0) tmap_prefetch(tmap_o);   // this warp's slabs go out through O's map
     Consumer c(bar, sched, out, scale_log2, cw, lane, wrow0,
                wgmma_desc<ROW_BYTES>(smem_u32(sm.q) + cw * 64 * ROW_BYTES, 16, 8 * ROW_BYTES),

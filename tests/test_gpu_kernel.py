@@ -58,6 +58,7 @@ FAMILY_DTYPES_DIMS = (
     ("flash_fwd_mma", ("fp16", "bf16"), (32, 64, 96, 128, 256)),
     ("flash_fwd_sm90", ("fp16", "bf16"), (64, 128, 256)),
     ("flash_fwd_sm90", ("fp8",), (64, 128, 256)),   # e4m3 inputs, bf16 O
+    ("flash_fwd_sm90_split", ("fp16", "bf16"), (64, 128, 256)),
 )
 CASES = [(f, dt, m, d) for f, dts, dims in FAMILY_DTYPES_DIMS for dt in dts for m in ("none", "causal", "causal_br")
          for d in dims]
@@ -82,7 +83,7 @@ def test_family_matches_reference(family, dtype, causal, d):
             _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
 
 
-@pytest.mark.parametrize("family", ["flash_fwd_simt", "flash_fwd_mma", "flash_fwd_sm90"])
+@pytest.mark.parametrize("family", ["flash_fwd_simt", "flash_fwd_mma", "flash_fwd_sm90", "flash_fwd_sm90_split"])
 @pytest.mark.parametrize("nq,nk", [(1000, 133), (133, 1000), (1, 700), (700, 1)], ids=["more-q", "fewer-q", "decode", "one-key"])
 def test_bottom_right_with_rows_that_see_no_key(family, nq, nk):
     """MASK_BR: query i sees keys j <= i + nk - nq. With more queries than keys the first nq - nk

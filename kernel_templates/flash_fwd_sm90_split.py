@@ -1,0 +1,148 @@
+"""flash_fwd_sm90_split: flash_fwd_sm90 with each query block's keys split across CTAs.
+
+A call whose query blocks x heads leave most SMs idle runs the Hopper kernel on a few of them: a
+tensor-parallel shard (8 query heads, 1 K/V head) prefilling a 512-query chunk against 32k cached
+keys is 32 work tiles on 132 SMs, and read 205 TFLOP/s against SDPA flash's 303 (benchmarks/
+PERF_NOTES.md, "p1"). Here the grid's z splits each block's K/V tiles `splits` ways (0: from the
+occupancy, `auto_splits`); each split writes its share of O and the LSE to the decode workspace
+(decode_workspace.py) and the block's last split merges them (kernel_templates/split_kv.cuh).
+
+The space is the grid kernel's tiles that long sequences tune to (two or three consumers taking
+turns, overlapped), with no persistence, TMA store or chaining: one work tile per CTA. It serves
+only calls whose work tiles do not fill the GPU; the others are flash_fwd_sm90's.
+"""
+
+from __future__ import annotations
+
+from tuner.family import ceil_div
+from tuner.gpu import GpuSpec
+from tuner.kernel_templates.flash_decode import _gpu, split_workspace
+from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args
+from tuner.launch import Launch
+from tuner.problem import Problem
+
+MAX_SPLITS = 16   # at most 32: the merge reads one split's LSE per lane
+
+
+def work_tiles(params: dict, problem: Problem) -> int:
+    """Query blocks x batch-heads: the CTAs of one split."""
+    return ceil_div(problem.seqlen_q, 64 * params["cwg"]) * problem.batch * problem.heads
+
+
+def fills_gpu(problem: Problem, gpu: GpuSpec) -> bool:
+    """Whether the work tiles of 128 query rows alone give every SM one: nothing to split."""
+    return ceil_div(problem.seqlen_q, 128) * problem.batch * problem.heads >= gpu.sm_count
+
+
+def auto_splits(params: dict, problem: Problem, gpu: GpuSpec) -> int:
+    """The fewest splits whose wave of CTAs (one per SM) is nearly as full as the best count's,
+    each split keeping at least two K/V tiles: every split more adds partials to write and merge."""
+    tiles = work_tiles(params, problem)
+    most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, params["Bc"]) // 2, ceil_div(2 * gpu.sm_count, tiles)))
+
+    def fill(s: int) -> float:   # busy share of the SMs over the waves of tiles x s CTAs
+        return tiles * s / (ceil_div(tiles * s, gpu.sm_count) * gpu.sm_count)
+
+    best = max(fill(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if fill(s) >= 0.85 * best)
+
+
+class SplitFlashFwdSm90(FlashFwdSm90):
+    name = "flash_fwd_sm90_split"
+    dtypes = ("fp16", "bf16")
+    space = {
+        "Bc": (64, 80, 128, 176),
+        "stages": (2, 3),
+        "cwg": (2, 3),
+        "split": (24, 40),
+        "overlap": (1,),
+        "pingpong": (1,),
+        "persistent": (0,),
+        "tma_store": (0,),
+        "chain": (0,),
+        "splits": (0, 2, 4, 8, 16),
+    }
+    launch_params = ("splits",)
+
+    def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        reason = super().supports(gpu, problem)
+        if reason is None and fills_gpu(problem, gpu):
+            return (f"{self.name} splits the keys of calls that leave SMs idle; {problem.key}'s query blocks "
+                    f"already fill {gpu.name}'s {gpu.sm_count} SMs (flash_fwd_sm90 serves it)")
+        return reason
+
+    def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        if params["splits"] > ceil_div(problem.seqlen_k, params["Bc"]):
+            return f"splits={params['splits']} exceeds the {ceil_div(problem.seqlen_k, params['Bc'])} K/V tiles of Nk={problem.seqlen_k}"
+        if problem.head_dim > 128 and params["Bc"] > 64 and params["split"] > 24:
+            return "at d=256 the split's bounds leave Bc > 64 short of registers under split=40 (ptxas spills): split 24"
+        return super()._check({k: v for k, v in params.items() if k != "splits"}, gpu, problem)
+
+    def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
+        # the long-sequence grid winners of flash_fwd_sm90 (its seeds), splits from the occupancy
+        d = problem.head_dim
+        if d <= 64:
+            cands = [(128, 2, 3, 24), (128, 3, 2, 40), (128, 2, 2, 40)]
+        elif d <= 128:
+            cands = [(176, 2, 2, 24), (128, 2, 2, 40), (176, 2, 2, 40), (128, 3, 2, 24)]
+        else:
+            cands = [(80, 2, 2, 24), (64, 2, 2, 24)]
+        keys = ("Bc", "stages", "cwg", "split")
+        return [dict(zip(keys, c), overlap=1, pingpong=1, persistent=0, tma_store=0, chain=0, splits=0) for c in cands]
+
+    def defines(self, params: dict, problem: Problem) -> dict[str, int]:
+        # `splits` is not here: it is the grid's z, so points that differ in it share one cubin
+        return {**super().defines(params, problem), "SPLIT_KV": 1}
+
+    def adapt(self, params: dict, tuned: Problem, problem: Problem) -> dict:
+        """A tuned split count fits the work tiles it was measured with; served to another count
+        (another batch, heads or chunk length) the keys are split from the occupancy instead."""
+        if params["splits"] and (work_tiles(params, tuned) != work_tiles(params, problem)
+                                 or tuned.bucket().seqlen != problem.bucket().seqlen):
+            return dict(params, splits=0)
+        return params
+
+    def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
+        return params["splits"] or auto_splits(params, problem, gpu)
+
+    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
+        grid = super().launch(params, problem, gpu)
+        return Launch(grid=(grid.grid[0], grid.grid[1], self.splits(params, problem, gpu)), block=grid.block,
+                      smem_bytes=grid.smem_bytes)
+
+    def param_kinds(self, params: dict) -> tuple[str, ...]:
+        # then the splits' O and LSE and their arrival counters (nulls with one split)
+        return super().param_kinds(params) + ("ptr",) * 3
+
+    def arg_maker(self, params: dict):
+        return _SplitArgs(self, params)
+
+
+class _SplitArgs(_Sm90Args):
+    """flash_fwd_sm90's arguments, then the splits' workspace on the current stream: its size is
+    fixed by the layout (the grid's splits, the rows), its address may change as it grows."""
+
+    def __init__(self, family: SplitFlashFwdSm90, params: dict) -> None:
+        super().__init__(64 * params["cwg"], params["Bc"], False, False)
+        self._family, self._params = family, params
+
+    def bind(self, q, k, v, o, scale):
+        inner = super().bind(q, k, v, o, scale)
+        if inner is None:
+            return None
+        from tuner.dispatch import problem_of
+        from tuner.gpu import _from_torch
+
+        problem = problem_of(q, k, k, False)
+        grid = self._family.launch(self._params, problem, _gpu(q.device.index or 0, _from_torch)).grid
+        return inner, grid, problem.batch * problem.heads * problem.seqlen_q
+
+    def values(self, bound, pointers, q):
+        inner, grid, rows = bound
+        return super().values(inner, pointers, q) + split_workspace(q.get_device(), grid, rows, q.shape[3])
+
+    def address_fields(self, bound):
+        return super().address_fields(bound[0])
+
+
+FAMILY = SplitFlashFwdSm90()

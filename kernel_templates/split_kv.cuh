@@ -1,0 +1,130 @@
+// flashtune: the keys of one query block split across CTAs (flash_fwd_sm90 with SPLIT_KV), for
+// calls whose query blocks x heads leave most SMs idle (a tensor-parallel shard's 512-query chunk
+// against 32k cached keys is 32 work tiles on 132 SMs). Split z of gridDim.z runs a contiguous
+// share of its block's K/V tiles and writes that share's O (normalized, fp32) and LSE to a
+// workspace; the last split of the block to arrive (a self-resetting counter, so a CUDA graph
+// replays) merges them by their LSE into O and the LSE. A split whose keys the diagonal hides
+// from every row of the block writes an LSE of -inf, and the merge gives it no weight.
+#pragma once
+#include "common.cuh"
+#include "tile_scheduler.cuh"
+
+#ifndef SPLIT_KV
+#define SPLIT_KV 0
+#endif
+#if SPLIT_KV
+#define FT_SPLIT_PARAMS , float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ split_counter
+#else
+#define FT_SPLIT_PARAMS
+#endif
+
+// The splits' workspace: per split, the (B, H, Nq) rows of O (head_dim floats each) and of the LSE;
+// an arrival counter per work tile (query block of one batch-head).
+struct SplitWorkspace {
+  float* o;
+  float* lse;
+  int* counter;
+  int bhs;   // batch x heads: rows of one split are bhs x nq
+};
+
+// A work tile as one split runs it: tiles [t0, t0 + ntiles) of the block's, keys from kv_end on masked.
+struct SplitTile : WorkTile {
+  int t0, kv_end;
+};
+
+// Work tile w's share for split `split` of `splits`, as even as whole tiles allow. A block with
+// fewer tiles than splits leaves some splits none: they run one tile with every key masked
+// (kv_end at its first key), so that every split of the block writes its rows and the merge waits
+// for no special case.
+template <int COLS>
+FT_DEVICE SplitTile keep_split(const WorkTile& w, int nk, int split, int splits) {
+  SplitTile s;
+  static_cast<WorkTile&>(s) = w;
+  const int all = max(1, w.ntiles);
+  const int lo = static_cast<int>(static_cast<long long>(split) * all / splits);
+  const int hi = static_cast<int>(static_cast<long long>(split + 1) * all / splits);
+  if (lo < hi) {
+    s.t0 = lo;
+    s.ntiles = hi - lo;
+    s.kv_end = min(nk, hi * COLS);
+  } else {
+    s.t0 = all - 1;
+    s.ntiles = 1;
+    s.kv_end = s.t0 * COLS;
+  }
+  return s;
+}
+
+// Called by every one of `threads` threads (named barrier `bar_id`) once its partials are out:
+// whether this CTA is the last split of work tile `tile` to arrive; the last one zeroes the counter
+// for the next launch. `flag`: a shared int to broadcast through.
+FT_DEVICE bool last_split(const SplitWorkspace& ws, int tile, int splits, int bar_id, int threads, bool leader, int& flag) {
+  __threadfence();   // this thread's partials are visible device-wide before its CTA counts itself in
+  asm volatile("bar.sync %0, %1;\n" ::"r"(bar_id), "r"(threads) : "memory");
+  if (leader) {
+    const bool last = atomicAdd(ws.counter + tile, 1) == splits - 1;
+    if (last) ws.counter[tile] = 0;   // every split of this tile has arrived: no add is left
+    flag = last;
+  }
+  asm volatile("bar.sync %0, %1;\n" ::"r"(bar_id), "r"(threads) : "memory");
+  const bool last = flag;
+  if (last) __threadfence();   // the other splits' partials are read after their arrivals
+  return last;
+}
+
+// Merge the splits' partials of rows [r0, r0 + rows) (clipped to [0, nq)) of batch-head (b, h) into
+// O (TO, rows `o_sn` apart from `o_bh`) and the LSE (`lse_bh`): a warp per row, lane s reading
+// split s's LSE (splits <= 32), each lane HEAD_DIM / 32 columns of O. `warp`, `warps`: this
+// thread's warp among the `warps` that merge.
+template <int DIM, int ODT>
+FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq, int r0, int rows,
+                            typename Elem<ODT>::type* o_bh, long long o_sn, float* lse_bh, int warp, int warps, int lane) {
+  constexpr int VEC = DIM / 32;   // columns per lane: 2, 4 or 8
+  static_assert(DIM % 64 == 0, "whole float2 / float4 strips per lane");
+  const long long per_split = static_cast<long long>(ws.bhs) * nq;   // rows of one split
+  for (int r = warp; r < rows; r += warps) {
+    const int row = r0 + r;
+    if (!in_rows(row, nq)) continue;
+    const long long at = static_cast<long long>(bh) * nq + row;
+    const float mine = lane < splits ? __ldcg(ws.lse + lane * per_split + at) : FT_NEG_INF;
+    float mx = mine;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float e = mx == FT_NEG_INF || mine == FT_NEG_INF ? 0.f : __expf(mine - mx);
+    float sum = e;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float weight = sum > 0.f ? e / sum : 0.f;   // split `lane`'s share of the row
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < splits; ++s) {
+      const float ws_s = __shfl_sync(0xffffffffu, weight, s);
+      if (ws_s == 0.f) continue;   // warp-uniform: a split that saw no key of this row
+      const float* src = ws.o + (s * per_split + at) * DIM + lane * VEC;
+      if constexpr (VEC == 2) {
+        const float2 t = __ldcg(reinterpret_cast<const float2*>(src));
+        acc[0] += ws_s * t.x;
+        acc[1] += ws_s * t.y;
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; j += 4) {
+          const float4 t = __ldcg(reinterpret_cast<const float4*>(src + j));
+          acc[j] += ws_s * t.x;
+          acc[j + 1] += ws_s * t.y;
+          acc[j + 2] += ws_s * t.z;
+          acc[j + 3] += ws_s * t.w;
+        }
+      }
+    }
+    typename Elem<ODT>::type* dst = o_bh + row * o_sn + lane * VEC;
+    unsigned packed[VEC / 2];
+#pragma unroll
+    for (int j = 0; j < VEC / 2; ++j) packed[j] = pack2<ODT>(acc[2 * j], acc[2 * j + 1]);
+    if constexpr (VEC == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    else if constexpr (VEC == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+    else *reinterpret_cast<unsigned*>(dst) = packed[0];
+    if (lane == 0) lse_bh[row] = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
+  }
+}

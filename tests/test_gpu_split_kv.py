@@ -1,0 +1,106 @@
+"""On the GPU: flash_fwd_sm90_split (each query block's keys split across CTAs, merged by the last
+split) against float64, on fresh random shapes that leave SMs idle; its relaunches and graph
+replays (the self-resetting counters), and `attention` serving it from a lookup."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from cuda_graphs import capture
+from test_gpu_kernel import _assert_within_budget, _run, _run_inputs
+
+from tuner.problem import Problem
+
+pytestmark = pytest.mark.gpu
+
+
+def _split_problem(rng: random.Random, mask: str, d: int) -> Problem:
+    """A chunk against a longer cache (or a few heads of one long prompt): few query blocks, keys
+    not a multiple of any tile, GQA 1 to 8."""
+    kvh = rng.choice([1, 2])
+    nq = rng.choice([1, 63, 200, 511, 777])
+    nk = max(nq, rng.choice([129, 1000, 4097, 9001])) if mask == "causal" else rng.choice([129, 1000, 4097, 9001])
+    return Problem(rng.randint(1, 2), kvh * rng.choice([1, 4, 8]), nq, nk, d, rng.choice(["fp16", "bf16"]), mask, kvh)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+def test_every_split_count_matches_reference(mask, d):
+    """The default (splits from the occupancy) and a random config at each explicit split count the
+    keys allow, launched twice on fresh inputs (the second launch finds the counters the first reset)."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+
+    fam, gpu, rng = get_family("flash_fwd_sm90_split"), detect(), random.Random()
+    problem = _split_problem(rng, mask, d)
+    while fam.supports(gpu, problem):   # the rare draw whose query blocks fill the GPU: another
+        problem = _split_problem(rng, mask, d)
+    valid = fam.valid_points(gpu, problem)
+    configs = [fam.default(gpu, problem)]
+    for splits in fam.space["splits"][1:]:
+        with_count = [p for p in valid if p["splits"] == splits]
+        configs += rng.sample(with_count, min(1, len(with_count)))
+    assert len(configs) >= 2, (problem.key, "no explicit split count is valid")
+    for params in configs:
+        for _ in range(2):
+            err = _run(fam, params, problem, rng.randrange(2**31), rng.choice(["bhnd", "bnhd"]))
+            _assert_within_budget(err, problem, f"{problem.key} {params}")
+
+
+def test_split_launch_replays_in_a_cuda_graph():
+    """A captured split launch, replayed on new inputs: the counters reset within each replay, so
+    every replay merges its own splits."""
+    import torch
+
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import poisoned_outputs
+    from tuner.reference import attention_fp64, compare
+
+    fam, gpu = get_family("flash_fwd_sm90_split"), detect()
+    problem = Problem(1, 8, 300, 5000, 128, "bf16", "causal_br", 1)
+    params = dict(fam.default(gpu, problem), splits=8)
+    assert fam.launch(params, problem, gpu).grid[2] == 8
+    q = torch.randn(1, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 1, 5000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = poisoned_outputs(problem, q)
+    graph, _ = capture(lambda: _run_inputs(fam, params, problem, q, k, v, sync=False, out=out))
+    for _ in range(3):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        out[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(128))
+        err = compare(out[0], out[1], ref_o, ref_lse)
+        assert err.within(problem.rel_budget, problem.lse_budget), err
+
+
+def test_attention_serves_a_split_entry(tmp_path):
+    """`attention` on a chunk of a tensor-parallel shard (8 query heads, 1 K/V head) runs the
+    flash_fwd_sm90_split config its bucket holds, with auto splits, and agrees with float64."""
+    import torch
+
+    from tuner import dispatch
+    from tuner.export import lookup_of, write_lookup
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.reference import attention_fp64, compare
+
+    gpu, fam = detect(), get_family("flash_fwd_sm90_split")
+    problem = Problem(1, 8, 512, 8192, 128, "bf16", "causal_br", 1)
+    path = tmp_path / "lookup.json"
+    write_lookup(lookup_of(gpu.key, [(problem, fam.name, fam.default(gpu, problem), 1.0)]), path)
+    d = dispatch.reset(path)
+    try:
+        q = torch.randn(1, 8, 500, 128, device="cuda", dtype=torch.bfloat16)   # the same bucket, another chunk
+        k, v = (torch.randn(1, 1, 7000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        o, lse = d(q, k, v, "causal_br", return_lse=True)
+        assert d.plan(q, k, v, "causal_br").family == fam.name
+        ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(128))
+        err = compare(o, lse, ref_o, ref_lse)
+        assert err.within(problem.rel_budget, problem.lse_budget), err
+    finally:
+        dispatch.reset()

@@ -1,0 +1,75 @@
+"""flash_fwd_sm90_split's spec without a GPU: which calls it serves, how many ways it splits the keys,
+and how a tuned split count travels to other shapes of its bucket."""
+
+from __future__ import annotations
+
+import pytest
+
+from tuner.gpu import H100_SXM
+from tuner.kernel_templates import get_family
+from tuner.kernel_templates.flash_fwd_sm90_split import MAX_SPLITS, auto_splits, work_tiles
+from tuner.problem import Problem
+
+SPLIT = get_family("flash_fwd_sm90_split")
+SHARD = Problem(1, 8, 512, 32768, 128, "bf16", "causal_br", 1)   # a tensor-parallel shard's chunk
+
+
+def test_serves_only_calls_whose_query_blocks_leave_sms_idle():
+    assert SPLIT.supports(H100_SXM, SHARD) is None
+    full = Problem(8, 32, 4096, 4096, 128, "bf16", True)
+    assert "fill" in SPLIT.supports(H100_SXM, full)
+    # 33 query blocks of 128 rows x 4 heads: past the 132 SMs by one block
+    assert SPLIT.supports(H100_SXM, Problem(1, 4, 33 * 128, 33 * 128, 128, "bf16")) is not None
+    assert SPLIT.supports(H100_SXM, Problem(1, 4, 32 * 128, 32 * 128, 128, "bf16")) is None
+    assert "fp16/bf16" in SPLIT.supports(H100_SXM, Problem(1, 8, 512, 4096, 128, "fp8"))
+
+
+@pytest.mark.parametrize("problem", [SHARD, Problem(1, 8, 512, 4096, 64, "fp16"), Problem(2, 4, 100, 9001, 256, "bf16", True),
+                                     Problem(1, 1, 1, 129, 128, "bf16", "causal_br")], ids=lambda p: p.key)
+def test_auto_splits_fill_the_gpu_without_thin_splits(problem):
+    """The occupancy's count: each split keeps two K/V tiles or more, at most MAX_SPLITS and two
+    waves' worth, and the time in waves (a CTA's work falls as 1 / splits) within 1 / 0.85 of the
+    best count's there."""
+    sms = H100_SXM.sm_count
+    for params in SPLIT.valid_points(H100_SXM, problem):
+        if params["splits"]:
+            continue
+        s = auto_splits(params, problem, H100_SXM)
+        tiles, k_tiles = work_tiles(params, problem), -(-problem.seqlen_k // params["Bc"])
+        most = max(1, min(MAX_SPLITS, k_tiles // 2, -(-2 * sms // tiles)))
+        assert 1 <= s <= most, (params, s)
+        assert SPLIT.launch(params, problem, H100_SXM).grid == (-(-problem.seqlen_q // (64 * params["cwg"])),
+                                                                 problem.batch * problem.heads, s)
+
+        def waves(n: int) -> float:
+            return -(-tiles * n // sms) / n
+
+        assert waves(s) * 0.85 <= min(waves(n) for n in range(1, most + 1)) + 1e-9, (params, s)
+
+
+def test_shard_chunk_splits_to_about_one_cta_per_sm():
+    params = SPLIT.default(H100_SXM, SHARD)
+    grid = SPLIT.launch(params, SHARD, H100_SXM).grid
+    assert grid[0] * grid[1] == 32 and grid[2] == 4   # 32 work tiles x 4 splits: 128 CTAs on 132 SMs
+
+
+def test_an_explicit_count_is_checked_against_the_keys_and_relaxed_elsewhere():
+    params = dict(SPLIT.default(H100_SXM, SHARD), splits=16)
+    assert SPLIT.check(params, H100_SXM, SHARD) is None
+    assert SPLIT.launch(params, SHARD, H100_SXM).grid[2] == 16
+    few_keys = Problem(1, 8, 512, 1000, 128, "bf16", "causal_br", 1)   # 6 tiles of 176 keys
+    assert "exceeds" in SPLIT.check(params, H100_SXM, few_keys)
+    # served to the same work tiles and length bucket the count holds; to another batch it is re-derived
+    assert SPLIT.adapt(params, SHARD, Problem(1, 8, 500, 30000, 128, "bf16", "causal_br", 1)) == params
+    assert SPLIT.adapt(params, SHARD, Problem(2, 8, 512, 32768, 128, "bf16", "causal_br", 1))["splits"] == 0
+    assert SPLIT.adapt(params, SHARD, Problem(1, 8, 512, 4096, 128, "bf16", "causal_br", 1))["splits"] == 0
+
+
+def test_split_count_shares_the_cubin_and_the_kernel_takes_the_workspace():
+    a = dict(SPLIT.default(H100_SXM, SHARD), splits=0)
+    b = dict(a, splits=8)
+    assert SPLIT.define_lines(a, SHARD) == SPLIT.define_lines(b, SHARD)
+    assert "#define SPLIT_KV 1" in SPLIT.define_lines(a, SHARD)
+    base = get_family("flash_fwd_sm90")
+    plain = {k: v for k, v in a.items() if k != "splits"}
+    assert SPLIT.param_kinds(a) == base.param_kinds(plain) + ("ptr",) * 3
