@@ -55,8 +55,8 @@ steps=${*:-all}
 for step in $steps; do
   case $step in
     tests|all) fam=tests/test_gpu_kernel.py::test_family_matches_reference
-               groups=("tests/test_gpu_op.py tests/test_tma.py tests/test_gpu_varlen.py" "$fam -k sm90" "$fam -k mma tests/test_gpu_split_kv.py" "$fam -k simt"
-                       "tests/test_gpu_kernel.py --deselect $fam"
+               groups=("tests/test_gpu_op.py tests/test_tma.py tests/test_gpu_varlen.py" "$fam -k sm90" "$fam -k mma" "$fam -k simt"
+                       "tests/test_gpu_kernel.py tests/test_gpu_split_kv.py --deselect $fam"
                        "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py")
                i=0; for g in "${groups[@]}"; do i=$((i + 1))
                  FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -q -rA \

@@ -8,8 +8,10 @@ occupancy, `auto_splits`); each split writes its share of O and the LSE to the d
 (decode_workspace.py) and the block's last split merges them (kernel_templates/split_kv.cuh).
 
 The space is the grid kernel's tiles that long sequences tune to (two or three consumers taking
-turns, overlapped), with no persistence, TMA store or chaining: one work tile per CTA. It serves
-only calls whose work tiles do not fill the GPU; the others are flash_fwd_sm90's.
+turns, overlapped), with no persistence, TMA store or chaining: one work tile per CTA. A search of
+every family tunes it only where the work tiles leave SMs idle (`tune_skip`); it still runs any
+call, with one split where the tiles fill the GPU, so that its entry serves a bucket's calls of
+every batch (B1 x 32 heads x 100 queries wants the split, B7 the plain grid, one bucket).
 """
 
 from __future__ import annotations
@@ -26,12 +28,7 @@ MAX_SPLITS = 16   # at most 32: the merge reads one split's LSE per lane
 
 def work_tiles(params: dict, problem: Problem) -> int:
     """Query blocks x batch-heads: the CTAs of one split."""
-    return ceil_div(problem.seqlen_q, 64 * params["cwg"]) * problem.batch * problem.heads
-
-
-def fills_gpu(problem: Problem, gpu: GpuSpec) -> bool:
-    """Whether the work tiles of 128 query rows alone give every SM one: nothing to split."""
-    return ceil_div(problem.seqlen_q, 128) * problem.batch * problem.heads >= gpu.sm_count
+    return problem.query_blocks(64 * params["cwg"])
 
 
 def auto_splits(params: dict, problem: Problem, gpu: GpuSpec) -> int:
@@ -64,12 +61,13 @@ class SplitFlashFwdSm90(FlashFwdSm90):
     }
     launch_params = ("splits",)
 
-    def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
-        reason = super().supports(gpu, problem)
-        if reason is None and fills_gpu(problem, gpu):
+    def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        # It runs such calls (with one split: the plain grid kernel), so that a bucket's entry serves
+        # its calls of every batch; a search of it there would only repeat flash_fwd_sm90's.
+        if problem.query_blocks(128) >= gpu.sm_count:   # work tiles of 128 rows give every SM one
             return (f"{self.name} splits the keys of calls that leave SMs idle; {problem.key}'s query blocks "
-                    f"already fill {gpu.name}'s {gpu.sm_count} SMs (flash_fwd_sm90 serves it)")
-        return reason
+                    f"already fill {gpu.name}'s {gpu.sm_count} SMs")
+        return None
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         if params["splits"] > ceil_div(problem.seqlen_k, params["Bc"]):

@@ -169,12 +169,15 @@ def test_the_shipped_h100_lookup_serves_chunked_prefill_with_our_kernel(tmp_path
 
 
 def test_the_shipped_h100_lookup_serves_a_shard_s_chunks_with_what_measured_fastest(tmp_path, monkeypatch):
-    """A tensor-parallel shard's chunk (8 query heads, 1 K/V head): few CTAs for a kernel without a
-    split of the keys, so where SDPA flash measured faster (short chunks) the shipped lookup serves
-    it, and flash_fwd_sm90 where it measured faster (2048 against 16k keys)."""
+    """A tensor-parallel shard's chunk (8 query heads, 1 K/V head): 32 work tiles of 128 rows at 512
+    queries, so the keys split across CTAs (flash_fwd_sm90_split) where that measured fastest (512
+    against 32k and 128k keys, 1024 against 64k), SDPA flash where it did (512 against 4k: a 43 us
+    call, level with the split), and flash_fwd_sm90 at 2048 against 16k (128 tiles already)."""
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
     dispatcher = Dispatcher(tmp_path / "absent.json")
-    for nq, nk, family in ((512, 4096, "sdpa_flash"), (512, 32768, "sdpa_flash"), (2048, 16384, SM90.name)):
+    split = "flash_fwd_sm90_split"
+    for nq, nk, family in ((512, 4096, "sdpa_flash"), (512, 32768, split), (512, 131072, split), (1024, 65536, split),
+                           (2048, 16384, SM90.name)):
         e = dispatcher.select(Problem(1, 8, nq, nk, 128, "bf16", "causal_br", 1), H100_SXM)
         assert e is not None and e["family"] == family, (nq, nk, e and e["family"])
 

@@ -80,27 +80,38 @@ def test_split_launch_replays_in_a_cuda_graph():
 
 def test_attention_serves_a_split_entry(tmp_path):
     """`attention` on a chunk of a tensor-parallel shard (8 query heads, 1 K/V head) runs the
-    flash_fwd_sm90_split config its bucket holds, with auto splits, and agrees with float64."""
+    flash_fwd_sm90_split config its bucket holds, with auto splits, and agrees with float64; a
+    batch of the same bucket whose blocks fill the GPU runs it too, unsplit."""
     import torch
 
     from tuner import dispatch
+    from tuner.dispatch import problem_of
     from tuner.export import lookup_of, write_lookup
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.reference import attention_fp64, compare
 
     gpu, fam = detect(), get_family("flash_fwd_sm90_split")
-    problem = Problem(1, 8, 512, 8192, 128, "bf16", "causal_br", 1)
+    problem = Problem(1, 8, 1024, 8192, 128, "bf16", "causal_br", 1)
     path = tmp_path / "lookup.json"
     write_lookup(lookup_of(gpu.key, [(problem, fam.name, fam.default(gpu, problem), 1.0)]), path)
     d = dispatch.reset(path)
     try:
-        q = torch.randn(1, 8, 500, 128, device="cuda", dtype=torch.bfloat16)   # the same bucket, another chunk
+        q = torch.randn(1, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)   # the same bucket, another chunk
         k, v = (torch.randn(1, 1, 7000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         o, lse = d(q, k, v, "causal_br", return_lse=True)
         assert d.plan(q, k, v, "causal_br").family == fam.name
         ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(128))
         err = compare(o, lse, ref_o, ref_lse)
         assert err.within(problem.rel_budget, problem.lse_budget), err
+        params = fam.default(gpu, problem)
+        assert fam.splits(params, problem_of(q, k, v, "causal_br"), gpu) > 1   # 64 blocks of 128 rows: split
+        q, k, v = q.repeat(3, 1, 1, 1), k.repeat(3, 1, 1, 1), v.repeat(3, 1, 1, 1)   # B3: 192 blocks, the same bucket
+        q.normal_()
+        o, lse = d(q, k, v, "causal_br", return_lse=True)
+        plan = d.plan(q, k, v, "causal_br")
+        assert plan.family == fam.name and fam.splits(params, problem_of(q, k, v, "causal_br"), gpu) == 1
+        ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(128))
+        assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
     finally:
         dispatch.reset()

@@ -14,14 +14,27 @@ SPLIT = get_family("flash_fwd_sm90_split")
 SHARD = Problem(1, 8, 512, 32768, 128, "bf16", "causal_br", 1)   # a tensor-parallel shard's chunk
 
 
-def test_serves_only_calls_whose_query_blocks_leave_sms_idle():
-    assert SPLIT.supports(H100_SXM, SHARD) is None
+def test_tuned_only_where_query_blocks_leave_sms_idle_but_runs_any_call():
+    assert SPLIT.supports(H100_SXM, SHARD) is None and SPLIT.tune_skip(H100_SXM, SHARD) is None
     full = Problem(8, 32, 4096, 4096, 128, "bf16", True)
-    assert "fill" in SPLIT.supports(H100_SXM, full)
+    assert SPLIT.supports(H100_SXM, full) is None and "fill" in SPLIT.tune_skip(H100_SXM, full)
+    params = SPLIT.default(H100_SXM, full)
+    assert SPLIT.check(params, H100_SXM, full) is None
+    assert SPLIT.launch(params, full, H100_SXM).grid[2] == 1   # served as the plain grid kernel
     # 33 query blocks of 128 rows x 4 heads: past the 132 SMs by one block
-    assert SPLIT.supports(H100_SXM, Problem(1, 4, 33 * 128, 33 * 128, 128, "bf16")) is not None
-    assert SPLIT.supports(H100_SXM, Problem(1, 4, 32 * 128, 32 * 128, 128, "bf16")) is None
+    assert SPLIT.tune_skip(H100_SXM, Problem(1, 4, 33 * 128, 33 * 128, 128, "bf16")) is not None
+    assert SPLIT.tune_skip(H100_SXM, Problem(1, 4, 32 * 128, 32 * 128, 128, "bf16")) is None
     assert "fp16/bf16" in SPLIT.supports(H100_SXM, Problem(1, 8, 512, 4096, 128, "fp8"))
+
+
+def test_a_search_of_every_family_passes_it_over_where_the_blocks_fill_the_gpu():
+    from tuner.cli import _families
+
+    names = lambda p: {f.name for f in _families("auto", H100_SXM, p)}   # noqa: E731
+    assert {"flash_fwd_sm90", "flash_fwd_sm90_split"} <= names(SHARD)
+    full = Problem(8, 32, 4096, 4096, 128, "bf16", True)
+    assert "flash_fwd_sm90" in names(full) and "flash_fwd_sm90_split" not in names(full)
+    assert [f.name for f in _families("flash_fwd_sm90_split", H100_SXM, full)] == ["flash_fwd_sm90_split"]
 
 
 @pytest.mark.parametrize("problem", [SHARD, Problem(1, 8, 512, 4096, 64, "fp16"), Problem(2, 4, 100, 9001, 256, "bf16", True),

@@ -163,7 +163,8 @@ def _families(name: str, gpu, problem):
             raise UserError(f"{problem.key}: {reason}")
         return [fam]
     # test-only families (plugged in through TUNER_EXTRA_FAMILIES) are tuned only when named
-    fits = [f for f in FAMILIES.values() if not f.name.startswith("test_") and f.supports(gpu, problem) is None]
+    fits = [f for f in FAMILIES.values() if not f.name.startswith("test_") and f.supports(gpu, problem) is None
+            and f.tune_skip(gpu, problem) is None]
     if not fits:
         reasons = "; ".join(f.supports(gpu, problem) for f in FAMILIES.values())
         raise UserError(f"{problem.key}: no kernel family fits ({reasons})")

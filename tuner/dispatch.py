@@ -432,8 +432,7 @@ def fills_gpu(problem: Problem, gpu) -> bool:
     the tuned 16k, chunks after 64k keys: 1.9-2.5x SDPA where measured, PERF_NOTES "p1", "p2"); with
     fewer blocks than SMs a kernel that does not split the keys idles most of the GPU, and SDPA
     (whose flash kernel reads such shapes faster, p1's 8-head shard) serves instead."""
-    blocks = problem.batch * problem.heads * -(-problem.seqlen_q // FILL_ROWS)
-    return problem.seqlen_q > DECODE_QUERIES and blocks >= gpu.sm_count
+    return problem.seqlen_q > DECODE_QUERIES and problem.query_blocks(FILL_ROWS) >= gpu.sm_count
 
 
 def served_params(entry: dict, problem: Problem) -> dict:

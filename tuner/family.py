@@ -94,6 +94,12 @@ class KernelFamily(ABC):
             return f"{self.name} serves at most {self.max_queries} queries per sequence (decode), not {problem.seqlen_q}"
         return None
 
+    def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        """Why a search of every family (`--family auto`) passes this one over for `problem` though
+        it runs it: where what it adds cannot show (flash_fwd_sm90_split where the query blocks
+        already fill the GPU), or None."""
+        return None
+
     @staticmethod
     def mask_defines(problem: Problem) -> dict[str, int]:
         """The kernels' mask contract: IS_CAUSAL (either diagonal) and MASK_BR (1: bottom-right,

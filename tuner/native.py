@@ -96,7 +96,7 @@ def _flags() -> list[str]:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     incs = [*include_paths(), sysconfig.get_paths()["include"]]
     libs = library_paths()
-    return (["-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    return (["-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
             + [f"-I{p}" for p in incs] + [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs]
             + ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"])
 

@@ -162,6 +162,10 @@ class Problem:
         """The causal diagonal is the bottom-right one (the kernels' MASK_BR)."""
         return self.mask == "causal_br"
 
+    def query_blocks(self, rows: int) -> int:
+        """Work tiles of `rows` query rows over every sequence and head: a grid kernel's CTAs."""
+        return self.batch * self.heads * -(-self.seqlen_q // rows)
+
     def flops(self) -> float:
         """4·d per visible (query, key) pair (two matrix products), counted exactly for every mask
         (square causal: N(N+1)/2 pairs, docs/benchmarks.md)."""
