@@ -103,7 +103,9 @@ static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tile
 static_assert(!VARLEN || (!TMA_STORE && !CHAIN && !FP8), "varlen: O by ordinary stores, unchained, 16-bit inputs");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 static_assert(!SPLIT_KV || (!PERSISTENT && !VARLEN && !TMA_STORE && !FP8), "split keys: one work tile per CTA, 16-bit inputs, O by ordinary stores");
-constexpr int MERGE_BAR = 1 + CWG;   // SPLIT_KV: the consumers' named barrier for the merge (ping-pong's are 1..CWG)
+#if SPLIT_KV
+constexpr int MERGE_BAR = 1 + CWG;   // the consumers' named barrier for the merge (ping-pong's are 1..CWG)
+#endif
 
 using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN>;
 using KvState = PipelineState<STAGES>;   // a role's place in the K/V (and V^T) rings
