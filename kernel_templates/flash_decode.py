@@ -220,12 +220,8 @@ class FlashDecode(KernelFamily):
 
     def _geometry(self, params: dict, q, k) -> tuple[int, int, int]:
         """(CTAs per split, splits, rows of LSE) of a launch on these tensors, as `launch` sizes it."""
-        from tuner.dispatch import problem_of
-        from tuner.gpu import _from_torch
-
-        problem = problem_of(q, k, k, False)
-        grid = self.launch(params, problem, _gpu(q.device.index or 0, _from_torch)).grid
-        return grid[0] * grid[1], grid[2], problem.batch * problem.heads * problem.seqlen_q
+        grid, rows = call_grid(self, params, q, k)
+        return grid[0] * grid[1], grid[2], rows
 
 
 class _DecodeArgs(AttentionArgs):
@@ -254,6 +250,17 @@ class _DecodeArgs(AttentionArgs):
         shared, _, _, slots = bound
         maps = map_fields(slots or (), 5 + len(shared) + 7, (1, 2))   # K's and V's: after the shared values and 7 more
         return None if maps is None else super().address_fields(bound) + maps
+
+
+def call_grid(family: KernelFamily, params: dict, q, k) -> tuple[tuple[int, int, int], int]:
+    """The grid `family.launch` sizes for a call on these (B, H, N, D) tensors (splits on z), and
+    the call's query rows (B x H x Nq): what the splits' workspace is sized by."""
+    from tuner.dispatch import problem_of
+    from tuner.gpu import _from_torch
+
+    problem = problem_of(q, k, k, False)
+    grid = family.launch(params, problem, _gpu(q.device.index or 0, _from_torch)).grid
+    return grid, problem.batch * problem.heads * problem.seqlen_q
 
 
 def split_workspace(index: int, grid: tuple[int, int, int], rows: int, head_dim: int) -> tuple[int, int, int]:

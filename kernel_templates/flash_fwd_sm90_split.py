@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from tuner.family import ceil_div
 from tuner.gpu import GpuSpec
-from tuner.kernel_templates.flash_decode import _gpu, split_workspace
+from tuner.kernel_templates.flash_decode import call_grid, split_workspace
 from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args
 from tuner.launch import Launch
 from tuner.problem import Problem
@@ -128,12 +128,7 @@ class _SplitArgs(_Sm90Args):
         inner = super().bind(q, k, v, o, scale)
         if inner is None:
             return None
-        from tuner.dispatch import problem_of
-        from tuner.gpu import _from_torch
-
-        problem = problem_of(q, k, k, False)
-        grid = self._family.launch(self._params, problem, _gpu(q.device.index or 0, _from_torch)).grid
-        return inner, grid, problem.batch * problem.heads * problem.seqlen_q
+        return (inner, *call_grid(self._family, self._params, q, k))
 
     def values(self, bound, pointers, q):
         inner, grid, rows = bound
