@@ -11,7 +11,9 @@ The space is the grid kernel's tiles that long sequences tune to (two or three c
 turns, overlapped), with no persistence, TMA store or chaining: one work tile per CTA. A search of
 every family tunes it only where the work tiles leave SMs idle (`tune_skip`); it still runs any
 call, with one split where the tiles fill the GPU, so that its entry serves a bucket's calls of
-every batch (B1 x 32 heads x 100 queries wants the split, B7 the plain grid, one bucket).
+every batch (B1 x 32 heads x 100 queries wants the split, B7 the plain grid, one bucket). Where it
+would run one split, the dispatcher serves the bucket's flash_fwd_sm90 entry instead, if it has
+one (`defers_to`).
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ class SplitFlashFwdSm90(FlashFwdSm90):
             return (f"{self.name} splits the keys of calls that leave SMs idle; {problem.key}'s query blocks "
                     f"already fill {gpu.name}'s {gpu.sm_count} SMs")
         return None
+
+    def defers_to(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        # One split is flash_fwd_sm90 with a config chosen for splitting: the bucket's own
+        # flash_fwd_sm90 entry (the plain kernel's best there) is the better-informed one.
+        return "flash_fwd_sm90" if self.splits(params, problem, gpu) == 1 else None
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         if params["splits"] > ceil_div(problem.seqlen_k, params["Bc"]):

@@ -17,10 +17,12 @@ from tuner.dispatch import Dispatcher
 from tuner.export import build_lookup, lookup_from_db, read_lookup, write_lookup
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
+from tuner.kernel_templates.flash_fwd_sm90_split import auto_splits
 from tuner.problem import Problem
 from tuner.records import Measurement
 
 SM90 = get_family("flash_fwd_sm90")
+SPLIT = get_family("flash_fwd_sm90_split")
 BF16 = Problem(1, 32, 8192, 8192, 128, "bf16", "causal", kv_heads=8)
 FP32 = Problem(8, 12, 1024, 1024, 64, "fp32", "causal")
 SIMT = get_family("flash_fwd_simt")
@@ -180,6 +182,39 @@ def test_the_shipped_h100_lookup_serves_a_shard_s_chunks_with_what_measured_fast
                            (2048, 16384, SM90.name)):
         e = dispatcher.select(Problem(1, 8, nq, nk, 128, "bf16", "causal_br", 1), H100_SXM)
         assert e is not None and e["family"] == family, (nq, nk, e and e["family"])
+
+
+def test_a_bucket_served_where_the_split_would_not_split_takes_the_plain_kernels_entry(tmp_path):
+    """A bucket tuned at B1 (32 query blocks: the split won) also serves B7 (224 blocks: one split,
+    the plain kernel with a config chosen for splitting); there the bucket's flash_fwd_sm90 entry
+    serves, not SDPA's, though SDPA measured faster at B1. Where the split still splits it stays."""
+    b1 = Problem(1, 32, 100, 8192, 128, "bf16", "causal_br", kv_heads=8)
+    split = dict(SPLIT.default(H100_SXM, b1), Bc=80, cwg=3, stages=3)
+    plain = dict(SM90.default(H100_SXM, b1), Bc=176, cwg=2)
+    entries = [entry(b1, SPLIT.name, split, 270.0), entry(b1, "sdpa_flash", {}, 190.0),
+               entry(b1, SM90.name, plain, 146.0)]
+    d = Dispatcher(lookup(tmp_path / "a.json", entries))
+    b7 = replace(b1, batch=7)
+    assert b7.bucket() == b1.bucket() and auto_splits(split, b7, H100_SXM) == 1
+    assert auto_splits(split, replace(b1, batch=2), H100_SXM) > 1
+    assert d.select(b1, H100_SXM)["family"] == SPLIT.name
+    assert d.select(replace(b1, batch=2), H100_SXM)["family"] == SPLIT.name
+    served = d.select(b7, H100_SXM)
+    assert served["family"] == SM90.name and served["params"] == plain
+    # a bucket without a flash_fwd_sm90 entry keeps serving its split entry (one split)
+    d = Dispatcher(lookup(tmp_path / "b.json", entries[:2]))
+    assert d.select(b7, H100_SXM)["family"] == SPLIT.name
+
+
+def test_the_shipped_h100_lookup_serves_a_speculative_steps_batches_with_the_plain_kernel(tmp_path, monkeypatch):
+    """B1-H32/kv8, 100 queries against 8k keys (a speculative step) splits the keys; B7 of the same
+    bucket fills the GPU and runs the bucket's flash_fwd_sm90 entry (PERF_NOTES "p4")."""
+    monkeypatch.setenv(export.SHIPPED_ENV, "1")
+    dispatcher = Dispatcher(tmp_path / "absent.json")
+    for batch, family in ((1, SPLIT.name), (2, SPLIT.name), (7, SM90.name)):
+        for dtype in ("bf16", "fp16"):
+            e = dispatcher.select(Problem(batch, 32, 100, 8192, 128, dtype, "causal_br", 8), H100_SXM)
+            assert e is not None and e["family"] == family, (batch, dtype, e and e["family"])
 
 
 # ---- first-call autotuning ----

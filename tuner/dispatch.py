@@ -187,12 +187,28 @@ class Dispatcher:
         (a tuned config, or an SDPA backend that measured faster); for a bucket nobody tuned,
         that of the nearest tuned bucket of the same GPU, dtype, head dim, mask and error budget
         (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away; past
-        that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`)."""
+        that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`).
+        An entry whose family defers at this call (KernelFamily.defers_to) gives way to its
+        bucket's entry of the family it names."""
         near = next((e for _, e in self.candidates(problem, gpu)), None)
         if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
-            return next((e for _, e in self.candidates(problem, gpu, math.inf)
+            near = next((e for _, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
-        return near
+        return near and self._deferred(near, problem, gpu)
+
+    def _deferred(self, entry: dict, problem: Problem, gpu) -> dict:
+        """`entry`, or the fastest runnable entry of its bucket of the family it defers to at this
+        call: a split entry tuned where a B1 call's few query blocks left SMs idle, served to a B7
+        call whose blocks fill them, runs one split, i.e. the plain Hopper kernel with a config
+        chosen for splitting, where the bucket's flash_fwd_sm90 entry holds the plain kernel's best."""
+        from .kernel_templates import FAMILIES
+
+        fam = FAMILIES.get(entry["family"])
+        other = fam.defers_to(served_params(entry, problem), gpu, problem) if fam is not None else None
+        if other is None:
+            return entry
+        return next((e for e in self._table.get((gpu.key, entry["bucket"]), [])
+                     if e["family"] == other and self._runs(e, problem, gpu)), entry)
 
     def serving_entry(self, problem: Problem, gpu) -> dict | None:
         """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,

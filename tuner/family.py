@@ -100,6 +100,11 @@ class KernelFamily(ABC):
         already fill the GPU), or None."""
         return None
 
+    def defers_to(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        """The family whose entry of the same bucket serves `problem` in place of this config, where
+        this one's edge cannot show at that call (flash_fwd_sm90_split running one split), or None."""
+        return None
+
     @staticmethod
     def mask_defines(problem: Problem) -> dict[str, int]:
         """The kernels' mask contract: IS_CAUSAL (either diagonal) and MASK_BR (1: bottom-right,
