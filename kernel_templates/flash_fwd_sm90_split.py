@@ -12,8 +12,8 @@ turns, overlapped), with no persistence, TMA store or chaining: one work tile pe
 every family tunes it only where the work tiles leave SMs idle (`tune_skip`); it still runs any
 call, with one split where the tiles fill the GPU, so that its entry serves a bucket's calls of
 every batch (B1 x 32 heads x 100 queries wants the split, B7 the plain grid, one bucket). Where it
-would run one split, the dispatcher serves the bucket's flash_fwd_sm90 entry instead, if it has
-one (`defers_to`).
+would run one split with more padding rows than the bucket's flash_fwd_sm90 entry, that entry
+serves instead (`gives_way`).
 """
 
 from __future__ import annotations
@@ -71,10 +71,19 @@ class SplitFlashFwdSm90(FlashFwdSm90):
                     f"already fill {gpu.name}'s {gpu.sm_count} SMs")
         return None
 
-    def defers_to(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
-        # One split is flash_fwd_sm90 with a config chosen for splitting: the bucket's own
-        # flash_fwd_sm90 entry (the plain kernel's best there) is the better-informed one.
-        return "flash_fwd_sm90" if self.splits(params, problem, gpu) == 1 else None
+    gives_way_to = "flash_fwd_sm90"
+
+    def gives_way(self, params: dict, other: dict, gpu: GpuSpec, problem: Problem) -> bool:
+        # One split is flash_fwd_sm90 with a config chosen for splitting, which may take more query
+        # rows a CTA than the call has (three consumers for 100 queries): with the keys split fewer
+        # CTAs cost nothing, unsplit the padding rows are work. The bucket's flash_fwd_sm90 entry
+        # serves where it pads fewer rows (1.14-1.19x at 100 queries, PERF_NOTES "p4"); where they
+        # pad alike this config, the faster where tuned, keeps serving: the plain entry, tuned where
+        # few blocks leave SMs idle, may favour small tiles (64 rows at d=256: 0.78-0.80x there).
+        if self.splits(params, problem, gpu) != 1:
+            return False
+        padded = lambda rows: ceil_div(problem.seqlen_q, rows) * rows   # noqa: E731
+        return padded(64 * other["cwg"]) < padded(64 * params["cwg"])
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         if params["splits"] > ceil_div(problem.seqlen_k, params["Bc"]):

@@ -184,10 +184,11 @@ def test_the_shipped_h100_lookup_serves_a_shard_s_chunks_with_what_measured_fast
         assert e is not None and e["family"] == family, (nq, nk, e and e["family"])
 
 
-def test_a_bucket_served_where_the_split_would_not_split_takes_the_plain_kernels_entry(tmp_path):
-    """A bucket tuned at B1 (32 query blocks: the split won) also serves B7 (224 blocks: one split,
-    the plain kernel with a config chosen for splitting); there the bucket's flash_fwd_sm90 entry
-    serves, not SDPA's, though SDPA measured faster at B1. Where the split still splits it stays."""
+def test_a_split_entry_that_would_pad_more_rows_unsplit_gives_way_to_the_plain_kernels(tmp_path):
+    """A bucket tuned at B1 (32 query blocks: the split won, with three consumers: 192 rows for 100
+    queries) also serves B7 (224 blocks: one split, the plain kernel padding 92 rows a CTA); there
+    the bucket's flash_fwd_sm90 entry (128 rows) serves, not SDPA's, though SDPA measured faster at
+    B1. Where the split still splits, or the plain entry pads as many rows, the split serves."""
     b1 = Problem(1, 32, 100, 8192, 128, "bf16", "causal_br", kv_heads=8)
     split = dict(SPLIT.default(H100_SXM, b1), Bc=80, cwg=3, stages=3)
     plain = dict(SM90.default(H100_SXM, b1), Bc=176, cwg=2)
@@ -204,17 +205,23 @@ def test_a_bucket_served_where_the_split_would_not_split_takes_the_plain_kernels
     # a bucket without a flash_fwd_sm90 entry keeps serving its split entry (one split)
     d = Dispatcher(lookup(tmp_path / "b.json", entries[:2]))
     assert d.select(b7, H100_SXM)["family"] == SPLIT.name
+    # nor does a split of two consumers give way to a plain entry of one (64-row CTAs: both pad to 128)
+    small = dict(plain, cwg=1, pingpong=0, split=0, Bc=96)
+    d = Dispatcher(lookup(tmp_path / "c.json", [entry(b1, SPLIT.name, dict(split, cwg=2), 270.0),
+                                                entry(b1, SM90.name, small, 146.0)]))
+    assert d.select(b7, H100_SXM)["family"] == SPLIT.name
 
 
-def test_the_shipped_h100_lookup_serves_a_speculative_steps_batches_with_the_plain_kernel(tmp_path, monkeypatch):
+def test_the_shipped_h100_lookup_serves_a_speculative_steps_batches(tmp_path, monkeypatch):
     """B1-H32/kv8, 100 queries against 8k keys (a speculative step) splits the keys; B7 of the same
-    bucket fills the GPU and runs the bucket's flash_fwd_sm90 entry (PERF_NOTES "p4")."""
+    bucket fills the GPU: in bf16 the split's entry there takes 192 rows a CTA and the bucket's
+    flash_fwd_sm90 entry (128) serves; in fp16 the split's takes 128 too and keeps serving."""
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
     dispatcher = Dispatcher(tmp_path / "absent.json")
-    for batch, family in ((1, SPLIT.name), (2, SPLIT.name), (7, SM90.name)):
-        for dtype in ("bf16", "fp16"):
-            e = dispatcher.select(Problem(batch, 32, 100, 8192, 128, dtype, "causal_br", 8), H100_SXM)
-            assert e is not None and e["family"] == family, (batch, dtype, e and e["family"])
+    for batch, dtype, family in ((1, "bf16", SPLIT.name), (2, "bf16", SPLIT.name), (7, "bf16", SM90.name),
+                                 (1, "fp16", SPLIT.name), (7, "fp16", SPLIT.name)):
+        e = dispatcher.select(Problem(batch, 32, 100, 8192, 128, dtype, "causal_br", 8), H100_SXM)
+        assert e is not None and e["family"] == family, (batch, dtype, e and e["family"])
 
 
 # ---- first-call autotuning ----
@@ -333,6 +340,13 @@ def test_bench_times_what_a_lookup_serves_a_peer_among_the_peers(tmp_path, sm90_
     served = _served(path, [BF16, FP32, far], H100_SXM)
     assert served[BF16.key].family == SM90.name and served[BF16.key].params == sm90_params   # from the nearer bucket
     assert served[FP32.key].family == "sdpa_efficient" and far.key not in served
+    # a split count tuned at B1 is timed as the dispatcher runs it at B3: from the occupancy
+    shard = Problem(1, 8, 512, 32768, 128, "bf16", "causal_br", 1)
+    tuned = dict(SPLIT.default(H100_SXM, shard), splits=4)
+    path = lookup(tmp_path / "split.json", [entry(shard, SPLIT.name, tuned, 550.0)])
+    b3 = replace(shard, batch=3)
+    assert _served(path, [shard, b3], H100_SXM)[shard.key].params == tuned
+    assert _served(path, [b3], H100_SXM)[b3.key].params == dict(tuned, splits=0)
 
     class Peers:
         gpu = H100_SXM

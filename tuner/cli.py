@@ -437,16 +437,17 @@ def _write_bench_json(path: Path, gpu, results) -> None:
 
 def _served(lookup: Path, problems, gpu) -> dict:
     """What the dispatcher serves each problem from `lookup` on `gpu`, as the stored best bench
-    times: a tuned config as itself, an SDPA backend as a config {} of that peer's family."""
+    times: a tuned config as it runs that problem (dispatch.served_params: a split count tuned at
+    another batch gives way to the occupancy's), an SDPA backend as a config {} of that peer's family."""
     from .db.queries import BestEntry
-    from .dispatch import Dispatcher
+    from .dispatch import Dispatcher, served_params
 
     d = Dispatcher(lookup)
     served = {}
     for p in problems:
         e = d.select(p, gpu)
         if e is not None:
-            served[p.key] = BestEntry(gpu.key, e["family"], p, p.bucket().key, e["params"], e["tflops"],
+            served[p.key] = BestEntry(gpu.key, e["family"], p, p.bucket().key, served_params(e, p), e["tflops"],
                                       e["median_ms"], 0)
     return served
 

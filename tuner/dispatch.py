@@ -188,27 +188,27 @@ class Dispatcher:
         that of the nearest tuned bucket of the same GPU, dtype, head dim, mask and error budget
         (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away; past
         that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`).
-        An entry whose family defers at this call (KernelFamily.defers_to) gives way to its
-        bucket's entry of the family it names."""
+        An entry that gives way at this call (KernelFamily.gives_way) serves its bucket's entry
+        of the family it names instead."""
         near = next((e for _, e in self.candidates(problem, gpu)), None)
         if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
             near = next((e for _, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
-        return near and self._deferred(near, problem, gpu)
+        return near and self._given_way(near, problem, gpu)
 
-    def _deferred(self, entry: dict, problem: Problem, gpu) -> dict:
-        """`entry`, or the fastest runnable entry of its bucket of the family it defers to at this
-        call: a split entry tuned where a B1 call's few query blocks left SMs idle, served to a B7
-        call whose blocks fill them, runs one split, i.e. the plain Hopper kernel with a config
-        chosen for splitting, where the bucket's flash_fwd_sm90 entry holds the plain kernel's best."""
+    def _given_way(self, entry: dict, problem: Problem, gpu) -> dict:
+        """`entry`, or the runnable entry of its bucket of the family it gives way to at this call:
+        a split entry tuned at B1, where few query blocks left SMs idle, served to B7, whose blocks
+        fill them, runs one split, i.e. the plain Hopper kernel with a config chosen for splitting."""
         from .kernel_templates import FAMILIES
 
         fam = FAMILIES.get(entry["family"])
-        other = fam.defers_to(served_params(entry, problem), gpu, problem) if fam is not None else None
-        if other is None:
+        if fam is None or fam.gives_way_to is None:
             return entry
+        params = served_params(entry, problem)
         return next((e for e in self._table.get((gpu.key, entry["bucket"]), [])
-                     if e["family"] == other and self._runs(e, problem, gpu)), entry)
+                     if e["family"] == fam.gives_way_to and self._runs(e, problem, gpu)
+                     and fam.gives_way(params, served_params(e, problem), gpu, problem)), entry)
 
     def serving_entry(self, problem: Problem, gpu) -> dict | None:
         """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,

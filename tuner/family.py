@@ -67,6 +67,8 @@ class KernelFamily(ABC):
     # Parameters that only shape the launch (flash_decode's splits): points differing in them alone
     # share one cubin.
     launch_params: tuple[str, ...] = ()
+    # The family whose entry of the same bucket may serve in this one's place (gives_way), or None.
+    gives_way_to: str | None = None
     # A varlen variant (VarlenVariant): it runs packed sequences, timed on a representative mix of
     # them (tuner/length_mix.py), never a dense call.
     packed: bool = False
@@ -100,10 +102,11 @@ class KernelFamily(ABC):
         already fill the GPU), or None."""
         return None
 
-    def defers_to(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
-        """The family whose entry of the same bucket serves `problem` in place of this config, where
-        this one's edge cannot show at that call (flash_fwd_sm90_split running one split), or None."""
-        return None
+    def gives_way(self, params: dict, other: dict, gpu: GpuSpec, problem: Problem) -> bool:
+        """Whether this config, its bucket's fastest where tuned, serves `problem` worse than
+        `other`, the same bucket's entry of the family `gives_way_to` names: where what it adds
+        cannot show at this call (flash_fwd_sm90_split running one split)."""
+        return False
 
     @staticmethod
     def mask_defines(problem: Problem) -> dict[str, int]:
