@@ -26,6 +26,10 @@ from tuner.launch import Launch
 from tuner.problem import Problem
 
 MAX_SPLITS = 16   # at most 32: the merge reads one split's LSE per lane
+# The most waves of CTAs (one per SM) the occupancy's count may make: 96 work tiles on 132 SMs fill
+# 73% of them with 1-3 splits and 97% with 4 (2.9 waves), which read 1.11-1.13x the one split
+# where two waves were the bound (PERF_NOTES "p4").
+MAX_WAVES = 4
 
 
 def work_tiles(params: dict, problem: Problem) -> int:
@@ -37,7 +41,7 @@ def auto_splits(params: dict, problem: Problem, gpu: GpuSpec) -> int:
     """The fewest splits whose wave of CTAs (one per SM) is nearly as full as the best count's,
     each split keeping at least two K/V tiles: every split more adds partials to write and merge."""
     tiles = work_tiles(params, problem)
-    most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, params["Bc"]) // 2, ceil_div(2 * gpu.sm_count, tiles)))
+    most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, params["Bc"]) // 2, ceil_div(MAX_WAVES * gpu.sm_count, tiles)))
 
     def fill(s: int) -> float:   # busy share of the SMs over the waves of tiles x s CTAs
         return tiles * s / (ceil_div(tiles * s, gpu.sm_count) * gpu.sm_count)

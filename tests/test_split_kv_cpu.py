@@ -7,7 +7,7 @@ import pytest
 
 from tuner.gpu import H100_SXM
 from tuner.kernel_templates import get_family
-from tuner.kernel_templates.flash_fwd_sm90_split import MAX_SPLITS, auto_splits, work_tiles
+from tuner.kernel_templates.flash_fwd_sm90_split import MAX_SPLITS, MAX_WAVES, auto_splits, work_tiles
 from tuner.problem import Problem
 
 SPLIT = get_family("flash_fwd_sm90_split")
@@ -40,8 +40,8 @@ def test_a_search_of_every_family_passes_it_over_where_the_blocks_fill_the_gpu()
 @pytest.mark.parametrize("problem", [SHARD, Problem(1, 8, 512, 4096, 64, "fp16"), Problem(2, 4, 100, 9001, 256, "bf16", True),
                                      Problem(1, 1, 1, 129, 128, "bf16", "causal_br")], ids=lambda p: p.key)
 def test_auto_splits_fill_the_gpu_without_thin_splits(problem):
-    """The occupancy's count: each split keeps two K/V tiles or more, at most MAX_SPLITS and two
-    waves' worth, and the time in waves (a CTA's work falls as 1 / splits) within 1 / 0.85 of the
+    """The occupancy's count: each split keeps two K/V tiles or more, at most MAX_SPLITS and
+    MAX_WAVES' worth, and the time in waves (a CTA's work falls as 1 / splits) within 1 / 0.85 of the
     best count's there."""
     sms = H100_SXM.sm_count
     for params in SPLIT.valid_points(H100_SXM, problem):
@@ -49,7 +49,7 @@ def test_auto_splits_fill_the_gpu_without_thin_splits(problem):
             continue
         s = auto_splits(params, problem, H100_SXM)
         tiles, k_tiles = work_tiles(params, problem), -(-problem.seqlen_k // params["Bc"])
-        most = max(1, min(MAX_SPLITS, k_tiles // 2, -(-2 * sms // tiles)))
+        most = max(1, min(MAX_SPLITS, k_tiles // 2, -(-MAX_WAVES * sms // tiles)))
         assert 1 <= s <= most, (params, s)
         assert SPLIT.launch(params, problem, H100_SXM).grid == (-(-problem.seqlen_q // (64 * params["cwg"])),
                                                                  problem.batch * problem.heads, s)
@@ -64,6 +64,14 @@ def test_shard_chunk_splits_to_about_one_cta_per_sm():
     params = SPLIT.default(H100_SXM, SHARD)
     grid = SPLIT.launch(params, SHARD, H100_SXM).grid
     assert grid[0] * grid[1] == 32 and grid[2] == 4   # 32 work tiles x 4 splits: 128 CTAs on 132 SMs
+
+
+def test_a_wave_and_a_half_of_blocks_splits_to_nearly_three_full_waves():
+    """96 work tiles on 132 SMs: 1, 2 or 3 splits keep 73% of the SMs busy, 4 splits 97% (384 CTAs)."""
+    problem = Problem(3, 8, 512, 32768, 128, "bf16", "causal_br", 1)
+    params = SPLIT.default(H100_SXM, problem)
+    assert work_tiles(params, problem) == 96 and auto_splits(params, problem, H100_SXM) == 4
+    assert auto_splits(params, Problem(4, 8, 512, 32768, 128, "bf16", "causal_br", 1), H100_SXM) == 1   # 128 tiles
 
 
 def test_an_explicit_count_is_checked_against_the_keys_and_relaxed_elsewhere():
