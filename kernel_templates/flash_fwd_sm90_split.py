@@ -26,10 +26,14 @@ from tuner.launch import Launch
 from tuner.problem import Problem
 
 MAX_SPLITS = 16   # at most 32: the merge reads one split's LSE per lane
-# The most waves of CTAs (one per SM) the occupancy's count may make: 96 work tiles on 132 SMs fill
-# 73% of them with 1-3 splits and 97% with 4 (2.9 waves), which read 1.11-1.13x the one split
-# where two waves were the bound (PERF_NOTES "p4").
-MAX_WAVES = 4
+MAX_WAVES = 4     # the most waves of CTAs (one per SM) the occupancy's count may make
+# What one split's partial costs a query row (its O and LSE written, then read by the merge), in
+# keys of the main loop: fitted to shapes timed at 1 and 4 splits (PERF_NOTES "p4": 96 work tiles
+# on 132 SMs gain 1.13x from 4 splits at 32k keys, nothing at 16k, and lose 0.85x at 8k).
+PARTIAL_KEYS = 235
+# A split count must beat one split's estimate by this much: below it the estimate has been wrong
+# both ways (a 9% predicted gain at 448 tiles measured 1.6%).
+SPLIT_GAIN = 1.10
 
 
 def work_tiles(params: dict, problem: Problem) -> int:
@@ -37,17 +41,21 @@ def work_tiles(params: dict, problem: Problem) -> int:
     return problem.query_blocks(64 * params["cwg"])
 
 
+def estimate(rows: int, tiles: int, splits: int, problem: Problem, gpu: GpuSpec) -> float:
+    """A launch's time, in query rows x keys of one SM's main loop: its waves of CTAs (one per SM)
+    x a CTA's rows x its keys, with each split's partial and its share of the merge."""
+    keys = problem.seqlen_k / splits + (PARTIAL_KEYS * (splits + 1) if splits > 1 else 0)
+    return ceil_div(tiles * splits, gpu.sm_count) * rows * keys
+
+
 def auto_splits(params: dict, problem: Problem, gpu: GpuSpec) -> int:
-    """The fewest splits whose wave of CTAs (one per SM) is nearly as full as the best count's,
-    each split keeping at least two K/V tiles: every split more adds partials to write and merge."""
-    tiles = work_tiles(params, problem)
+    """The fewest splits whose estimated time is within SPLIT_GAIN of the best count's, one split
+    unless splitting gains SPLIT_GAIN; each split keeps two K/V tiles at least."""
+    tiles, rows = work_tiles(params, problem), 64 * params["cwg"]
     most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, params["Bc"]) // 2, ceil_div(MAX_WAVES * gpu.sm_count, tiles)))
-
-    def fill(s: int) -> float:   # busy share of the SMs over the waves of tiles x s CTAs
-        return tiles * s / (ceil_div(tiles * s, gpu.sm_count) * gpu.sm_count)
-
-    best = max(fill(s) for s in range(1, most + 1))
-    return next(s for s in range(1, most + 1) if fill(s) >= 0.85 * best)
+    times = {s: estimate(rows, tiles, s, problem, gpu) for s in range(1, most + 1)}
+    best = min(times.values())
+    return next(s for s, t in times.items() if t <= SPLIT_GAIN * best)
 
 
 class SplitFlashFwdSm90(FlashFwdSm90):
@@ -78,16 +86,16 @@ class SplitFlashFwdSm90(FlashFwdSm90):
     gives_way_to = "flash_fwd_sm90"
 
     def gives_way(self, params: dict, other: dict, gpu: GpuSpec, problem: Problem) -> bool:
-        # One split is flash_fwd_sm90 with a config chosen for splitting, which may take more query
-        # rows a CTA than the call has (three consumers for 100 queries): with the keys split fewer
-        # CTAs cost nothing, unsplit the padding rows are work. The bucket's flash_fwd_sm90 entry
-        # serves where it pads fewer rows (1.14-1.19x at 100 queries, PERF_NOTES "p4"); where they
-        # pad alike this config, the faster where tuned, keeps serving: the plain entry, tuned where
+        # A config chosen for splitting may take more query rows a CTA than the call has (three
+        # consumers for 100 queries): where few blocks leave SMs idle the split's extra CTAs pay for
+        # them, where the blocks fill the GPU the padding rows are work. The bucket's flash_fwd_sm90
+        # entry serves where its estimate is lower (1.14-1.19x at 100 queries, PERF_NOTES "p4");
+        # at a tie this config, the faster where tuned, keeps serving: the plain entry, tuned where
         # few blocks leave SMs idle, may favour small tiles (64 rows at d=256: 0.78-0.80x there).
-        if self.splits(params, problem, gpu) != 1:
-            return False
-        padded = lambda rows: ceil_div(problem.seqlen_q, rows) * rows   # noqa: E731
-        return padded(64 * other["cwg"]) < padded(64 * params["cwg"])
+        rows = 64 * other["cwg"]
+        plain = estimate(rows, problem.query_blocks(rows), 1, problem, gpu)
+        return plain < estimate(64 * params["cwg"], work_tiles(params, problem), self.splits(params, problem, gpu),
+                                problem, gpu)
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         if params["splits"] > ceil_div(problem.seqlen_k, params["Bc"]):

@@ -188,7 +188,7 @@ def test_a_split_entry_that_would_pad_more_rows_unsplit_gives_way_to_the_plain_k
     """A bucket tuned at B1 (32 query blocks: the split won, with three consumers: 192 rows for 100
     queries) also serves B7 (224 blocks: one split, the plain kernel padding 92 rows a CTA); there
     the bucket's flash_fwd_sm90 entry (128 rows) serves, not SDPA's, though SDPA measured faster at
-    B1. Where the split still splits, or the plain entry pads as many rows, the split serves."""
+    B1. Where the split's estimate is lower (B2: its two splits) or level, the split serves."""
     b1 = Problem(1, 32, 100, 8192, 128, "bf16", "causal_br", kv_heads=8)
     split = dict(SPLIT.default(H100_SXM, b1), Bc=80, cwg=3, stages=3)
     plain = dict(SM90.default(H100_SXM, b1), Bc=176, cwg=2)
@@ -218,8 +218,8 @@ def test_the_shipped_h100_lookup_serves_a_speculative_steps_batches(tmp_path, mo
     flash_fwd_sm90 entry (128) serves; in fp16 the split's takes 128 too and keeps serving."""
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
     dispatcher = Dispatcher(tmp_path / "absent.json")
-    for batch, dtype, family in ((1, "bf16", SPLIT.name), (2, "bf16", SPLIT.name), (7, "bf16", SM90.name),
-                                 (1, "fp16", SPLIT.name), (7, "fp16", SPLIT.name)):
+    for batch, dtype, family in ((1, "bf16", SPLIT.name), (2, "bf16", SPLIT.name), (3, "bf16", SM90.name),
+                                 (7, "bf16", SM90.name), (1, "fp16", SPLIT.name), (7, "fp16", SPLIT.name)):
         e = dispatcher.select(Problem(batch, 32, 100, 8192, 128, dtype, "causal_br", 8), H100_SXM)
         assert e is not None and e["family"] == family, (batch, dtype, e and e["family"])
 
