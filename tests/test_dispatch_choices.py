@@ -5,6 +5,7 @@ capture, and what it stores)."""
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -137,6 +138,36 @@ def test_shipped_lookups_serve_the_buckets_the_users_lacks(tmp_path, shipped, sm
     d64 = d.select(replace(BF16, head_dim=64), H100_SXM)
     assert d64 is not None and d64["tflops"] == 250.0             # the user's lookup has no d=64
     assert Dispatcher(tmp_path / "absent.json").select(BF16, H100_SXM)["tflops"] == 300.0
+
+
+H200 = replace(H100_SXM, name="NVIDIA H200", memory_bytes=141 * 2**30)
+H100_PCIE = replace(H100_SXM, name="NVIDIA H100 PCIe", sm_count=114)
+
+
+def test_a_gpu_without_an_entry_for_a_shape_borrows_its_architecture_s_other_gpus(tmp_path, shipped, sm90_params):
+    """An H200 (or an H100 PCIe, which flashtune ships no lookup for) on a shape only the H100's
+    lookup covers runs the H100's entry, and says so in one warning per source GPU; its own entries
+    come first wherever it has one near; another architecture never borrows."""
+    own = next(p for p in SM90.seeds(H100_SXM, BF16) if p != sm90_params)
+    d = Dispatcher(lookup(tmp_path / "mine.json", [entry(replace(BF16, head_dim=64), SM90.name, own, 90.0, gpu=H200)]))
+    assert d.kin(H200) == [H100_SXM.key] and d.kin(A100_SXM) == [] and d.kin(H100_PCIE) == sorted([H100_SXM.key, H200.key])
+    e = d.select(BF16, H200)
+    assert e["gpu_key"] == H100_SXM.key and e["params"] == sm90_params
+    assert d.select(replace(BF16, head_dim=64), H200)["params"] == own   # its own d=64 bucket
+    assert d.select(BF16, H100_PCIE)["gpu_key"] == H100_SXM.key
+    assert d.select(BF16, A100_SXM) is None
+
+    # the plan of an SDPA entry (no compile): the H100 measured SDPA flash fastest there
+    peer_lookup = lookup(tmp_path / "peer.json", [entry(BF16, "sdpa_flash", {}, 400.0)])
+    d = Dispatcher(tmp_path / "none.json")
+    d._table = d._read(Path(peer_lookup))
+    d._gpus[0] = H200
+    with pytest.warns(UserWarning, match=r"serving configs tuned on NVIDIA-H100-80GB-HBM3/sm_90 \(the same architecture\)"):
+        plan = d._plan(BF16, 0)
+    assert plan.peer == "sdpa_flash"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # once per source GPU, not per shape
+        assert d._plan(replace(BF16, batch=2), 0).peer == "sdpa_flash"
 
 
 def test_shipped_lookups_can_be_turned_off(tmp_path, shipped, monkeypatch):

@@ -236,21 +236,36 @@ class Dispatcher:
 
     def _entries_near(self, problem: Problem, gpu, octaves: float):
         """(octaves away, entry) of every entry of `problem`'s bucket (distance 0, fastest first),
-        then of the tuned buckets up to `octaves` away, nearer first."""
+        then of the tuned buckets up to `octaves` away, nearer first: `gpu`'s own, then those of
+        the other GPUs of its architecture (`kin`), where its own have none that near."""
+        if self._table is None:
+            self._table = self._load_table()
+        for key in (gpu.key, *self.kin(gpu)):
+            yield from self._entries_of(key, problem, octaves)
+
+    def _entries_of(self, gpu_key: str, problem: Problem, octaves: float):
         from .nearest import nearest
         from .problem import Bucket
 
-        if self._table is None:
-            self._table = self._load_table()
         bucket = problem.bucket()
-        for e in self._table.get((gpu.key, bucket.key), []):
+        for e in self._table.get((gpu_key, bucket.key), []):
             yield 0.0, e
-        tuned = [Bucket.from_key(key) for g, key in self._table if g == gpu.key and key != bucket.key]
+        tuned = [Bucket.from_key(key) for g, key in self._table if g == gpu_key and key != bucket.key]
         for dist, other in nearest(bucket, tuned, lambda b: b):
             if dist > octaves:
                 break
-            for e in self._table[(gpu.key, other.key)]:
+            for e in self._table[(gpu_key, other.key)]:
                 yield dist, e
+
+    def kin(self, gpu) -> list[str]:
+        """The other GPUs of `gpu`'s architecture that the lookups hold: where `gpu` has no entry
+        for a shape (an H200 on a tensor-parallel shard's chunk; an H100 PCIe, which flashtune ships
+        no lookup for, on any shape), theirs serve, with one warning naming them (`_plan`). Their
+        configs ran 0.94-1.04x the H200's own there (PERF_NOTES, issue 21), far ahead of SDPA."""
+        if self._table is None:
+            self._table = self._load_table()
+        arch = gpu.key.rsplit("/", 1)[-1]
+        return sorted({g for g, _ in self._table if g != gpu.key and g.rsplit("/", 1)[-1] == arch})
 
     @staticmethod
     def _runs(e: dict, problem: Problem, gpu) -> bool:
@@ -280,6 +295,10 @@ class Dispatcher:
                                           self._path):
                 self.add_entries(gpu.key, winners)
         entry = self.serving_entry(problem, gpu)
+        if entry is not None and entry.get("gpu_key", gpu.key) != gpu.key:
+            self._warn_once(f"flashtune: serving configs tuned on {entry['gpu_key']} (the same architecture) for "
+                            f"shapes {gpu.key}'s lookups do not cover, e.g. {problem.key}; `tuner search --gpu auto` "
+                            "tunes this GPU", key=f"kin {gpu.key} {entry['gpu_key']}")
         if entry is None:
             why = self._ignored or f"no tuned config for {problem.bucket().key} on {gpu.key}"
             return Plan(None, None, why, problem.dtype, out=out, device=device_index, provisional=provisional)
@@ -319,6 +338,14 @@ class Dispatcher:
                 if plan is None or plan.provisional:
                     plan = self._plans[key] = self._plan(problem, q.device.index or 0)
         return plan
+
+    def _warn_once(self, message: str, key: str | None = None) -> None:
+        """`message` as a warning, once per `key` (default: the message)."""
+        with self._warn_lock:
+            if (key or message) in self._warned:
+                return
+            self._warned.add(key or message)
+        warnings.warn(message, stacklevel=4)
 
     def _warn(self, message: str) -> None:
         with self._warn_lock:  # once per message, even with threads falling back at the same time
