@@ -148,3 +148,36 @@ def test_compiled_forward_and_backward_through_a_split_entry(tmp_path):
             assert a <= max(FLOOR["bf16"], 2 * b), f"{name} error {a:.3g} (SDPA's {b:.3g})"
     finally:
         dispatch.reset()
+
+
+def test_a_sibling_gpu_s_entry_serves_with_one_warning(tmp_path, monkeypatch):
+    """A lookup holding only an entry of another GPU of this architecture (an H200's here on an
+    H100, an H100's on an H200) serves this GPU (Dispatcher.kin): the split runs, agrees with
+    float64, and one warning names the GPU it was tuned on."""
+    import re
+
+    import torch
+
+    from tuner import dispatch, export
+    from tuner.export import lookup_of, write_lookup
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.reference import attention_fp64, compare
+
+    monkeypatch.setenv(export.SHIPPED_ENV, "0")
+    gpu, fam = detect(), get_family("flash_fwd_sm90_split")
+    sibling = "NVIDIA-H100-80GB-HBM3/sm_90" if "H200" in gpu.key else "NVIDIA-H200/sm_90"
+    problem = Problem(1, 8, 512, 6000, 128, "bf16", "causal_br", 1)
+    path = tmp_path / "lookup.json"
+    write_lookup(lookup_of(sibling, [(problem, fam.name, fam.default(gpu, problem), 1.0)]), path)
+    d = dispatch.reset(path)
+    try:
+        q = torch.randn(1, 8, 500, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 1, 5999, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        with pytest.warns(UserWarning, match=f"serving configs tuned on {re.escape(sibling)}"):
+            o, lse = d(q, k, v, "causal_br", return_lse=True)
+        assert d.plan(q, k, v, "causal_br").family == fam.name
+        ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(128))
+        assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+    finally:
+        dispatch.reset()
