@@ -76,6 +76,20 @@ def test_split_launch_replays_in_a_cuda_graph():
         assert err.within(problem.rel_budget, problem.lse_budget), err
 
 
+def _serving_split(tmp_path, problem: Problem, gpu_key: str | None = None):
+    """(GPU, the split family, the process's dispatcher) on a lookup holding the family's default
+    for `problem`, keyed to `gpu_key` (default: this GPU's); `dispatch.reset()` undoes it."""
+    from tuner import dispatch
+    from tuner.export import lookup_of, write_lookup
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+
+    gpu, fam = detect(), get_family("flash_fwd_sm90_split")
+    path = tmp_path / "lookup.json"
+    write_lookup(lookup_of(gpu_key or gpu.key, [(problem, fam.name, fam.default(gpu, problem), 1.0)]), path)
+    return gpu, fam, dispatch.reset(path)
+
+
 def test_attention_serves_a_split_entry(tmp_path):
     """`attention` on a chunk of a tensor-parallel shard (8 query heads, 1 K/V head) runs the
     flash_fwd_sm90_split config its bucket holds, with auto splits, and agrees with float64; a
@@ -85,16 +99,10 @@ def test_attention_serves_a_split_entry(tmp_path):
 
     from tuner import dispatch
     from tuner.dispatch import problem_of
-    from tuner.export import lookup_of, write_lookup
-    from tuner.gpu import detect
-    from tuner.kernel_templates import get_family
     from tuner.reference import attention_fp64, compare
 
-    gpu, fam = detect(), get_family("flash_fwd_sm90_split")
     problem = Problem(1, 8, 1024, 8192, 128, "bf16", "causal_br", 1)
-    path = tmp_path / "lookup.json"
-    write_lookup(lookup_of(gpu.key, [(problem, fam.name, fam.default(gpu, problem), 1.0)]), path)
-    d = dispatch.reset(path)
+    gpu, fam, d = _serving_split(tmp_path, problem)
     try:
         q = torch.randn(1, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)   # the same bucket, another chunk
         k, v = (torch.randn(1, 1, 7000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -126,15 +134,9 @@ def test_compiled_forward_and_backward_through_a_split_entry(tmp_path):
     import tuner
     from tuner import dispatch
     from tuner.dispatch import problem_of
-    from tuner.export import lookup_of, write_lookup
-    from tuner.gpu import detect
-    from tuner.kernel_templates import get_family
 
-    gpu, fam = detect(), get_family("flash_fwd_sm90_split")
     problem = Problem(1, 8, 512, 6000, 128, "bf16", "none", 2)
-    path = tmp_path / "lookup.json"
-    write_lookup(lookup_of(gpu.key, [(problem, fam.name, fam.default(gpu, problem), 1.0)]), path)
-    d = dispatch.reset(path)
+    gpu, fam, d = _serving_split(tmp_path, problem)
     try:
         compiled = torch.compile(lambda q, k, v, causal, scale: tuner.attention(q, k, v, is_causal=causal, scale=scale),
                                  fullgraph=True)
@@ -159,18 +161,13 @@ def test_a_sibling_gpu_s_entry_serves_with_one_warning(tmp_path, monkeypatch):
     import torch
 
     from tuner import dispatch, export
-    from tuner.export import lookup_of, write_lookup
     from tuner.gpu import detect
-    from tuner.kernel_templates import get_family
     from tuner.reference import attention_fp64, compare
 
     monkeypatch.setenv(export.SHIPPED_ENV, "0")
-    gpu, fam = detect(), get_family("flash_fwd_sm90_split")
-    sibling = "NVIDIA-H100-80GB-HBM3/sm_90" if "H200" in gpu.key else "NVIDIA-H200/sm_90"
+    sibling = "NVIDIA-H100-80GB-HBM3/sm_90" if "H200" in detect().key else "NVIDIA-H200/sm_90"
     problem = Problem(1, 8, 512, 6000, 128, "bf16", "causal_br", 1)
-    path = tmp_path / "lookup.json"
-    write_lookup(lookup_of(sibling, [(problem, fam.name, fam.default(gpu, problem), 1.0)]), path)
-    d = dispatch.reset(path)
+    gpu, fam, d = _serving_split(tmp_path, problem, sibling)
     try:
         q = torch.randn(1, 8, 500, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, 1, 5999, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
