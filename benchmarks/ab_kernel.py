@@ -25,9 +25,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 HERE = Path(__file__).resolve().parent
 
 
-def configs(gpu, dtype: str | None, lookup: bool) -> list[tuple]:
-    """(problem, params) of the committed grid (and the shipped lookup), flash_fwd_sm90 only."""
+def configs(gpu, dtype: str | None, lookup: bool, family: str = "flash_fwd_sm90") -> list[tuple]:
+    """(problem, params) of the committed grid (and the shipped lookup), flash_fwd_sm90's; another
+    family's: the shipped lookup's entries of it, each on the problem it was tuned on."""
     from tuner.problem import Problem
+
+    if family != "flash_fwd_sm90":
+        from seed_resources import shipped_configs
+
+        return [(p, params) for p, params, _ in shipped_configs(gpu.key, family) if dtype in (None, p.dtype)]
 
     results = HERE / "results" / f"{gpu.key.replace('/', '_')}-fp16-bf16.json"
     if not results.exists():
@@ -54,17 +60,17 @@ def _compile(args) -> None:
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
 
-    folder, problem, params = args
+    folder, family, problem, params = args
     seed_resources.use_templates(folder)
-    compile_kernel(get_family("flash_fwd_sm90"), params, problem, detect().arch)
+    compile_kernel(get_family(family), params, problem, detect().arch)
 
 
-def precompile(points: list[tuple], folders: list[str | None], jobs: int) -> None:
+def precompile(points: list[tuple], folders: list[str | None], jobs: int, family: str = "flash_fwd_sm90") -> None:
     """Every side of every point into the compile cache, in parallel (NVRTC needs no GPU)."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    work = [(side, p, params) for p, params in points for side in folders]
+    work = [(side, family, p, params) for p, params in points for side in folders]
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
         list(pool.map(_compile, work))
 
@@ -87,22 +93,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=0.5, help="timed seconds per kernel and config")
     ap.add_argument("--dtype")
     ap.add_argument("--lookup", action="store_true", help="also the shipped lookup's configs")
+    ap.add_argument("--family", default="flash_fwd_sm90",
+                    help="another family (flash_fwd_sm90_split): its shipped lookup entries, on their own problems")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a parameter of every config (repeatable; e.g. Bc=128 to time a peer's tile)")
     ap.add_argument("--json")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2, help="compiler processes")
     a = ap.parse_args(argv)
     gpu = detect()
-    points = [(p, c) for p, c in configs(gpu, a.dtype, a.lookup) if not a.shape or any(s in p.key for s in a.shape)]
+    points = [(p, c) for p, c in configs(gpu, a.dtype, a.lookup, a.family) if not a.shape or any(s in p.key for s in a.shape)]
     if a.set:
         override = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
         points = list({(p.key, json.dumps(c | override, sort_keys=True)): (p, c | override) for p, c in points}.values())
     sides = {"before": a.templates, "after": None} | dict(v.split("=", 1) for v in a.variant)
-    precompile(points, list(sides.values()), a.jobs)
-    fam = get_family("flash_fwd_sm90")
+    precompile(points, list(sides.values()), a.jobs, a.family)
+    fam = get_family(a.family)
     timer = Timer(gpu.l2_bytes, target_seconds=a.seconds, max_reps=2000)
     rows = []
-    print(f"{gpu.name}: flash_fwd_sm90 before ({a.templates}) and after (this checkout), in turns, TFLOP/s of the median")
+    print(f"{gpu.name}: {fam.name} before ({a.templates}) and after (this checkout), in turns, TFLOP/s of the median")
     for problem, params in points:
         prepared = {}
         for side, folder in sides.items():

@@ -81,15 +81,15 @@ def seeds(problem) -> list[dict]:
     return [s for s in fam.seeds(H100_SXM, problem) if fam.check(s, H100_SXM, problem) is None]
 
 
-def shipped_configs(gpu_key: str | None = None) -> list[tuple]:
-    """(problem, params, lookup name) of every flash_fwd_sm90 entry of the shipped lookups
-    (tuner/lookups/), or of the one for `gpu_key`."""
+def shipped_configs(gpu_key: str | None = None, family: str = "flash_fwd_sm90") -> list[tuple]:
+    """(problem, params, lookup name) of every entry of `family` in the shipped lookups
+    (tuner/lookups/), or in the one for `gpu_key`."""
     from tuner.export import SHIPPED_DIR, read_lookup
     from tuner.problem import Problem
 
     paths = [SHIPPED_DIR / f"{gpu_key.replace('/', '_')}.json"] if gpu_key else sorted(SHIPPED_DIR.glob("*.json"))
     return [(Problem.from_dict(e["problem"]), e["params"], path.stem) for path in paths if path.exists()
-            for e in read_lookup(path)["entries"] if e["family"] == "flash_fwd_sm90"]
+            for e in read_lookup(path)["entries"] if e["family"] == family]
 
 
 def seed_points() -> list[tuple]:
