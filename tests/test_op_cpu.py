@@ -350,3 +350,17 @@ def test_switch_leaves_nested_tensors_to_sdpa():
     check that would read their ragged shape."""
     njt = torch.nested.nested_tensor([torch.randn(3, 4, 8), torch.randn(5, 4, 8)], layout=torch.jagged).transpose(1, 2)
     assert op._served(njt, njt, njt) == "nested (jagged) tensors"
+
+
+def test_switch_leaves_empty_inputs_to_sdpa():
+    """A model's SDPA call on an empty batch (or no keys) stays with SDPA, which returns an empty or
+    zero output, where flashtune's attention refuses empty inputs with a ValueError."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 16, 64, device="cuda", dtype=torch.bfloat16)
+        assert op._served(q, q, q) is None
+        empty = torch.empty(0, 8, 16, 64, device="cuda", dtype=torch.bfloat16)
+        assert op._served(empty, empty, empty) == "empty inputs"
+        no_keys = torch.empty(2, 8, 0, 64, device="cuda", dtype=torch.bfloat16)
+        assert op._served(q, no_keys, no_keys) == "empty inputs"
