@@ -445,3 +445,19 @@ def test_first_call_autotune_times_measures_and_stores(tmp_path, monkeypatch):
     finally:
         autotune.set_autotune(None)
         dispatch.reset()
+
+
+def test_the_sdpa_switch_runs_an_empty_batch_as_sdpa_does():
+    """Under the switch, a model's SDPA call on an empty microbatch returns SDPA's empty output (and
+    an empty gradient), not flashtune's refusal."""
+    import torch
+    import torch.nn.functional as F
+
+    import tuner
+
+    q = torch.randn(0, 8, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with tuner.sdpa_override(), pytest.warns(UserWarning, match="empty inputs"):
+        o = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert o.shape == q.shape
+    o.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
