@@ -448,16 +448,18 @@ def test_first_call_autotune_times_measures_and_stores(tmp_path, monkeypatch):
 
 
 def test_the_sdpa_switch_runs_an_empty_batch_as_sdpa_does():
-    """Under the switch, a model's SDPA call on an empty microbatch returns SDPA's empty output (and
-    an empty gradient), not flashtune's refusal."""
+    """Under the switch, a model's SDPA call on an empty microbatch returns what SDPA returns (an
+    empty output), not flashtune's refusal; outside it, flashtune's attention refuses in one line."""
     import torch
     import torch.nn.functional as F
 
     import tuner
 
     q = torch.randn(0, 8, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    theirs = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     with tuner.sdpa_override(), pytest.warns(UserWarning, match="empty inputs"):
-        o = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-    assert o.shape == q.shape
-    o.sum().backward()
-    assert q.grad is not None and q.grad.shape == q.shape
+        ours = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert ours.shape == theirs.shape == q.shape and ours.dtype == theirs.dtype
+    assert ours.requires_grad == theirs.requires_grad
+    with pytest.raises(ValueError, match="empty input"):
+        tuner.attention(q, q, q, is_causal=True)
