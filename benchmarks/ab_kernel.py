@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2, help="compiler processes")
     a = ap.parse_args(argv)
     gpu = detect()
-    points = [(p, c) for p, c in configs(gpu, a.dtype, a.lookup, a.family) if not a.shape or any(s in p.key for s in a.shape)]
+    points = [(p, c) for p, c in configs(gpu, a.dtype, a.lookup, a.family)
+              if not a.shape or any(s in p.key for s in a.shape)]
     if a.set:
         override = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
         points = list({(p.key, json.dumps(c | override, sort_keys=True)): (p, c | override) for p, c in points}.values())

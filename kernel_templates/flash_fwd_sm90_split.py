@@ -52,7 +52,8 @@ def auto_splits(params: dict, problem: Problem, gpu: GpuSpec) -> int:
     """The fewest splits whose estimated time is within SPLIT_GAIN of the best count's, one split
     unless splitting gains SPLIT_GAIN; each split keeps two K/V tiles at least."""
     tiles, rows = work_tiles(params, problem), 64 * params["cwg"]
-    most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, params["Bc"]) // 2, ceil_div(MAX_WAVES * gpu.sm_count, tiles)))
+    most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, params["Bc"]) // 2,
+                      ceil_div(MAX_WAVES * gpu.sm_count, tiles)))
     times = {s: estimate(rows, tiles, s, problem, gpu) for s in range(1, most + 1)}
     best = min(times.values())
     return next(s for s, t in times.items() if t <= SPLIT_GAIN * best)

@@ -339,20 +339,18 @@ class Dispatcher:
                     plan = self._plans[key] = self._plan(problem, q.device.index or 0)
         return plan
 
-    def _warn_once(self, message: str, key: str | None = None) -> None:
-        """`message` as a warning, once per `key` (default: the message)."""
+    def _warn_once(self, message: str, key: str | None = None, stacklevel: int = 4) -> None:
+        """`message` as a warning, once per `key` (default: the message), even with threads
+        falling back at the same time; `stacklevel` counts from here."""
         with self._warn_lock:
             if (key or message) in self._warned:
                 return
             self._warned.add(key or message)
-        warnings.warn(message, stacklevel=4)
+        warnings.warn(message, stacklevel=stacklevel)
 
     def _warn(self, message: str) -> None:
-        with self._warn_lock:  # once per message, even with threads falling back at the same time
-            if message in self._warned:
-                return
-            self._warned.add(message)
-        warnings.warn(f"flashtune: {message}; using torch scaled_dot_product_attention", stacklevel=3)
+        """That SDPA answers, and why (`message`), once per reason."""
+        self._warn_once(f"flashtune: {message}; using torch scaled_dot_product_attention", key=message, stacklevel=4)
 
     # ---- hot path ----
     def forward(self, q, k, v, causal: bool | str = False, scale: float | None = None, max_error: float | None = None,

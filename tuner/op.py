@@ -264,7 +264,7 @@ def _served(q, k, v) -> str | None:
 
     if q.shape[3] not in supported_head_dims():
         return f"head dim {q.shape[3]}"
-    if 0 in (*q.shape, *k.shape):   # an empty microbatch: whatever SDPA gives (None on torch 2.11's CUDA), where attention refuses
+    if 0 in (*q.shape, *k.shape):   # an empty microbatch: what SDPA gives (None on torch 2.11's CUDA)
         return "empty inputs"
     return None
 
