@@ -3,7 +3,7 @@
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
 #   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|varlen-ship|ab|sweep|profile|all]...
-# `tests` runs `pytest -m gpu` as six processes side by side (test files split so each takes about
+# `tests` runs `pytest -m gpu` as seven processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
 # re-times the committed grid configs (benchmarks/results_db.py) with `tuner bench` (GRID_DTYPE=bf16
@@ -57,7 +57,8 @@ for step in $steps; do
     tests|all) fam=tests/test_gpu_kernel.py::test_family_matches_reference
                groups=("tests/test_gpu_op.py tests/test_tma.py tests/test_gpu_varlen.py" "$fam -k sm90" "$fam -k mma" "$fam -k simt"
                        "tests/test_gpu_kernel.py tests/test_gpu_split_kv.py --deselect $fam"
-                       "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py")
+                       "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py"
+                       "tests/test_gpu_shipped.py")
                i=0; for g in "${groups[@]}"; do i=$((i + 1))
                  FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -q -rA \
                    ${PYTEST_K:+-k "$PYTEST_K"} $g > "$OUT/pytest_gpu_$i.log" 2>&1 &

@@ -47,12 +47,16 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        o: torch.Tensor, lse: torch.Tensor, causal: bool | str, scale: float | None) -> Grads:
     """dq, dk, dv (each with its input's shape, dtype and strides) of attention whose forward gave
     O and the natural-log LSE (B, H, Nq) on q, k, v; `causal` is a mask (a bool: SDPA's is_causal).
-    Rows that saw no key (LSE -inf) reach the kernels with LSE +inf, FlashAttention's own
-    convention there: their probabilities exp(s - LSE) are 0, never NaN, and so are their gradients."""
-    backend = choose(Case.of(q, k, causal))
+    Rows that saw no key (bottom-right, Nq > Nk) have dq = 0 and give nothing to dk and dv; the
+    others are a square causal problem, on which every backend's diagonal agrees, so that alone
+    runs (copied to fresh tensors: cuDNN's graphs assume the layouts its own forward gives)."""
     if empty := no_key_rows(q, k, causal):
-        lse = lse.clone()
-        lse[:, :, :empty] = float("inf")
+        seen = [t[:, :, empty:].contiguous() for t in (grad_out, q, o, lse)]
+        dq_seen, dk, dv = attention_backward(seen[0], seen[1], k, v, seen[2], seen[3], "causal", scale)
+        dq = torch.zeros_like(q)
+        dq[:, :, empty:] = dq_seen
+        return dq, like(k, dk), like(v, dv)
+    backend = choose(Case.of(q, k, causal))
     dq, dk, dv = backend.backward(grad_out, q, k, v, o, lse, causal, scale)
     return like(q, dq), like(k, dk), like(v, dv)
 

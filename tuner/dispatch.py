@@ -428,13 +428,26 @@ class Dispatcher:
         `need_lse` that backend's kernel which returns the LSE. Otherwise, after the plan's one
         warning: with `need_lse`, the fastest of torch's kernels that returns the LSE and takes the
         case; without, scaled_dot_product_attention, which picks its own backend (the bottom-right
-        mask as torch's causal_lower_right)."""
+        mask as torch's causal_lower_right where Nq < Nk; where Nq > Nk, the rows that see keys
+        alone, top-left)."""
         import torch.nn.functional as F
 
         from .backward import choose
         from .peers import DISPATCHED_PEERS
         from .torch_attention import BACKENDS, Case, no_key_rows, sdpa_mask_kwargs
 
+        if empty := no_key_rows(q, k, causal):
+            # Rows that see no key are O = 0, LSE -inf; the rest see keys j <= i - empty, a square
+            # causal problem on which every backend's diagonal agrees (torch's memory-efficient
+            # kernel gets the bottom-right one wrong where Nq > Nk: tests/test_gpu_shipped.py).
+            o_seen, lse_seen = self._fallback(q[:, :, empty:], k, v, "causal", scale, plan, need_lse)
+            size, stride = out_layout(q)
+            o = torch.empty_strided(size, stride, dtype=o_seen.dtype, device=q.device)
+            o[:, :, :empty] = 0
+            o[:, :, empty:] = o_seen
+            lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+            lse[:, :, empty:] = lse_seen
+            return o, lse
         if plan.peer is None:
             self._warn(plan.reason)
         if q.dtype != plan.out:
@@ -456,10 +469,6 @@ class Dispatcher:
             lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
         if o is None:
             o, lse = (backend or choose(Case.of(q, k, causal))).forward(q, k, v, causal, scale)
-        if empty := no_key_rows(q, k, causal):   # torch leaves them NaN (SDPA) or LSE +inf (FA2)
-            o, lse = o.clone(), lse.clone()
-            o[:, :, :empty] = 0
-            lse[:, :, :empty] = float("-inf")
         size, stride = out_layout(q)
         if o.stride() != stride:
             o = torch.empty_strided(size, stride, dtype=o.dtype, device=o.device).copy_(o)

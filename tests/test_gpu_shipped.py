@@ -1,0 +1,226 @@
+"""On the GPU: what a user gets with no lookup of their own, the shipped lookups, on random shapes
+that no test tuned and no bucket was searched at: batches 1-4, GQA 1-8, odd lengths from one query
+to 64k keys, decode steps, chunks against longer caches, Nq > Nk, head dims 32-256, the three masks,
+both layouts and any scale. Whatever serves (a tuned config, a borrowed bucket, a split entry that
+gives way, SDPA), O and the LSE must agree with float64, and the gradients as closely as SDPA's own.
+FLASHTUNE_FUZZ_CASES sets how many shapes a run draws (default 24 forward, a third of them with
+gradients); FLASHTUNE_FUZZ_SEED replays one run's draws."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import warnings
+
+import pytest
+from test_gpu_varlen import _batch, _check_sequences
+
+from tuner.problem import Problem
+
+pytestmark = pytest.mark.gpu
+
+CASES = int(os.environ.get("FLASHTUNE_FUZZ_CASES", "24"))
+SEED = int(os.environ.get("FLASHTUNE_FUZZ_SEED", str(random.randrange(2**31))))
+WORK = 4e9   # at most B * H * Nq * Nk of one draw (the float64 reference's time)
+# gradients: ours may be up to twice SDPA's own error on the same inputs, or this, whichever is larger
+FLOOR = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """The process's dispatcher as a user's fresh install has it: no lookup of their own, the shipped ones on."""
+    from tuner import dispatch
+
+    monkeypatch.setenv("FLASHTUNE_SHIPPED_LOOKUPS", "1")
+    yield dispatch.reset(tmp_path / "none.json")
+    dispatch.reset()
+
+
+def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def _draw(rng: random.Random) -> Problem:
+    """A shape a model might pose: a prompt, a decode or speculative step, a chunk after a cache, or
+    cross-attention; its work bounded by WORK."""
+    dtype = rng.choices(["bf16", "fp16", "fp32"], [5, 4, 1])[0]
+    d = rng.choices([32, 64, 96, 128, 256], [1, 4, 1, 6, 3])[0]
+    kvh, group = rng.choice([1, 2, 4, 8]), rng.choice([1, 2, 4, 8])
+    kind = rng.choice(["prompt", "decode", "chunk", "cross"])
+    if kind == "prompt":
+        nq = nk = _log_uniform(rng, 1, 20000)
+    elif kind == "decode":
+        nq, nk = rng.choice([1, 1, 2, 5, 16]), _log_uniform(rng, 1, 65536)
+    elif kind == "chunk":
+        nq = _log_uniform(rng, 17, 4096)
+        nk = nq + _log_uniform(rng, 1, 60000)
+    else:
+        nq, nk = _log_uniform(rng, 1, 8192), _log_uniform(rng, 1, 8192)
+    mask = rng.choice(["none", "causal", "causal_br"])
+    batch = rng.randint(1, 4)
+    while batch > 1 and batch * kvh * group * nq * nk > WORK:
+        batch -= 1
+    while kvh * group > 1 and batch * kvh * group * nq * nk > WORK:
+        group, kvh = (group // 2, kvh) if group > 1 else (group, kvh // 2)
+    return Problem(batch, kvh * group, nq, nk, d, dtype, mask, kvh)
+
+
+def _inputs(p: Problem, layout: str, generator, grad: bool):
+    import torch
+
+    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
+
+    def make(heads, n):
+        shape = (p.batch, n, heads, p.head_dim) if layout == "bnhd" else (p.batch, heads, n, p.head_dim)
+        t = torch.randn(shape, generator=generator, device="cuda", dtype=dt)
+        return (t.transpose(1, 2) if layout == "bnhd" else t).requires_grad_(grad)
+
+    return make(p.heads, p.seqlen_q), make(p.kv_heads, p.seqlen_k), make(p.kv_heads, p.seqlen_k)
+
+
+def _served_by(d, q, k, v, mask: str) -> str:
+    plan = d.plan(q, k, v, mask)
+    return plan.family or f"sdpa {plan.peer or ''}".strip()
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_forward_on_shapes_nobody_tuned(shipped, case):
+    """O and the LSE of a drawn shape within the problem's float64 budget, through the shipped lookups."""
+    import torch
+
+    import tuner
+    from tuner.reference import attention_fp64, compare
+
+    rng = random.Random(SEED * 1000 + case)
+    p = _draw(rng)
+    layout, scale = rng.choice(["bhnd", "bnhd"]), rng.choice([None, rng.uniform(0.02, 0.2)])
+    g = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    q, k, v = _inputs(p, layout, g, grad=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # a fallback's or a borrowed bucket's one warning: not what is tested
+        o, lse = shipped(q, k, v, p.mask, scale, return_lse=True)
+        served = _served_by(shipped, q, k, v, p.mask)
+    torch.cuda.synchronize()
+    what = f"seed {SEED} case {case}: {p.key} {layout} scale={scale} served by {served}"
+    assert o.shape == q.shape and o.dtype == q.dtype, what
+    ref_o, ref_lse = attention_fp64(q, k, v, p.mask, scale if scale is not None else 1.0 / math.sqrt(p.head_dim))
+    err = compare(o, lse, ref_o, ref_lse)
+    assert err.finite, f"{what}: O not finite, or the LSE not -inf exactly where a row sees no key"
+    assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: {err}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        public = tuner.attention(q, k, v, mask=p.mask, scale=scale)   # no LSE asked: SDPA's own call where it falls back
+    assert public.stride() == o.stride(), what
+    err = compare(public, None, ref_o, ref_lse)
+    assert err.finite and err.rel <= p.rel_budget, f"{what}: tuner.attention's O: {err}"
+    print(what, f"rel {err.rel:.2e}")   # -rA lists what served each draw
+
+
+def _sdpa_masked(q, k, v, p: Problem, scale):
+    """SDPA with the problem's mask: where bottom-right rows see no key (Nq > Nk, which SDPA answers
+    with NaN), those rows are 0 and the others SDPA's own top-left causal on their square."""
+    import torch
+    import torch.nn.functional as F
+
+    from tuner.reference import hidden_keys
+
+    if p.mask == "causal_br" and p.seqlen_q > p.seqlen_k:
+        empty = p.seqlen_q - p.seqlen_k
+        seen = F.scaled_dot_product_attention(q[:, :, empty:], k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return torch.cat([seen.new_zeros(*seen.shape[:2], empty, seen.shape[3]), seen], dim=2)
+    hidden = hidden_keys(p.seqlen_q, p.seqlen_k, p.mask, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if hidden is None else ~hidden, scale=scale,
+                                          enable_gqa=True)
+
+
+def _reference64(q, k, v, p: Problem, scale):
+    """The formula in float64 autograd: softmax over the keys each row sees, rows that see none 0."""
+    import torch
+
+    from tuner.reference import hidden_keys
+
+    group = p.heads // p.kv_heads
+    k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    s = q @ k.transpose(-1, -2) * (scale if scale is not None else p.head_dim ** -0.5)
+    hidden = hidden_keys(p.seqlen_q, p.seqlen_k, p.mask, q.device)
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
+
+
+def _gradient_errors(fn, q, k, v, p: Problem, scale) -> list[float]:
+    """fn's O, dq, dk, dv against float64 autograd of the formula, relative to the reference's norm
+    or a tenth of the upstream gradient's, whichever is larger (test_gpu_op._errors says why)."""
+    import torch
+
+    o = fn(q, k, v)
+    grad = torch.randn_like(o)
+    got = (o.detach(), *torch.autograd.grad(o, (q, k, v), grad))
+    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = _reference64(*x64, p, scale)
+    want = (ref.detach(), *torch.autograd.grad(ref, x64, grad.double()))
+    floor = 0.1 * float(grad.double().norm())
+    out = []
+    for name, a, b in zip(("O", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), f"NaN/Inf in {name}"
+        out.append(float((a.double() - b).norm()) / max(float(b.norm()), floor))
+    return out
+
+
+@pytest.mark.parametrize("case", range(max(1, CASES // 3)))
+def test_gradients_on_shapes_nobody_tuned(shipped, case):
+    """O, dq, dk, dv of a drawn shape through `attention` and autograd, no worse than twice SDPA's
+    error on the same inputs (or the dtype's floor)."""
+    import torch
+
+    import tuner
+
+    rng = random.Random(SEED * 1000 + 500 + case)
+    while True:
+        p = _draw(rng)
+        if p.batch * p.heads * p.seqlen_q * p.seqlen_k <= WORK / 16:
+            break
+    layout, scale = rng.choice(["bhnd", "bnhd"]), rng.choice([None, 0.05])
+    seed = rng.randrange(2**31)
+
+    def ours(q, k, v):
+        return tuner.attention(q, k, v, mask=p.mask, scale=scale)
+
+    def fresh():
+        return _inputs(p, layout, torch.Generator(device="cuda").manual_seed(seed), grad=True)
+
+    what = f"seed {SEED} case {case}: {p.key} {layout} scale={scale}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            mine = _gradient_errors(ours, *fresh(), p, scale)
+        except AssertionError as exc:
+            raise AssertionError(f"{what}: {str(exc).splitlines()[0]}") from None
+        what += f" served by {_served_by(shipped, *fresh(), p.mask)}"
+        theirs = _gradient_errors(lambda q, k, v: _sdpa_masked(q, k, v, p, scale), *fresh(), p, scale)
+    for name, a, b in zip(("O", "dq", "dk", "dv"), mine, theirs):
+        assert a <= max(FLOOR[p.dtype], 2 * b), f"{what}: {name} error {a:.3g} (SDPA's {b:.3g})"
+    print(what)
+
+
+@pytest.mark.parametrize("case", range(max(1, CASES // 4)))
+def test_packed_batches_nobody_tuned(shipped, case):
+    """A packed batch of ragged sequences (0 and 1 among the lengths), self- or cross-attention or
+    decode-like, each sequence against float64, through the shipped varlen entries."""
+    import torch
+
+    from tuner import varlen_attention
+
+    rng = random.Random(SEED * 1000 + 900 + case)
+    dtype, d = rng.choice(["fp16", "bf16"]), rng.choice([64, 128, 256])
+    mask, kind = rng.choice(["none", "causal", "causal_br"]), rng.choice(["self", "cross", "decode"])
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross=kind != "self", decode=kind == "decode",
+                                                 rows=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o, lse = varlen_attention(q, k, v, cu_q, cu_k, mask=mask, return_lse=True)
+    torch.cuda.synchronize()
+    what = f"seed {SEED} case {case}: {dtype} d{d} {mask} {kind} H{q.shape[1]}/kv{k.shape[1]} q {lens_q} k {lens_k}"
+    _check_sequences(o, lse, q, k, v, lens_q, lens_k, mask, dtype, 1.0 / math.sqrt(d), what)
