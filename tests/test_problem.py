@@ -222,11 +222,21 @@ def test_different_seqlen_bucket(a, b):
 
 
 def test_head_dim_dtype_causal_never_share():
-    base = Problem(4, 12, 1024, 1024, 64, "fp32", False)
+    base = Problem(4, 12, 1024, 2048, 64, "fp32", False)   # Nq != Nk: the two diagonals differ
     variants = [replace(base, head_dim=d, dtype=t, mask=c)
                 for d, t, c in itertools.product((64, 128), DTYPES, MASKS)]
     keys = [v.bucket().key for v in variants]
     assert len(set(keys)) == len(variants)
+
+
+@pytest.mark.parametrize("nq,nk,shares", [(1000, 1000, True), (1000, 1001, False), (1001, 1000, False), (1, 1, False)])
+def test_square_bottom_right_is_the_causal_bucket(nq, nk, shares):
+    """With as many queries as keys the bottom-right diagonal is the top-left one: a prompt's
+    prefill into an empty KV cache is served by the causal buckets the grid and the models tuned."""
+    br, tl = (Problem(1, 8, nq, nk, 128, "bf16", m, 2).bucket() for m in ("causal_br", "causal"))
+    assert (br == tl) is shares
+    if nq == 1:   # one query on the bottom-right diagonal sees every key
+        assert br.mask == "none"
 
 
 def test_bucket_key_round_trip():

@@ -62,10 +62,14 @@ def mask_of(value: object) -> str:
     return value  # type: ignore[return-value]
 
 
-def seen_mask(mask: str, nq: int) -> str:
+def seen_mask(mask: str, nq: int, nk: int) -> str:
     """The mask as the attention sees it: one query on the bottom-right diagonal sees every key, so
-    a decode step's "causal_br" is no mask (one bucket, and SDPA runs it unmasked)."""
-    return "none" if mask == "causal_br" and nq == 1 else mask
+    a decode step's "causal_br" is no mask (one bucket, and SDPA runs it unmasked); with as many
+    queries as keys the two diagonals are one, so a prompt's prefill into an empty KV cache is
+    "causal" (the buckets the grid and the models tuned)."""
+    if mask == "causal_br" and nq == 1:
+        return "none"
+    return "causal" if mask == "causal_br" and nq == nk else mask
 
 
 def visible_pairs(nq: int, nk: int, mask: str) -> int:
@@ -268,9 +272,9 @@ class Bucket:
         bh = p.batch * p.heads
         work = "small" if bh < 32 else ("medium" if bh < 256 else "large")
         # a decode step is one bucket whether the caller says bottom-right (a KV cache, --seqlen 1:N)
-        # or no mask (SDPA's call)
-        return cls(p.dtype, p.head_dim, seen_mask(p.mask, p.seqlen_q), _seqlen_bucket(p.seqlen_k), work, p.max_error,
-                   _query_bucket(p.seqlen_q))
+        # or no mask (SDPA's call); a square bottom-right call is the causal one's
+        return cls(p.dtype, p.head_dim, seen_mask(p.mask, p.seqlen_q, p.seqlen_k), _seqlen_bucket(p.seqlen_k), work,
+                   p.max_error, _query_bucket(p.seqlen_q))
 
     @property
     def causal(self) -> bool:

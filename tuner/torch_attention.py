@@ -46,7 +46,7 @@ class Case:
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool | str) -> "Case":
         cc = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else (0, 0)
         nq, nk = q.shape[2], k.shape[2]
-        mask = seen_mask(mask_of(causal), nq)
+        mask = seen_mask(mask_of(causal), nq, nk)
         return cls(q.dtype, q.shape[-1], nq, nk, mask != "none", k.shape[1] != q.shape[1], cc,
                    mask == "causal_br" and nq != nk)
 
@@ -55,7 +55,7 @@ class Case:
         """The case a Problem poses, run in its output dtype (fp8 inputs go up to bf16) on a GPU of
         compute capability `cc`."""
         nq, nk = problem.seqlen_q, problem.seqlen_k
-        mask = seen_mask(problem.mask, nq)
+        mask = seen_mask(problem.mask, nq, nk)
         return cls(torch_dtype(problem.out_dtype), problem.head_dim, nq, nk, mask != "none",
                    problem.kv_heads != problem.heads, cc, mask == "causal_br" and nq != nk)
 
@@ -63,8 +63,8 @@ class Case:
 def sdpa_mask_kwargs(causal: bool | str, nq: int, nk: int) -> dict:
     """scaled_dot_product_attention's arguments for a mask: is_causal for the top-left diagonal,
     torch's causal_lower_right bias for the bottom-right one (where it differs)."""
-    mask = seen_mask(mask_of(causal), nq)
-    if mask == "causal_br" and nq != nk:
+    mask = seen_mask(mask_of(causal), nq, nk)
+    if mask == "causal_br":
         from torch.nn.attention.bias import causal_lower_right
 
         return {"attn_mask": causal_lower_right(nq, nk)}
