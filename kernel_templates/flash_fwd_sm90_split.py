@@ -98,6 +98,17 @@ class SplitFlashFwdSm90(FlashFwdSm90):
         return plain < estimate(64 * params["cwg"], work_tiles(params, problem), self.splits(params, problem, gpu),
                                 problem, gpu)
 
+    def split_form(self, plain: dict, gpu: GpuSpec, problem: Problem) -> dict | None:
+        """flash_fwd_sm90's config `plain` (as it serves `problem`) in this family, its tile and its
+        consumers kept, the keys split from the occupancy: where the call's few query blocks leave
+        SMs idle and splitting gains by the estimate (auto_splits > 1). None where it would run one
+        split, or where the tile has no valid split form (d=256's Bc > 64 at split=40)."""
+        fixed = {k: v[0] for k, v in self.space.items() if len(v) == 1}
+        params = {**{k: plain[k] for k in ("Bc", "stages", "cwg", "split")}, **fixed, "splits": 0}
+        if self.check(params, gpu, problem) is not None or self.splits(params, problem, gpu) < 2:
+            return None
+        return params
+
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         if params["splits"] > ceil_div(problem.seqlen_k, params["Bc"]):
             return f"splits={params['splits']} exceeds the {ceil_div(problem.seqlen_k, params['Bc'])} K/V tiles of Nk={problem.seqlen_k}"

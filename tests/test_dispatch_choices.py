@@ -241,6 +241,47 @@ def test_a_split_entry_that_would_pad_more_rows_unsplit_gives_way_to_the_plain_k
     assert d.select(b7, H100_SXM)["family"] == SPLIT.name
 
 
+TILE = ("Bc", "stages", "cwg", "split")
+
+
+def test_a_plain_config_serving_a_call_that_leaves_sms_idle_splits_its_keys(tmp_path, sm90_params):
+    """A flash_fwd_sm90 config tuned where its blocks filled the GPU (B1-H32/kv8 8k causal) serves
+    one head of that prompt (64 blocks on 132 SMs) with the keys split, its tile kept; where the
+    blocks fill the GPU it runs as tuned, and an entry tuned on a call that left SMs idle stands as
+    measured (a search of every family weighed the split against it there)."""
+    d = Dispatcher(lookup(tmp_path / "l.json", [entry(BF16, SM90.name, sm90_params, 300.0)]))
+    one_head = replace(BF16, heads=1, kv_heads=1)
+    e = d.select(one_head, H100_SXM)
+    assert e["family"] == SPLIT.name and SPLIT.splits(e["params"], one_head, H100_SXM) > 1
+    assert {k: e["params"][k] for k in TILE} == {k: sm90_params[k] for k in TILE}
+    assert SPLIT.check(e["params"], H100_SXM, one_head) is None
+    assert d.select(BF16, H100_SXM)["params"] == sm90_params
+    assert d.select(replace(BF16, heads=8, kv_heads=8), H100_SXM)["family"] == SM90.name   # 512 blocks
+    d = Dispatcher(lookup(tmp_path / "idle.json", [entry(one_head, SM90.name, sm90_params, 150.0)]))
+    assert d.select(replace(one_head, seqlen_q=7000, seqlen_k=7000), H100_SXM)["family"] == SM90.name
+    assert SPLIT.split_form(sm90_params, H100_SXM, replace(one_head, seqlen_q=300, seqlen_k=300)) is None
+
+
+def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it_splits(tmp_path):
+    """Nothing tuned near a few heads of a 3k prompt (bottom-right, as a KV cache's prefill puts
+    it): flash_fwd_sm90_split's default splits its 50 blocks' keys, where SDPA ran it on 50 SMs
+    (114 TFLOP/s against SDPA flash's 45 on the H200, PERF_NOTES "p5"); `tuner bench --lookup`
+    times that. Too few keys to split, blocks that fill the GPU, or fp32: SDPA, as before."""
+    from tuner.cli import _served
+
+    path = lookup(tmp_path / "far.json", [entry(replace(BF16, head_dim=64), SM90.name,
+                                                SM90.default(H100_SXM, replace(BF16, head_dim=64)), 300.0)])
+    d = Dispatcher(path)
+    shard = Problem(1, 2, 3169, 3276, 128, "bf16", "causal_br", 1)
+    e = d.serving_entry(shard, H100_SXM)
+    assert d.select(shard, H100_SXM) is None and e["family"] == SPLIT.name
+    assert e["params"] == SPLIT.default(H100_SXM, shard) and SPLIT.splits(e["params"], shard, H100_SXM) > 1
+    assert _served(path, [shard], H100_SXM)[shard.key].family == SPLIT.name
+    for p in (replace(shard, seqlen_q=300, seqlen_k=300), replace(shard, batch=8, heads=32, kv_heads=8),
+              replace(shard, dtype="fp32")):
+        assert d.serving_entry(p, H100_SXM) is None, p.key
+
+
 def test_the_shipped_h100_lookup_serves_a_speculative_steps_batches(tmp_path, monkeypatch):
     """B1-H32/kv8, 100 queries against 8k keys (a speculative step) splits the keys; B7 of the same
     bucket fills the GPU: in bf16 the split's entry there takes 192 rows a CTA and the bucket's

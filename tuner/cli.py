@@ -438,17 +438,19 @@ def _write_bench_json(path: Path, gpu, results) -> None:
 def _served(lookup: Path, problems, gpu) -> dict:
     """What the dispatcher serves each problem from `lookup` on `gpu`, as the stored best bench
     times: a tuned config as it runs that problem (dispatch.served_params: a split count tuned at
-    another batch gives way to the occupancy's), an SDPA backend as a config {} of that peer's family."""
+    another batch gives way to the occupancy's), an untuned family's default where the dispatcher
+    runs one (a decode call, a prefill that leaves SMs idle: Dispatcher.serving_entry), an SDPA
+    backend as a config {} of that peer's family."""
     from .db.queries import BestEntry
     from .dispatch import Dispatcher, served_params
 
     d = Dispatcher(lookup)
     served = {}
     for p in problems:
-        e = d.select(p, gpu)
+        e = d.serving_entry(p, gpu)
         if e is not None:
-            served[p.key] = BestEntry(gpu.key, e["family"], p, p.bucket().key, served_params(e, p), e["tflops"],
-                                      e["median_ms"], 0)
+            served[p.key] = BestEntry(gpu.key, e["family"], p, p.bucket().key, served_params(e, p), e.get("tflops", 0.0),
+                                      e.get("median_ms", 0.0), 0)
     return served
 
 

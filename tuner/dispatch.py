@@ -194,7 +194,7 @@ class Dispatcher:
         if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
             near = next((e for _, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
-        return near and self._given_way(near, problem, gpu)
+        return near and self._split_where_idle(self._given_way(near, problem, gpu), problem, gpu)
 
     def _given_way(self, entry: dict, problem: Problem, gpu) -> dict:
         """`entry`, or the runnable entry of its bucket of the family it gives way to at this call:
@@ -210,10 +210,27 @@ class Dispatcher:
                      if e["family"] == fam.gives_way_to and self._runs(e, problem, gpu)
                      and fam.gives_way(params, served_params(e, problem), gpu, problem)), entry)
 
+    def _split_where_idle(self, entry: dict, problem: Problem, gpu) -> dict:
+        """`entry`, or where it is a flash_fwd_sm90 config serving a call whose few query blocks
+        leave SMs idle, that config with the keys split across CTAs (flash_fwd_sm90_split.split_form)
+        where the estimate gains by splitting. Not where the entry was tuned in this bucket on a
+        shape that left SMs idle too: a search there weighed the split family against it."""
+        from .kernel_templates import FAMILIES
+
+        split = FAMILIES.get("flash_fwd_sm90_split")
+        if split is None or entry["family"] != split.gives_way_to or not isinstance(entry.get("problem"), dict):
+            return entry
+        tuned = Problem.from_dict(entry["problem"])
+        if entry.get("bucket") == problem.bucket().key and split.tune_skip(gpu, tuned) is None:
+            return entry
+        params = split.split_form(served_params(entry, problem), gpu, problem)
+        return entry if params is None else {**entry, "family": split.name, "params": params}
+
     def serving_entry(self, problem: Problem, gpu) -> dict | None:
         """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,
-        flash_decode's default; None where neither serves it (SDPA then does)."""
-        return self.select(problem, gpu) or _decode_default(problem, gpu)
+        flash_decode's default, for a prefill call that leaves SMs idle, flash_fwd_sm90_split's
+        where it splits the keys; None where none serves it (SDPA then does)."""
+        return self.select(problem, gpu) or _decode_default(problem, gpu) or _split_default(problem, gpu)
 
     def candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
@@ -507,6 +524,21 @@ def _decode_default(problem: Problem, gpu) -> dict | None:
     if fam is None or fam.supports(gpu, problem):
         return None
     return {"family": fam.name, "params": fam.default(gpu, problem)}
+
+
+def _split_default(problem: Problem, gpu) -> dict | None:
+    """flash_fwd_sm90_split's default config for a prefill call nothing tuned serves whose query
+    blocks leave SMs idle (a few heads of a short prompt, a chunk of a tensor-parallel shard: no
+    bucket within reach, and too few blocks to borrow one at any distance), where its occupancy
+    splits the keys. SDPA's kernels run such calls on the few SMs their blocks take; with one
+    split, the kernel would too, and SDPA's flash kernel measured faster there (PERF_NOTES "p1")."""
+    from .kernel_templates import FAMILIES
+
+    fam = FAMILIES.get("flash_fwd_sm90_split")
+    if fam is None or problem.seqlen_q <= DECODE_QUERIES or fam.supports(gpu, problem):
+        return None
+    params = fam.default(gpu, problem)
+    return {"family": fam.name, "params": params} if fam.splits(params, problem, gpu) > 1 else None
 
 
 def _pinned(peer: str):
