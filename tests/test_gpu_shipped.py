@@ -3,8 +3,10 @@ that no test tuned and no bucket was searched at: batches 1-4, GQA 1-8, odd leng
 to 64k keys, decode steps, chunks against longer caches, Nq > Nk, head dims 32-256, the three masks,
 both layouts and any scale. Whatever serves (a tuned config, a borrowed bucket, a split entry that
 gives way, SDPA), O and the LSE must agree with float64, and the gradients as closely as SDPA's own.
-FLASHTUNE_FUZZ_CASES sets how many shapes a run draws (default 24 forward, a third of them with
-gradients); FLASHTUNE_FUZZ_SEED replays one run's draws."""
+Packed batches and KV caches (dense or paged, ragged lengths, decode steps and chunks past
+flash_decode's 64 queries) too. FLASHTUNE_FUZZ_CASES sets how many shapes a run draws (default 24
+forward, a third as many with gradients, a quarter packed, a quarter cached); FLASHTUNE_FUZZ_SEED
+replays one run's draws."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import random
 import warnings
 
 import pytest
+from test_gpu_decode import _cache, _poison_past
 from test_gpu_varlen import _batch, _check_sequences
 
 from tuner.problem import Problem
@@ -224,3 +227,47 @@ def test_packed_batches_nobody_tuned(shipped, case):
     torch.cuda.synchronize()
     what = f"seed {SEED} case {case}: {dtype} d{d} {mask} {kind} H{q.shape[1]}/kv{k.shape[1]} q {lens_q} k {lens_k}"
     _check_sequences(o, lse, q, k, v, lens_q, lens_k, mask, dtype, 1.0 / math.sqrt(d), what)
+
+
+@pytest.mark.parametrize("case", range(max(1, CASES // 4)))
+def test_kv_caches_nobody_tuned(shipped, case):
+    """kvcache_attention on a drawn cache: dense or paged (pages of 16 to 256 rows), each sequence
+    holding its own number of keys (0 and 1 among them, NaN past them), decode steps, speculative
+    steps and chunks past flash_decode's 64 queries, bottom-right causal or not; each sequence
+    against float64 on the keys it holds."""
+    import torch
+
+    from tuner import kvcache_attention
+    from tuner.kvcache import gather_sequence
+    from tuner.reference import attention_fp64, compare
+
+    rng = random.Random(SEED * 1000 + 700 + case)
+    dtype, d = rng.choice(["fp16", "bf16"]), rng.choices([64, 128, 256], [2, 4, 1])[0]
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    b, kvh, group = rng.randint(1, 6), rng.choice([1, 2, 8]), rng.choice([1, 2, 4, 8])
+    nq, page = rng.choice([1, 1, 2, 5, 16, 65, 200]), rng.choice([0, 0, 16, 64, 256])
+    cap = rng.choice([300, 4000, 20000])
+    lens = [rng.randint(0, cap) for _ in range(b)]
+    lens[rng.randrange(b)] = rng.choice([0, 1, cap])
+    causal = rng.random() < 0.7
+    k, v, table = _cache(rng, torch, b, kvh, d, cap, page, dt)
+    cap = _poison_past(torch, k, v, table, lens, page)
+    q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=dt).transpose(1, 2)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
+    torch.cuda.synchronize()
+    mask = "causal_br" if causal else "none"
+    what = f"seed {SEED} case {case}: {dtype} B{b} H{kvh * group}/kv{kvh} nq{nq} d{d} lens {lens} page {page} {mask}"
+    for i in range(b):
+        if lens[i] == 0:   # nothing held: every row sees no key
+            assert torch.equal(o[i], torch.zeros_like(o[i])) and bool(torch.isneginf(lse[i]).all()), what
+            continue
+        ks, vs = (gather_sequence(t, seqlens, table, i, cap)[None] for t in (k, v))
+        ref_o, ref_lse = attention_fp64(q[i:i + 1], ks, vs, mask, 1.0 / math.sqrt(d))
+        err = compare(o[i:i + 1], lse[i:i + 1], ref_o, ref_lse)
+        p = Problem(1, kvh * group, nq, lens[i], d, dtype, mask, kvh)
+        assert err.finite, f"{what}: sequence {i} not finite, or the LSE not -inf exactly where a row sees no key"
+        assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence {i}: {err}"
+    print(what)
