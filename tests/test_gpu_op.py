@@ -399,6 +399,37 @@ def test_a_measured_peer_serves_without_a_warning(tmp_path, peer):
         dispatch.reset()
 
 
+@pytest.mark.parametrize("d", [80, 192])
+def test_a_head_dim_no_kernel_takes_runs_sdpa_with_one_warning(dispatcher, d):
+    """SDPA takes any head dim; where none of flashtune's kernels does (80: Phi-2, Stable Diffusion;
+    192), `attention` runs torch's, forward and backward as close to float64 as SDPA's, and says so
+    once, naming the head dim; packed sequences of it run torch's varlen kernel."""
+    import torch
+
+    import tuner
+
+    dispatcher([])
+    rng = random.Random()
+    p = Problem(2, 8, 333, 400, d, "bf16", "causal", kv_heads=2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _check_against_sdpa(p, rng, served=False)
+        q, k, v = (t.detach() for t in _inputs(p, "bhnd", 2))
+        tuner.attention(q, k, v, is_causal=True)
+    said = [str(w.message) for w in seen if f"head dim {d}" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in seen]
+    cu = torch.tensor([0, 100, 333], dtype=torch.int32, device="cuda")
+    packed = [torch.randn(333, h, d, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        o = tuner.attention(*packed, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=233, max_seqlen_k=233)
+    for a, b in ((0, 100), (100, 333)):
+        q1, k1, v1 = (t[a:b].transpose(0, 1)[None].double() for t in packed)
+        ref = torch.nn.functional.scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=True)
+        got = o[a:b].transpose(0, 1)[None].double()
+        assert float((got - ref).norm() / ref.norm()) < FLOOR["bf16"], (d, a, b)
+
+
 def test_first_call_autotune_times_measures_and_stores(tmp_path, monkeypatch):
     """With autotuning on, a shape of an untuned bucket has the nearest tuned configs and the SDPA
     backends timed on it once: the output is right, the database holds the measurements, the

@@ -141,7 +141,7 @@ def _good():
     (lambda a: a.update(k=a["k"].half(), v=a["v"].half()), "share one of"),
     (lambda a: a.update(v=a["v"][:, :1]), "shapes differ"),
     (lambda a: a.update(k=torch.randn(7, 3, 64), v=torch.randn(7, 3, 64)), "divide"),
-    (lambda a: a.update(q=torch.randn(7, 4, 72), k=torch.randn(7, 2, 72), v=torch.randn(7, 2, 72)), "head dim"),
+    (lambda a: a.update(q=torch.randn(7, 4, 72), k=torch.randn(7, 2, 64), v=torch.randn(7, 2, 64)), "head dim must match"),
     (lambda a: a.update(cu_q=a["cu_q"].long()), "int32"),
     (lambda a: a.update(cu_k=torch.tensor([0], dtype=torch.int32)), "at least 2"),
     (lambda a: a.update(cu_k=torch.tensor([0, 3, 5, 7], dtype=torch.int32)), "sequences"),

@@ -175,8 +175,8 @@ def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool =
     """Attention on CUDA tensors of shape (B, H, N, D), as torch.nn.functional.scaled_dot_product_attention.
 
     Computed by the best tuned kernel for this GPU and shape bucket, or by torch's attention (with
-    one warning; on bf16 copies of fp8 inputs) where nothing tuned fits. K/V may have fewer heads
-    (GQA; `enable_gqa` is accepted and not required). `is_causal` is SDPA's: the top-left diagonal,
+    one warning; on bf16 copies of fp8 inputs) where nothing tuned fits or no kernel takes the head
+    dim. K/V may have fewer heads (GQA; `enable_gqa` is accepted and not required). `is_causal` is SDPA's: the top-left diagonal,
     key j visible to query i where j <= i (`causal=` is the older spelling). `mask="causal_br"`
     (or "bottom_right") is the bottom-right diagonal, key j visible to query i where j <= i + Nk -
     Nq, as a KV cache or a chunked prefill needs (torch's causal_lower_right; the two differ only

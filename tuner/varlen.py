@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dispatch import TORCH_TO_DTYPE, supported_head_dims
+from .dispatch import TORCH_TO_DTYPE
 from .dispatch import default as default_dispatcher
 from .launch import Launch, Launcher, LoadedKernel, launch_on
 from .backward import like
@@ -70,9 +70,6 @@ def check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, *, cuda: bool = True)
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if k.shape[2] != q.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"k/v {tuple(k.shape)} do not fit q {tuple(q.shape)}: the head dim must match and k/v's heads divide q's")
-    dims = sorted(supported_head_dims())
-    if q.shape[2] not in dims:
-        raise ValueError(f"unsupported head dim {q.shape[2]}; supported: {dims}")
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.device != q.device:
             raise ValueError(f"{name} must be a 1-D int32 tensor on {q.device}")
