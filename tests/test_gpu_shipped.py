@@ -17,6 +17,7 @@ import random
 import warnings
 
 import pytest
+from cuda_graphs import capture
 from test_gpu_decode import _cache, _poison_past
 from test_gpu_varlen import _batch, _check_sequences
 
@@ -272,3 +273,46 @@ def test_kv_caches_nobody_tuned(shipped, case):
         assert err.finite, f"{what}: sequence {i} not finite, or the LSE not -inf exactly where a row sees no key"
         assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence {i}: {err}"
     print(what)
+
+
+@pytest.mark.parametrize("case", range(2))
+def test_compiled_with_dynamic_shapes_and_graph_captured_on_shapes_nobody_tuned(shipped, case):
+    """One torch.compile(dynamic=True, fullgraph=True) of `attention` called on three drawn shapes
+    of a dtype, head dim and mask (other batches, heads and lengths: served by other buckets, split
+    or not, or SDPA), then each shape captured in a CUDA graph and replayed on new inputs: every O
+    within the problem's float64 budget."""
+    import torch
+
+    import tuner
+    from tuner.reference import attention_fp64, compare
+
+    rng = random.Random(SEED * 1000 + 800 + case)
+    first = _draw(rng)
+    while first.dtype == "fp32" or first.head_dim not in (64, 128, 256):
+        first = _draw(rng)
+    shapes = [first]
+    while len(shapes) < 3:
+        p = _draw(rng)
+        if p.seqlen_q > 1:   # dynamic shapes specialise sizes 0 and 1
+            shapes.append(Problem(p.batch, p.heads, p.seqlen_q, p.seqlen_k, first.head_dim, first.dtype, first.mask,
+                                  p.kv_heads))
+    fn = torch.compile(lambda q, k, v: tuner.attention(q, k, v, mask=first.mask), dynamic=True, fullgraph=True)
+    g = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+
+    def check(o, q, k, v, what):
+        ref_o, ref_lse = attention_fp64(q, k, v, first.mask, 1.0 / math.sqrt(first.head_dim))
+        err = compare(o, None, ref_o, ref_lse)
+        assert err.finite and err.rel <= first.rel_budget, f"seed {SEED} case {case}: {what}: {err}"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for p in shapes:
+            q, k, v = _inputs(p, rng.choice(["bhnd", "bnhd"]), g, grad=False)
+            check(fn(q, k, v), q, k, v, f"compiled {p.key}")
+            graph, o = capture(lambda: tuner.attention(q, k, v, mask=first.mask))
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=t.dtype))
+            graph.replay()
+            torch.cuda.synchronize()
+            check(o, q, k, v, f"graph replay of {p.key} served by {_served_by(shipped, q, k, v, first.mask)}")
+            print(f"seed {SEED} case {case}: {p.key}")
