@@ -83,8 +83,6 @@ def test_kvcache_ragged_lengths_dense_and_paged(dtype, page):
     import torch
 
     from tuner import kvcache_attention
-    from tuner.kvcache import gather_sequence
-    from tuner.reference import attention_fp64, compare
 
     rng = random.Random()
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
@@ -100,19 +98,30 @@ def test_kvcache_ragged_lengths_dense_and_paged(dtype, page):
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
         torch.cuda.synchronize()
-        mask = "causal_br" if causal else "none"
         what = f"B{b} H{kvh * group}/kv{kvh} nq{nq} d{d} lens {lens} page {page} causal {causal}"
-        for i in range(b):
-            if lens[i] == 0:   # nothing held: every row sees no key
-                assert torch.equal(o[i], torch.zeros_like(o[i])) and bool(torch.isneginf(lse[i]).all()), what
-                continue
-            ks = gather_sequence(k, seqlens, table, i, cap)[None]
-            vs = gather_sequence(v, seqlens, table, i, cap)[None]
-            ref_o, ref_lse = attention_fp64(q[i:i + 1], ks, vs, mask, 1.0 / math.sqrt(d))
-            err = compare(o[i:i + 1], lse[i:i + 1], ref_o, ref_lse)
-            p = Problem(1, kvh * group, nq, lens[i], d, dtype, mask, kvh)
-            assert err.finite, f"{what}: sequence {i} ({lens[i]} keys) not finite or not -inf where empty"
-            assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence {i}: {err}"
+        check_cached_sequences(o, lse, q, k, v, seqlens, table, lens, cap, causal, dtype, what)
+
+
+def check_cached_sequences(o, lse, q, k_cache, v_cache, seqlens, table, lens: list[int], cap: int, causal: bool,
+                           dtype: str, what: str) -> None:
+    """Each sequence of kvcache_attention's O and LSE against float64 on the keys it holds (gathered
+    from the dense or paged cache): O = 0 and LSE = -inf where it holds none."""
+    import torch
+
+    from tuner.kvcache import gather_sequence
+    from tuner.reference import attention_fp64, compare
+
+    mask = "causal_br" if causal else "none"
+    for i, n in enumerate(lens):
+        if n == 0:   # nothing held: every row sees no key
+            assert torch.equal(o[i], torch.zeros_like(o[i])) and bool(torch.isneginf(lse[i]).all()), what
+            continue
+        ks, vs = (gather_sequence(t, seqlens, table, i, cap)[None] for t in (k_cache, v_cache))
+        ref_o, ref_lse = attention_fp64(q[i:i + 1], ks, vs, mask, 1.0 / math.sqrt(q.shape[3]))
+        err = compare(o[i:i + 1], lse[i:i + 1], ref_o, ref_lse)
+        p = Problem(1, q.shape[1], q.shape[2], n, q.shape[3], dtype, mask, k_cache.shape[1])
+        assert err.finite, f"{what}: sequence {i} ({n} keys) not finite, or the LSE not -inf where no key is seen"
+        assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence {i}: {err}"
 
 
 @pytest.mark.parametrize("page", [0, 64], ids=["dense", "page64"])

@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 from cuda_graphs import capture
-from test_gpu_decode import _cache, _poison_past
+from test_gpu_decode import _cache, _poison_past, check_cached_sequences
 from test_gpu_varlen import _batch, _check_sequences
 
 from tuner.problem import Problem
@@ -115,7 +115,7 @@ def test_forward_on_shapes_nobody_tuned(shipped, case):
     assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: {err}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        public = tuner.attention(q, k, v, mask=p.mask, scale=scale)   # no LSE asked: SDPA's own call where it falls back
+        public = tuner.attention(q, k, v, mask=p.mask, scale=scale)   # no LSE asked: SDPA's own call in a fallback
     assert public.stride() == o.stride(), what
     err = compare(public, None, ref_o, ref_lse)
     assert err.finite and err.rel <= p.rel_budget, f"{what}: tuner.attention's O: {err}"
@@ -240,8 +240,6 @@ def test_kv_caches_nobody_tuned(shipped, case):
     import torch
 
     from tuner import kvcache_attention
-    from tuner.kvcache import gather_sequence
-    from tuner.reference import attention_fp64, compare
 
     rng = random.Random(SEED * 1000 + 700 + case)
     dtype, d = rng.choice(["fp16", "bf16"]), rng.choices([64, 128, 256], [2, 4, 1])[0]
@@ -260,18 +258,9 @@ def test_kv_caches_nobody_tuned(shipped, case):
         warnings.simplefilter("ignore")
         o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
     torch.cuda.synchronize()
-    mask = "causal_br" if causal else "none"
-    what = f"seed {SEED} case {case}: {dtype} B{b} H{kvh * group}/kv{kvh} nq{nq} d{d} lens {lens} page {page} {mask}"
-    for i in range(b):
-        if lens[i] == 0:   # nothing held: every row sees no key
-            assert torch.equal(o[i], torch.zeros_like(o[i])) and bool(torch.isneginf(lse[i]).all()), what
-            continue
-        ks, vs = (gather_sequence(t, seqlens, table, i, cap)[None] for t in (k, v))
-        ref_o, ref_lse = attention_fp64(q[i:i + 1], ks, vs, mask, 1.0 / math.sqrt(d))
-        err = compare(o[i:i + 1], lse[i:i + 1], ref_o, ref_lse)
-        p = Problem(1, kvh * group, nq, lens[i], d, dtype, mask, kvh)
-        assert err.finite, f"{what}: sequence {i} not finite, or the LSE not -inf exactly where a row sees no key"
-        assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence {i}: {err}"
+    what = f"seed {SEED} case {case}: {dtype} B{b} H{kvh * group}/kv{kvh} nq{nq} d{d} lens {lens} page {page}"
+    what += f" causal {causal}"
+    check_cached_sequences(o, lse, q, k, v, seqlens, table, lens, cap, causal, dtype, what)
     print(what)
 
 
