@@ -34,6 +34,12 @@ PARTIAL_KEYS = 235
 # A split count must beat one split's estimate by this much: below it the estimate has been wrong
 # both ways (a 9% predicted gain at 448 tiles measured 1.6%).
 SPLIT_GAIN = 1.10
+# The merge's tail, once a launch: each block's last split merges the partials behind the launch's
+# last wave, a few dependent trips to L2 a row (~16 us on the H100), in query rows x keys of a
+# d=128 main loop. A long launch hides it; a short one-wave launch of 2k-6k keys pays it whole
+# (PERF_NOTES "p6"). It decides where a plain config may run split (split_form): there the
+# alternative is the same config unsplit, which has no tail to pay.
+MERGE_KEYS = 1100
 
 
 def work_tiles(params: dict, problem: Problem) -> int:
@@ -101,11 +107,16 @@ class SplitFlashFwdSm90(FlashFwdSm90):
     def split_form(self, plain: dict, gpu: GpuSpec, problem: Problem) -> dict | None:
         """flash_fwd_sm90's config `plain` (as it serves `problem`) in this family, its tile and its
         consumers kept, the keys split from the occupancy: where the call's few query blocks leave
-        SMs idle and splitting gains by the estimate (auto_splits > 1). None where it would run one
-        split, or where the tile has no valid split form (d=256's Bc > 64 at split=40)."""
+        SMs idle and splitting gains by the estimate (auto_splits > 1), the merge's tail counted.
+        None where it would run one split, or where the tile has no valid split form (d=256's
+        Bc > 64 at split=40)."""
         fixed = {k: v[0] for k, v in self.space.items() if len(v) == 1}
         params = {**{k: plain[k] for k in ("Bc", "stages", "cwg", "split")}, **fixed, "splits": 0}
-        if self.check(params, gpu, problem) is not None or self.splits(params, problem, gpu) < 2:
+        if self.check(params, gpu, problem) is not None or (splits := self.splits(params, problem, gpu)) < 2:
+            return None
+        rows, tiles = 64 * params["cwg"], work_tiles(params, problem)
+        tail = rows * MERGE_KEYS * 128 / problem.head_dim
+        if (estimate(rows, tiles, splits, problem, gpu) + tail) * SPLIT_GAIN > estimate(rows, tiles, 1, problem, gpu):
             return None
         return params
 
