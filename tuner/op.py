@@ -176,11 +176,12 @@ def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool =
 
     Computed by the best tuned kernel for this GPU and shape bucket, or by torch's attention (with
     one warning; on bf16 copies of fp8 inputs) where nothing tuned fits or no kernel takes the head
-    dim. K/V may have fewer heads (GQA; `enable_gqa` is accepted and not required). `is_causal` is SDPA's: the top-left diagonal,
-    key j visible to query i where j <= i (`causal=` is the older spelling). `mask="causal_br"`
-    (or "bottom_right") is the bottom-right diagonal, key j visible to query i where j <= i + Nk -
-    Nq, as a KV cache or a chunked prefill needs (torch's causal_lower_right; the two differ only
-    where Nq != Nk); query rows that see no key (Nq > Nk) are 0. `mask` also takes "none" and
+    dim. K/V may have fewer heads (GQA; `enable_gqa` is accepted and not required). `is_causal` is
+    SDPA's: the top-left diagonal, key j visible to query i where j <= i (`causal=` is the older
+    spelling). `mask="causal_br"` (or "bottom_right") is the bottom-right diagonal, key j visible
+    to query i where j <= i + Nk - Nq, as a KV cache or a chunked prefill needs (torch's
+    causal_lower_right; the two differ only where Nq != Nk); query rows that see no key (Nq > Nk)
+    are 0. `mask` also takes "none" and
     "causal" (problem.MASK_TOKENS: what `--shape` takes). `attn_mask` and `dropout_p` go to SDPA
     itself, with one warning. Gradients flow to q, k and v (fp8 has none).
     `max_error` picks configs tuned under that error budget (`tuner search --max-error`): for fp32

@@ -48,7 +48,7 @@ class Case:
         nq, nk = q.shape[2], k.shape[2]
         mask = seen_mask(mask_of(causal), nq, nk)
         return cls(q.dtype, q.shape[-1], nq, nk, mask != "none", k.shape[1] != q.shape[1], cc,
-                   mask == "causal_br" and nq != nk)
+                   mask == "causal_br")
 
     @classmethod
     def of_problem(cls, problem, cc: tuple[int, int]) -> "Case":
@@ -57,7 +57,7 @@ class Case:
         nq, nk = problem.seqlen_q, problem.seqlen_k
         mask = seen_mask(problem.mask, nq, nk)
         return cls(torch_dtype(problem.out_dtype), problem.head_dim, nq, nk, mask != "none",
-                   problem.kv_heads != problem.heads, cc, mask == "causal_br" and nq != nk)
+                   problem.kv_heads != problem.heads, cc, mask == "causal_br")
 
 
 def sdpa_mask_kwargs(causal: bool | str, nq: int, nk: int) -> dict:
