@@ -60,12 +60,13 @@ def _inputs(p: Problem, layout: str, seed: int):
     return make(p.heads, p.seqlen_q), make(p.kv_heads, p.seqlen_k), make(p.kv_heads, p.seqlen_k)
 
 
-def _errors(fn, q, k, v, causal: bool, scale):
+def _errors(fn, q, k, v, causal: bool, scale, reference=None):
     """Errors of fn's O and of its q, k, v gradients (for a random upstream gradient) against
-    float64 autograd of SDPA's math on the same values: relative to the reference's norm, or to a
-    tenth of the upstream gradient's where the reference is smaller (a row that sees one key has
-    dq = 0 exactly: what is computed there is P = exp(s - LSE) rounded around 1 times the upstream
-    gradient, an infinite relative error; at Nq = 1 that is all of dq)."""
+    float64 autograd of SDPA's math on the same values (or of `reference` on their float64
+    copies): relative to the reference's norm, or to a tenth of the upstream gradient's where the
+    reference is smaller (a row that sees one key has dq = 0 exactly: what is computed there is
+    P = exp(s - LSE) rounded around 1 times the upstream gradient, an infinite relative error; at
+    Nq = 1 that is all of dq)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -74,8 +75,11 @@ def _errors(fn, q, k, v, causal: bool, scale):
     grad = torch.randn_like(o)
     got = (o.detach(), *torch.autograd.grad(o, (q, k, v), grad))
     x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    with sdpa_kernel(SDPBackend.MATH):
-        ref = F.scaled_dot_product_attention(*x64, is_causal=causal, scale=scale, enable_gqa=True)
+    if reference is not None:
+        ref = reference(*x64)
+    else:
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = F.scaled_dot_product_attention(*x64, is_causal=causal, scale=scale, enable_gqa=True)
     want = (ref.detach(), *torch.autograd.grad(ref, x64, grad.double()))
     out = []
     floor = 0.1 * float(grad.double().norm())

@@ -19,6 +19,7 @@ import warnings
 import pytest
 from cuda_graphs import capture
 from test_gpu_decode import _cache, _poison_past, check_cached_sequences
+from test_gpu_op import FLOOR, _errors, _inputs
 from test_gpu_varlen import _batch, _check_sequences
 
 from tuner.problem import Problem
@@ -28,8 +29,6 @@ pytestmark = pytest.mark.gpu
 CASES = int(os.environ.get("FLASHTUNE_FUZZ_CASES", "24"))
 SEED = int(os.environ.get("FLASHTUNE_FUZZ_SEED", str(random.randrange(2**31))))
 WORK = 4e9   # at most B * H * Nq * Nk of one draw (the float64 reference's time)
-# gradients: ours may be up to twice SDPA's own error on the same inputs, or this, whichever is larger
-FLOOR = {"fp32": 1e-5, "fp16": 2e-3, "bf16": 1.5e-2}
 
 
 @pytest.fixture
@@ -71,19 +70,6 @@ def _draw(rng: random.Random) -> Problem:
     return Problem(batch, kvh * group, nq, nk, d, dtype, mask, kvh)
 
 
-def _inputs(p: Problem, layout: str, generator, grad: bool):
-    import torch
-
-    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.dtype]
-
-    def make(heads, n):
-        shape = (p.batch, n, heads, p.head_dim) if layout == "bnhd" else (p.batch, heads, n, p.head_dim)
-        t = torch.randn(shape, generator=generator, device="cuda", dtype=dt)
-        return (t.transpose(1, 2) if layout == "bnhd" else t).requires_grad_(grad)
-
-    return make(p.heads, p.seqlen_q), make(p.kv_heads, p.seqlen_k), make(p.kv_heads, p.seqlen_k)
-
-
 def _served_by(d, q, k, v, mask: str) -> str:
     plan = d.plan(q, k, v, mask)
     return plan.family or f"sdpa {plan.peer or ''}".strip()
@@ -100,8 +86,7 @@ def test_forward_on_shapes_nobody_tuned(shipped, case):
     rng = random.Random(SEED * 1000 + case)
     p = _draw(rng)
     layout, scale = rng.choice(["bhnd", "bnhd"]), rng.choice([None, rng.uniform(0.02, 0.2)])
-    g = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
-    q, k, v = _inputs(p, layout, g, grad=False)
+    q, k, v = (t.detach() for t in _inputs(p, layout, rng.randrange(2**31)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # a fallback's or a borrowed bucket's one warning: not what is tested
         o, lse = shipped(q, k, v, p.mask, scale, return_lse=True)
@@ -154,25 +139,6 @@ def _reference64(q, k, v, p: Problem, scale):
     return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
 
 
-def _gradient_errors(fn, q, k, v, p: Problem, scale) -> list[float]:
-    """fn's O, dq, dk, dv against float64 autograd of the formula, relative to the reference's norm
-    or a tenth of the upstream gradient's, whichever is larger (test_gpu_op._errors says why)."""
-    import torch
-
-    o = fn(q, k, v)
-    grad = torch.randn_like(o)
-    got = (o.detach(), *torch.autograd.grad(o, (q, k, v), grad))
-    x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = _reference64(*x64, p, scale)
-    want = (ref.detach(), *torch.autograd.grad(ref, x64, grad.double()))
-    floor = 0.1 * float(grad.double().norm())
-    out = []
-    for name, a, b in zip(("O", "dq", "dk", "dv"), got, want):
-        assert torch.isfinite(a).all(), f"NaN/Inf in {name}"
-        out.append(float((a.double() - b).norm()) / max(float(b.norm()), floor))
-    return out
-
-
 @pytest.mark.parametrize("case", range(max(1, CASES // 3)))
 def test_gradients_on_shapes_nobody_tuned(shipped, case):
     """O, dq, dk, dv of a drawn shape through `attention` and autograd, no worse than twice SDPA's
@@ -189,21 +155,27 @@ def test_gradients_on_shapes_nobody_tuned(shipped, case):
     layout, scale = rng.choice(["bhnd", "bnhd"]), rng.choice([None, 0.05])
     seed = rng.randrange(2**31)
 
-    def ours(q, k, v):
+    def ours(q, k, v, *_):   # _errors passes the mask and scale it was given too
         return tuner.attention(q, k, v, mask=p.mask, scale=scale)
 
+    def sdpa(q, k, v, *_):
+        return _sdpa_masked(q, k, v, p, scale)
+
+    def reference(q, k, v):
+        return _reference64(q, k, v, p, scale)
+
     def fresh():
-        return _inputs(p, layout, torch.Generator(device="cuda").manual_seed(seed), grad=True)
+        return _inputs(p, layout, seed)
 
     what = f"seed {SEED} case {case}: {p.key} {layout} scale={scale}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            mine = _gradient_errors(ours, *fresh(), p, scale)
+            mine = _errors(ours, *fresh(), p.mask, scale, reference=reference)
         except AssertionError as exc:
             raise AssertionError(f"{what}: {str(exc).splitlines()[0]}") from None
         what += f" served by {_served_by(shipped, *fresh(), p.mask)}"
-        theirs = _gradient_errors(lambda q, k, v: _sdpa_masked(q, k, v, p, scale), *fresh(), p, scale)
+        theirs = _errors(sdpa, *fresh(), p.mask, scale, reference=reference)
     for name, a, b in zip(("O", "dq", "dk", "dv"), mine, theirs):
         assert a <= max(FLOOR[p.dtype], 2 * b), f"{what}: {name} error {a:.3g} (SDPA's {b:.3g})"
     print(what)
@@ -286,7 +258,6 @@ def test_compiled_with_dynamic_shapes_and_graph_captured_on_shapes_nobody_tuned(
             shapes.append(Problem(p.batch, p.heads, p.seqlen_q, p.seqlen_k, first.head_dim, first.dtype, first.mask,
                                   p.kv_heads))
     fn = torch.compile(lambda q, k, v: tuner.attention(q, k, v, mask=first.mask), dynamic=True, fullgraph=True)
-    g = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
 
     def check(o, q, k, v, what):
         ref_o, ref_lse = attention_fp64(q, k, v, first.mask, 1.0 / math.sqrt(first.head_dim))
@@ -296,11 +267,11 @@ def test_compiled_with_dynamic_shapes_and_graph_captured_on_shapes_nobody_tuned(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for p in shapes:
-            q, k, v = _inputs(p, rng.choice(["bhnd", "bnhd"]), g, grad=False)
+            q, k, v = (t.detach() for t in _inputs(p, rng.choice(["bhnd", "bnhd"]), rng.randrange(2**31)))
             check(fn(q, k, v), q, k, v, f"compiled {p.key}")
             graph, o = capture(lambda: tuner.attention(q, k, v, mask=first.mask))
             for t in (q, k, v):
-                t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=t.dtype))
+                t.normal_()
             graph.replay()
             torch.cuda.synchronize()
             check(o, q, k, v, f"graph replay of {p.key} served by {_served_by(shipped, q, k, v, first.mask)}")

@@ -181,8 +181,7 @@ def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool =
     spelling). `mask="causal_br"` (or "bottom_right") is the bottom-right diagonal, key j visible
     to query i where j <= i + Nk - Nq, as a KV cache or a chunked prefill needs (torch's
     causal_lower_right; the two differ only where Nq != Nk); query rows that see no key (Nq > Nk)
-    are 0. `mask` also takes "none" and
-    "causal" (problem.MASK_TOKENS: what `--shape` takes). `attn_mask` and `dropout_p` go to SDPA
+    are 0. `mask` also takes "none" and "causal" (problem.MASK_TOKENS: what `--shape` takes). `attn_mask` and `dropout_p` go to SDPA
     itself, with one warning. Gradients flow to q, k and v (fp8 has none).
     `max_error` picks configs tuned under that error budget (`tuner search --max-error`): for fp32
     inputs, the tf32 or bf16 tensor-core kernels. O has q's dtype (bf16 for float8_e4m3fn inputs)
