@@ -27,9 +27,13 @@
 // by TMA (sm90_epilogue.cuh), so the warp starts its next work tile without waiting on the stores;
 // otherwise O goes from registers in 16-byte stores (store_slab).
 //
-// Head dims are handled in panels of 128 bytes (one swizzle atom wide: 64 columns of fp16/bf16, 128
-// of e4m3): Q, K and V tiles are PANELS boxes of [rows x PANEL_COLS] each, so one TMA box and one
-// wgmma descriptor step per panel. e4m3 at d=64 has 64-byte rows, in the 64-byte swizzle.
+// Head dims are handled in panels one swizzle atom wide (PANEL_COLS, set by the family from the
+// tile's width: 128 bytes where the width is a multiple of them, else 64 or 32): Q, K and V tiles
+// are PANELS boxes of [rows x PANEL_COLS] each, so one TMA box and one wgmma descriptor step per
+// panel. The tile's width HEAD_DIM is the head dim D_VALID rounded up to a wgmma k step (16 columns
+// of fp16/bf16): the columns past D_VALID come in as zeros (the tensor maps end at D_VALID), add
+// nothing to S, make zero columns of O, and are never stored. So d=96 runs in three 64-byte panels
+// and d=80 in five 32-byte ones, FlashAttention-4's rule, where no 128-byte panel fits.
 //
 // e4m3 (IN_DTYPE == FT_E4M3): the products are k32 QGMMA, O is bf16; the keys of V^T are permuted
 // so that P packs straight from S's registers. V's stage is freed once transposed, V^T's once P V
@@ -45,7 +49,7 @@
 // its share of O and the LSE to a workspace and the block's last split merges them. For calls whose
 // work tiles leave SMs idle (few heads, a short chunk against a long cache).
 //
-// Set by the family spec: BC HEAD_DIM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
+// Set by the family spec: BC HEAD_DIM D_VALID PANEL_COLS STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
@@ -63,8 +67,7 @@ constexpr int OUT_DTYPE = FP8 ? FT_BF16 : IN_DTYPE;   // e4m3 inputs give a bf16
 using TO = typename Elem<OUT_DTYPE>::type;
 constexpr int BR = 64 * CWG;                 // query rows per block
 constexpr int NT = 128 * (CWG + 1);          // threads: producer warpgroup + consumers
-constexpr int ROW_BYTES = HEAD_DIM * sizeof(T) < 128 ? HEAD_DIM * sizeof(T) : 128;   // swizzle width
-constexpr int PANEL_COLS = ROW_BYTES / sizeof(T);   // columns per panel (one swizzled row)
+constexpr int ROW_BYTES = PANEL_COLS * sizeof(T);   // swizzle width: the bytes of a panel's row
 constexpr int PANELS = HEAD_DIM / PANEL_COLS;
 constexpr int PANEL_KSTEPS = ROW_BYTES / 32;        // k steps per panel
 constexpr int NTILES = BC / 8;               // n8 column groups of S
@@ -75,7 +78,6 @@ constexpr int PSTEPS = BC / KSTEP;           // k steps of P V
 constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
 constexpr int QBUF = CHAIN ? 2 : 1;          // Q buffers: CHAIN loads the next tile's Q under this one
 constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
-constexpr int KV_ROW_BYTES = HEAD_DIM * sizeof(T);
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
 constexpr bool WARP_PRODUCER = PERSISTENT && (PRODUCER_REGS == 32 || VARLEN);   // see producer()
 // A consumer runs only the K/V tiles its own 64 rows need: causal ones stop at its own diagonal
@@ -93,8 +95,11 @@ constexpr bool FROM_END = IS_CAUSAL && !TMA_STORE;
 constexpr bool PEEL_MASKS = !(HEAD_DIM > 128 && IS_CAUSAL && (PERSISTENT || SPLIT_KV));
 constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a 16-row slab per consumer warp
 
-static_assert(HEAD_DIM % PANEL_COLS == 0 && ROW_BYTES % 64 == 0, "head dim in whole 64- or 128-byte panels");
-static_assert(FP8 || ROW_BYTES == 128, "fp16/bf16: 128-byte panels");
+static_assert(HEAD_DIM % PANEL_COLS == 0 && (ROW_BYTES == 128 || ROW_BYTES == 64 || ROW_BYTES == 32),
+              "the tile's width in whole 128-, 64- or 32-byte panels");
+static_assert(D_VALID <= HEAD_DIM && HEAD_DIM - D_VALID < KSTEP && D_VALID % 8 == 0, "the head dim, rounded up to a k step");
+static_assert(!FP8 || (D_VALID == HEAD_DIM && ROW_BYTES >= 64), "e4m3: whole 64- or 128-byte rows (d = 64, 128, 256)");
+static_assert(!TMA_STORE || ROW_BYTES == 128, "a TMA-stored O: 128-byte panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, "fp16, bf16 or e4m3 inputs");
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
@@ -244,7 +249,8 @@ FT_DEVICE void transpose_v(const Tiles& sm, Barriers& bar, const Scheduler& sche
     for (const int end = kv.count + work_of(sched, d).ntiles; kv.count < end; kv.advance()) {
       bar.v.wait(kv);
       bar.vt.acquire(kv);
-      transpose_v_e4m3<BC, HEAD_DIM, ROW_BYTES>(reinterpret_cast<unsigned char*>(sm.vt + kv.index() * BC * HEAD_DIM),
+      // (instantiated for 16-bit tiles too, never run there: their panels may be 32 bytes wide)
+      transpose_v_e4m3<BC, HEAD_DIM, FP8 ? ROW_BYTES : 128>(reinterpret_cast<unsigned char*>(sm.vt + kv.index() * BC * HEAD_DIM),
                                                 reinterpret_cast<const unsigned char*>(sm.v + kv.index() * BC * HEAD_DIM),
                                                 warp, TRANSPOSERS / 32);
       fence_proxy_async_smem();
@@ -292,12 +298,12 @@ FT_DEVICE void issue_s(float (&s)[NTILES][4], unsigned long long dq, unsigned lo
   wgmma_commit();
 }
 
-// O += P V: V N-major (its rows are the k dim), panels of 64 columns LBO apart; or e4m3's V^T
-// K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart.
+// O += P V: V N-major (its rows are the k dim: a k step is 16 rows), panels of PANEL_COLS columns
+// LBO apart; or e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart.
 FT_DEVICE void issue_pv(float (&o)[DTILES][4], unsigned (&p)[PSTEPS][4], unsigned long long dv) {
 #pragma unroll
   for (int ps = 0; ps < PSTEPS; ++ps)
-    Wgmma<HEAD_DIM>::rs(o, p[ps], desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * 128), 1);
+    Wgmma<HEAD_DIM>::rs(o, p[ps], desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * ROW_BYTES), 1);
   wgmma_commit();
 }
 
@@ -378,8 +384,8 @@ struct Consumer {
 #if SPLIT_KV
     if (gridDim.z > 1) {   // this split's share: O / l in fp32 and the LSE, to the workspace
       const long long rows = (static_cast<long long>(blockIdx.z) * out.split.bhs + w.b * out.heads + w.h) * out.nq;
-      store_slab<FT_F32>(out.split.o + rows * HEAD_DIM, HEAD_DIM, out.split.lse + rows, acc.o, acc.m, acc.l, lane,
-                         w.q0 + wrow0, out.nq, scale_log2);
+      store_slab<FT_F32, DTILES, D_VALID>(out.split.o + rows * D_VALID, D_VALID, out.split.lse + rows, acc.o, acc.m,
+                                          acc.l, lane, w.q0 + wrow0, out.nq, scale_log2);
       return;
     }
 #endif
@@ -387,8 +393,8 @@ struct Consumer {
       store_slab_tma<OUT_DTYPE, DTILES>(o_slab, out.tmap, lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, out.nq, w.h, w.b,
                                         scale_log2);
     } else {
-      store_slab<OUT_DTYPE>(out.o + (VARLEN ? tile.seq.q0 * out.sn : w.b * out.sb) + w.h * out.sh, out.sn, lse_bh, acc.o, acc.m,
-                            acc.l, lane, w.q0 + wrow0, tile.seq.nq, scale_log2);
+      store_slab<OUT_DTYPE, DTILES, D_VALID>(out.o + (VARLEN ? tile.seq.q0 * out.sn : w.b * out.sb) + w.h * out.sh, out.sn,
+                                             lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, tile.seq.nq, scale_log2);
     }
   }
 
@@ -545,7 +551,7 @@ struct Consumer {
                     bar.last_split))
       return;
     const int bh = w.b * out.heads + w.h;
-    merge_splits<HEAD_DIM, OUT_DTYPE>(out.split, gridDim.z, bh, out.nq, w.q0, BR, out.o + w.b * out.sb + w.h * out.sh, out.sn,
+    merge_splits<D_VALID, OUT_DTYPE>(out.split, gridDim.z, bh, out.nq, w.q0, BR, out.o + w.b * out.sb + w.h * out.sh, out.sn,
                                       out.lse + static_cast<long long>(bh) * out.nq, ctid / 32, CWG * 4, lane);
   }
 #endif
@@ -627,7 +633,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   // order (x fastest) is the scheduler's in that place (causal_tile); else (query block, batch-head)
   const int bhs = batch * heads;
   const bool sections = IS_CAUSAL && causal_sections(bhs);
-  const int sec = sections ? section_heads(bhs, kv_group, nk, KV_ROW_BYTES) : 0;
+  const int sec = sections ? section_heads(bhs, kv_group, nk, D_VALID * static_cast<int>(sizeof(T))) : 0;
   const int2 grid_at = IS_CAUSAL && !PERSISTENT && sections
                            ? causal_tile(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, bhs, sec)
                            : make_int2(blockIdx.x, blockIdx.y);
@@ -675,7 +681,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
     Consumer c(bar, sched, out, scale_log2, cw, lane, wrow0,
                wgmma_desc<ROW_BYTES>(smem_u32(sm.q) + cw * 64 * ROW_BYTES, 16, 8 * ROW_BYTES),
                wgmma_desc<ROW_BYTES>(smem_u32(sm.k), 16, 8 * ROW_BYTES),
-               FP8 ? wgmma_desc(smem_u32(sm.vt), 16, 1024) : wgmma_desc(smem_u32(sm.v), BC * 128, 1024),
+               FP8 ? wgmma_desc(smem_u32(sm.vt), 16, 1024) : wgmma_desc<ROW_BYTES>(smem_u32(sm.v), BC * ROW_BYTES, 8 * ROW_BYTES),
                smem_u32(sm.o) + (wrow0 / 16) * 16 * HEAD_DIM * static_cast<unsigned>(sizeof(TO)));
     c.run();
   }

@@ -12,6 +12,12 @@ loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh
 and chain (two persistent overlapped consumers: a second Q buffer, and the next work tile's first S
 issued with this one's last P V, so it runs under this tile's epilogue).
 
+Head dims: any multiple of 8 from 8 to 256 in fp16/bf16. The tile is the head dim rounded up to a
+wgmma k step (`tile_cols`), in panels of the widest swizzle that divides it (`panel_cols`: 128 bytes
+at d = 64, 128, 192, 256; 64 at d = 96, 160; 32 at d = 80, 112, ...); the tensor maps end at the head
+dim, so the columns past it read as zeros and are never stored. A tuned lookup serves the head dims
+it was tuned at; another (Phi-3's 96, Stable Diffusion's 80 and 160) runs this family's default.
+
 fp8 (e4m3 inputs, bf16 O): the producer warpgroup's warps 1-3 transpose each V tile for the K-major
 P V (kernel_templates/sm90_fp8.cuh), so the V^T buffer costs a third K/V-sized ring, the transposers
 need split 0 or 40, and Bc is a whole 128-key panel. At d=64 an e4m3 row is 64 bytes: Q, K and V
@@ -25,13 +31,18 @@ from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem
 from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
-from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields
+from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields, panel_cols, tile_cols
 from tuner.kernel_templates.wgmma_gen import wrappers
 
 _REGS_PER_BLOCK = 65536
 _MAX_REGS = 255
 _BARRIER_SLACK = 1024 + 256  # alignment of the first tile to 1024 B, then the mbarriers
 _WGMMA_MARK = "// <wgmma wrappers>"
+
+
+def tile_dim(problem: Problem) -> int:
+    """The width of the kernel's Q, K and V tiles for `problem`: its head dim rounded up to a k step."""
+    return tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype])
 
 
 def entry_regs(threads: int) -> int:
@@ -54,7 +65,7 @@ class FlashFwdSm90(KernelFamily):
     source_file = "flash_fwd_sm90.cu"
     min_cc = (9, 0)
     dtypes = ("fp16", "bf16", "fp8")
-    head_dims = (64, 128, 256)
+    head_dims = (64, 128, 256)   # tuned and shipped; takes_head_dim says what else runs
     space = {
         "Bc": (64, 80, 96, 128, 176),
         "stages": (2, 3),
@@ -70,7 +81,15 @@ class FlashFwdSm90(KernelFamily):
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
         if (gpu.major, gpu.minor) != (9, 0):
             return f"{self.name} uses sm_90a instructions (wgmma, setmaxnreg): Hopper only, {gpu.name} is {gpu.cc}"
+        if problem.dtype == "fp8" and problem.head_dim not in self.head_dims:
+            return f"{self.name} takes e4m3 inputs at head dim {', '.join(map(str, self.head_dims))}, not {problem.head_dim}"
         return super().supports(gpu, problem)
+
+    def takes_head_dim(self, d: int) -> bool:
+        return 8 <= d <= 256 and d % 8 == 0
+
+    def head_dims_text(self) -> str:
+        return "8 to 256 in steps of 8"
 
     @staticmethod
     def register_estimate(params: dict, problem: Problem) -> int:
@@ -79,7 +98,7 @@ class FlashFwdSm90(KernelFamily):
         232 and Bc=128 at d=64 fits three consumers' 160 with no spill (FA3's tiles there); Bc=96
         at d=128 spills 8-48 B in the 168 of no split."""
         packed = params["Bc"] // (8 if problem.dtype == "fp8" else 4)
-        return params["Bc"] // 2 + problem.head_dim // 2 + packed + 32 + (0 if params["split"] else 4)
+        return params["Bc"] // 2 + tile_dim(problem) // 2 + packed + 32 + (0 if params["split"] else 4)
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         cwg, split = params["cwg"], params["split"]
@@ -87,13 +106,15 @@ class FlashFwdSm90(KernelFamily):
             return "with one consumer warpgroup every thread already has 255 registers: no split"
         if params["persistent"] and split == 24:
             return "the persistent producer's scheduler state does not fit in 24 registers (ptxas spills): split 0, 32 or 40"
-        if split == 32 and not (params["persistent"] and cwg == 3 and problem.head_dim == 64):
+        if split == 32 and not (params["persistent"] and cwg == 3 and tile_dim(problem) == 64):
             return ("split=32 is for FA3's 192-row tile at d=64, persistent (a warp-wide producer in 32 registers); "
                     "elsewhere 24 or 40 give the consumers as much, or ptxas spills")
         if params["tma_store"] and not params["persistent"]:
             return "a TMA-stored O pays where the warp has a next work tile to start: persistent only"
         if params["tma_store"] and cwg == 3:
             return "three persistent consumers have no registers left for the TMA epilogue (ptxas spills)"
+        if params["tma_store"] and tile_dim(problem) % 64:
+            return f"a TMA-stored O goes out in 64-column panels: not at head dim {problem.head_dim}"
         if problem.dtype == "fp8":
             if params["Bc"] % 128:
                 return "fp8 P V reads V^T in whole panels of 128 keys: Bc must be 128"
@@ -156,13 +177,15 @@ class FlashFwdSm90(KernelFamily):
             "PERSISTENT": params["persistent"],
             "TMA_STORE": params["tma_store"],
             "CHAIN": params["chain"],
-            "HEAD_DIM": problem.head_dim,
+            "HEAD_DIM": tile_dim(problem),
+            "D_VALID": problem.head_dim,
+            "PANEL_COLS": panel_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]),
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             **self.mask_defines(problem),
         }
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
-        d, esize = problem.head_dim, DTYPE_BYTES[problem.dtype]
+        d, esize = tile_dim(problem), DTYPE_BYTES[problem.dtype]
         rings = 3 if problem.dtype == "fp8" else 2   # K, V (and V^T)
         o_stage = 2 * d * 64 * params["cwg"] if params["tma_store"] else 0   # 16-bit O, Br x d
         q_bufs = 2 if params["chain"] else 1   # chaining loads the next tile's Q under this one
@@ -180,7 +203,7 @@ class FlashFwdSm90(KernelFamily):
 
     def render(self, params: dict, problem: Problem) -> str:
         text = super().render(params, problem)
-        return text.replace(_WGMMA_MARK, wrappers((params["Bc"], problem.head_dim), problem.dtype), 1)
+        return text.replace(_WGMMA_MARK, wrappers((params["Bc"], tile_dim(problem)), problem.dtype), 1)
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         # the tensor maps of q, k, v and O (by value; O's unread without tma_store), the batch,

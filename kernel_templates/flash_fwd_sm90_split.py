@@ -125,6 +125,8 @@ class SplitFlashFwdSm90(FlashFwdSm90):
             return f"splits={params['splits']} exceeds the {ceil_div(problem.seqlen_k, params['Bc'])} K/V tiles of Nk={problem.seqlen_k}"
         if problem.head_dim > 128 and params["Bc"] > 64 and params["split"] > 24:
             return "at d=256 the split's bounds leave Bc > 64 short of registers under split=40 (ptxas spills): split 24"
+        if problem.head_dim > 192 and problem.head_dim % 64 and params["Bc"] > 64:
+            return "past d=192, a head dim that ends inside its last panel leaves Bc > 64 short of registers (ptxas spills)"
         return super()._check({k: v for k, v in params.items() if k != "splits"}, gpu, problem)
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:

@@ -55,14 +55,14 @@ template <int N> FT_DEVICE void bulk_wait() { asm volatile("cp.async.bulk.wait_g
 FT_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // ---- wgmma ----
-// Shared-memory matrix descriptor for a 128-byte-swizzled operand (atoms of 8 rows x 128 B,
-// 1024-byte aligned), or a 64-byte-swizzled one (SWIZZLE = 64: 8 rows x 64 B). K-major: `sbo` is
-// the step between 8-row groups (8 rows x the swizzle width), `lbo` unused. MN-major: `lbo` is the
-// step between 64-element column panels, `sbo` the step between 8-row groups.
+// Shared-memory matrix descriptor for a swizzled operand: atoms of 8 rows x SWIZZLE bytes (128, 64
+// or 32), the tile aligned to 8 x SWIZZLE bytes (the kernels align to 1024). K-major: `sbo` is the
+// step between 8-row groups (8 rows x the swizzle width), `lbo` unused. MN-major: `lbo` is the step
+// between column panels (one swizzle width each), `sbo` the step between 8-row groups.
 template <int SWIZZLE = 128>
 FT_DEVICE unsigned long long wgmma_desc(unsigned saddr, unsigned lbo, unsigned sbo) {
-  static_assert(SWIZZLE == 128 || SWIZZLE == 64, "128- or 64-byte swizzle");
-  constexpr unsigned long long layout = SWIZZLE == 128 ? 1 : 2;
+  static_assert(SWIZZLE == 128 || SWIZZLE == 64 || SWIZZLE == 32, "128-, 64- or 32-byte swizzle");
+  constexpr unsigned long long layout = SWIZZLE == 128 ? 1 : SWIZZLE == 64 ? 2 : 3;
   return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) |
          (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
          (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (layout << 62);

@@ -48,17 +48,17 @@ def _data_type(dtype):
 def _geometry(t, box_rows: int, box_cols: int) -> tuple:
     """What a map of a (B, H, N, D) view depends on besides its address, checked: dims (D, N, H, B)
     innermost first, byte strides, the box of [box_rows x box_cols] elements, swizzled as wide as a
-    box row (128 bytes: 64 16-bit or 128 e4m3 columns; 64 bytes: e4m3 at d=64); rows past N read as
-    zeros."""
+    box row (128, 64 or 32 bytes: `panel_cols`); rows past N and columns past D read as zeros."""
     from cuda.bindings import driver
 
     kind = _data_type(t.dtype)
     b, h, n, d = t.shape
     esize = t.element_size()
     swizzle = {128: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-               64: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}.get(box_cols * esize)
+               64: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+               32: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B}.get(box_cols * esize)
     if swizzle is None:
-        raise TmaError(f"a box row must be 64 or 128 bytes, not {box_cols} x {esize}")
+        raise TmaError(f"a box row must be 128, 64 or 32 bytes, not {box_cols} x {esize}")
     if t.stride(3) != 1:
         raise TmaError("the last dimension must be contiguous")
     strides = (t.stride(2) * esize, t.stride(1) * esize, t.stride(0) * esize)
@@ -153,10 +153,25 @@ def _fast_encoder() -> _CtypesEncoder | None:
     return _fast[0]
 
 
+def tile_cols(d: int, esize: int) -> int:
+    """The width of a kernel's Q, K and V tiles for head dim `d`: d rounded up to a wgmma k step
+    (32 bytes: 16 columns of fp16/bf16, 32 of e4m3). The columns past d come in as zeros."""
+    step = 32 // esize
+    return -(-d // step) * step
+
+
+def panel_cols(d: int, esize: int) -> int:
+    """Columns of one panel of a tile (a TMA box's row and a wgmma swizzle atom's): the widest
+    swizzle, 128, 64 or 32 bytes, that divides the tile's row. 128 bytes wherever the tile's width
+    is a multiple of them (d = 64, 128, 192, 256 in 16 bits); d = 96 in three 64-byte panels, d = 80
+    in five 32-byte ones (FlashAttention-4 picks its shared-memory atoms the same way)."""
+    row = tile_cols(d, esize) * esize
+    return next(w for w in (128, 64, 32) if row % w == 0) // esize
+
+
 def box_cols(t) -> int:
-    """Columns of a box row: one swizzle width (128 bytes), or the whole row where it is narrower
-    (64 bytes: e4m3 at d=64)."""
-    return min(128 // t.element_size(), t.shape[-1])
+    """Columns of a box row of tensor `t`'s maps: one panel (`panel_cols` of its head dim)."""
+    return panel_cols(t.shape[-1], t.element_size())
 
 
 @dataclass(frozen=True)

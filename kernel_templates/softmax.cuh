@@ -137,10 +137,12 @@ FT_DEVICE void store_lse(float* lse_row, const float (&m)[2], const float (&row_
 // Epilogue for a 16-row slab: O / l in the input precision straight from the fragments, and the
 // LSE. `row0` is the slab's first absolute row. 16-bit O goes out in 16-byte stores that fill
 // whole 32-byte sectors: with one 4-byte store per fragment pair, half of each sector was written
-// per request (H100, flash_fwd_sm90: +3-7% at N=1024).
-template <int DT, int DTILES>
+// per request (H100, flash_fwd_sm90: +3-7% at N=1024). Only the first COLS columns are stored (a
+// tile wider than the head dim: flash_fwd_sm90's columns past it are zeros of nobody's O).
+template <int DT, int DTILES, int COLS = DTILES * 8>
 FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* lse_row, const float (&o)[DTILES][4],
                           const float (&m)[2], const float (&l)[2], int lane, int row0, int nq, float scale_log2) {
+  static_assert(COLS % 8 == 0 && COLS <= DTILES * 8, "whole n8 groups of the tile");
   float row_l[2];
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -168,11 +170,12 @@ FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* ls
             else u[j + bit] = got;
           }
         }
-        if (in_rows(row, nq)) *reinterpret_cast<uint4*>(op + row * o_sn + (4 * k + q) * 8) = make_uint4(u[0], u[1], u[2], u[3]);
+        if (in_rows(row, nq) && (COLS == DTILES * 8 || (4 * k + q) * 8 < COLS))
+          *reinterpret_cast<uint4*>(op + row * o_sn + (4 * k + q) * 8) = make_uint4(u[0], u[1], u[2], u[3]);
       }
     } else if (in_rows(row, nq)) {
 #pragma unroll
-      for (int dt = 0; dt < DTILES; ++dt) {
+      for (int dt = 0; dt < COLS / 8; ++dt) {
         auto* dst = op + row * o_sn + dt * 8 + 2 * (lane % 4);
         if constexpr (DT == FT_F32) *reinterpret_cast<float2*>(dst) = make_float2(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
         else *reinterpret_cast<unsigned*>(dst) = pack2<DT>(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);

@@ -74,13 +74,16 @@ FT_DEVICE bool last_split(const SplitWorkspace& ws, int tile, int splits, int ba
 
 // Merge the splits' partials of rows [r0, r0 + rows) (clipped to [0, nq)) of batch-head (b, h) into
 // O (TO, rows `o_sn` apart from `o_bh`) and the LSE (`lse_bh`): a warp per row, lane s reading
-// split s's LSE (splits <= 32), each lane HEAD_DIM / 32 columns of O. `warp`, `warps`: this
-// thread's warp among the `warps` that merge.
+// split s's LSE (splits <= 32). Where DIM is a multiple of 64 each lane takes DIM / 32 adjacent
+// columns (one vector load per split); otherwise (d = 96, 80, ...) column pairs 64 apart, the last
+// strip's lanes past DIM idle. `warp`, `warps`: this thread's warp among the `warps` that merge.
 template <int DIM, int ODT>
 FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq, int r0, int rows,
                             typename Elem<ODT>::type* o_bh, long long o_sn, float* lse_bh, int warp, int warps, int lane) {
-  constexpr int VEC = DIM / 32;   // columns per lane: 2, 4 or 8
-  static_assert(DIM % 64 == 0, "whole float2 / float4 strips per lane");
+  constexpr bool WIDE = DIM % 64 == 0;
+  constexpr int VEC = WIDE ? DIM / 32 : 2;               // adjacent columns per lane and strip: 2, 4 or 8
+  constexpr int STRIPS = WIDE ? 1 : (DIM + 63) / 64;     // strips of 32 x VEC columns
+  static_assert(DIM % 8 == 0, "whole column pairs");
   const long long per_split = static_cast<long long>(ws.bhs) * nq;   // rows of one split
   for (int r = warp; r < rows; r += warps) {
     const int row = r0 + r;
@@ -95,36 +98,46 @@ FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     const float weight = sum > 0.f ? e / sum : 0.f;   // split `lane`'s share of the row
-    float acc[VEC];
+    float acc[STRIPS][VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+    for (int st = 0; st < STRIPS; ++st)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[st][j] = 0.f;
 #pragma unroll 4
     for (int s = 0; s < splits; ++s) {
       const float ws_s = __shfl_sync(0xffffffffu, weight, s);
       if (ws_s == 0.f) continue;   // warp-uniform: a split that saw no key of this row
       const float* src = ws.o + (s * per_split + at) * DIM + lane * VEC;
-      if constexpr (VEC == 2) {
-        const float2 t = __ldcg(reinterpret_cast<const float2*>(src));
-        acc[0] += ws_s * t.x;
-        acc[1] += ws_s * t.y;
-      } else {
 #pragma unroll
-        for (int j = 0; j < VEC; j += 4) {
-          const float4 t = __ldcg(reinterpret_cast<const float4*>(src + j));
-          acc[j] += ws_s * t.x;
-          acc[j + 1] += ws_s * t.y;
-          acc[j + 2] += ws_s * t.z;
-          acc[j + 3] += ws_s * t.w;
+      for (int st = 0; st < STRIPS; ++st) {
+        if constexpr (VEC == 2) {
+          if (!WIDE && st * 64 + lane * 2 >= DIM) continue;
+          const float2 t = __ldcg(reinterpret_cast<const float2*>(src + st * 64));
+          acc[st][0] += ws_s * t.x;
+          acc[st][1] += ws_s * t.y;
+        } else {
+#pragma unroll
+          for (int j = 0; j < VEC; j += 4) {
+            const float4 t = __ldcg(reinterpret_cast<const float4*>(src + j));
+            acc[st][j] += ws_s * t.x;
+            acc[st][j + 1] += ws_s * t.y;
+            acc[st][j + 2] += ws_s * t.z;
+            acc[st][j + 3] += ws_s * t.w;
+          }
         }
       }
     }
-    typename Elem<ODT>::type* dst = o_bh + row * o_sn + lane * VEC;
-    unsigned packed[VEC / 2];
 #pragma unroll
-    for (int j = 0; j < VEC / 2; ++j) packed[j] = pack2<ODT>(acc[2 * j], acc[2 * j + 1]);
-    if constexpr (VEC == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    else if constexpr (VEC == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
-    else *reinterpret_cast<unsigned*>(dst) = packed[0];
+    for (int st = 0; st < STRIPS; ++st) {
+      if (!WIDE && st * 64 + lane * 2 >= DIM) continue;
+      typename Elem<ODT>::type* dst = o_bh + row * o_sn + st * 64 + lane * VEC;
+      unsigned packed[VEC / 2];
+#pragma unroll
+      for (int j = 0; j < VEC / 2; ++j) packed[j] = pack2<ODT>(acc[st][2 * j], acc[st][2 * j + 1]);
+      if constexpr (VEC == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      else if constexpr (VEC == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+      else *reinterpret_cast<unsigned*>(dst) = packed[0];
+    }
     if (lane == 0) lse_bh[row] = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
   }
 }

@@ -68,7 +68,7 @@ def test_a_peer_plan_runs_sdpa_without_the_fallback_warning(tmp_path, monkeypatc
     assert plan.launcher is None and plan.peer == "sdpa_flash" and plan.family == "sdpa_flash" and not plan.reason
     nothing = Dispatcher(tmp_path / "absent.json")
     monkeypatch.setitem(nothing._gpus, 0, H100_SXM)
-    plan = nothing._plan(BF16, 0)
+    plan = nothing._plan(replace(BF16, heads=4, kv_heads=1, seqlen_q=512, seqlen_k=512), 0)   # SMs idle, no split
     assert plan.peer is None and "no tuned config" in plan.reason
 
 
@@ -272,7 +272,8 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
     """Nothing tuned near a few heads of a 3k prompt (bottom-right, as a KV cache's prefill puts
     it): flash_fwd_sm90_split's default splits its 50 blocks' keys, where SDPA ran it on 50 SMs
     (114 TFLOP/s against SDPA flash's 45 on the H200, PERF_NOTES "p5"); `tuner bench --lookup`
-    times that. Too few keys to split, blocks that fill the GPU, or fp32: SDPA, as before."""
+    times that. Too few keys to split, or fp32: SDPA, as before; blocks that fill the GPU:
+    flash_fwd_sm90's default (test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default)."""
     from tuner.cli import _served
 
     path = lookup(tmp_path / "far.json", [entry(replace(BF16, head_dim=64), SM90.name,
@@ -283,9 +284,34 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
     assert d.select(shard, H100_SXM) is None and e["family"] == SPLIT.name
     assert e["params"] == SPLIT.default(H100_SXM, shard) and SPLIT.splits(e["params"], shard, H100_SXM) > 1
     assert _served(path, [shard], H100_SXM)[shard.key].family == SPLIT.name
-    for p in (replace(shard, seqlen_q=300, seqlen_k=300), replace(shard, batch=8, heads=32, kv_heads=8),
-              replace(shard, dtype="fp32")):
+    for p in (replace(shard, seqlen_q=300, seqlen_k=300), replace(shard, dtype="fp32")):
         assert d.serving_entry(p, H100_SXM) is None, p.key
+    full = replace(shard, batch=8, heads=32, kv_heads=8)
+    assert d.serving_entry(full, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, full)}
+
+
+@pytest.mark.parametrize("d", [80, 96, 192, 248])
+def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path, monkeypatch, d):
+    """Lookups borrow only within a head dim (tuner.nearest), and the shipped ones tune 64, 128 and
+    256: a prefill at Phi-3's 96 (Stable Diffusion's 80, 192, ...) that fills the GPU runs
+    flash_fwd_sm90's default, its tile padded to the head dim; one that does not, a decode step, a
+    GPU without wgmma, or a head dim no kernel takes (84: not a multiple of 8) runs SDPA, and the
+    plan's reason says which."""
+    from tuner.cli import _served
+
+    monkeypatch.setenv(export.SHIPPED_ENV, "1")
+    d_ = Dispatcher(tmp_path / "absent.json")
+    prefill = Problem(1, 32, 4096, 4096, d, "bf16", "causal", kv_heads=8)
+    e = d_.serving_entry(prefill, H100_SXM)
+    assert d_.select(prefill, H100_SXM) is None and e == {"family": SM90.name, "params": SM90.default(H100_SXM, prefill)}
+    assert SM90.check(e["params"], H100_SXM, prefill) is None
+    assert _served(str(tmp_path / "absent.json"), [prefill], H100_SXM)[prefill.key].family == SM90.name
+    few = replace(prefill, heads=8, seqlen_q=512, seqlen_k=512)   # 32 blocks: SMs idle, 512 keys too few to split
+    decode = replace(prefill, seqlen_q=1, seqlen_k=8192)
+    for p, gpu in ((few, H100_SXM), (decode, H100_SXM), (prefill, A100_SXM), (replace(prefill, head_dim=84), H100_SXM)):
+        assert d_.serving_entry(p, gpu) is None or (d == 96 and p is decode), (p.key, gpu.name)
+    monkeypatch.setitem(d_._gpus, 0, H100_SXM)
+    assert "no flashtune kernel takes head dim 84" in d_._plan(replace(prefill, head_dim=84), 0).reason
 
 
 def test_the_shipped_h100_lookup_serves_a_speculative_steps_batches(tmp_path, monkeypatch):
@@ -412,10 +438,12 @@ def test_bench_times_what_a_lookup_serves_a_peer_among_the_peers(tmp_path, sm90_
 
     near = replace(BF16, seqlen_q=4096, seqlen_k=4096)
     path = lookup(tmp_path / "best.json", [entry(near, SM90.name, sm90_params, 400.0), entry(FP32, "sdpa_efficient", {}, 9.0)])
-    far = replace(BF16, head_dim=64)
-    served = _served(path, [BF16, FP32, far], H100_SXM)
+    far = replace(BF16, head_dim=64)   # no bucket of its head dim: the Hopper default, as the dispatcher runs it
+    small = replace(far, heads=4, kv_heads=1, seqlen_q=512, seqlen_k=512)   # nor one that fills the GPU: SDPA
+    served = _served(path, [BF16, FP32, far, small], H100_SXM)
     assert served[BF16.key].family == SM90.name and served[BF16.key].params == sm90_params   # from the nearer bucket
-    assert served[FP32.key].family == "sdpa_efficient" and far.key not in served
+    assert served[FP32.key].family == "sdpa_efficient" and small.key not in served
+    assert served[far.key].family == SM90.name and served[far.key].params == SM90.default(H100_SXM, far)
     # a split count tuned at B1 is timed as the dispatcher runs it at B3: from the occupancy
     shard = Problem(1, 8, 512, 32768, 128, "bf16", "causal_br", 1)
     tuned = dict(SPLIT.default(H100_SXM, shard), splits=4)

@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tuner.db.queries import BestEntry
-from tuner.dispatch import Dispatcher, problem_of, supported_head_dims
+from tuner.dispatch import Dispatcher, problem_of, takes_head_dim
 from tuner.export import build_lookup, read_lookup, write_lookup
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import FAMILIES, get_family
@@ -105,10 +105,15 @@ def test_different_devices(fake):
         problem_of(q, k, q, False)
 
 
-def test_supported_head_dims_come_from_the_families():
+def test_head_dims_taken_come_from_the_families():
     from tuner.kernel_templates import FAMILIES
 
-    assert supported_head_dims() == set().union(*(f.head_dims for f in FAMILIES.values())) == {32, 64, 96, 128, 256}
+    listed = set().union(*(f.head_dims for f in FAMILIES.values()))
+    assert listed == {32, 64, 96, 128, 256} and all(takes_head_dim(d) for d in listed)
+    # the Hopper kernel pads its tile to the head dim: any multiple of 8 up to 256
+    assert FAMILIES["flash_fwd_sm90"].takes_head_dim(80) and FAMILIES["flash_fwd_sm90"].takes_head_dim(8)
+    assert all(takes_head_dim(d) for d in (8, 40, 72, 80, 112, 160, 192, 248))
+    assert not any(takes_head_dim(d) for d in (4, 20, 84, 264, 512))
 
 
 # ---- Dispatcher.select ----

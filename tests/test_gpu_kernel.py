@@ -83,6 +83,33 @@ def test_family_matches_reference(family, dtype, causal, d):
             _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
 
 
+# Head dims the Hopper kernel pads to its tile (tile_cols, panel_cols): 32-byte panels (8, 40, 72, 80,
+# 112), 64-byte ones (96, 160), 128-byte ones with the head dim ending inside the last panel (56, 248)
+# or filling it (192).
+ANY_DIMS = [("flash_fwd_sm90", d) for d in (8, 40, 56, 72, 80, 96, 112, 160, 192, 248)] + [
+    ("flash_fwd_sm90_split", d) for d in (40, 96, 192, 248)]
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+@pytest.mark.parametrize("family,d", ANY_DIMS, ids=[f"{f}-d{d}" for f, d in ANY_DIMS])
+def test_sm90_any_head_dim_matches_reference(family, d, mask):
+    """flash_fwd_sm90 at head dims that are no multiple of its 64-column panels: the default and
+    random valid configs, both layouts, fresh ragged GQA shapes, fp16 or bf16, NaN-poisoned outputs
+    (so the columns past the head dim must not be written over the next row's, nor left unwritten)."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+
+    fam, gpu, rng = get_family(family), detect(), random.Random()
+    problem = _random_problem(rng, rng.choice(["fp16", "bf16"]), mask, d)
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    valid = fam.valid_points(gpu, problem)
+    for params in [fam.default(gpu, problem)] + rng.sample(valid, min(3, len(valid))):
+        for layout in ("bhnd", "bnhd"):
+            err = _run(fam, params, problem, rng.randrange(2**31), layout)
+            _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
+
+
 @pytest.mark.parametrize("family", ["flash_fwd_simt", "flash_fwd_mma", "flash_fwd_sm90", "flash_fwd_sm90_split"])
 @pytest.mark.parametrize("nq,nk", [(1000, 133), (133, 1000), (1, 700), (700, 1)], ids=["more-q", "fewer-q", "decode", "one-key"])
 def test_bottom_right_with_rows_that_see_no_key(family, nq, nk):

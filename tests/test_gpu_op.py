@@ -4,6 +4,7 @@ capture of a whole training step, and a transformers model under the SDPA switch
 
 from __future__ import annotations
 
+import itertools
 import random
 import warnings
 
@@ -131,14 +132,17 @@ def test_gradients_through_tuned_kernels(dispatcher, dtype, causal):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_gradients_through_the_fallback(dispatcher, dtype):
-    """No tuned config: torch's forward with an LSE, then the same backward seam (a prefill: a
-    decode call of up to DECODE_QUERIES queries runs flash_decode's default instead)."""
+    """No tuned config: torch's forward with an LSE, then the same backward seam (a prefill whose
+    blocks do not fill the GPU: a decode call of up to DECODE_QUERIES queries runs flash_decode's
+    default instead, and one that fills it flash_fwd_sm90's on Hopper)."""
+    from tuner.dispatch import fills_gpu
+    from tuner.gpu import detect
     from tuner.problem import DECODE_QUERIES
 
-    rng = random.Random()
+    rng, gpu = random.Random(), detect()
     for causal in (False, True):
         p = _random_problem(rng, dtype, causal)
-        while p.seqlen_q <= DECODE_QUERIES:
+        while p.seqlen_q <= DECODE_QUERIES or fills_gpu(p, gpu):
             p = _random_problem(rng, dtype, causal)
         with pytest.warns(UserWarning, match="no tuned config"):
             _check_against_sdpa(p, rng, served=False)
@@ -403,11 +407,11 @@ def test_a_measured_peer_serves_without_a_warning(tmp_path, peer):
         dispatch.reset()
 
 
-@pytest.mark.parametrize("d", [80, 192])
+@pytest.mark.parametrize("d", [36, 264])
 def test_a_head_dim_no_kernel_takes_runs_sdpa_with_one_warning(dispatcher, d):
-    """SDPA takes any head dim; where none of flashtune's kernels does (80: Phi-2, Stable Diffusion;
-    192), `attention` runs torch's, forward and backward as close to float64 as SDPA's, and says so
-    once, naming the head dim; packed sequences of it run torch's varlen kernel."""
+    """SDPA takes any head dim; where none of flashtune's kernels does (not a multiple of 8, or past
+    256), `attention` runs torch's, forward and backward as close to float64 as SDPA's, and says so
+    once, naming the head dim; packed sequences of it run torch's attention per sequence."""
     import torch
 
     import tuner
@@ -432,6 +436,48 @@ def test_a_head_dim_no_kernel_takes_runs_sdpa_with_one_warning(dispatcher, d):
         ref = torch.nn.functional.scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=True)
         got = o[a:b].transpose(0, 1)[None].double()
         assert float((got - ref).norm() / ref.norm()) < FLOOR["bf16"], (d, a, b)
+
+
+@pytest.mark.parametrize("d", [80, 96, 192])
+def test_a_head_dim_no_lookup_tunes_runs_the_hopper_default(dispatcher, d):
+    """Phi-3's 96, Stable Diffusion's 80, 192: lookups borrow only within a head dim and tune none of
+    these, so on Hopper a prefill that fills the GPU runs flash_fwd_sm90's default, its tile padded
+    to the head dim: O and the gradients as close to float64 as SDPA's, with no warning; packed
+    sequences of it run flash_fwd_sm90_varlen, against float64."""
+    import torch
+
+    import tuner
+    from tuner import dispatch, varlen
+    from tuner.gpu import detect
+
+    gpu = detect()
+    if (gpu.major, gpu.minor) != (9, 0):
+        pytest.skip(f"flash_fwd_sm90 is Hopper's; {gpu.name} is {gpu.cc}")
+    dispatcher([])
+    rng = random.Random()
+    p = Problem(2, 8, rng.choice([1500, 2047]), rng.choice([1500, 2100]), d, rng.choice(["bf16", "fp16"]),
+                rng.choice([False, True]), kv_heads=2)
+    assert dispatch.fills_gpu(p, gpu)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashtune")   # a fallback says so: it must not happen
+        _check_against_sdpa(p, rng, served=True)
+        q, k, v = (t.detach() for t in _inputs(p, "bhnd", 2))
+        assert dispatch.default().plan(q, k, v, p.causal).family == "flash_fwd_sm90"
+    lens = [0, 1, 700, 64, 129, 2000, 333]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    packed = [torch.randn(cu[-1].item(), h, d, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashtune")
+        o = tuner.attention(*packed, is_causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens),
+                            max_seqlen_k=max(lens))
+    assert [pl.family.name for pl in varlen._plans.values()] == ["flash_fwd_sm90_varlen"]   # this dispatcher's one plan
+    for a, b in itertools.pairwise(cu.tolist()):
+        if a == b:
+            continue
+        q1, k1, v1 = (t[a:b].transpose(0, 1)[None].double() for t in packed)
+        ref = torch.nn.functional.scaled_dot_product_attention(q1, k1, v1, is_causal=True, enable_gqa=True)
+        got = o[a:b].transpose(0, 1)[None].double()
+        assert torch.isfinite(got).all() and float((got - ref).norm() / ref.norm()) < FLOOR["bf16"], (d, a, b)
 
 
 def test_first_call_autotune_times_measures_and_stores(tmp_path, monkeypatch):

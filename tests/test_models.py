@@ -12,13 +12,16 @@ from tuner.problem import GPT2_FP32, standard_grid
 
 def test_the_table_has_the_models_the_issue_names():
     assert {"llama3-8b", "llama3-70b", "qwen2.5-7b", "mistral-7b", "gemma2-9b", "gpt2", "gpt2-xl", "vit-l16", "sdxl",
-            "whisper"} <= set(MODELS)
+            "whisper", "phi3-mini", "phi-2", "sd15", "dit-xl2"} <= set(MODELS)
     keys = {p.key for p in model_problems(list(MODELS), "bf16")}
     for want in ("B1-H32/kv8-N8192-D128-bf16-causal",    # Llama-3-8B prefill, GQA 4:1
                  "B1-H16/kv8-N8192-D256-bf16-causal",    # Gemma-2, d=256
                  "B32-H16-N197-D64-bf16-full",           # ViT-L/16 at 224 px
                  "B2-H10-N4096-D64-bf16-full", "B2-H10-N4096x77-D64-bf16-full",   # SDXL self and cross
-                 "B1-H20-N1500-D64-bf16-full", "B8-H25-N1024-D64-bf16-causal"):   # Whisper, GPT-2-XL
+                 "B1-H20-N1500-D64-bf16-full", "B8-H25-N1024-D64-bf16-causal",    # Whisper, GPT-2-XL
+                 "B1-H32-N8192-D96-bf16-causal", "B1-H32-N2048-D80-bf16-causal",  # Phi-3-mini, Phi-2
+                 "B2-H8-N4096-D40-bf16-full", "B2-H8-N1024x77-D80-bf16-full",     # SD 1.5 self and cross
+                 "B2-H8-N256-D160-bf16-full", "B16-H16-N256-D72-bf16-full"):      # SD 1.5's 4x down, DiT-XL/2
         assert want in keys, want
 
 

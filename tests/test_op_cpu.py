@@ -179,7 +179,7 @@ def test_fake_implementation_layouts_and_dtypes():
         o, lse = torch.ops.flashtune.attention(q, kv, kv, True, None, None, False)
         assert o.dtype == torch.bfloat16 and o.shape == q.shape and o.stride() == (7 * 8 * 128, 128, 8 * 128, 1)
         assert lse.shape == (2, 8, 7) and lse.dtype == torch.float32 and lse.is_contiguous()
-        x = torch.empty(1, 2, 16, 80, device="cuda", dtype=torch.float16)   # no kernel takes d=80: SDPA runs it
+        x = torch.empty(1, 2, 16, 84, device="cuda", dtype=torch.float16)   # no kernel takes d=84: SDPA runs it
         o, lse = torch.ops.flashtune.attention(x, x, x, False, None, None, False)
         assert o.shape == x.shape and lse.shape == (1, 2, 16)
 

@@ -20,6 +20,33 @@ def test_strides_must_be_16_byte_multiples():
         _encode(odd, 64, 64)
 
 
+@pytest.mark.parametrize("d,esize,tile,panel,swizzle", [
+    (64, 2, 64, 64, "128B"), (128, 2, 128, 64, "128B"), (192, 2, 192, 64, "128B"), (256, 2, 256, 64, "128B"),
+    (248, 2, 256, 64, "128B"), (56, 2, 64, 64, "128B"), (96, 2, 96, 32, "64B"), (160, 2, 160, 32, "64B"),
+    (32, 2, 32, 32, "64B"), (80, 2, 80, 16, "32B"), (112, 2, 112, 16, "32B"), (40, 2, 48, 16, "32B"),
+    (8, 2, 16, 16, "32B"), (64, 1, 64, 64, "64B"), (128, 1, 128, 128, "128B"), (256, 1, 256, 128, "128B")])
+def test_tiles_panels_and_swizzles_by_head_dim(d, esize, tile, panel, swizzle):
+    """A tile is the head dim rounded up to a wgmma k step (32 bytes), in panels of the widest
+    swizzle that divides its row; a map's box is one panel, swizzled as wide, and ends at the head
+    dim (the tile's further columns read as zeros)."""
+    from cuda.bindings import driver
+
+    from tuner.kernel_templates.sm90_tma import _geometry, box_cols, panel_cols, tile_cols
+
+    assert (tile_cols(d, esize), panel_cols(d, esize)) == (tile, panel)
+    dtype = torch.bfloat16 if esize == 2 else torch.float8_e4m3fn
+    t = torch.empty(2, 3, 100, d, dtype=dtype)
+    assert box_cols(t) == panel
+    _, dims, strides, box, swz = _geometry(t, 64, box_cols(t))
+    assert dims == (d, 100, 3, 2) and strides[0] == d * esize and box == (panel, 64)
+    assert swz == getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}")
+
+
+def test_a_box_row_must_be_a_swizzle_width():
+    with pytest.raises(TmaError, match="128, 64 or 32 bytes"):
+        _encode(torch.randn(1, 2, 16, 64, dtype=torch.float16), 64, 8)
+
+
 @pytest.mark.gpu
 def test_ctypes_encoder_gives_the_bindings_map():
     """The driver's cuTensorMapEncodeTiled through ctypes (the fast path) and through cuda.bindings
@@ -32,7 +59,7 @@ def test_ctypes_encoder_gives_the_bindings_map():
     rng = random.Random()
     for _ in range(30):
         dt = rng.choice([torch.bfloat16, torch.float16, torch.float8_e4m3fn])
-        b, h, n, d = rng.randint(1, 3), rng.randint(1, 8), rng.randint(1, 3000), rng.choice([64, 128, 256])
+        b, h, n, d = rng.randint(1, 3), rng.randint(1, 8), rng.randint(1, 3000), rng.choice([64, 128, 256] if dt == torch.float8_e4m3fn else [40, 64, 80, 96, 128, 192, 248, 256])
         t = torch.empty(b, n, h, d, device="cuda", dtype=dt)
         t = t.transpose(1, 2) if rng.random() < 0.5 else t.view(b, h, n, d)
         rows, cols = rng.choice([16, 64, 128, 192]), tma.box_cols(t)
@@ -118,7 +145,7 @@ def test_patched_maps_match_the_driver_on_fresh_tensors():
     learnt = 0
     for _ in range(40):
         dt = rng.choice([torch.bfloat16, torch.float16, torch.float8_e4m3fn])
-        b, h, n, d = rng.randint(1, 3), rng.randint(1, 8), rng.randint(1, 3000), rng.choice([64, 128, 256])
+        b, h, n, d = rng.randint(1, 3), rng.randint(1, 8), rng.randint(1, 3000), rng.choice([64, 128, 256] if dt == torch.float8_e4m3fn else [40, 64, 80, 96, 128, 192, 248, 256])
         t = torch.empty(b, n, h, d, device="cuda", dtype=dt)
         t = t.transpose(1, 2) if rng.random() < 0.5 else t.view(b, h, n, d)
         rows = rng.choice([16, 64, 128, 192])

@@ -58,10 +58,12 @@ class Plan:
     native: bool = False   # handed to the C++ call path (tuner/native.py)
 
 
-def supported_head_dims() -> set[int]:
+def takes_head_dim(d: int) -> bool:
+    """Whether some flashtune kernel runs head dim `d` (on some GPU: flash_fwd_sm90 takes any
+    multiple of 8 up to 256 on Hopper, the others a list). SDPA takes any."""
     from .kernel_templates import FAMILIES
 
-    return {d for f in FAMILIES.values() for d in f.head_dims}
+    return any(f.takes_head_dim(d) for f in FAMILIES.values())
 
 
 def check_inputs(q, k, v, max_error: float | None = None, *, cuda: bool = True) -> str:
@@ -227,7 +229,8 @@ class Dispatcher:
         """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,
         flash_decode's default, for a prefill call that leaves SMs idle, flash_fwd_sm90_split's
         where it splits the keys; None where none serves it (SDPA then does)."""
-        return self.select(problem, gpu) or _decode_default(problem, gpu) or _split_default(problem, gpu)
+        return (self.select(problem, gpu) or _decode_default(problem, gpu) or _split_default(problem, gpu)
+                or _prefill_default(problem, gpu))
 
     def candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
@@ -315,8 +318,8 @@ class Dispatcher:
                             "tunes this GPU", key=f"kin {gpu.key} {entry['gpu_key']}")
         if entry is None:
             why = self._ignored or f"no tuned config for {problem.bucket().key} on {gpu.key}"
-            if problem.head_dim not in supported_head_dims():   # SDPA takes any head dim; our kernels do not
-                why = f"no flashtune kernel takes head dim {problem.head_dim} (they take {sorted(supported_head_dims())})"
+            if not takes_head_dim(problem.head_dim):   # SDPA takes any head dim; our kernels do not
+                why = f"no flashtune kernel takes head dim {problem.head_dim}"
             return Plan(None, None, why, problem.dtype, out=out, device=device_index, provisional=provisional)
         if entry["family"] in DISPATCHED_PEERS:
             return Plan(None, entry["family"], dtype=problem.dtype, out=out, device=device_index,
@@ -327,8 +330,10 @@ class Dispatcher:
             launch = fam.launch(params, problem, gpu)
             launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, fam.param_kinds(params))
         except Exception as exc:
-            return Plan(None, None, f"the tuned {fam.name} config for {problem.bucket().key} on {gpu.key} "
-                                    f"cannot be used ({one_line(exc)})", problem.dtype, out=out, device=device_index)
+            what = "tuned" if "bucket" in entry else "default"
+            return Plan(None, None, f"the {what} {fam.name} config for {problem.bucket().key} on {gpu.key} "
+                                    f"cannot be used ({one_line(exc)})", problem.dtype, out=out, device=device_index,
+                        provisional=provisional)
         scratch = torch.empty(problem.batch, problem.heads, problem.seqlen_q, dtype=torch.float32,
                               device=torch.device("cuda", device_index))
         return Plan(launcher, fam.name, dtype=problem.dtype, make_args=fam.arg_maker(params), out=out,
@@ -538,6 +543,20 @@ def _split_default(problem: Problem, gpu) -> dict | None:
         return None
     params = fam.default(gpu, problem)
     return {"family": fam.name, "params": params} if fam.splits(params, problem, gpu) > 1 else None
+
+
+def _prefill_default(problem: Problem, gpu) -> dict | None:
+    """flash_fwd_sm90's default config for a prefill call that fills the GPU and that no tuned bucket
+    serves even at any distance: lookups borrow only within a head dim, dtype, mask and error budget
+    (tuner.nearest), so this is a head dim nobody tuned (Phi-3's 96, Stable Diffusion's 80 and 160,
+    192) or such a mask or dtype. The default (the family's first valid seed) came within 1% of the
+    best of every swept space (PERF_NOTES "The Hopper space swept"); SDPA would run FA2's kernel."""
+    from .kernel_templates import FAMILIES
+
+    fam = FAMILIES.get("flash_fwd_sm90")
+    if fam is None or not fills_gpu(problem, gpu) or fam.supports(gpu, problem):
+        return None
+    return {"family": fam.name, "params": fam.default(gpu, problem)}
 
 
 def _pinned(peer: str):

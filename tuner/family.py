@@ -88,13 +88,21 @@ class KernelFamily(ABC):
             return f"{self.name} needs compute capability {self.min_cc[0]}.{self.min_cc[1]}+, {gpu.name} is {gpu.cc}"
         if problem.dtype not in self.dtypes:
             return f"{self.name} takes {'/'.join(self.dtypes)} inputs, not {problem.dtype}"
-        if problem.head_dim not in self.head_dims:
-            return f"{self.name} supports head dim {', '.join(map(str, self.head_dims))}, not {problem.head_dim}"
+        if not self.takes_head_dim(problem.head_dim):
+            return f"{self.name} supports head dim {self.head_dims_text()}, not {problem.head_dim}"
         if problem.mask not in self.masks:
             return f"{self.name} runs the masks {', '.join(self.masks)}, not {problem.mask}"
         if self.max_queries and problem.seqlen_q > self.max_queries:
             return f"{self.name} serves at most {self.max_queries} queries per sequence (decode), not {problem.seqlen_q}"
         return None
+
+    def takes_head_dim(self, d: int) -> bool:
+        """Whether the kernel runs head dim `d`: one of `head_dims`, unless the family pads its tile
+        to the head dim and so takes a range (flash_fwd_sm90)."""
+        return d in self.head_dims
+
+    def head_dims_text(self) -> str:
+        return ", ".join(map(str, self.head_dims))
 
     def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
         """Why a search of every family (`--family auto`) passes this one over for `problem` though

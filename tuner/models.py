@@ -13,6 +13,11 @@
 | sdxl | self | 10 / 20 | same | 64 | none | 4096 / 1024 (1024 px: 128 px latents, 2x and 4x down) | 2 |
 | sdxl | cross | 10 / 20 | same | 64 | none | 4096 / 1024 queries x 77 text tokens | 2 |
 | whisper | self (encoder) | 20 | 20 | 64 | none | 1500 (30 s of audio) | 1 |
+| phi3-mini | self | 32 | 32 | 96 | causal | --seqlen (2048, 8192) | 1 |
+| phi-2 | self | 32 | 32 | 80 | causal | --seqlen (2048, 8192) | 1 |
+| sd15 | self | 8 | 8 | 40 / 80 / 160 | none | 4096 / 1024 / 256 (512 px: 64 px latents, 1x, 2x and 4x down) | 2 |
+| sd15 | cross | 8 | 8 | 40 / 80 | none | 4096 / 1024 queries x 77 text tokens | 2 |
+| dit-xl2 | self | 16 | 16 | 72 | none | 256 (256 px: 32 px latents, 2 px patches) | 16 |
 
 Whole models, unsharded (with tensor parallelism over G GPUs a layer has H/G and K/V heads/G).
 For the models whose length is the user's (the LLMs, GPT-2), `--seqlen` takes lengths, each N
@@ -93,6 +98,12 @@ MODELS: dict[str, Model] = {m.name: m for m in (
     Model("sdxl", (Attention(10, 10, 64, "none", 4096), Attention(20, 20, 64, "none", 1024),
                    Attention(10, 10, 64, "none", 4096, 77), Attention(20, 20, 64, "none", 1024, 77)), batch=2),
     Model("whisper", (Attention(20, 20, 64, "none", 1500),)),
+    # head dims off the 64-column panels (flash_fwd_sm90 pads its tile to them)
+    _llm("phi3-mini", 32, 32, 96),
+    _llm("phi-2", 32, 32, 80),
+    Model("sd15", (Attention(8, 8, 40, "none", 4096), Attention(8, 8, 80, "none", 1024), Attention(8, 8, 160, "none", 256),
+                   Attention(8, 8, 40, "none", 4096, 77), Attention(8, 8, 80, "none", 1024, 77)), batch=2),
+    Model("dit-xl2", (Attention(16, 16, 72, "none", 256),), batch=16),
 )}
 
 

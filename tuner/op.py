@@ -260,9 +260,9 @@ def _served(q, k, v) -> str | None:
         return f"dtype {q.dtype}"
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1]:
         return "shapes flashtune does not take (a value head dim unlike the key's, say)"
-    from .dispatch import supported_head_dims
+    from .dispatch import takes_head_dim
 
-    if q.shape[3] not in supported_head_dims():
+    if not takes_head_dim(q.shape[3]):
         return f"head dim {q.shape[3]}"
     if 0 in (*q.shape, *k.shape):   # an empty microbatch: what SDPA gives (None on torch 2.11's CUDA)
         return "empty inputs"
