@@ -74,13 +74,13 @@ FT_DEVICE bool last_split(const SplitWorkspace& ws, int tile, int splits, int ba
 
 // Merge the splits' partials of rows [r0, r0 + rows) (clipped to [0, nq)) of batch-head (b, h) into
 // O (TO, rows `o_sn` apart from `o_bh`) and the LSE (`lse_bh`): a warp per row, lane s reading
-// split s's LSE (splits <= 32). Where DIM is a multiple of 64 each lane takes DIM / 32 adjacent
-// columns (one vector load per split); otherwise (d = 96, 80, ...) column pairs 64 apart, the last
-// strip's lanes past DIM idle. `warp`, `warps`: this thread's warp among the `warps` that merge.
+// split s's LSE (splits <= 32). At d = 64, 128, 256 each lane takes DIM / 32 adjacent columns (one
+// vector load per split); otherwise (d = 96, 80, 192, ...) column pairs 64 apart, the last strip's
+// lanes past DIM idle. `warp`, `warps`: this thread's warp among the `warps` that merge.
 template <int DIM, int ODT>
 FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq, int r0, int rows,
                             typename Elem<ODT>::type* o_bh, long long o_sn, float* lse_bh, int warp, int warps, int lane) {
-  constexpr bool WIDE = DIM % 64 == 0;
+  constexpr bool WIDE = DIM == 64 || DIM == 128 || DIM == 256;   // 2, 4 or 8 columns a lane (d=192: strips)
   constexpr int VEC = WIDE ? DIM / 32 : 2;               // adjacent columns per lane and strip: 2, 4 or 8
   constexpr int STRIPS = WIDE ? 1 : (DIM + 63) / 64;     // strips of 32 x VEC columns
   static_assert(DIM % 8 == 0, "whole column pairs");
