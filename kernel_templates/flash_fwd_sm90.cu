@@ -28,12 +28,12 @@
 // otherwise O goes from registers in 16-byte stores (store_slab).
 //
 // Head dims are handled in panels one swizzle atom wide (PANEL_COLS, set by the family from the
-// tile's width: 128 bytes where the width is a multiple of them, else 64 or 32): Q, K and V tiles
-// are PANELS boxes of [rows x PANEL_COLS] each, so one TMA box and one wgmma descriptor step per
-// panel. The tile's width HEAD_DIM is the head dim D_VALID rounded up to a wgmma k step (16 columns
-// of fp16/bf16): the columns past D_VALID come in as zeros (the tensor maps end at D_VALID), add
-// nothing to S, make zero columns of O, and are never stored. So d=96 runs in three 64-byte panels
-// and d=80 in five 32-byte ones, FlashAttention-4's rule, where no 128-byte panel fits.
+// tile's width: 128 bytes where the width is a multiple of them, else 64): Q, K and V tiles are
+// PANELS boxes of [rows x PANEL_COLS] each, so one TMA box and one wgmma descriptor step per panel.
+// The tile's width HEAD_DIM is the head dim D_VALID rounded up to 64 bytes (sm90_tma.tile_cols):
+// the columns past D_VALID come in as zeros (the tensor maps end at D_VALID), add nothing to S,
+// make zero columns of O, and are never stored. So d=96 runs in three 64-byte panels, d=80 padded
+// to the same, d=40 in one 128-byte panel.
 //
 // e4m3 (IN_DTYPE == FT_E4M3): the products are k32 QGMMA, O is bf16; the keys of V^T are permuted
 // so that P packs straight from S's registers. V's stage is freed once transposed, V^T's once P V
@@ -97,9 +97,8 @@ constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && (ROW_BYTES == 128 || ROW_BYTES == 64 || ROW_BYTES == 32),
               "the tile's width in whole 128-, 64- or 32-byte panels");
-static_assert(D_VALID <= HEAD_DIM && HEAD_DIM - D_VALID < KSTEP && D_VALID % 8 == 0, "the head dim, rounded up to a k step");
+static_assert(D_VALID <= HEAD_DIM && D_VALID % 8 == 0, "the head dim, within the tile's width");
 static_assert(!FP8 || (D_VALID == HEAD_DIM && ROW_BYTES >= 64), "e4m3: whole 64- or 128-byte rows (d = 64, 128, 256)");
-static_assert(!TMA_STORE || ROW_BYTES == 128, "a TMA-stored O: 128-byte panels");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, "fp16, bf16 or e4m3 inputs");
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");

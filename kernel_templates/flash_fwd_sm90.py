@@ -12,10 +12,10 @@ loading the next under the current epilogue; kernel_templates/tile_scheduler.cuh
 and chain (two persistent overlapped consumers: a second Q buffer, and the next work tile's first S
 issued with this one's last P V, so it runs under this tile's epilogue).
 
-Head dims: any multiple of 8 from 8 to 256 in fp16/bf16. The tile is the head dim rounded up to a
-wgmma k step (`tile_cols`), in panels of the widest swizzle that divides it (`panel_cols`: 128 bytes
-at d = 64, 128, 192, 256; 64 at d = 96, 160; 32 at d = 80, 112, ...); the tensor maps end at the head
-dim, so the columns past it read as zeros and are never stored. A tuned lookup serves the head dims
+Head dims: any multiple of 8 from 8 to 256 in fp16/bf16. The tile is the head dim rounded up to 64
+bytes (`tile_cols`), in panels of the widest swizzle that divides it (`panel_cols`: 128 bytes at
+d = 64, 128, 192, 256; 64 at d = 96, 160); the tensor maps end at the head dim, so the columns past
+it read as zeros and are never stored. A tuned lookup serves the head dims
 it was tuned at; another (Phi-3's 96, Stable Diffusion's 80 and 160) runs this family's default.
 
 fp8 (e4m3 inputs, bf16 O): the producer warpgroup's warps 1-3 transpose each V tile for the K-major
@@ -41,7 +41,7 @@ _WGMMA_MARK = "// <wgmma wrappers>"
 
 
 def tile_dim(problem: Problem) -> int:
-    """The width of the kernel's Q, K and V tiles for `problem`: its head dim rounded up to a k step."""
+    """The width of the kernel's Q, K and V tiles for `problem`: its head dim rounded up to 64 bytes."""
     return tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype])
 
 
@@ -153,6 +153,9 @@ class FlashFwdSm90(KernelFamily):
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
+        elif d <= 128 and tile_dim(problem) % 64:   # 64-byte panels (d = 72-96): Bc 128 won its searches (w1, w2)
+            cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
+                     (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]
         elif d <= 128:
             cands = [(176, 2, 2, 24, 1, 1, 0, 0), (176, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 0),
                      (128, 2, 2, 40, 1, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1, 0), (128, 2, 2, 24, 1, 0, 0, 0),

@@ -154,19 +154,20 @@ def _fast_encoder() -> _CtypesEncoder | None:
 
 
 def tile_cols(d: int, esize: int) -> int:
-    """The width of a kernel's Q, K and V tiles for head dim `d`: d rounded up to a wgmma k step
-    (32 bytes: 16 columns of fp16/bf16, 32 of e4m3). The columns past d come in as zeros."""
-    step = 32 // esize
+    """The width of a kernel's Q, K and V tiles for head dim `d`: d rounded up to 64 bytes (32
+    columns of fp16/bf16), so that a tile is whole 64- or 128-byte panels. The columns past d come
+    in as zeros. Rounding only to a wgmma k step (32 bytes) needs 32-byte panels at d = 80 or 112,
+    which ran 0.77-0.90x the same configs in wider ones, padding included (PERF_NOTES "w2")."""
+    step = 64 // esize
     return -(-d // step) * step
 
 
 def panel_cols(d: int, esize: int) -> int:
-    """Columns of one panel of a tile (a TMA box's row and a wgmma swizzle atom's): the widest
-    swizzle, 128, 64 or 32 bytes, that divides the tile's row. 128 bytes wherever the tile's width
-    is a multiple of them (d = 64, 128, 192, 256 in 16 bits); d = 96 in three 64-byte panels, d = 80
-    in five 32-byte ones (FlashAttention-4 picks its shared-memory atoms the same way)."""
+    """Columns of one panel of a tile (a TMA box's row and a wgmma swizzle atom's): 128 bytes
+    wherever the tile's width is a multiple of them (d = 64, 128, 192, 256 in 16 bits; 40 and 120
+    padded to 64 and 128), else 64 (d = 96 and 160, 72 and 80 padded to 96)."""
     row = tile_cols(d, esize) * esize
-    return next(w for w in (128, 64, 32) if row % w == 0) // esize
+    return (128 if row % 128 == 0 else 64) // esize
 
 
 def box_cols(t) -> int:

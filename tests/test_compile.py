@@ -288,8 +288,8 @@ def test_sm90_seed_resources_match_the_record(problem):
     assert not differ, f"ptxas's resources moved: {json.dumps(differ, indent=1)}"
 
 
-# Head dims off flash_fwd_sm90's 64-column panels: its tile padded to a k step, in 32-, 64- or
-# 128-byte panels (sm90_tma.panel_cols); each mask and 16-bit dtype somewhere.
+# Head dims off flash_fwd_sm90's 64-column panels: its tile padded to 64 bytes, in 64- or 128-byte
+# panels (sm90_tma.panel_cols); each mask and 16-bit dtype somewhere.
 ANY_DIM_PROBLEMS = [Problem(2, 8, 1000, 1000, d, dt, m, kv_heads=2) for d, dt, m in (
     (8, "bf16", "none"), (40, "fp16", "causal"), (56, "bf16", "causal_br"), (72, "fp16", "none"),
     (80, "bf16", "causal"), (96, "bf16", "none"), (96, "fp16", "causal_br"), (112, "bf16", "causal"),
@@ -300,14 +300,14 @@ ANY_DIM_PROBLEMS = [Problem(2, 8, 1000, 1000, d, dt, m, kv_heads=2) for d, dt, m
 def test_sm90_any_head_dim_seeds_compile_without_spills(problem, tmp_path):
     """Every valid seed of flash_fwd_sm90 and of its split at such a head dim compiles for sm_90a:
     P V a wgmma as wide as the tile, Q, K and V by TMA, no spills or local memory, O by ordinary
-    stores (a TMA-stored O needs 128-byte panels: not a valid point where they are narrower)."""
+    stores or, where the panels are 128 bytes and a seed asks, by TMA."""
     from tuner.kernel_templates.flash_fwd_sm90 import tile_dim
     from tuner.kernel_templates.sm90_tma import panel_cols
 
     split = get_family("flash_fwd_sm90_split")
     assert SM90.supports(H100_SXM, problem) is None and split.supports(H100_SXM, problem) is None
     width = tile_dim(problem)
-    assert width % 16 == 0 and 0 <= width - problem.head_dim < 16 and width % panel_cols(problem.head_dim, 2) == 0
+    assert width % 32 == 0 and 0 <= width - problem.head_dim < 32 and width % panel_cols(problem.head_dim, 2) == 0
     if panel_cols(problem.head_dim, 2) < 64:
         assert not any(p["tma_store"] for p in SM90.valid_points(H100_SXM, problem))
     cases = [(fam, p) for fam in (SM90, split) for p in fam.seeds(H100_SXM, problem) if fam.check(p, H100_SXM, problem) is None]

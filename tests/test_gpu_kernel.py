@@ -83,9 +83,9 @@ def test_family_matches_reference(family, dtype, causal, d):
             _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
 
 
-# Head dims the Hopper kernel pads to its tile (tile_cols, panel_cols): 32-byte panels (8, 40, 72, 80,
-# 112), 64-byte ones (96, 160), 128-byte ones with the head dim ending inside the last panel (56, 248)
-# or filling it (192).
+# Head dims the Hopper kernel pads to its tile (tile_cols, panel_cols): 64-byte panels (8, 72, 80 padded
+# to 96; 96, 160), 128-byte ones with the head dim ending inside the last panel (40, 56, 112, 248) or
+# filling it (192).
 ANY_DIMS = [("flash_fwd_sm90", d) for d in (8, 40, 56, 72, 80, 96, 112, 160, 192, 248)] + [
     ("flash_fwd_sm90_split", d) for d in (40, 96, 192, 248)]
 
