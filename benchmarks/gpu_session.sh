@@ -3,7 +3,7 @@
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
 #   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|varlen-ship|ab|sweep|profile|all]...
-# `tests` runs `pytest -m gpu` as seven processes side by side (test files split so each takes about
+# `tests` runs `pytest -m gpu` as eight processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
 # re-times the committed grid configs (benchmarks/results_db.py) with `tuner bench` (GRID_DTYPE=bf16
@@ -55,8 +55,9 @@ steps=${*:-all}
 for step in $steps; do
   case $step in
     tests|all) fam=tests/test_gpu_kernel.py::test_family_matches_reference
+               anyd=tests/test_gpu_kernel.py::test_sm90_any_head_dim_matches_reference
                groups=("tests/test_gpu_op.py tests/test_tma.py tests/test_gpu_varlen.py" "$fam -k sm90" "$fam -k mma" "$fam -k simt"
-                       "tests/test_gpu_kernel.py tests/test_gpu_split_kv.py --deselect $fam"
+                       "tests/test_gpu_kernel.py tests/test_gpu_split_kv.py --deselect $fam --deselect $anyd" "$anyd"
                        "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py"
                        "tests/test_gpu_shipped.py")
                i=0; for g in "${groups[@]}"; do i=$((i + 1))

@@ -292,16 +292,16 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
 
 @pytest.mark.parametrize("d", [80, 96, 192, 248])
 def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path, monkeypatch, d):
-    """Lookups borrow only within a head dim (tuner.nearest), and the shipped ones tune 64, 128 and
-    256: a prefill at Phi-3's 96 (Stable Diffusion's 80, 192, ...) that fills the GPU runs
-    flash_fwd_sm90's default, its tile padded to the head dim; one that does not, a decode step, a
+    """Lookups borrow only within a head dim and dtype (tuner.nearest), and the shipped ones tune fp16
+    at 64, 128 and 256 only: an fp16 prefill at Phi-3's 96 (Stable Diffusion's 80, 192, ...) that
+    fills the GPU runs flash_fwd_sm90's default, its tile padded to the head dim; one that does not, a decode step, a
     GPU without wgmma, or a head dim no kernel takes (84: not a multiple of 8) runs SDPA, and the
     plan's reason says which."""
     from tuner.cli import _served
 
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
     d_ = Dispatcher(tmp_path / "absent.json")
-    prefill = Problem(1, 32, 4096, 4096, d, "bf16", "causal", kv_heads=8)
+    prefill = Problem(1, 32, 4096, 4096, d, "fp16", "causal", kv_heads=8)   # the shipped d=80, 96 buckets are bf16
     e = d_.serving_entry(prefill, H100_SXM)
     assert d_.select(prefill, H100_SXM) is None and e == {"family": SM90.name, "params": SM90.default(H100_SXM, prefill)}
     assert SM90.check(e["params"], H100_SXM, prefill) is None
@@ -556,3 +556,17 @@ def test_bench_peer_fa4_without_it_installed_says_so_in_one_line(monkeypatch, tm
     bad = subprocess.run([sys.executable, "-m", "tuner.cli", "bench", "--peer", "fa3"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "unknown peer 'fa3'" in bad.stdout + bad.stderr and "fa4" in bad.stdout + bad.stderr
+
+
+def test_the_shipped_h100_lookup_tunes_every_model_of_the_table_in_its_own_bucket(tmp_path, monkeypatch):
+    """Every bf16 problem of tuner/models.py (Phi-3's d=96, SD 1.5's 40/80/160, DiT's 72 among them)
+    is served on the H100 by an entry of its own bucket, a tuned config or an SDPA backend that
+    measured faster, not by a neighbour's or a default."""
+    from tuner.models import MODELS, model_problems
+
+    monkeypatch.setenv(export.SHIPPED_ENV, "1")
+    d = Dispatcher(tmp_path / "absent.json")
+    for p in model_problems(list(MODELS), "bf16"):
+        e = d.select(p, H100_SXM)
+        assert e is not None and e["bucket"] == p.bucket().key, (p.key, e and e["bucket"])
+        assert e["family"] in (SM90.name, SPLIT.name, "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"), (p.key, e["family"])
