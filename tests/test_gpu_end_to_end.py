@@ -140,8 +140,8 @@ def test_attention_falls_back_and_rejects_bad_input(tuned):
         disp(q, q.cpu(), q)
     with pytest.raises(ValueError, match="different dtypes"):
         disp(q, q.float(), q)
-    x = torch.randn(1, 2, 16, 80, device="cuda")   # no kernel takes d=80: SDPA's, as SDPA would, with a warning
-    with pytest.warns(UserWarning, match="head dim 80"):
+    x = torch.randn(1, 2, 16, 84, device="cuda")   # no kernel takes d=84 (not a multiple of 8): SDPA's, with a warning
+    with pytest.warns(UserWarning, match="head dim 84"):
         o = disp(x, x, x)
     torch.testing.assert_close(o, torch.nn.functional.scaled_dot_product_attention(x, x, x))
 
