@@ -15,8 +15,8 @@ issued with this one's last P V, so it runs under this tile's epilogue).
 Head dims: any multiple of 8 from 8 to 256 in fp16/bf16. The tile is the head dim rounded up to 64
 bytes (`tile_cols`), in panels of the widest swizzle that divides it (`panel_cols`: 128 bytes at
 d = 64, 128, 192, 256; 64 at d = 96, 160); the tensor maps end at the head dim, so the columns past
-it read as zeros and are never stored. A tuned lookup serves the head dims
-it was tuned at; another (Phi-3's 96, Stable Diffusion's 80 and 160) runs this family's default.
+it read as zeros and are never stored. Lookups serve a head dim only from buckets of that head dim;
+a prefill that fills the GPU and that none reaches runs this family's default (dispatch).
 
 fp8 (e4m3 inputs, bf16 O): the producer warpgroup's warps 1-3 transpose each V tile for the K-major
 P V (kernel_templates/sm90_fp8.cuh), so the V^T buffer costs a third K/V-sized ring, the transposers
@@ -93,7 +93,7 @@ class FlashFwdSm90(KernelFamily):
 
     @staticmethod
     def register_estimate(params: dict, problem: Problem) -> int:
-        """Per consumer thread: S (Bc/2), O (d/2), P packed (Bc/4, Bc/8 in e4m3), and ~32 for
+        """Per consumer thread: S (Bc/2), O (the tile's width / 2), P packed (Bc/4, Bc/8 in e4m3), and ~32 for
         addresses, softmax state and descriptors, 4 more without a split. From ptxas: Bc=176 at d=128 fits split=40's
         232 and Bc=128 at d=64 fits three consumers' 160 with no spill (FA3's tiles there); Bc=96
         at d=128 spills 8-48 B in the 168 of no split."""

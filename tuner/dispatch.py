@@ -228,7 +228,8 @@ class Dispatcher:
     def serving_entry(self, problem: Problem, gpu) -> dict | None:
         """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,
         flash_decode's default, for a prefill call that leaves SMs idle, flash_fwd_sm90_split's
-        where it splits the keys; None where none serves it (SDPA then does)."""
+        where it splits the keys, for one that fills the GPU (a head dim nobody tuned),
+        flash_fwd_sm90's; None where none serves it (SDPA then does)."""
         return (self.select(problem, gpu) or _decode_default(problem, gpu) or _split_default(problem, gpu)
                 or _prefill_default(problem, gpu))
 
