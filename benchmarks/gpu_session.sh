@@ -64,7 +64,10 @@ for step in $steps; do
                  FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -q -rA \
                    ${PYTEST_K:+-k "$PYTEST_K"} $g > "$OUT/pytest_gpu_$i.log" 2>&1 &
                done; wait
-               tail -n 3 "$OUT"/pytest_gpu_*.log; grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest_gpu_*.log ;;&
+               # one file: a call brings back at most 8 files of $OUT, and eight groups plus gpu.log are nine
+               for f in "$OUT"/pytest_gpu_*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done > "$OUT/pytest_gpu.log"
+               for f in "$OUT"/pytest_gpu_*.log; do echo "$(basename "$f" .log): $(tail -n 1 "$f")"; done
+               grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest_gpu_*.log; rm -f "$OUT"/pytest_gpu_*.log ;;&
     grid) results=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json
           python3 benchmarks/results_db.py $results sqlite:////tmp/flashtune/grid.db
           for dt in ${GRID_DTYPE:-fp16 bf16}; do
