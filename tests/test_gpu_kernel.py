@@ -53,6 +53,15 @@ def _random_problem(rng: random.Random, dtype: str, causal: bool | str, d: int) 
     return Problem(rng.randint(1, 3), kvh * rng.choice([1, 2]), nq, nk, d, dtype, causal, kvh)
 
 
+def _check_configs(fam, gpu, problem: Problem, rng: random.Random) -> None:
+    """The family's default and 3 random valid configs on `problem`, both layouts, within budget."""
+    valid = fam.valid_points(gpu, problem)
+    for params in [fam.default(gpu, problem)] + rng.sample(valid, min(3, len(valid))):
+        for layout in ("bhnd", "bnhd"):
+            err = _run(fam, params, problem, rng.randrange(2**31), layout)
+            _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
+
+
 FAMILY_DTYPES_DIMS = (
     ("flash_fwd_simt", ("fp32", "fp16", "bf16"), (64, 128)),
     ("flash_fwd_mma", ("fp16", "bf16"), (32, 64, 96, 128, 256)),
@@ -75,12 +84,7 @@ def test_family_matches_reference(family, dtype, causal, d):
     problem = _random_problem(rng, dtype, causal, d)
     if reason := fam.supports(gpu, problem):
         pytest.skip(reason)
-    valid = fam.valid_points(gpu, problem)
-    configs = [fam.default(gpu, problem)] + rng.sample(valid, min(3, len(valid)))
-    for params in configs:
-        for layout in ("bhnd", "bnhd"):
-            err = _run(fam, params, problem, rng.randrange(2**31), layout)
-            _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
+    _check_configs(fam, gpu, problem, rng)
 
 
 # Head dims the Hopper kernel pads to its tile (tile_cols, panel_cols): 64-byte panels (8, 72, 80 padded
@@ -103,11 +107,7 @@ def test_sm90_any_head_dim_matches_reference(family, d, mask):
     problem = _random_problem(rng, rng.choice(["fp16", "bf16"]), mask, d)
     if reason := fam.supports(gpu, problem):
         pytest.skip(reason)
-    valid = fam.valid_points(gpu, problem)
-    for params in [fam.default(gpu, problem)] + rng.sample(valid, min(3, len(valid))):
-        for layout in ("bhnd", "bnhd"):
-            err = _run(fam, params, problem, rng.randrange(2**31), layout)
-            _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
+    _check_configs(fam, gpu, problem, rng)
 
 
 @pytest.mark.parametrize("family", ["flash_fwd_simt", "flash_fwd_mma", "flash_fwd_sm90", "flash_fwd_sm90_split"])
