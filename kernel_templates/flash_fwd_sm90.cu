@@ -49,7 +49,13 @@
 // its share of O and the LSE to a workspace and the block's last split merges them. For calls whose
 // work tiles leave SMs idle (few heads, a short chunk against a long cache).
 //
-// Set by the family spec: BC HEAD_DIM D_VALID PANEL_COLS STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
+// P_SMEM (three consumers on a 64-byte-panel tile, d = 72-96: FlashAttention-4's 192-row tiles
+// there): P goes through shared memory, not registers. Each consumer writes its P (64 rows x BC keys,
+// 16-bit, K-major in 128-byte panels of 64 keys) by stmatrix once its last P V has landed, and P V
+// reads it as wgmma's A operand; the BC / 4 registers P held are what three consumers lack at
+// Bc = 128 (O 48 + S 64 + P 32 + 32 of their 160 at d = 96).
+//
+// Set by the family spec: BC HEAD_DIM D_VALID PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
 #include "sm90.cuh"
@@ -94,11 +100,16 @@ constexpr bool FROM_END = IS_CAUSAL && !TMA_STORE;
 // bounds (8 and 112 bytes spilled).
 constexpr bool PEEL_MASKS = !(HEAD_DIM > 128 && IS_CAUSAL && (PERSISTENT || SPLIT_KV));
 constexpr unsigned O_STAGE_BYTES = BR * HEAD_DIM * sizeof(TO);   // TMA_STORE: a 16-row slab per consumer warp
+constexpr int P_PANELS = (BC + 63) / 64;          // P_SMEM: 128-byte panels of 64 keys
+constexpr unsigned P_BYTES = 64 * 128 * P_PANELS;   // P_SMEM: one consumer's P
+constexpr int PREGS = P_SMEM ? 1 : PSTEPS;        // P's A fragments in registers (none used with P_SMEM)
+constexpr int P_BAR = 2 + CWG;                    // P_SMEM: consumer c's named barrier is P_BAR + c
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && (ROW_BYTES == 128 || ROW_BYTES == 64 || ROW_BYTES == 32),
               "the tile's width in whole 128-, 64- or 32-byte panels");
 static_assert(D_VALID <= HEAD_DIM && D_VALID % 8 == 0, "the head dim, within the tile's width");
 static_assert(!FP8 || (D_VALID == HEAD_DIM && ROW_BYTES >= 64), "e4m3: whole 64- or 128-byte rows (d = 64, 128, 256)");
+static_assert(!P_SMEM || !FP8, "P through shared memory: 16-bit inputs");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, "fp16, bf16 or e4m3 inputs");
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
@@ -130,7 +141,7 @@ struct Barriers {
 // Swizzle atoms repeat every 1024 bytes: the descriptors assume tiles start on that boundary.
 struct Tiles {
   T *q, *k, *v, *vt;   // vt: e4m3 only, [HEAD_DIM x BC] per stage
-  unsigned char* o;
+  unsigned char *p, *o;   // p: P_SMEM only, P_BYTES per consumer
   Barriers* bar;
 
   FT_DEVICE explicit Tiles(unsigned char* raw) {
@@ -139,7 +150,8 @@ struct Tiles {
     k = q + QBUF * BR * HEAD_DIM;
     v = k + STAGES * BC * HEAD_DIM;
     vt = v + STAGES * BC * HEAD_DIM;
-    o = reinterpret_cast<unsigned char*>(FP8 ? vt + STAGES * BC * HEAD_DIM : vt);
+    p = reinterpret_cast<unsigned char*>(FP8 ? vt + STAGES * BC * HEAD_DIM : vt);
+    o = p + (P_SMEM ? CWG * P_BYTES : 0);
     bar = reinterpret_cast<Barriers*>(o + (TMA_STORE ? O_STAGE_BYTES : 0));
   }
 };
@@ -266,7 +278,7 @@ FT_DEVICE void transpose_v(const Tiles& sm, Barriers& bar, const Scheduler& sche
 struct Accumulators {
   float o[DTILES][4], m[2], l[2];
   float s[NTILES][4], alpha[2];
-  unsigned p[PSTEPS][4];
+  unsigned p[PREGS][4];
 
   FT_DEVICE void reset() {
 #pragma unroll
@@ -279,7 +291,7 @@ struct Accumulators {
   // P (16- or 8-bit A fragments of P V) from S's registers
   FT_DEVICE void make_p() {
 #pragma unroll
-    for (int ps = 0; ps < PSTEPS; ++ps) {
+    for (int ps = 0; ps < PREGS; ++ps) {
       if constexpr (FP8) p_fragment_e4m3(p[ps], s, ps);
       else p_fragment<IN_DTYPE>(p[ps], s, ps);
     }
@@ -298,12 +310,30 @@ FT_DEVICE void issue_s(float (&s)[NTILES][4], unsigned long long dq, unsigned lo
 }
 
 // O += P V: V N-major (its rows are the k dim: a k step is 16 rows), panels of PANEL_COLS columns
-// LBO apart; or e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart.
-FT_DEVICE void issue_pv(float (&o)[DTILES][4], unsigned (&p)[PSTEPS][4], unsigned long long dv) {
+// LBO apart; or e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart. P from
+// registers, or (P_SMEM) from shared memory at `dp`: a k step is 32 bytes into a panel's row.
+FT_DEVICE void issue_pv(float (&o)[DTILES][4], unsigned (&p)[PREGS][4], unsigned long long dp, unsigned long long dv) {
 #pragma unroll
-  for (int ps = 0; ps < PSTEPS; ++ps)
-    Wgmma<HEAD_DIM>::rs(o, p[ps], desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * ROW_BYTES), 1);
+  for (int ps = 0; ps < PSTEPS; ++ps) {
+    const unsigned long long db = desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * ROW_BYTES);
+    if constexpr (P_SMEM) Wgmma<HEAD_DIM>::ssn(o, desc_advance(dp, (ps / 4) * 8192 + (ps % 4) * 32), db, 1);
+    else Wgmma<HEAD_DIM>::rs(o, p[ps], db, 1);
+  }
   wgmma_commit();
+}
+
+// P_SMEM: P (16-bit) from S's registers into a consumer's buffer `buf`, K-major in 128-byte-swizzled
+// panels of 64 keys, 8 KB apart: this warp's 16 rows from `row16`, by stmatrix (matrices: rows 0-7 |
+// 8-15 x n8 group j | j + 1, the accumulator's layout; chunk c of row r at c ^ (r % 8)).
+FT_DEVICE void store_p(unsigned buf, const float (&s)[NTILES][4], int lane, int row16) {
+  const int mat = lane / 8, r = row16 + lane % 8 + (mat & 1) * 8;
+#pragma unroll
+  for (int j = 0; j < NTILES; j += 2) {
+    const int col8 = j + (mat >> 1);
+    stmatrix_x4(buf + (col8 / 8) * 8192 + r * 128 + (((col8 % 8) ^ (r % 8)) << 4), pack2<IN_DTYPE>(s[j][0], s[j][1]),
+                pack2<IN_DTYPE>(s[j][2], s[j][3]), pack2<IN_DTYPE>(s[j + 1][0], s[j + 1][1]),
+                pack2<IN_DTYPE>(s[j + 1][2], s[j + 1][3]));
+  }
 }
 
 // OWN_TILES: how many of work tile w's K/V tiles the rows [r0, r1) of consumer cw need
@@ -327,6 +357,8 @@ struct Consumer {
   // a desc_advance from these
   unsigned long long desc_q, desc_k, desc_v;
   unsigned o_slab;       // TMA_STORE: this warp's slab
+  unsigned p_buf;        // P_SMEM: this consumer's P
+  unsigned long long desc_p;
   // P V's operand B and its barriers: V itself (N-major), or for e4m3 the transposed V^T
   MbarRing<STAGES>& pv;
   Accumulators acc;
@@ -340,9 +372,23 @@ struct Consumer {
 
   FT_DEVICE Consumer(Barriers& bar_, const Scheduler& sched_, const Output& out_, float scale_log2_,
                      int cw_, int lane_, int wrow0_, unsigned long long desc_q_, unsigned long long desc_k_,
-                     unsigned long long desc_v_, unsigned o_slab_)
+                     unsigned long long desc_v_, unsigned o_slab_, unsigned p_buf_)
       : bar(bar_), sched(sched_), out(out_), scale_log2(scale_log2_), cw(cw_), lane(lane_), wrow0(wrow0_),
-        desc_q(desc_q_), desc_k(desc_k_), desc_v(desc_v_), o_slab(o_slab_), pv(FP8 ? bar_.vt : bar_.v) {}
+        desc_q(desc_q_), desc_k(desc_k_), desc_v(desc_v_), o_slab(o_slab_), p_buf(p_buf_),
+        desc_p(wgmma_desc<128>(p_buf_, 16, 1024)), pv(FP8 ? bar_.vt : bar_.v) {}
+
+  // P of the K/V tile in hand, for its P V: A fragments in registers, or (P_SMEM) this consumer's
+  // buffer in shared memory, visible to the tensor cores and whole (all four warps) before the
+  // product is issued. Its last P V has landed wherever this runs, so the buffer is free.
+  FT_DEVICE void make_p() {
+    if constexpr (P_SMEM) {
+      store_p(p_buf, acc.s, lane, wrow0 - cw * 64);
+      fence_proxy_async_smem();
+      named_sync(P_BAR + cw, 128);
+    } else {
+      acc.make_p();
+    }
+  }
 
   // Ping-pong (PINGPONG): the consumer warpgroups take turns issuing their products, in the order
   // 0, 1, .., CWG-1, so each one's softmax runs under the others' matrix work. Named barrier 1 + c is
@@ -372,7 +418,7 @@ struct Consumer {
     release_k(0);
     mask(0);
     softmax_advance(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
-    acc.make_p();
+    make_p();
   }
   FT_DEVICE void epilogue() {
 #if VARLEN
@@ -461,7 +507,7 @@ struct Consumer {
     wgmma_pin(acc.o);
     wgmma_fence();
     issue_s(acc.s, q_desc(q), k_desc(kv + t));      // S of tile t
-    issue_pv(acc.o, acc.p, v_desc(kv + (t - 1)));   // O += P V of tile t-1
+    issue_pv(acc.o, acc.p, desc_p, v_desc(kv + (t - 1)));   // O += P V of tile t-1
     turn_end();
     wgmma_wait<1>();                                // S of tile t has landed; P V may still run
     wgmma_pin(acc.s);
@@ -472,7 +518,7 @@ struct Consumer {
     wgmma_pin(acc.o);
     pv.release(kv + (t - 1));
     rescale_rows(acc.o, acc.alpha);
-    acc.make_p();
+    make_p();
   }
 
   // The schedule of one work tile, overlapped: its first S and softmax, then overlapped_tile for
@@ -507,7 +553,7 @@ struct Consumer {
     turn_begin();
     wgmma_pin(acc.o);
     wgmma_fence();
-    issue_pv(acc.o, acc.p, v_desc(kv + (n - 1)));
+    issue_pv(acc.o, acc.p, desc_p, v_desc(kv + (n - 1)));
     if constexpr (CHAIN) issue_s(acc.s, q_desc(q_next), k_desc(kv + n));
     turn_end();
     wgmma_wait<CHAIN ? 1 : 0>();                      // this tile's last P V has landed
@@ -528,12 +574,12 @@ struct Consumer {
       release_k(t);
       mask(t);
       softmax_step(acc.s, acc.o, acc.m, acc.l, scale_log2);
-      acc.make_p();
+      make_p();
       pv.wait(kv + t);
       turn_begin();
       wgmma_pin(acc.o);
       wgmma_fence();
-      issue_pv(acc.o, acc.p, v_desc(kv + t));
+      issue_pv(acc.o, acc.p, desc_p, v_desc(kv + t));
       turn_end();
       wgmma_wait<0>();
       wgmma_pin(acc.o);
@@ -681,7 +727,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                wgmma_desc<ROW_BYTES>(smem_u32(sm.q) + cw * 64 * ROW_BYTES, 16, 8 * ROW_BYTES),
                wgmma_desc<ROW_BYTES>(smem_u32(sm.k), 16, 8 * ROW_BYTES),
                FP8 ? wgmma_desc(smem_u32(sm.vt), 16, 1024) : wgmma_desc<ROW_BYTES>(smem_u32(sm.v), BC * ROW_BYTES, 8 * ROW_BYTES),
-               smem_u32(sm.o) + (wrow0 / 16) * 16 * HEAD_DIM * static_cast<unsigned>(sizeof(TO)));
+               smem_u32(sm.o) + (wrow0 / 16) * 16 * HEAD_DIM * static_cast<unsigned>(sizeof(TO)),
+               smem_u32(sm.p) + cw * P_BYTES);
     c.run();
   }
 }

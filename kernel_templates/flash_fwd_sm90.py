@@ -45,6 +45,13 @@ def tile_dim(problem: Problem) -> int:
     return tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype])
 
 
+def p_in_smem(params: dict, problem: Problem) -> bool:
+    """Whether P goes through shared memory (the kernel's P_SMEM): three consumers on a 64-byte-panel
+    tile (d = 72-96, 160), where P's Bc / 4 registers are what they lack at Bc = 128. FlashAttention-4
+    runs 192-row tiles there with P V's A from shared memory ("RS is catastrophic with 192x tiles")."""
+    return params["cwg"] == 3 and tile_dim(problem) % 64 != 0 and problem.dtype != "fp8"
+
+
 def entry_regs(threads: int) -> int:
     """Registers per thread at launch under __launch_bounds__(threads, 1): the file's share, in 8s."""
     return min(_MAX_REGS, _REGS_PER_BLOCK // threads // 8 * 8)
@@ -97,7 +104,7 @@ class FlashFwdSm90(KernelFamily):
         addresses, softmax state and descriptors, 4 more without a split. From ptxas: Bc=176 at d=128 fits split=40's
         232 and Bc=128 at d=64 fits three consumers' 160 with no spill (FA3's tiles there); Bc=96
         at d=128 spills 8-48 B in the 168 of no split."""
-        packed = params["Bc"] // (8 if problem.dtype == "fp8" else 4)
+        packed = 0 if p_in_smem(params, problem) else params["Bc"] // (8 if problem.dtype == "fp8" else 4)
         return params["Bc"] // 2 + tile_dim(problem) // 2 + packed + 32 + (0 if params["split"] else 4)
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -154,7 +161,7 @@ class FlashFwdSm90(KernelFamily):
             cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
         elif d <= 128 and tile_dim(problem) % 64:   # 64-byte panels (d = 72-96): Bc 128 won its searches (w1, w2)
-            cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
+            cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]
         elif d <= 128:
             cands = [(176, 2, 2, 24, 1, 1, 0, 0), (176, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 0),
@@ -183,6 +190,7 @@ class FlashFwdSm90(KernelFamily):
             "HEAD_DIM": tile_dim(problem),
             "D_VALID": problem.head_dim,
             "PANEL_COLS": panel_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]),
+            "P_SMEM": int(p_in_smem(params, problem)),
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             **self.mask_defines(problem),
         }
@@ -192,7 +200,9 @@ class FlashFwdSm90(KernelFamily):
         rings = 3 if problem.dtype == "fp8" else 2   # K, V (and V^T)
         o_stage = 2 * d * 64 * params["cwg"] if params["tma_store"] else 0   # 16-bit O, Br x d
         q_bufs = 2 if params["chain"] else 1   # chaining loads the next tile's Q under this one
-        return esize * d * (q_bufs * 64 * params["cwg"] + rings * params["stages"] * params["Bc"]) + o_stage + _BARRIER_SLACK
+        p_bufs = params["cwg"] * 8192 * ceil_div(params["Bc"], 64) if p_in_smem(params, problem) else 0
+        return (esize * d * (q_bufs * 64 * params["cwg"] + rings * params["stages"] * params["Bc"]) + p_bufs + o_stage
+                + _BARRIER_SLACK)
 
     def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
         qblocks = ceil_div(problem.seqlen_q, 64 * params["cwg"])

@@ -27,11 +27,17 @@ def wrapper(n: int, dtype: str) -> str:
     op = f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{t}.{t}"
     # scale-d, then imm-scale-a/b (1: no negation), then for 16-bit types imm-trans-a/b
     ss_imm, rs_imm = ("1, 1", "1, 1") if dtype == "fp8" else ("1, 1, 0, 0", "1, 1, 1")
+    ssn_imm = "1, 1" if dtype == "fp8" else "1, 1, 0, 1"   # e4m3 has no transposed form: never called
     pred = "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{i}, 0;\\n"
     return f"""template <> struct Wgmma<{n}> {{
   // scale_d = 0: D = A B (the old accumulators are ignored); 1: D += A B
   static FT_DEVICE void ss(float (&d)[{n // 8}][4], unsigned long long da, unsigned long long db, int scale_d) {{
     asm volatile("{pred.format(i=nd + 2)}{op} {{{_regs(0, nd)}}}, %{nd}, %{nd + 1}, p, {ss_imm};\\n}}\\n"
+                 : {outs} : "l"(da), "l"(db), "r"(scale_d));
+  }}
+  // A K-major in shared memory, B N-major (16-bit types): P V with P staged in shared memory
+  static FT_DEVICE void ssn(float (&d)[{n // 8}][4], unsigned long long da, unsigned long long db, int scale_d) {{
+    asm volatile("{pred.format(i=nd + 2)}{op} {{{_regs(0, nd)}}}, %{nd}, %{nd + 1}, p, {ssn_imm};\\n}}\\n"
                  : {outs} : "l"(da), "l"(db), "r"(scale_d));
   }}
   static FT_DEVICE void rs(float (&d)[{n // 8}][4], const unsigned (&a)[4], unsigned long long db, int scale_d) {{

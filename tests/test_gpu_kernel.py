@@ -110,6 +110,28 @@ def test_sm90_any_head_dim_matches_reference(family, d, mask):
     _check_configs(fam, gpu, problem, rng)
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+@pytest.mark.parametrize("d", [72, 80, 96])
+def test_sm90_p_through_shared_memory(d, mask):
+    """Three consumers on a 64-byte-panel tile stage P in shared memory (P_SMEM): FA4's 192 x 128 at
+    d <= 96, every schedule that fits (overlap, ping-pong, persistent, serial), fresh ragged GQA
+    shapes, both layouts, NaN-poisoned outputs."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.kernel_templates.flash_fwd_sm90 import p_in_smem
+
+    fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
+    problem = _random_problem(rng, rng.choice(["fp16", "bf16"]), mask, d)
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    points = [p for p in fam.valid_points(gpu, problem) if p_in_smem(p, problem)]
+    assert any(p["Bc"] == 128 for p in points)
+    for params in [p for p in points if p["Bc"] == 128][:1] + rng.sample(points, min(4, len(points))):
+        for layout in ("bhnd", "bnhd"):
+            err = _run(fam, params, problem, rng.randrange(2**31), layout)
+            _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
+
+
 @pytest.mark.parametrize("family", ["flash_fwd_simt", "flash_fwd_mma", "flash_fwd_sm90", "flash_fwd_sm90_split"])
 @pytest.mark.parametrize("nq,nk", [(1000, 133), (133, 1000), (1, 700), (700, 1)], ids=["more-q", "fewer-q", "decode", "one-key"])
 def test_bottom_right_with_rows_that_see_no_key(family, nq, nk):
