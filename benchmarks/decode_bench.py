@@ -3,9 +3,11 @@ FlashAttention-4 (where installed), as achieved TB/s, against the GPU's measured
 
     python3 benchmarks/decode_bench.py [--batch 1,8,32,128] [--keys 1024,8192,32768] [--json OUT]
                                        [--variant NAME=DIR ...] [--page 16,64,256]
+                                       [--heads 32:8] [--head-dim 128]
 
 Shapes: one query per sequence, 32 query heads sharing 8 K/V heads, d=128, bf16 (a Llama-3-8B
-decode step), a cache of Nk keys. TB/s is Problem.bytes_moved (q, K, V read once, O written once)
+decode step; `--heads H:KV` and `--head-dim D` give another model's, Phi-2's 32:32 and 80 say), a
+cache of Nk keys. TB/s is Problem.bytes_moved (q, K, V read once, O written once)
 over the median time, L2 flushed before every repetition (tuner.timing). flashtune's config: a
 short search on the spot (the family's seeds with splits from the occupancy, then the best seed's
 split counts), then timed in turns with the peers; beside it `flashtune_served`, what
@@ -168,8 +170,12 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
                     help="also the kernel compiled from the sources in DIR, named NAME")
     ap.add_argument("--page", default="", help="page sizes: also the cache as pages (comma-separated)")
+    ap.add_argument("--heads", default="32:8", help="query heads:K/V heads")
+    ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
     variants = dict(v.split("=", 1) for v in args.variant)
+    heads, kv_heads = map(int, args.heads.split(":"))
+    d = args.head_dim
     import torch
 
     import seed_resources
@@ -189,10 +195,10 @@ def main() -> int:
     rows = []
     for b in map(int, args.batch.split(",")):
         for nk in map(int, args.keys.split(",")):
-            problem = Problem(b, 32, 1, nk, 128, "bf16", "causal_br", 8)
+            problem = Problem(b, heads, 1, nk, d, "bf16", "causal_br", kv_heads)
             g = torch.Generator(device="cuda").manual_seed(b * 100003 + nk)
-            q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-            k, v = (torch.randn(b, nk, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+            q = torch.randn(b, heads, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            k, v = (torch.randn(b, nk, kv_heads, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
                     for _ in range(2))
             best = screened(fam, problem, gpu, q, k, v, screen)
             run, o = ours(fam, best, problem, gpu, q, k, v)

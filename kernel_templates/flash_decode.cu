@@ -22,10 +22,14 @@
 // rows there before P V. cp.async's 16-byte loads, tracked by the SM's load units, read K/V below
 // the copy bandwidth that the tensor-map peers reach.
 //
+// HEAD_DIM is the tile's width, the head dim D_VALID rounded up to 32 columns (family.padded_head_dim):
+// Q's, K's and V's columns past D_VALID come in as zeros (cp.async reads nothing there), and only
+// D_VALID columns are stored, to O and to the splits' workspace (rows of D_VALID floats).
+//
 // VARLEN (common.cuh): packed sequences, each with its own queries (up to nq) and keys; the grid
 // is the longest sequence's row blocks, a sequence's extra ones exit at once.
 //
-// Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM IN_DTYPE IS_CAUSAL MASK_BR PAGED KV_TMA (VARLEN).
+// Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM D_VALID IN_DTYPE IS_CAUSAL MASK_BR PAGED KV_TMA (VARLEN).
 #include "mma.cuh"
 #include "softmax.cuh"
 // sm90.cuh: TmaMap (a parameter on every arch); its copies only where FT_TMA
@@ -48,10 +52,11 @@ constexpr int CHUNKS = HEAD_DIM / 8;      // 16-byte chunks per row
 constexpr int STAGE_ELEMS = TK * HEAD_DIM;
 
 static_assert(BC % 16 == 0, "BC must be a multiple of 16");
+static_assert(D_VALID % 8 == 0 && D_VALID <= HEAD_DIM && HEAD_DIM - D_VALID < 32, "the tile: D_VALID rounded up to 32");
 static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "16-bit inputs");
 static_assert(!(VARLEN && PAGED), "packed sequences or pages, not both");
-static_assert(!KV_TMA || ((HEAD_DIM == 64 || HEAD_DIM == 128) && TK <= 256), "a stage as boxes of 64 columns x TK rows");
+static_assert(!KV_TMA || ((HEAD_DIM == 64 || HEAD_DIM == 128) && D_VALID == HEAD_DIM && TK <= 256), "a stage as boxes of 64 columns x TK rows");
 
 FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8; }
 // A chunk of a K/V row in a ring slot: rows as `at` lays them out, or (FT_TMA) in the copy engine's
@@ -124,7 +129,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   // ---- Q: the packed rows, zeros past the group's last ----
   for (int idx = tid; idx < ROWS * CHUNKS; idx += NT) {
     const int r = idx / CHUNKS, ch = idx % CHUNKS, pr = r0 + r;
-    const bool ok = pr < packed;
+    const bool ok = pr < packed && ch * 8 < D_VALID;
     const int qi = ok ? pr / kv_group : 0, h = hk * kv_group + (ok ? pr % kv_group : 0);
     cp_async16(at(Qs, r, ch), q + (VARLEN ? seq.q0 * q_sn : b * q_sb) + h * q_sh + qi * q_sn + ch * 8, ok);
   }
@@ -181,7 +186,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #pragma unroll 1
       for (int idx = tid; idx < TK * CHUNKS; idx += NT) {
         const int r = idx / CHUNKS, ch = idx % CHUNKS, j = t * TK + r;
-        const bool ok = j < nk_b;
+        const bool ok = j < nk_b && ch * 8 < D_VALID;
         const int jj = ok ? j : 0;
         cp_async16(at(kd, r, ch), key_row(k, k_sb, k_sh, k_sn, VARLEN ? 0 : b, hk, seq.k0 + jj, block_table, page_size, bt_stride) + ch * 8, ok);
         cp_async16(at(vd, r, ch), key_row(v, v_sb, v_sh, v_sn, VARLEN ? 0 : b, hk, seq.k0 + jj, block_table, page_size, bt_stride) + ch * 8, ok);
@@ -354,8 +359,8 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #define FT_O_ROW(h, qi) (o + b * o_sb + (h) * o_sh + (qi) * o_sn)
 #define FT_LSE_ROW(h, qi, grow) lse[grow]
 #endif
-  for (int idx = tid; idx < ROWS * (HEAD_DIM / 4); idx += NT) {
-    const int r = idx / (HEAD_DIM / 4), c4 = idx % (HEAD_DIM / 4) * 4, pr = r0 + r;
+  for (int idx = tid; idx < ROWS * (D_VALID / 4); idx += NT) {
+    const int r = idx / (D_VALID / 4), c4 = idx % (D_VALID / 4) * 4, pr = r0 + r;
     if (pr >= packed) continue;
     const int qi = pr / kv_group, h = hk * kv_group + pr % kv_group;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -373,7 +378,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
       store_n<IN_DTYPE, 4>(FT_O_ROW(h, qi) + c4, acc);
       if (c4 == 0) FT_LSE_ROW(h, qi, grow) = lse_row;
     } else {
-      *reinterpret_cast<float4*>(part_o + (split * all_rows + grow) * HEAD_DIM + c4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      *reinterpret_cast<float4*>(part_o + (split * all_rows + grow) * D_VALID + c4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
       if (c4 == 0) part_lse[split * all_rows + grow] = lse_row;
     }
   }
@@ -410,8 +415,8 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     }
   }
   __syncthreads();
-  for (int idx = tid; idx < ROWS * (HEAD_DIM / 4); idx += NT) {
-    const int r = idx / (HEAD_DIM / 4), c4 = idx % (HEAD_DIM / 4) * 4, pr = r0 + r;
+  for (int idx = tid; idx < ROWS * (D_VALID / 4); idx += NT) {
+    const int r = idx / (D_VALID / 4), c4 = idx % (D_VALID / 4) * 4, pr = r0 + r;
     if (pr >= packed) continue;
     const int qi = pr / kv_group, h = hk * kv_group + pr % kv_group;
     const long long grow = bhq0 + static_cast<long long>(h) * nq + qi;
@@ -429,7 +434,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
         for (int j = 0; j < MERGE_BATCH; ++j) {
           const int s = s0 + j < splits ? s0 + j : splits - 1;   // past the last: its row again, unused
           ls[j] = __ldcg(part_lse + s * all_rows + grow);
-          x[j] = __ldcg(reinterpret_cast<const float4*>(part_o + (s * all_rows + grow) * HEAD_DIM + c4));
+          x[j] = __ldcg(reinterpret_cast<const float4*>(part_o + (s * all_rows + grow) * D_VALID + c4));
         }
 #pragma unroll
         for (int j = 0; j < MERGE_BATCH; ++j) {

@@ -9,7 +9,7 @@ of at most MAX_QUERIES queries; prefill belongs to the other families.
 
 from __future__ import annotations
 
-from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
+from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div, padded_head_dim
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
 from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields
@@ -88,7 +88,8 @@ class FlashDecode(KernelFamily):
     max_queries = MAX_QUERIES
     paged = False   # K/V rows through a page table (PagedFlashDecode)
     dtypes = ("fp16", "bf16")
-    head_dims = (32, 64, 96, 128, 256)
+    head_dims = (32, 64, 96, 128, 256)   # tuned and shipped; it pads to any other multiple of 8
+    pads_head_dim = True
     space = {
         "Bc": (16, 32, 64),
         "warps": (1, 2, 4, 8),
@@ -103,7 +104,7 @@ class FlashDecode(KernelFamily):
         """Fitted to ptxas's reports for sm_90a (d=64/128/256, every point): O's and S's accumulators
         per m16 tile, and K's fragments that ptxas loads ahead across the k-steps of S = Q K^T
         (d x Bc / 64 of them, capped where it stops doing so)."""
-        d, bc = problem.head_dim, params["Bc"]
+        d, bc = padded_head_dim(problem.head_dim), params["Bc"]
         return 40 + params["MT"] * (d // 2 + bc) + min(d * bc // 64, 80)
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -135,7 +136,8 @@ class FlashDecode(KernelFamily):
             "WARPS": params["warps"],
             "STAGES": params["stages"],
             "MT": params["MT"],
-            "HEAD_DIM": problem.head_dim,
+            "HEAD_DIM": padded_head_dim(problem.head_dim),
+            "D_VALID": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "PAGED": int(self.paged),
             "KV_TMA": int(self.kv_tma(params, problem.head_dim)),
@@ -150,7 +152,7 @@ class FlashDecode(KernelFamily):
         return head_dim in (64, 128) and stage_keys(params) <= 256
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
-        d, rows = problem.head_dim, 16 * params["MT"]
+        d, rows = padded_head_dim(problem.head_dim), 16 * params["MT"]
         ring = 2 * 2 * params["stages"] * stage_keys(params) * d          # K and V, 2-byte elements
         merge = 4 * params["warps"] * rows * (d + 2)                       # the warps' O, m and l in fp32
         return 2 * rows * d + max(ring, merge) + 1024   # + the ring's alignment to 1 KB (the copy engine's swizzle)

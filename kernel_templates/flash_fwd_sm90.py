@@ -72,7 +72,8 @@ class FlashFwdSm90(KernelFamily):
     source_file = "flash_fwd_sm90.cu"
     min_cc = (9, 0)
     dtypes = ("fp16", "bf16", "fp8")
-    head_dims = (64, 128, 256)   # tuned and shipped; takes_head_dim says what else runs
+    head_dims = (64, 128, 256)   # tuned and shipped (and fp8's); it pads to any other
+    pads_head_dim = True
     space = {
         "Bc": (64, 80, 96, 128, 176),
         "stages": (2, 3),
@@ -91,12 +92,6 @@ class FlashFwdSm90(KernelFamily):
         if problem.dtype == "fp8" and problem.head_dim not in self.head_dims:
             return f"{self.name} takes e4m3 inputs at head dim {', '.join(map(str, self.head_dims))}, not {problem.head_dim}"
         return super().supports(gpu, problem)
-
-    def takes_head_dim(self, d: int) -> bool:
-        return 8 <= d <= 256 and d % 8 == 0
-
-    def head_dims_text(self) -> str:
-        return "8 to 256 in steps of 8"
 
     @staticmethod
     def register_estimate(params: dict, problem: Problem) -> int:

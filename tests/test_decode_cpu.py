@@ -280,3 +280,33 @@ def test_pages_come_as_boxes_where_their_size_fits_a_stage():
     params = FAM.default(H100_SXM, LLAMA_DECODE)
     a, b = PAGED.render(params, LLAMA_DECODE).splitlines(), PAGED_BOXES.render(params, LLAMA_DECODE).splitlines()
     assert [(x, y) for x, y in zip(a[1:], b[1:]) if x != y] == [("#define KV_TMA 0", "#define KV_TMA 1")]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("d", [8, 40, 80, 160, 192, 248])
+def test_any_head_dim_pads_the_tile_and_compiles_without_spills(arch, d):
+    """Head dims off the listed ones (Phi-2's 80, Stable Diffusion's 40 and 160, 192, ...): the tile
+    is d rounded up to 32 columns (HEAD_DIM; D_VALID is d, the width of every load and store), the
+    K/V ring by cp.async (tensor maps only at 64 and 128). Every valid seed of the dense form, and
+    the default of the paged and packed forms, compiles with no spills."""
+    from tuner.compile import compile_kernel
+    from tuner.family import padded_head_dim
+    from tuner.kernel_templates.flash_decode import VARLEN_FAMILY
+
+    gpu = H100_SXM if arch == "sm_90a" else A100_SXM
+    problem = replace(LLAMA_DECODE, head_dim=d, seqlen_q=4)
+    assert FAM.supports(gpu, problem) is None and d not in FAM.head_dims
+    seeds = [p for p in FAM.seeds(gpu, problem) if FAM.check(p, gpu, problem) is None]
+    assert seeds   # at d > 128 only Bc=16 fits, as at d=256 (one seed on an A100)
+    cases = [(FAM, p) for p in seeds] + [(PAGED, seeds[0]), (VARLEN_FAMILY, seeds[0])]
+    for fam, params in cases:
+        defines = fam.defines(params, problem)
+        assert (defines["HEAD_DIM"], defines["D_VALID"], defines["KV_TMA"]) == (padded_head_dim(d), d, 0)
+        ck = compile_kernel(fam, params, problem, arch)
+        assert ck.resources.registers > 0 and (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (fam.name, params, ck.log)
+
+
+def test_head_dims_past_the_padded_range_are_refused_by_name():
+    for d in (4, 84, 264):
+        why = FAM.supports(H100_SXM, replace(LLAMA_DECODE, head_dim=d))
+        assert why and "8 to 256 in steps of 8" in why and str(d) in why

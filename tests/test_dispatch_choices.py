@@ -294,9 +294,9 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
 def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path, monkeypatch, d):
     """Lookups borrow only within a head dim and dtype (tuner.nearest), and the shipped ones tune fp16
     at 64, 128 and 256 only: an fp16 prefill at Phi-3's 96 (Stable Diffusion's 80, 192, ...) that
-    fills the GPU runs flash_fwd_sm90's default, its tile padded to the head dim; one that does not, a decode step, a
-    GPU without wgmma, or a head dim no kernel takes (84: not a multiple of 8) runs SDPA, and the
-    plan's reason says which."""
+    fills the GPU runs flash_fwd_sm90's default, its tile padded to the head dim; a decode step runs
+    flash_decode's, padded too; one that does not fill the GPU, a GPU without wgmma, or a head dim no
+    kernel takes (84: not a multiple of 8) runs SDPA, and the plan's reason says which."""
     from tuner.cli import _served
 
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
@@ -308,8 +308,9 @@ def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path
     assert _served(str(tmp_path / "absent.json"), [prefill], H100_SXM)[prefill.key].family == SM90.name
     few = replace(prefill, heads=8, seqlen_q=512, seqlen_k=512)   # 32 blocks: SMs idle, 512 keys too few to split
     decode = replace(prefill, seqlen_q=1, seqlen_k=8192)
-    for p, gpu in ((few, H100_SXM), (decode, H100_SXM), (prefill, A100_SXM), (replace(prefill, head_dim=84), H100_SXM)):
-        assert d_.serving_entry(p, gpu) is None or (d == 96 and p is decode), (p.key, gpu.name)
+    for p, gpu in ((few, H100_SXM), (prefill, A100_SXM), (replace(prefill, head_dim=84), H100_SXM)):
+        assert d_.serving_entry(p, gpu) is None, (p.key, gpu.name)
+    assert d_.serving_entry(decode, H100_SXM) == {"family": "flash_decode", "params": get_family("flash_decode").default(H100_SXM, decode)}
     monkeypatch.setitem(d_._gpus, 0, H100_SXM)
     assert "no flashtune kernel takes head dim 84" in d_._plan(replace(prefill, head_dim=84), 0).reason
 

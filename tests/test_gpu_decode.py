@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -122,6 +123,60 @@ def check_cached_sequences(o, lse, q, k_cache, v_cache, seqlens, table, lens: li
         p = Problem(1, q.shape[1], q.shape[2], n, q.shape[3], dtype, mask, k_cache.shape[1])
         assert err.finite, f"{what}: sequence {i} ({n} keys) not finite, or the LSE not -inf where no key is seen"
         assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence {i}: {err}"
+
+
+@pytest.mark.parametrize("d", [8, 40, 80, 112, 160, 192, 248])
+def test_decode_any_head_dim_matches_reference(d, tmp_path):
+    """Head dims flash_decode pads its tile to (d rounded up to 32 columns): the default and random
+    configs through the measuring path (random dtype, mask, GQA, ragged Nk, NaN-poisoned outputs),
+    then kvcache_attention on a dense and a paged cache of ragged lengths (rows past them NaN), and
+    a decode call through the dispatcher with nothing tuned, served by flash_decode's default without
+    a warning, all against float64."""
+    import warnings
+
+    import torch
+
+    from tuner import dispatch, kvcache_attention
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import prepare_kernel
+    from tuner.reference import attention_fp64, compare
+
+    fam, gpu, rng = get_family("flash_decode"), detect(), random.Random()
+    dtype = rng.choice(["fp16", "bf16"])
+    dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    problem = replace(_random_decode_problem(rng, dtype, rng.choice(["none", "causal_br", "causal"])), head_dim=d)
+    valid = fam.valid_points(gpu, problem)
+    for params in [fam.default(gpu, problem)] + rng.sample(valid, min(3, len(valid))):
+        ck = compile_kernel(fam, params, problem, gpu.arch)
+        run, m = prepare_kernel(fam, params, problem, ck, rng.randrange(2**31), gpu)
+        assert m.status == "ok" and run is not None, f"{problem.key} {params}: {m.message}"
+    for page in (0, 48):
+        b, kvh, group, nq = rng.randint(3, 5), rng.choice([1, 2]), rng.choice([1, 4, 8]), rng.choice([1, 5, 16])
+        lens = [0, 1] + [rng.randint(0, 5000) for _ in range(b - 2)]
+        k, v, table = _cache(rng, torch, b, kvh, d, 5000, page, dt)
+        cap = _poison_past(torch, k, v, table, lens, page)
+        q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=dt).transpose(1, 2)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        o, lse = kvcache_attention(q, k, v, seqlens, table, causal=True, return_lse=True)
+        torch.cuda.synchronize()
+        what = f"B{b} H{kvh * group}/kv{kvh} nq{nq} d{d} lens {lens} page {page}"
+        check_cached_sequences(o, lse, q, k, v, seqlens, table, lens, cap, True, dtype, what)
+    served = dispatch.reset(tmp_path / "none.json")   # nothing tuned: the default serves
+    try:
+        q = torch.randn(2, 8, 2, d, device="cuda", dtype=dt)
+        k, v = (torch.randn(2, 2, 3001, d, device="cuda", dtype=dt) for _ in range(2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # no fallback to SDPA
+            o, lse = served(q, k, v, "causal_br", return_lse=True)
+        assert served.plan(q, k, v, "causal_br").family == "flash_decode"
+        ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1 / math.sqrt(d))
+        p = Problem(2, 8, 2, 3001, d, dtype, "causal_br", 2)
+        err = compare(o, lse, ref_o, ref_lse)
+        assert err.within(p.rel_budget, p.lse_budget), err
+    finally:
+        dispatch.reset()
 
 
 @pytest.mark.parametrize("page", [0, 64], ids=["dense", "page64"])

@@ -1,6 +1,6 @@
 """On the GPU: packed sequences (tuner/varlen.py) against float64, sequence by sequence, on fresh
 random batches: ragged lengths up to 3000 with 0 and 1 among them, queries and keys of their own
-lengths or shared offsets, GQA ratios 1 to 8, head dims 64/128/256, the three masks; each varlen
+lengths or shared offsets, GQA ratios 1 to 8, head dims 64/128/256 (and 40, 80, 192 where the tile pads), the three masks; each varlen
 variant at its default and random points (the Hopper one's persistent and on the grid) with NaN-poisoned outputs; the public call with its
 gradients, under torch.compile and in a CUDA graph."""
 
@@ -100,7 +100,9 @@ def test_varlen_variant_matches_reference(family, dtype, mask):
         pytest.skip(f"{variant.name} on {gpu.name}: {why}")
     for cross in (False, True):
         # (flash_fwd_mma_varlen leaves d=256 on Hopper to flash_fwd_sm90_varlen)
-        d = rng.choice([64, 128] if family == "flash_fwd_mma" and gpu.major >= 9 else [64, 128, 256])
+        # (flash_fwd_sm90 and flash_decode pad their tiles: Phi-2's 80, Stable Diffusion's 40, 192 too)
+        d = rng.choice([64, 128] if family == "flash_fwd_mma" and gpu.major >= 9 else
+                       [64, 128, 256] + ([40, 80, 192] if base.pads_head_dim else []))
         decode = family == "flash_decode"
         q, k, v, cu_q, cu_k, lens_q, lens_k = _batch(rng, torch, dt, d, cross or decode, decode, rows=True)
         problem = Problem(len(lens_q), q.shape[1], max(max(lens_q), 1), max(max(lens_k), 1), d, dtype, mask, k.shape[1])

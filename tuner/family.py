@@ -28,6 +28,17 @@ _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 ELEM_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "tf32": 3, "fp8": 4}
 
 
+MAX_PADDED_HEAD_DIM = 256
+
+
+def padded_head_dim(d: int) -> int:
+    """The tile width of a family that pads (pads_head_dim) on mma.sync: d rounded up to 32 columns,
+    whole k16 steps of S = Q K^T, n8 pairs of O and rows of 4k 16-byte chunks (the `swz` layout).
+    The columns past d are loaded as zeros and never stored: memory traffic stays d's. (The Hopper
+    kernel's rule, sm90_tma.tile_cols, rounds to 64 bytes: the same in 16 bits.)"""
+    return -(-d // 32) * 32
+
+
 def in_space(value: object, choices: tuple) -> bool:
     """Type-exact membership: `True` is not the int 1 and `128.0` is not the int 128 here, and a
     string is a member only where the space lists that very string. Stored params (a results
@@ -60,6 +71,9 @@ class KernelFamily(ABC):
     min_cc: tuple[int, int] = (7, 5)
     dtypes: tuple[str, ...] = ()
     head_dims: tuple[int, ...] = ()
+    # Whether the kernel pads its tile to the head dim (padded_head_dim) and so takes any multiple
+    # of 8 up to 256, not only head_dims (which then lists the ones tuned and shipped).
+    pads_head_dim: bool = False
     # The masks its kernel runs (problem.MASKS): IS_CAUSAL, and MASK_BR for the bottom-right diagonal.
     masks: tuple[str, ...] = MASKS
     max_queries: int = 0   # the most queries per sequence it serves (a decode family); 0: any
@@ -97,12 +111,12 @@ class KernelFamily(ABC):
         return None
 
     def takes_head_dim(self, d: int) -> bool:
-        """Whether the kernel runs head dim `d`: one of `head_dims`, unless the family pads its tile
-        to the head dim and so takes a range (flash_fwd_sm90)."""
-        return d in self.head_dims
+        """Whether the kernel runs head dim `d`: one of `head_dims`, or any multiple of 8 up to 256
+        where the family pads its tile (pads_head_dim)."""
+        return d in self.head_dims or (self.pads_head_dim and 8 <= d <= MAX_PADDED_HEAD_DIM and d % 8 == 0)
 
     def head_dims_text(self) -> str:
-        return ", ".join(map(str, self.head_dims))
+        return f"8 to {MAX_PADDED_HEAD_DIM} in steps of 8" if self.pads_head_dim else ", ".join(map(str, self.head_dims))
 
     def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
         """Why a search of every family (`--family auto`) passes this one over for `problem` though
