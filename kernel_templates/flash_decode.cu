@@ -14,10 +14,12 @@
 // cache (PAGED=1: key j of sequence b lives in page block_table[b][j / page_size], row j % page_size;
 // k_sb / v_sb are then the page strides) costs one table read per row. `seqused_k` (where not null)
 // gives each sequence its own number of valid keys; the causal diagonal is that length's.
-// KV_TMA (d of 64 or 128, at most 256 keys a stage; pages where their size and a stage's divide
-// one another) on sm_90 and later: a stage comes in through the copy engine, as boxes of 64
-// columns x TK rows of K and of V per 64 columns (pages: a box per page, issued by warp 0's lanes),
-// 128-byte swizzled, counted on the stage's mbarrier. Rows past a sequence's keys come as the
+// KV_TMA (tiles up to 192 columns, at most 256 keys a stage; pages where their size and a stage's
+// divide one another) on sm_90 and later: a stage comes in through the copy engine, as boxes of
+// PANEL_COLS columns x TK rows of K and of V per panel (pages: a box per page, issued by warp 0's
+// lanes), swizzled as wide as a panel row (128 bytes, or 64 where the tile is not whole 128-byte
+// panels: sm90_tma.panel_cols), counted on the stage's mbarrier; the boxes' columns past D_VALID
+// come as zeros. Rows past a sequence's keys come as the
 // tensor holds them (an unwritten cache tail, the next packed sequence), so each warp zeroes its V
 // rows there before P V. cp.async's 16-byte loads, tracked by the SM's load units, read K/V below
 // the copy bandwidth that the tensor-map peers reach.
@@ -29,7 +31,8 @@
 // VARLEN (common.cuh): packed sequences, each with its own queries (up to nq) and keys; the grid
 // is the longest sequence's row blocks, a sequence's extra ones exit at once.
 //
-// Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM D_VALID IN_DTYPE IS_CAUSAL MASK_BR PAGED KV_TMA (VARLEN).
+// Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM D_VALID PANEL_COLS IN_DTYPE IS_CAUSAL MASK_BR PAGED
+// KV_TMA (VARLEN).
 #include "mma.cuh"
 #include "softmax.cuh"
 // sm90.cuh: TmaMap (a parameter on every arch); its copies only where FT_TMA
@@ -56,14 +59,18 @@ static_assert(D_VALID % 8 == 0 && D_VALID <= HEAD_DIM && HEAD_DIM - D_VALID < 32
 static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "16-bit inputs");
 static_assert(!(VARLEN && PAGED), "packed sequences or pages, not both");
-static_assert(!KV_TMA || ((HEAD_DIM == 64 || HEAD_DIM == 128) && D_VALID == HEAD_DIM && TK <= 256), "a stage as boxes of 64 columns x TK rows");
+static_assert(!KV_TMA || ((PANEL_COLS == 64 || PANEL_COLS == 32) && HEAD_DIM % PANEL_COLS == 0 && TK <= 256),
+              "a stage as boxes of PANEL_COLS columns (128- or 64-byte rows) x TK rows");
+constexpr int PANEL_CHUNKS = PANEL_COLS / 8;   // 16-byte chunks of a panel's row
 
 FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8; }
 // A chunk of a K/V row in a ring slot: rows as `at` lays them out, or (FT_TMA) in the copy engine's
-// panels of 64 columns x TK rows, 128-byte swizzled (chunk c of row r at c ^ r % 8); both keep
-// ldmatrix's 8 row addresses of one chunk column in distinct banks.
+// panels of PANEL_COLS columns x TK rows, swizzled as the copy engine writes them (128-byte rows:
+// chunk c of row r at c ^ r % 8; 64-byte: c ^ (r / 2) % 4, the pattern `swz` lays 4-chunk rows in);
+// every form keeps ldmatrix's 8 row addresses of one chunk column in distinct banks.
 FT_DEVICE const T* kv_at(const T* base, int row, int chunk) {
-  if constexpr (FT_TMA) return base + (chunk / 8) * TK * 64 + row * 64 + ((chunk % 8) ^ (row & 7)) * 8;
+  if constexpr (FT_TMA)
+    return base + (chunk / PANEL_CHUNKS) * TK * PANEL_COLS + row * PANEL_COLS + swz<PANEL_CHUNKS>(row, chunk % PANEL_CHUNKS) * 8;
   else return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8;
 }
 
@@ -158,9 +165,11 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
           const int j = min(t * TK + r, nk_b - 1);
           const int page = __ldg(block_table + static_cast<long long>(b) * bt_stride + j / page_size);
 #pragma unroll
-          for (int p = 0; p < HEAD_DIM / 64; ++p) {
-            tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * 64 + r * 64, &tmap_k, &kv_full[slot], p * 64, (t * TK + r) % page_size, hk, page);
-            tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * 64 + r * 64, &tmap_v, &kv_full[slot], p * 64, (t * TK + r) % page_size, hk, page);
+          for (int p = 0; p < HEAD_DIM / PANEL_COLS; ++p) {
+            tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * PANEL_COLS + r * PANEL_COLS, &tmap_k, &kv_full[slot], p * PANEL_COLS,
+                        (t * TK + r) % page_size, hk, page);
+            tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * PANEL_COLS + r * PANEL_COLS, &tmap_v, &kv_full[slot], p * PANEL_COLS,
+                        (t * TK + r) % page_size, hk, page);
           }
         }
       }
@@ -168,10 +177,10 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
       const int slot = SLOT(t);
       mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
 #pragma unroll
-      for (int p = 0; p < HEAD_DIM / 64; ++p) {
+      for (int p = 0; p < HEAD_DIM / PANEL_COLS; ++p) {
         // (VARLEN: the packed (1, Hk, total_k, D) tensors, the sequence's rows from seq.k0)
-        tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * 64, &tmap_k, &kv_full[slot], p * 64, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
-        tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * 64, &tmap_v, &kv_full[slot], p * 64, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
+        tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * PANEL_COLS, &tmap_k, &kv_full[slot], p * PANEL_COLS, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
+        tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * PANEL_COLS, &tmap_v, &kv_full[slot], p * PANEL_COLS, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
       }
     }
   };

@@ -12,7 +12,7 @@ from __future__ import annotations
 from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div, padded_head_dim
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
-from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields
+from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields, panel_cols
 from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
 
@@ -138,6 +138,7 @@ class FlashDecode(KernelFamily):
             "MT": params["MT"],
             "HEAD_DIM": padded_head_dim(problem.head_dim),
             "D_VALID": problem.head_dim,
+            "PANEL_COLS": panel_cols(problem.head_dim, 2),   # KV_TMA's boxes (the maps' box_cols)
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "PAGED": int(self.paged),
             "KV_TMA": int(self.kv_tma(params, problem.head_dim)),
@@ -146,10 +147,13 @@ class FlashDecode(KernelFamily):
 
     def kv_tma(self, params: dict, head_dim: int) -> bool:
         """Whether the kernel brings K/V stages in as tensor-map boxes where the GPU has a copy
-        engine (sm_90+): rows of one or two 64-column panels, at most 256 rows (one box) a stage.
-        Not d=256: its O alone is 128 registers a thread, and with the boxes' zeroing of the rows
-        past a sequence ptxas spills (sm_90a, flash_decode_varlen, no mask)."""
-        return head_dim in (64, 128) and stage_keys(params) <= 256
+        engine (sm_90+): rows of panels (`panel_cols`: 64 columns, or 32 where the padded tile is not
+        whole 64s), at most 256 rows (one box) a stage. Not past 192 columns: at d=256 O alone is
+        128 registers a thread, and with the boxes' zeroing of the rows past a sequence ptxas spills
+        (sm_90a, flash_decode_varlen, no mask); at 192, only 16 keys a warp (at 32, the page boxes
+        spill 16 B at 255 registers: sm_90a, bottom-right causal)."""
+        tile = padded_head_dim(head_dim)
+        return (tile <= 160 or (tile == 192 and params["Bc"] <= 16)) and stage_keys(params) <= 256
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
         d, rows = padded_head_dim(problem.head_dim), 16 * params["MT"]

@@ -235,8 +235,9 @@ def test_kvcache_operator_opcheck_with_a_cpu_stand_in():
 
 
 def test_stages_come_as_tensor_map_boxes_where_a_box_can_hold_them():
-    """KV_TMA: dense caches or packed sequences at d=64 or 128 (one or two 64-column panels; d=256
-    spills with the zeroing of the rows past a sequence), at most 256 keys a stage (one box); pages
+    """KV_TMA: dense caches or packed sequences with tiles up to 192 columns (panels of 64 columns,
+    or 32 where the tile is not whole 64s; d=256 spills with the zeroing of the rows past a
+    sequence, and d=192 at 32 keys a warp), at most 256 keys a stage (one box); pages
     row by row keep cp.async (flash_decode_paged_boxes is the pages' boxes form). The kernel's
     arguments carry K's and V's maps either way (empty where unread), so the launch's layout does
     not depend on it."""
@@ -244,7 +245,8 @@ def test_stages_come_as_tensor_map_boxes_where_a_box_can_hold_them():
 
     p = dict(Bc=32, warps=4, stages=2, MT=1, splits=0)
     assert FAM.kv_tma(p, 128) and FAM.kv_tma(p, 64)
-    assert not FAM.kv_tma(p, 96) and not FAM.kv_tma(p, 32) and not FAM.kv_tma(p, 256)
+    assert FAM.kv_tma(p, 96) and FAM.kv_tma(p, 32) and FAM.kv_tma(p, 80) and FAM.kv_tma(p, 160)   # 32-column panels
+    assert not FAM.kv_tma(p, 256) and not FAM.kv_tma(p, 192) and FAM.kv_tma(dict(p, Bc=16), 192)
     assert not FAM.kv_tma(dict(p, Bc=64, warps=8), 128)   # 512 keys a stage
     assert not PAGED.kv_tma(p, 128) and VARLEN_FAMILY.kv_tma(p, 128)
     assert FAM.param_kinds(p)[-2:] == ("tmap", "tmap") == PAGED.param_kinds(p)[-2:]
@@ -288,20 +290,24 @@ def test_any_head_dim_pads_the_tile_and_compiles_without_spills(arch, d):
     """Head dims off the listed ones (Phi-2's 80, Stable Diffusion's 40 and 160, 192, ...): the tile
     is d rounded up to 32 columns (HEAD_DIM; D_VALID is d, the width of every load and store), the
     K/V ring by cp.async (tensor maps only at 64 and 128). Every valid seed of the dense form, and
-    the default of the paged and packed forms, compiles with no spills."""
+    the default of the paged (rows and boxes) and packed forms, compiles with no spills; on sm_90a
+    K/V come as boxes of 64- or 32-column panels (sm90_tma.panel_cols) where `kv_tma` says."""
     from tuner.compile import compile_kernel
     from tuner.family import padded_head_dim
-    from tuner.kernel_templates.flash_decode import VARLEN_FAMILY
+    from tuner.kernel_templates.flash_decode import PAGED_BOXES, VARLEN_FAMILY
+    from tuner.kernel_templates.sm90_tma import panel_cols
 
     gpu = H100_SXM if arch == "sm_90a" else A100_SXM
     problem = replace(LLAMA_DECODE, head_dim=d, seqlen_q=4)
     assert FAM.supports(gpu, problem) is None and d not in FAM.head_dims
     seeds = [p for p in FAM.seeds(gpu, problem) if FAM.check(p, gpu, problem) is None]
     assert seeds   # at d > 128 only Bc=16 fits, as at d=256 (one seed on an A100)
-    cases = [(FAM, p) for p in seeds] + [(PAGED, seeds[0]), (VARLEN_FAMILY, seeds[0])]
+    cases = [(FAM, p) for p in seeds] + [(PAGED, seeds[0]), (PAGED_BOXES, seeds[0]), (VARLEN_FAMILY, seeds[0])]
+    assert any(FAM.kv_tma(p, d) for p in seeds) == (d <= 192)
     for fam, params in cases:
         defines = fam.defines(params, problem)
-        assert (defines["HEAD_DIM"], defines["D_VALID"], defines["KV_TMA"]) == (padded_head_dim(d), d, 0)
+        assert (defines["HEAD_DIM"], defines["D_VALID"], defines["KV_TMA"]) == (padded_head_dim(d), d, int(fam.kv_tma(params, d)))
+        assert defines["PANEL_COLS"] == panel_cols(d, 2) and padded_head_dim(d) % defines["PANEL_COLS"] == 0
         ck = compile_kernel(fam, params, problem, arch)
         assert ck.resources.registers > 0 and (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (fam.name, params, ck.log)
 
