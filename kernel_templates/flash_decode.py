@@ -19,6 +19,7 @@ from tuner.problem import DECODE_QUERIES, Problem
 MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decode (~16), short chunks
 MAX_SPLITS = 128
 MAX_CTAS_PER_SM = 32   # sm_80 and sm_90: 32 resident blocks, 64 warps
+LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (FlashDecode.seeds)
 _MAX_REGS = 255
 
 
@@ -127,7 +128,27 @@ class FlashDecode(KernelFamily):
         # stages, the default before, won none and read 0.88-0.99x of the best (PERF_NOTES "d7")
         mt = 1 if (problem.heads // problem.kv_heads) * problem.seqlen_q <= 16 else 2
         cands = [(32, 4, 2, mt), (32, 4, 3, mt), (16, 4, 3, mt), (16, 8, 2, mt), (16, 4, 4, mt), (64, 2, 2, 1), (16, 4, 2, 1)]
-        return [dict(Bc=a, warps=b, stages=c, MT=d, splits=0) for a, b, c, d in cands]
+        seeds = [dict(Bc=a, warps=b, stages=c, MT=d, splits=0) for a, b, c, d in cands]
+        # With K/V by tensor-map boxes (sm_90+) the warps only compute, and the default moves with
+        # that (PERF_NOTES "t1", 30 H100 rows at d=80-192 searched in turns with the peers):
+        # - tiles of 160-192 columns: 16 keys a warp in 3 stages, the winner's family on all 10
+        #   rows there (32 keys a warp is not by boxes at 192; the old first read 0.91-0.95x);
+        # - where each CTA streams LONG_STREAM stages or more (a batch that fills the GPU with one
+        #   or two splits of 8k keys): 8 warps of 16 keys, where 4 warps a CTA fell behind the copy
+        #   engine; it won all 6 rows of 64 stages and 1 of 2 of 32, the old first read 0.70-0.81x.
+        first = next((p for p in seeds if self.check(p, gpu, problem) is None), None)
+        if gpu.major >= 9 and first is not None:
+            tile = padded_head_dim(problem.head_dim)
+            if 128 < tile <= 192:
+                seeds.insert(0, seeds.pop(2))
+            elif tile <= 128 and self.stages_per_cta(first, problem, gpu) >= LONG_STREAM:
+                seeds.insert(0, seeds.pop(3))
+        return seeds
+
+    def stages_per_cta(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
+        """Stages of keys one CTA reads (the longest split's), at the occupancy's split count where
+        the config leaves it open."""
+        return ceil_div(ceil_div(problem.seqlen_k, stage_keys(params)), self.splits(params, problem, gpu))
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         # `splits` is not here: it is the grid's z, so points that differ in it share one cubin

@@ -316,3 +316,24 @@ def test_head_dims_past_the_padded_range_are_refused_by_name():
     for d in (4, 84, 264):
         why = FAM.supports(H100_SXM, replace(LLAMA_DECODE, head_dim=d))
         assert why and "8 to 256 in steps of 8" in why and str(d) in why
+
+
+def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
+    """On sm_90 (K/V by tensor-map boxes), a CTA that streams 32 stages or more (B8 x 8k keys of
+    Phi-2, no splits needed) defaults to 8 warps of 16 keys, tiles of 160-192 columns to 16 keys
+    in 3 stages of 4 warps; short streams (B32 x 1k) and the A100 (cp.async) keep 32 keys a warp in
+    2 stages. The search's seeds are the same points in either order."""
+    from tuner.kernel_templates.flash_decode import LONG_STREAM
+
+    long = Problem(8, 32, 1, 8192, 80, "bf16", "causal_br", 32)
+    short = replace(long, batch=32, seqlen_k=1024)
+    pick = lambda gpu, p: tuple(FAM.default(gpu, p)[k] for k in ("Bc", "warps", "stages"))
+    assert FAM.stages_per_cta(FAM.seeds(A100_SXM, long)[0], long, H100_SXM) >= LONG_STREAM
+    assert pick(H100_SXM, long) == (16, 8, 2) and pick(A100_SXM, long) == (32, 4, 2)
+    assert FAM.stages_per_cta(FAM.default(H100_SXM, short), short, H100_SXM) < LONG_STREAM
+    assert pick(H100_SXM, short) == (32, 4, 2) == pick(A100_SXM, short)
+    for d in (160, 192):
+        assert pick(H100_SXM, replace(long, head_dim=d, heads=16, kv_heads=16)) == (16, 4, 3)
+    for p in (long, short):
+        key = lambda seeds: sorted(map(str, seeds))
+        assert key(FAM.seeds(H100_SXM, p)) == key(FAM.seeds(A100_SXM, p))
