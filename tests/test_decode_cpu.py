@@ -337,3 +337,21 @@ def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
     for p in (long, short):
         key = lambda seeds: sorted(map(str, seeds))
         assert key(FAM.seeds(H100_SXM, p)) == key(FAM.seeds(A100_SXM, p))
+
+
+def test_splits_fill_each_sm_once_where_kv_comes_by_boxes():
+    """At d=80 two CTAs of the default fit an SM. Where K/V come by tensor-map boxes (sm_90), the
+    occupancy's split count fills each SM once (B8 x 8 K/V heads: 2 splits, 128 CTAs), not every
+    slot (4 splits); the row-by-row pages and the A100 (cp.async) keep the slot rule."""
+    from tuner.kernel_templates.flash_decode import cta_slots
+
+    p = Problem(8, 32, 1, 8192, 80, "bf16", "causal_br", 8)
+    params = FAM.default(H100_SXM, p)
+    smem = FAM.smem_bytes(params, p)
+    assert cta_slots(params, p, H100_SXM, smem) >= 2 * H100_SXM.sm_count and FAM.kv_tma(params, 80)
+    by_slots = auto_splits(params, p, H100_SXM, smem)
+    assert FAM.splits(params, p, H100_SXM) == auto_splits(params, p, H100_SXM, smem, H100_SXM.sm_count) == 2 < by_slots
+    assert PAGED.splits(params, p, H100_SXM) == by_slots
+    a100 = FAM.default(A100_SXM, p)
+    assert FAM.splits(a100, p, A100_SXM) == auto_splits(a100, p, A100_SXM, FAM.smem_bytes(a100, p))
+    assert FAM.launch(params, p, H100_SXM).grid == (64, 1, 2)
