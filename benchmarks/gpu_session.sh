@@ -55,7 +55,7 @@ steps=${*:-all}
 for step in $steps; do
   case $step in
     tests|all) fam=tests/test_gpu_kernel.py::test_family_matches_reference
-               anyd=tests/test_gpu_kernel.py::test_sm90_any_head_dim_matches_reference
+               anyd=tests/test_gpu_kernel.py::test_any_head_dim_matches_reference
                groups=("tests/test_gpu_op.py tests/test_tma.py tests/test_gpu_varlen.py" "$fam -k sm90" "$fam -k mma" "$fam -k simt"
                        "tests/test_gpu_kernel.py tests/test_gpu_split_kv.py --deselect $fam --deselect $anyd" "$anyd"
                        "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py"

@@ -24,8 +24,10 @@
 //
 // VARLEN (common.cuh): packed sequences of their own lengths, a grid of their query blocks.
 //
-// Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM IN_DTYPE COMPUTE IS_CAUSAL MASK_BR
-// (VARLEN where the varlen variant is built).
+// Set by the family spec as defines: BR BC WARPS STAGES Q_REGS HEAD_DIM D_VALID IN_DTYPE COMPUTE IS_CAUSAL
+// MASK_BR (VARLEN where the varlen variant is built). HEAD_DIM is the tiles' width, the head dim
+// D_VALID rounded up to 32 columns (family.padded_head_dim): the columns past D_VALID load as zeros
+// (nothing is read there) and are never stored.
 #include "mma.cuh"
 #include "softmax.cuh"
 
@@ -46,17 +48,19 @@ constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;    // 16-byte chunks per row
 static_assert(WROWS % 16 == 0, "each warp owns whole m16 tiles");
 static_assert(BC % 16 == 0, "BC must be a multiple of 16");
 static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
+static_assert(D_VALID % 8 == 0 && D_VALID <= HEAD_DIM && HEAD_DIM - D_VALID < 32, "the tile: D_VALID rounded up to 32");
 static_assert(IN_DTYPE == COMPUTE || (IN_DTYPE == FT_F32 && COMPUTE != FT_F32), "compute in the input type, or fp32 in lower");
 
 FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * CHUNK_ELEMS; }
 
-// rows [row0, row0 + ROWS) of a (N, HEAD_DIM) matrix into a swizzled tile; rows >= limit read as 0.
+// rows [row0, row0 + ROWS) of a (N, D_VALID) matrix into a swizzled tile; rows >= limit and the
+// columns past D_VALID read as 0.
 template <int ROWS>
 FT_DEVICE void load_tile(T* dst, const In* src, long long stride, int row0, int limit, int tid) {
 #pragma unroll
   for (int idx = tid; idx < ROWS * CHUNKS; idx += NT) {
     const int r = idx / CHUNKS, c = idx % CHUNKS;
-    const bool ok = row0 + r < limit;
+    const bool ok = row0 + r < limit && c * CHUNK_ELEMS < D_VALID;
     const In* from = src + (ok ? row0 + r : 0) * stride + c * CHUNK_ELEMS;
     if constexpr (sizeof(In) == sizeof(T)) {
       cp_async16(at(dst, r, c), from, ok);
@@ -251,5 +255,5 @@ extern "C" __global__ void __launch_bounds__(NT, 1) flash_fwd_mma(FT_ATTENTION_P
 #endif
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-    store_slab<IN_DTYPE>(op, o_sn, lse_row, o_acc[mt], m[mt], l[mt], lane, q0 + wrow0 + mt * 16, rows, scale_log2);
+    store_slab<IN_DTYPE, DTILES, D_VALID>(op, o_sn, lse_row, o_acc[mt], m[mt], l[mt], lane, q0 + wrow0 + mt * 16, rows, scale_log2);
 }

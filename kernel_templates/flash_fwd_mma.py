@@ -9,7 +9,7 @@ has to reach what that precision costs, so that the default fp32 budget keeps fp
 
 from __future__ import annotations
 
-from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
+from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div, padded_head_dim
 from tuner.gpu import GpuSpec
 from tuner.problem import Problem
 
@@ -25,7 +25,11 @@ class FlashFwdMma(KernelFamily):
     source_file = "flash_fwd_mma.cu"
     min_cc = (8, 0)
     dtypes = ("fp32", "fp16", "bf16")
-    head_dims = (32, 64, 96, 128, 256)
+    head_dims = (32, 64, 96, 128, 256)   # tuned and shipped; it pads to any other multiple of 8
+    pads_head_dim = True
+    # past 192 only 256 itself: at 248 (a 256-column tile) the columns' bounds cost the registers
+    # that d=256 has spare, and every seed spills 32-96 B (sm_80 and sm_90a)
+    max_padded_head_dim = 192
     space = {
         "Br": (64, 128),
         "Bc": (32, 64, 96, 128),
@@ -52,7 +56,7 @@ class FlashFwdMma(KernelFamily):
         (prefetched ldmatrix results, addresses, softmax state). Borderline points are kept: ptxas's
         report of the compiled kernel, not this guess, is what the search sees."""
         mt = params["Br"] // params["warps"] // 16
-        d = problem.head_dim
+        d = padded_head_dim(problem.head_dim)
         q_words = d // 2 if params["compute"] == "tf32" else d // 4   # Q's fragments: one word per 1 or 2 elements
         return mt * (params["Bc"] // 2 + d // 2 + (q_words if params["q_regs"] else 4)) + 48
 
@@ -61,7 +65,7 @@ class FlashFwdMma(KernelFamily):
         if problem.dtype == "fp32":
             if compute == "in":
                 return "tensor cores take no fp32 operands: compute in tf32 or bf16"
-            if compute == "tf32" and problem.head_dim > 128:
+            if compute == "tf32" and padded_head_dim(problem.head_dim) > 128:
                 return "tf32 at d=256: fp32 tiles and their fragments spill (~1 KB per thread at compile time)"
             if problem.rel_budget < COMPUTE_MIN_BUDGET[compute]:
                 return f"{compute} compute needs an error budget of {COMPUTE_MIN_BUDGET[compute]:g}, the problem allows {problem.rel_budget:g}"
@@ -106,14 +110,15 @@ class FlashFwdMma(KernelFamily):
             "WARPS": params["warps"],
             "STAGES": params["stages"],
             "Q_REGS": params["q_regs"],
-            "HEAD_DIM": problem.head_dim,
+            "HEAD_DIM": padded_head_dim(problem.head_dim),
+            "D_VALID": problem.head_dim,
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "COMPUTE": ELEM_CODE[self.compute_dtype(params, problem)],
             **self.mask_defines(problem),
         }
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
-        d = problem.head_dim
+        d = padded_head_dim(problem.head_dim)
         elem = 4 if params["compute"] == "tf32" else 2
         return elem * (params["Br"] * d + 2 * params["stages"] * params["Bc"] * d)
 
@@ -134,7 +139,7 @@ class VarlenFlashFwdMma(VarlenVariant, FlashFwdMma):
         return params["Br"]
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
-        if problem.head_dim == 256 and (gpu.major, gpu.minor) >= (9, 0):
+        if padded_head_dim(problem.head_dim) == 256 and (gpu.major, gpu.minor) >= (9, 0):
             # at d=256 the family sits at 255 registers on sm_90a, and the sequence's offsets
             # spill 16-48 B there; flash_fwd_sm90_varlen serves Hopper
             return "at d=256 on Hopper the varlen offsets spill: flash_fwd_sm90_varlen serves it"

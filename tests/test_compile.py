@@ -325,6 +325,35 @@ def test_sm90_any_head_dim_seeds_compile_without_spills(problem, tmp_path):
         assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), f"local memory (spills) in SASS: {fam.name} {params}"
 
 
+# Head dims flash_fwd_mma pads to (32 columns): each input dtype (fp32 through tf32 or bf16) and mask
+# somewhere, up to 184 (past 192 it takes 256 alone).
+MMA_ANY_DIM_PROBLEMS = [Problem(2, 8, 1000, 1000, d, dt, m, kv_heads=2, max_error=WIDE[dt]) for d, dt, m in (
+    (8, "bf16", "none"), (40, "fp32", "causal"), (80, "fp16", "causal_br"), (112, "bf16", "causal"),
+    (160, "fp32", "none"), (184, "bf16", "causal_br"))]
+
+
+@pytest.mark.parametrize("gpu", GPUS, ids=lambda g: g.arch)
+@pytest.mark.parametrize("problem", MMA_ANY_DIM_PROBLEMS, ids=lambda p: p.key)
+def test_mma_any_head_dim_seeds_compile_without_spills(problem, gpu):
+    """flash_fwd_mma and its varlen variant at head dims off their list: the tile is d rounded up to
+    32 columns (HEAD_DIM), loads and stores at d's width (D_VALID); every valid seed compiles for
+    sm_80 and sm_90a with no spills. d=248 (a 256-column tile) is refused by name: it spilled."""
+    from tuner.family import padded_head_dim
+    from tuner.kernel_templates import VARLEN_VARIANTS
+
+    mma = FAMILIES["flash_fwd_mma"]
+    assert mma.supports(gpu, problem) is None and problem.head_dim not in mma.head_dims
+    assert "8 to 192 in steps of 8, 256" in mma.supports(gpu, replace(problem, head_dim=248))
+    fams = [mma] + ([VARLEN_VARIANTS["flash_fwd_mma"]] if problem.dtype != "fp32" else [])
+    cases = [(f, p) for f in fams for p in mma.seeds(gpu, problem) if f.check(p, gpu, problem) is None]
+    assert len(cases) >= 2
+    for fam, params in cases:
+        defines = fam.defines(params, problem)
+        assert (defines["HEAD_DIM"], defines["D_VALID"]) == (padded_head_dim(problem.head_dim), problem.head_dim)
+        ck = compile_kernel(fam, params, problem, gpu.arch)
+        assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (fam.name, params, ck.resources)
+
+
 # ---- the compile cache ----
 
 @pytest.fixture

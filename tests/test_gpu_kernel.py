@@ -91,15 +91,16 @@ def test_family_matches_reference(family, dtype, causal, d):
 # to 96; 96, 160), 128-byte ones with the head dim ending inside the last panel (40, 56, 112, 248) or
 # filling it (192).
 ANY_DIMS = [("flash_fwd_sm90", d) for d in (8, 40, 56, 72, 80, 96, 112, 160, 192, 248)] + [
-    ("flash_fwd_sm90_split", d) for d in (40, 96, 192, 248)]
+    ("flash_fwd_sm90_split", d) for d in (40, 96, 192, 248)] + [("flash_fwd_mma", d) for d in (8, 40, 80, 112, 184)]
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
 @pytest.mark.parametrize("family,d", ANY_DIMS, ids=[f"{f}-d{d}" for f, d in ANY_DIMS])
-def test_sm90_any_head_dim_matches_reference(family, d, mask):
-    """flash_fwd_sm90 at head dims that are no multiple of its 64-column panels: the default and
-    random valid configs, both layouts, fresh ragged GQA shapes, fp16 or bf16, NaN-poisoned outputs
-    (so the columns past the head dim must not be written over the next row's, nor left unwritten)."""
+def test_any_head_dim_matches_reference(family, d, mask):
+    """The families that pad their tile (flash_fwd_sm90 and its split to 64 bytes, flash_fwd_mma to
+    32 columns) at head dims off their tuned ones: the default and random valid configs, both
+    layouts, fresh ragged GQA shapes, fp16 or bf16, NaN-poisoned outputs (so the columns past the
+    head dim must not be written over the next row's, nor left unwritten)."""
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
 

@@ -74,6 +74,7 @@ class KernelFamily(ABC):
     # Whether the kernel pads its tile to the head dim (padded_head_dim) and so takes any multiple
     # of 8 up to 256, not only head_dims (which then lists the ones tuned and shipped).
     pads_head_dim: bool = False
+    max_padded_head_dim: int = MAX_PADDED_HEAD_DIM   # the widest head dim it pads to (head_dims aside)
     # The masks its kernel runs (problem.MASKS): IS_CAUSAL, and MASK_BR for the bottom-right diagonal.
     masks: tuple[str, ...] = MASKS
     max_queries: int = 0   # the most queries per sequence it serves (a decode family); 0: any
@@ -113,10 +114,13 @@ class KernelFamily(ABC):
     def takes_head_dim(self, d: int) -> bool:
         """Whether the kernel runs head dim `d`: one of `head_dims`, or any multiple of 8 up to 256
         where the family pads its tile (pads_head_dim)."""
-        return d in self.head_dims or (self.pads_head_dim and 8 <= d <= MAX_PADDED_HEAD_DIM and d % 8 == 0)
+        return d in self.head_dims or (self.pads_head_dim and 8 <= d <= self.max_padded_head_dim and d % 8 == 0)
 
     def head_dims_text(self) -> str:
-        return f"8 to {MAX_PADDED_HEAD_DIM} in steps of 8" if self.pads_head_dim else ", ".join(map(str, self.head_dims))
+        if not self.pads_head_dim:
+            return ", ".join(map(str, self.head_dims))
+        wider = [d for d in self.head_dims if d > self.max_padded_head_dim]
+        return f"8 to {self.max_padded_head_dim} in steps of 8" + "".join(f", {d}" for d in wider)
 
     def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
         """Why a search of every family (`--family auto`) passes this one over for `problem` though
