@@ -81,26 +81,32 @@ def test_kvcache_ragged_lengths_dense_and_paged(dtype, page):
     positions (bottom-right causal), or see all it holds; against float64 on the keys gathered.
     The cache's rows past each length hold NaN, as a cache never written there may (torch.empty):
     they must not reach O (P = 0 times NaN is NaN)."""
+    rng = random.Random()
+    for causal in (True, False):
+        b, kvh, group, d = rng.randint(3, 6), rng.choice([1, 2, 8]), rng.choice([1, 4, 8]), rng.choice([64, 128])
+        _check_ragged_cache(rng, dtype, page, causal, b, kvh, group, rng.choice([1, 2, 5, 16]), d,
+                            rng.choice([1000, 5000, 32768]))
+
+
+def _check_ragged_cache(rng: random.Random, dtype: str, page: int, causal: bool, b: int, kvh: int, group: int,
+                        nq: int, d: int, cap: int) -> None:
+    """kvcache_attention on a dense (page 0) or paged cache of `cap` keys a sequence holding ragged
+    lengths (0 and 1 among them, NaN past each), against float64 sequence by sequence."""
     import torch
 
     from tuner import kvcache_attention
 
-    rng = random.Random()
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-    for causal in (True, False):
-        b, kvh, group, d = rng.randint(3, 6), rng.choice([1, 2, 8]), rng.choice([1, 4, 8]), rng.choice([64, 128])
-        nq = rng.choice([1, 2, 5, 16])
-        cap = rng.choice([1000, 5000, 32768])
-        lens = [0, 1] + [rng.randint(0, cap) for _ in range(b - 2)]
-        rng.shuffle(lens)
-        k, v, table = _cache(rng, torch, b, kvh, d, cap, page, dt)
-        cap = _poison_past(torch, k, v, table, lens, page)
-        q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=dt).transpose(1, 2)
-        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
-        torch.cuda.synchronize()
-        what = f"B{b} H{kvh * group}/kv{kvh} nq{nq} d{d} lens {lens} page {page} causal {causal}"
-        check_cached_sequences(o, lse, q, k, v, seqlens, table, lens, cap, causal, dtype, what)
+    lens = [0, 1] + [rng.randint(0, cap) for _ in range(b - 2)]
+    rng.shuffle(lens)
+    k, v, table = _cache(rng, torch, b, kvh, d, cap, page, dt)
+    cap = _poison_past(torch, k, v, table, lens, page)
+    q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=dt).transpose(1, 2)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
+    torch.cuda.synchronize()
+    what = f"B{b} H{kvh * group}/kv{kvh} nq{nq} d{d} lens {lens} page {page} causal {causal}"
+    check_cached_sequences(o, lse, q, k, v, seqlens, table, lens, cap, causal, dtype, what)
 
 
 def check_cached_sequences(o, lse, q, k_cache, v_cache, seqlens, table, lens: list[int], cap: int, causal: bool,
@@ -129,14 +135,15 @@ def check_cached_sequences(o, lse, q, k_cache, v_cache, seqlens, table, lens: li
 def test_decode_any_head_dim_matches_reference(d, tmp_path):
     """Head dims flash_decode pads its tile to (d rounded up to 32 columns): the default and random
     configs through the measuring path (random dtype, mask, GQA, ragged Nk, NaN-poisoned outputs),
-    then kvcache_attention on a dense and a paged cache of ragged lengths (rows past them NaN), and
-    a decode call through the dispatcher with nothing tuned, served by flash_decode's default without
-    a warning, all against float64."""
+    then kvcache_attention on a dense cache and on pages of 48 and 64 rows (row by row, and boxes
+    where the config's stage fits), ragged lengths with NaN past them, and a decode call through the
+    dispatcher with nothing tuned, served by flash_decode's default without a warning, all against
+    float64."""
     import warnings
 
     import torch
 
-    from tuner import dispatch, kvcache_attention
+    from tuner import dispatch
     from tuner.compile import compile_kernel
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
@@ -152,17 +159,9 @@ def test_decode_any_head_dim_matches_reference(d, tmp_path):
         ck = compile_kernel(fam, params, problem, gpu.arch)
         run, m = prepare_kernel(fam, params, problem, ck, rng.randrange(2**31), gpu)
         assert m.status == "ok" and run is not None, f"{problem.key} {params}: {m.message}"
-    for page in (0, 48):
-        b, kvh, group, nq = rng.randint(3, 5), rng.choice([1, 2]), rng.choice([1, 4, 8]), rng.choice([1, 5, 16])
-        lens = [0, 1] + [rng.randint(0, 5000) for _ in range(b - 2)]
-        k, v, table = _cache(rng, torch, b, kvh, d, 5000, page, dt)
-        cap = _poison_past(torch, k, v, table, lens, page)
-        q = torch.randn(b, nq, kvh * group, d, device="cuda", dtype=dt).transpose(1, 2)
-        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        o, lse = kvcache_attention(q, k, v, seqlens, table, causal=True, return_lse=True)
-        torch.cuda.synchronize()
-        what = f"B{b} H{kvh * group}/kv{kvh} nq{nq} d{d} lens {lens} page {page}"
-        check_cached_sequences(o, lse, q, k, v, seqlens, table, lens, cap, True, dtype, what)
+    for page in (0, 48, 64):   # dense and row by row; 64: the page boxes where the default's stage fits
+        _check_ragged_cache(rng, dtype, page, True, rng.randint(3, 5), rng.choice([1, 2]), rng.choice([1, 4, 8]),
+                            rng.choice([1, 5, 16]), d, 5000)
     served = dispatch.reset(tmp_path / "none.json")   # nothing tuned: the default serves
     try:
         q = torch.randn(2, 8, 2, d, device="cuda", dtype=dt)
