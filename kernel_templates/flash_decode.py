@@ -75,6 +75,12 @@ def ragged_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int, total
     return max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, stage_keys(params)), want))
 
 
+def _first_of(seeds: list[dict], **values) -> list[dict]:
+    """`seeds` with the one that has these values moved to the front (the default)."""
+    i = next(i for i, p in enumerate(seeds) if all(p[k] == v for k, v in values.items()))
+    return [seeds[i]] + seeds[:i] + seeds[i + 1:]
+
+
 def maps_for(q) -> bool:
     """Whether a launch on q's GPU passes K/V tensor maps (a KV_TMA kernel reads them from sm_90 on)."""
     from tuner.gpu import _from_torch
@@ -141,9 +147,9 @@ class FlashDecode(KernelFamily):
         if gpu.major >= 9 and first is not None:
             tile = padded_head_dim(problem.head_dim)
             if 128 < tile <= 192:
-                seeds.insert(0, seeds.pop(2))
-            elif tile <= 128 and self.stages_per_cta(first, problem, gpu) >= LONG_STREAM:
-                seeds.insert(0, seeds.pop(3))
+                return _first_of(seeds, Bc=16, warps=4, stages=3)
+            if tile <= 128 and self.stages_per_cta(first, problem, gpu) >= LONG_STREAM:
+                return _first_of(seeds, Bc=16, warps=8, stages=2)
         return seeds
 
     def stages_per_cta(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:

@@ -72,7 +72,7 @@ class KernelFamily(ABC):
     dtypes: tuple[str, ...] = ()
     head_dims: tuple[int, ...] = ()
     # Whether the kernel pads its tile to the head dim (padded_head_dim) and so takes any multiple
-    # of 8 up to 256, not only head_dims (which then lists the ones tuned and shipped).
+    # of 8 up to max_padded_head_dim, not only head_dims (which then lists the ones tuned and shipped).
     pads_head_dim: bool = False
     max_padded_head_dim: int = MAX_PADDED_HEAD_DIM   # the widest head dim it pads to (head_dims aside)
     # The masks its kernel runs (problem.MASKS): IS_CAUSAL, and MASK_BR for the bottom-right diagonal.
@@ -112,8 +112,8 @@ class KernelFamily(ABC):
         return None
 
     def takes_head_dim(self, d: int) -> bool:
-        """Whether the kernel runs head dim `d`: one of `head_dims`, or any multiple of 8 up to 256
-        where the family pads its tile (pads_head_dim)."""
+        """Whether the kernel runs head dim `d`: one of `head_dims`, or any multiple of 8 up to
+        max_padded_head_dim where the family pads its tile (pads_head_dim)."""
         return d in self.head_dims or (self.pads_head_dim and 8 <= d <= self.max_padded_head_dim and d % 8 == 0)
 
     def head_dims_text(self) -> str:
