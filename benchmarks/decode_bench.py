@@ -45,6 +45,19 @@ def copy_bandwidth(timer) -> float:
     return 2 * a.numel() * 4 / (t.median_ms * 1e-3) / 1e12
 
 
+def inputs(problem):
+    """A decode step's generator and q (B, H, Nq, D), k, v (B, Hk, N, D views of (B, N, Hk, D) storage,
+    a cache's layout), bf16, random from a seed of the batch and keys: the same data in every run."""
+    import torch
+
+    p = problem
+    g = torch.Generator(device="cuda").manual_seed(p.batch * 100003 + p.seqlen_k)
+    q = torch.randn(p.batch, p.heads, p.seqlen_q, p.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(p.batch, p.seqlen_k, p.kv_heads, p.head_dim, device="cuda", dtype=torch.bfloat16,
+                        generator=g).transpose(1, 2) for _ in range(2))
+    return g, (q, k, v)
+
+
 def screened(fam, problem, gpu, q, k, v, screen) -> dict:
     """The fastest of the family's seeds (splits from the occupancy), then of that seed's split counts."""
     cands = [p for p in fam.seeds(gpu, problem) if fam.check(p, gpu, problem) is None]
@@ -196,10 +209,7 @@ def main() -> int:
     for b in map(int, args.batch.split(",")):
         for nk in map(int, args.keys.split(",")):
             problem = Problem(b, heads, 1, nk, d, "bf16", "causal_br", kv_heads)
-            g = torch.Generator(device="cuda").manual_seed(b * 100003 + nk)
-            q = torch.randn(b, heads, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
-            k, v = (torch.randn(b, nk, kv_heads, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-                    for _ in range(2))
+            g, (q, k, v) = inputs(problem)
             best = screened(fam, problem, gpu, q, k, v, screen)
             run, o = ours(fam, best, problem, gpu, q, k, v)
             served, o_served = attention_call(q, k, v)

@@ -53,10 +53,7 @@ def main() -> int:
     for heads, kvh, d in (map(int, s.split(":")) for s in args.shapes.split(",")):
         for b, nk in (map(int, c.split(":")) for c in args.cases.split(",")):
             problem = Problem(b, heads, 1, nk, d, "bf16", "causal_br", kvh)
-            g = torch.Generator(device="cuda").manual_seed(b * 100003 + nk)
-            q = torch.randn(b, heads, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
-            k, v = (torch.randn(b, nk, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-                    for _ in range(2))
+            _, (q, k, v) = db.inputs(problem)
             best = db.screened(FAMILY, problem, gpu, q, k, v, screen)
             best_cp = db.screened(cp, problem, gpu, q, k, v, screen)
             run, o = db.ours(FAMILY, best, problem, gpu, q, k, v)

@@ -58,10 +58,7 @@ def main() -> int:
                 smem = FAMILY.smem_bytes(params, p)
                 by_slots, by_sm = auto_splits(params, p, gpu, smem), auto_splits(params, p, gpu, smem, gpu.sm_count)
                 counts = sorted({by_slots, by_sm, 1, 2, 4, 8, 16} & set(range(1, ceil_div(nk, stage_keys(params)) + 1)))
-                g = torch.Generator(device="cuda").manual_seed(b * 7 + nk)
-                q = torch.randn(b, heads, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                k, v = (torch.randn(b, nk, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-                        for _ in range(2))
+                _, (q, k, v) = db.inputs(p)
                 ms = {n: tm.median_ms for n, tm in timer.interleaved(
                     {n: db.ours(Fixed(n), params, p, gpu, q, k, v)[0] for n in counts}).items()}
                 best = min(ms.values())
