@@ -20,6 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from tuner.family import padded_head_dim
+
 TMAP_BYTES = 128
 O_BOX_ROWS = 16   # a TMA-stored O box: one consumer warp's rows
 NO_MAP = bytes(TMAP_BYTES)   # for a map parameter the kernel does not read
@@ -158,8 +160,7 @@ def tile_cols(d: int, esize: int) -> int:
     columns of fp16/bf16), so that a tile is whole 64- or 128-byte panels. The columns past d come
     in as zeros. Rounding only to a wgmma k step (32 bytes) needs 32-byte panels at d = 80 or 112,
     which ran 0.77-0.96x the same configs in wider ones, padding included (PERF_NOTES "w2")."""
-    step = 64 // esize
-    return -(-d // step) * step
+    return padded_head_dim(d, 64 // esize)
 
 
 def panel_cols(d: int, esize: int) -> int:

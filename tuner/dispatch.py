@@ -15,6 +15,7 @@ its few best candidates timed on the exact shape instead, once, outside CUDA-gra
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -58,9 +59,11 @@ class Plan:
     native: bool = False   # handed to the C++ call path (tuner/native.py)
 
 
+@functools.cache
 def takes_head_dim(d: int) -> bool:
-    """Whether some flashtune kernel runs head dim `d` (on some GPU: flash_fwd_sm90 takes any
-    multiple of 8 up to 256 on Hopper, the others a list). SDPA takes any."""
+    """Whether some flashtune kernel runs head dim `d` (on some GPU: the families that pad take any
+    multiple of 8 up to their widest, the others a list). SDPA takes any. Cached: the families are
+    fixed at import, and the routed SDPA call asks on every call."""
     from .kernel_templates import FAMILIES
 
     return any(f.takes_head_dim(d) for f in FAMILIES.values())

@@ -31,12 +31,12 @@ ELEM_CODE = {"fp32": 0, "fp16": 1, "bf16": 2, "tf32": 3, "fp8": 4}
 MAX_PADDED_HEAD_DIM = 256
 
 
-def padded_head_dim(d: int) -> int:
-    """The tile width of a family that pads (pads_head_dim) on mma.sync: d rounded up to 32 columns,
-    whole k16 steps of S = Q K^T, n8 pairs of O and rows of 4k 16-byte chunks (the `swz` layout).
-    The columns past d are loaded as zeros and never stored: memory traffic stays d's. (The Hopper
-    kernel's rule, sm90_tma.tile_cols, rounds to 64 bytes: the same in 16 bits.)"""
-    return -(-d // 32) * 32
+def padded_head_dim(d: int, step: int = 32) -> int:
+    """The tile width of a family that pads (pads_head_dim): d rounded up to `step` columns. On
+    mma.sync 32, whole k16 steps of S = Q K^T, n8 pairs of O and rows of 4k 16-byte chunks (the `swz`
+    layout); the Hopper kernel's 64 bytes (sm90_tma.tile_cols) are the same 32 in 16 bits. The
+    columns past d are loaded as zeros and never stored: memory traffic stays d's."""
+    return -(-d // step) * step
 
 
 def in_space(value: object, choices: tuple) -> bool:
