@@ -15,7 +15,6 @@ its few best candidates timed on the exact shape instead, once, outside CUDA-gra
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import warnings
@@ -59,11 +58,11 @@ class Plan:
     native: bool = False   # handed to the C++ call path (tuner/native.py)
 
 
-@functools.cache
 def takes_head_dim(d: int) -> bool:
     """Whether some flashtune kernel runs head dim `d` (on some GPU: the families that pad take any
-    multiple of 8 up to their widest, the others a list). SDPA takes any. Cached: the families are
-    fixed at import, and the routed SDPA call asks on every call."""
+    multiple of 8 up to their widest, the others a list). SDPA takes any. Not cached: the routed SDPA
+    call asks it inside torch.compile'd code, where Dynamo warns at a cache wrapper (and the answer
+    is a few comparisons a family)."""
     from .kernel_templates import FAMILIES
 
     return any(f.takes_head_dim(d) for f in FAMILIES.values())
