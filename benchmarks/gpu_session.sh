@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|decode|varlen|varlen-ship|ab|sweep|profile|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|decode|decode-ship|varlen|varlen-ship|fa4bench|ab|sweep|profile|all]...
 # `tests` runs `pytest -m gpu` as eight processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -11,8 +11,8 @@
 # Narrowing for a short session: PYTEST_K (a pytest -k expression for the tests step),
 # TUNE_ARGS (replaces `--gpu auto` for precompile, search and bench; e.g. "--gpu auto --dtype bf16"),
 # TRIALS (per problem, default 30).
-# `ship` tunes the model table (tuner/models.py; SHIP_MODELS=0: not) and, with SHIP_GRID=1, the
-# standard grid on the Hopper family, in SHIP_DTYPE (default bf16), exports the lookup (peers
+# `ship` tunes the model table (tuner/models.py; SHIP_MODELS=0: not; or the names of some, "phi-2 sd15"),
+# with SHIP_GRID=1 the standard grid, and SHIP_SHAPES (more --shape arguments) on the Hopper family, in SHIP_DTYPE (default bf16), exports the lookup (peers
 # included) to $OUT/lookup.json, and benches what the dispatcher serves from it for those shapes
 # beside SDPA flash and cuDNN ($OUT/bench-<dtype>.json).
 # On an H100 the committed grid results open it as stored bests; SEED_DB (a results database
@@ -77,7 +77,8 @@ for step in $steps; do
           done
           cp /tmp/flashtune/grid.db "$OUT/grid.db" ;;&
     ship) dt=${SHIP_DTYPE:-bf16}
-          models=$([ "${SHIP_MODELS:-1}" = 1 ] && python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
+          models=$(python3 -c "import sys; from tuner.models import MODELS; w = sys.argv[1]
+names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('--model ' + m for m in names))" "${SHIP_MODELS:-1}")
           grid=benchmarks/results/NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json
           gridshapes=$(python3 benchmarks/results_db.py $grid --shapes --dtype $dt)
           if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100 80GB HBM3"; then
@@ -85,12 +86,12 @@ for step in $steps; do
           fi
           tuner precompile --family flash_fwd_sm90 --dtype $dt --shape 1,16:8,2048,128,causal --shape 1,16:8,2048,256,causal \
             --shape 1,16,2048,64,causal --shape 1,16,2048,64 ${SHIP_GRID:+--shape 1,16,2048,128} 2>&1 | tail -1 | tee -a "$OUT/ship.log"
-          tuner search --gpu auto --family flash_fwd_sm90 $models ${SHIP_GRID:+$gridshapes} --dtype $dt --trials "${TRIALS:-16}" \
+          tuner search --gpu auto --family flash_fwd_sm90 $models ${SHIP_GRID:+$gridshapes} ${SHIP_SHAPES:-} --dtype $dt --trials "${TRIALS:-16}" \
             --timeout "${SHIP_TIMEOUT:-330}" --lookup /tmp/flashtune/ship.json 2>&1 | grep -v -E "UserWarning|warnings.warn" \
             | tail -40 | tee -a "$OUT/ship.log"
           key=$(python3 -c 'from tuner.gpu import detect; print(detect().key)')
           tuner export -o "$OUT/lookup.json" --force --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
-          FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} --dtype $dt --lookup "$OUT/lookup.json" \
+          FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} ${SHIP_SHAPES:-} --dtype $dt --lookup "$OUT/lookup.json" \
             --peer sdpa_flash --peer sdpa_cudnn --json "$OUT/bench-$dt.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" \
             | tee -a "$OUT/ship.log"
           if [ -n "$OTHER_LOOKUP" ]; then   # another GPU's configs on this one: what per-GPU tuning buys
@@ -109,6 +110,20 @@ for step in $steps; do
               > "$OUT/chunk-search.log" 2>&1; tail -n 6 "$OUT/chunk-search.log"
             peers="--peer sdpa_cudnn --peer sdpa_flash"; [ -f /tmp/site/.fa4-cu13 ] && peers="$peers --peer fa4"
             tuner bench --gpu auto $chunk --family flash_fwd_sm90 $peers --json "$OUT/chunked.json" 2>&1 | grep -v Warning | tail -n 8 ;;
+    decode-ship) # decode buckets of DECODE_MODELS (tuner/models.py names), one query against DECODE_SEQLENS keys at
+                 # B1 and B32, searched on flash_decode with SDPA beside (merge them into the shipped lookup:
+                 # `tuner export --db ... --merge`, from $OUT/results.db); then decode_bench at each model's heads
+                 # and head dim, served from those entries ($OUT/decode-<model>.json); DECODE_TIMEOUT bounds each search
+          for m in ${DECODE_MODELS:-phi-2 phi3-mini gpt2}; do
+            tuner search --gpu auto --family flash_decode --model $m --seqlen "${DECODE_SEQLENS:-1:1024,1:8192}" --batch 1,32 \
+              --dtype bf16 --trials "${TRIALS:-14}" --timeout "${DECODE_TIMEOUT:-60}" 2>&1 | grep -v -E "UserWarning|warnings.warn" \
+              | grep -E "^(│|┃)" | tee -a "$OUT/decode-ship.log"
+          done
+          for m in ${DECODE_MODELS:-phi-2 phi3-mini gpt2}; do
+            shape=$(python3 -c "import sys; from tuner.models import MODELS; a = MODELS[sys.argv[1]].layers[0]; print(f'--heads {a.heads}:{a.kv_heads} --head-dim {a.head_dim}')" $m)
+            python3 benchmarks/decode_bench.py $shape --batch 1,8,32 --keys "${DECODE_KEYS:-1024,8192}" --json "$OUT/decode-$m.json" 2>&1 \
+              | grep -v Warning | tee -a "$OUT/decode-ship.log"
+          done ;;&
     ab) # a kernel change, before and after: the committed grid configs and the shipped lookup's, each
         # compiled from AB_TEMPLATES (the sources before; e.g. `git archive <commit> kernel_templates |
         # tar -x -C .ab`, carried) and from this tree, timed in turns (benchmarks/ab_kernel.py)
