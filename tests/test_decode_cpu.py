@@ -18,6 +18,24 @@ FAM = get_family("flash_decode")
 LLAMA_DECODE = Problem(1, 32, 1, 8192, 128, "bf16", "causal_br", 8)
 
 
+@pytest.mark.parametrize("nq, nk, cache", [(1, 8192, True), (16, 1000, True), (64, 65, True),
+                                           (64, 64, False), (65, 4096, False), (2048, 2048, False)])
+def test_a_decode_step_is_measured_on_a_token_major_cache(nq, nk, cache):
+    """The search ranks decode configs on K/V laid out as a KV cache holds them ((B, N, Hk, D)
+    storage), prefill ones on head-major (B, Hk, N, D); q is head-major either way."""
+    from tuner.measure import random_inputs
+
+    p = replace(LLAMA_DECODE, batch=2, heads=4, kv_heads=2, seqlen_q=nq, seqlen_k=nk, head_dim=80)
+    assert p.decode_step is cache
+    q, k, v = random_inputs(p, 5, device="cpu")
+    assert q.shape == (2, 4, nq, 80) and q.is_contiguous()
+    for t in (k, v):
+        assert t.shape == (2, 2, nk, 80)
+        assert t.transpose(1, 2).is_contiguous() is cache and t.is_contiguous() is not cache
+        assert t.float().std() > 0.8
+    assert not torch.equal(k, v)
+
+
 def test_prefill_is_refused_by_name():
     why = FAM.supports(H100_SXM, replace(LLAMA_DECODE, seqlen_q=MAX_QUERIES + 1))
     assert why and "at most 64 queries" in why

@@ -21,7 +21,9 @@ class DeviceFault(RuntimeError):
 
 def random_inputs(problem: Problem, seed: int, device: str = "cuda"):
     """Fresh normal inputs, never zeros (in fp8 the ~0.1% with |x| < 2^-10 round to 0); (B, H, N, D),
-    K/V with kv_heads."""
+    K/V with kv_heads. A decode step's K/V are views of token-major (B, N, Hk, D) storage, as a KV
+    cache holds them (vLLM's and FlashAttention's, kvcache_attention's): a decode config read 0.6x
+    of its head-major timing there at d=80 (PERF_NOTES d8), so it is ranked on the layout it serves."""
     import torch
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -30,8 +32,12 @@ def random_inputs(problem: Problem, seed: int, device: str = "cuda"):
     draw = torch.float32 if problem.dtype == "fp8" else dt
     p = problem
     q = torch.randn(p.batch, p.heads, p.seqlen_q, p.head_dim, generator=g, device=device, dtype=draw)
-    k = torch.randn(p.batch, p.kv_heads, p.seqlen_k, p.head_dim, generator=g, device=device, dtype=draw)
-    v = torch.randn(p.batch, p.kv_heads, p.seqlen_k, p.head_dim, generator=g, device=device, dtype=draw)
+    if p.decode_step:
+        k, v = (torch.randn(p.batch, p.seqlen_k, p.kv_heads, p.head_dim, generator=g, device=device,
+                            dtype=draw).transpose(1, 2) for _ in range(2))
+    else:
+        k, v = (torch.randn(p.batch, p.kv_heads, p.seqlen_k, p.head_dim, generator=g, device=device, dtype=draw)
+                for _ in range(2))
     return tuple(t.to(dt) for t in (q, k, v))
 
 

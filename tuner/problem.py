@@ -166,6 +166,12 @@ class Problem:
         """The causal diagonal is the bottom-right one (the kernels' MASK_BR)."""
         return self.mask == "causal_br"
 
+    @property
+    def decode_step(self) -> bool:
+        """A few queries (up to DECODE_QUERIES) against a longer cache: a decode or speculative step,
+        whose K/V a KV cache holds."""
+        return self.seqlen_q <= DECODE_QUERIES and self.seqlen_q < self.seqlen_k
+
     def query_blocks(self, rows: int) -> int:
         """Work tiles of `rows` query rows over every sequence and head: a grid kernel's CTAs."""
         return self.batch * self.heads * -(-self.seqlen_q // rows)
