@@ -559,15 +559,21 @@ def test_bench_peer_fa4_without_it_installed_says_so_in_one_line(monkeypatch, tm
     assert bad.returncode == 2 and "unknown peer 'fa3'" in bad.stdout + bad.stderr and "fa4" in bad.stdout + bad.stderr
 
 
-def test_the_shipped_h100_lookup_tunes_every_model_of_the_table_in_its_own_bucket(tmp_path, monkeypatch):
+# the H200 as the dispatcher sees it: the H100's SM (same count and shared memory), more HBM
+H200 = replace(H100_SXM, name="NVIDIA H200", memory_bytes=141 * 10**9)
+
+
+@pytest.mark.parametrize("gpu", [H100_SXM, H200], ids=["h100", "h200"])
+def test_the_shipped_lookups_tune_every_model_of_the_table_in_its_own_bucket(tmp_path, monkeypatch, gpu):
     """Every bf16 problem of tuner/models.py (Phi-3's d=96, SD 1.5's 40/80/160, DiT's 72 among them)
-    is served on the H100 by an entry of its own bucket, a tuned config or an SDPA backend that
-    measured faster, not by a neighbour's or a default."""
+    is served on the H100 and the H200 by an entry of its own bucket and GPU, a tuned config or an
+    SDPA backend that measured faster, not by a neighbour's, another GPU's or a default."""
     from tuner.models import MODELS, model_problems
 
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
     d = Dispatcher(tmp_path / "absent.json")
     for p in model_problems(list(MODELS), "bf16"):
-        e = d.select(p, H100_SXM)
+        e = d.select(p, gpu)
         assert e is not None and e["bucket"] == p.bucket().key, (p.key, e and e["bucket"])
+        assert e["gpu_key"] == gpu.key, (p.key, e["gpu_key"])
         assert e["family"] in (SM90.name, SPLIT.name, "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"), (p.key, e["family"])
