@@ -18,9 +18,11 @@ def _run(family, params, problem, seed, layout="bhnd"):
     from tuner.reference import attention_fp64, compare
 
     assert family.check(params, detect(), problem) is None
-    q, k, v = random_inputs(problem, seed)
+    q, k, v = random_inputs(problem, seed)   # a decode step's K/V token-major already (a cache's)
     if layout == "bnhd":  # (B, N, H, D) storage seen as (B, H, N, D) strides: no copy
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    else:                 # (B, H, N, D) storage
+        q, k, v = (t.contiguous() for t in (q, k, v))
     o, lse = _run_inputs(family, params, problem, q, k, v, with_lse=True)
     ref_o, ref_lse = attention_fp64(q, k, v, problem.mask, 1.0 / math.sqrt(problem.head_dim))
     return compare(o, lse, ref_o, ref_lse)
