@@ -181,13 +181,17 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
     profile) # Nsight Compute's view of flash_fwd_sm90 configs: the committed grid config of each problem whose key
              # contains a word of PROFILE_SHAPE (ab_kernel.py, both sides this tree's kernel), its PROFILE_SKIP-th launch
              # (the first ones are its float64 check): speed of light, issue, warp stall reasons (every metric the
-             # sections collect: --page raw), instruction mix; $OUT/profile-<shape>.csv
+             # sections collect: --page raw), instruction mix; $OUT/profile-<shape>.csv. PROFILE_FAMILY profiles
+             # another family's shipped entries instead (flash_decode, say, with PROFILE_SHAPE B32-H32/kv8-N1x8192)
+          fam=${PROFILE_FAMILY:-flash_fwd_sm90}
+          kname=$(python3 -c "import sys; from tuner.kernel_templates import get_family; print(get_family(sys.argv[1]).kernel_name)" "$fam")
           for shape in ${PROFILE_SHAPE:-B1-H32-N16384-D64-bf16-full}; do
-            ncu --target-processes all --kernel-name regex:flash_fwd_sm90 --launch-skip ${PROFILE_SKIP:-3} --launch-count 1 \
+            name=$(echo "$shape" | tr '/' '_')
+            ncu --target-processes all --kernel-name "regex:$kname" --launch-skip ${PROFILE_SKIP:-3} --launch-count 1 \
               --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
-              --section InstructionStats --page raw --csv \
-              python3 benchmarks/ab_kernel.py --templates kernel_templates --shape "$shape" --rounds 1 --seconds 0.05 \
-              > "$OUT/profile-$shape.csv" 2> "$OUT/profile-$shape.log"; tail -n 3 "$OUT/profile-$shape.log"
+              --section MemoryWorkloadAnalysis --section InstructionStats --page raw --csv \
+              python3 benchmarks/ab_kernel.py --templates kernel_templates --family "$fam" --shape "$shape" --rounds 1 --seconds 0.05 \
+              > "$OUT/profile-$name.csv" 2> "$OUT/profile-$name.log"; tail -n 3 "$OUT/profile-$name.log"
           done ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
