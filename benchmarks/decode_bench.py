@@ -47,15 +47,14 @@ def copy_bandwidth(timer) -> float:
 
 def inputs(problem):
     """A decode step's generator and q (B, H, Nq, D), k, v (B, Hk, N, D views of (B, N, Hk, D) storage,
-    a cache's layout), bf16, random from a seed of the batch and keys: the same data in every run."""
+    a cache's layout: tuner.measure.random_inputs's for a decode step), random from a seed of the
+    batch and keys: the same data in every run."""
     import torch
 
-    p = problem
-    g = torch.Generator(device="cuda").manual_seed(p.batch * 100003 + p.seqlen_k)
-    q = torch.randn(p.batch, p.heads, p.seqlen_q, p.head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(p.batch, p.seqlen_k, p.kv_heads, p.head_dim, device="cuda", dtype=torch.bfloat16,
-                        generator=g).transpose(1, 2) for _ in range(2))
-    return g, (q, k, v)
+    from tuner.measure import random_inputs
+
+    seed = problem.batch * 100003 + problem.seqlen_k
+    return torch.Generator(device="cuda").manual_seed(seed), random_inputs(problem, seed)
 
 
 def screened(fam, problem, gpu, q, k, v, screen) -> dict:
