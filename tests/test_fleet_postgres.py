@@ -239,6 +239,38 @@ def test_a_lost_workers_job_goes_back_to_the_queue(pg_url):
     assert queue.finish(sessions, again, live, "done", best_tflops=1.0)
 
 
+def test_a_beat_while_the_worker_finishes_its_job_does_not_deadlock(pg_url):
+    """The heartbeat thread beats while the worker closes its job: `finish` updates the job's row,
+    then the worker's; a beat that locked the worker's row first would wait on the job's while
+    `finish` waits on the worker's (PostgreSQL: deadlock detected, one of them fails)."""
+    engine = make_engine(pg_url)
+    sessions = session_factory(engine)
+    spec = queue.JobSpec(GPU_KEY, "flash_fwd_simt", Problem(3, 4, 512, 512, 64, "fp32", True), 1)
+    queue.submit(sessions, [spec])
+    worker = queue.register(sessions, 0, GPU_KEY)
+    job = queue.claim(sessions, worker, GPU_KEY)
+    assert job is not None
+    errors: list[BaseException] = []
+
+    def beat() -> None:
+        try:
+            queue.beat(sessions, worker, job.id, 5, job_trials=3)
+        except BaseException as exc:   # noqa: BLE001 - reported by the assertion below
+            errors.append(exc)
+
+    with engine.connect() as c, c.begin():   # finish's two statements, with a beat between them
+        c.execute(text("UPDATE ft_jobs SET state = 'done' WHERE id = :j"), dict(j=job.id))
+        t = threading.Thread(target=beat)
+        t.start()
+        time.sleep(0.5)   # the beat is waiting on the job's row now
+        c.execute(text("UPDATE ft_workers SET jobs_done = jobs_done + 1 WHERE id = :w"), dict(w=worker))
+    t.join(timeout=30)
+    assert not t.is_alive() and errors == []
+    with engine.connect() as c:
+        row = c.execute(text("SELECT jobs_done, trials_done FROM ft_workers WHERE id = :w"), dict(w=worker)).one()
+    assert tuple(row) == (1, 5)
+
+
 def test_status_and_the_dashboard_call_lost_what_a_worker_does():
     from tuner.cli import STATUS_GRACE_S
     from tuner.dashboard.data import FLEET_GRACE_S

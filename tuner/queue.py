@@ -130,15 +130,17 @@ def register(sessions: sessionmaker[Session], gpu_index: int, gpu_key: str) -> i
 
 def beat(sessions: sessionmaker[Session], worker_id: int, job_id: int | None, trials_done: int,
          job_trials: int = 0) -> None:
-    """The worker is alive: its beat, its count of trials, and the lease of the job it holds."""
+    """The worker is alive: its beat, its count of trials, and the lease of the job it holds. The
+    job's row is locked before the worker's, in the order `finish` takes them: the heartbeat thread
+    beats while the worker finishes, and the other order deadlocked on PostgreSQL."""
     with sessions.begin() as s:
         now = db_now(s)
-        s.execute(update(WorkerRow).where(WorkerRow.id == worker_id)
-                  .values(beat_at=now, trials_done=trials_done))
         if job_id is not None:
             s.execute(update(JobRow).where(JobRow.id == job_id, JobRow.worker_id == worker_id,
                                            JobRow.state == "running")
                       .values(lease_at=now, trials_done=job_trials))
+        s.execute(update(WorkerRow).where(WorkerRow.id == worker_id)
+                  .values(beat_at=now, trials_done=trials_done))
 
 
 def claim(sessions: sessionmaker[Session], worker_id: int, gpu_key: str) -> Job | None:
