@@ -33,7 +33,10 @@
 // The tile's width HEAD_DIM is the head dim D_VALID rounded up to 64 bytes (sm90_tma.tile_cols):
 // the columns past D_VALID come in as zeros (the tensor maps end at D_VALID), add nothing to S,
 // make zero columns of O, and are never stored. So d=96 runs in three 64-byte panels, d=80 padded
-// to the same, d=40 in one 128-byte panel.
+// to the same, d=40 in one 128-byte panel. The products run over the head dim rounded up to a k step
+// only (PROD_COLS: 80 of d=80's 96, 48 of d=40's 64; the whole tile where O goes out by TMA): S's
+// last k steps and O's last columns would only ever see those zeros, so they are not issued, and O
+// has no registers for them.
 //
 // e4m3 (IN_DTYPE == FT_E4M3): the products are k32 QGMMA, O is bf16; the keys of V^T are permuted
 // so that P packs straight from S's registers. V's stage is freed once transposed, V^T's once P V
@@ -57,7 +60,7 @@
 //
 // Set by the family spec: BC HEAD_DIM D_VALID PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV;
-// the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, HEAD_DIM} are generated ahead of this file.
+// the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, PROD_COLS} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
 #include "sm90_fp8.cuh"
@@ -77,9 +80,11 @@ constexpr int ROW_BYTES = PANEL_COLS * sizeof(T);   // swizzle width: the bytes 
 constexpr int PANELS = HEAD_DIM / PANEL_COLS;
 constexpr int PANEL_KSTEPS = ROW_BYTES / 32;        // k steps per panel
 constexpr int NTILES = BC / 8;               // n8 column groups of S
-constexpr int DTILES = HEAD_DIM / 8;         // n8 column groups of O
 constexpr int KSTEP = 32 / sizeof(T);        // k of one wgmma: 32 bytes of a row
-constexpr int KSTEPS = HEAD_DIM / KSTEP;     // k steps of Q K^T
+// the columns the products run over; a TMA-stored O goes out in whole 64-column panels of them
+constexpr int PROD_COLS = TMA_STORE ? HEAD_DIM : (D_VALID + KSTEP - 1) / KSTEP * KSTEP;
+constexpr int DTILES = PROD_COLS / 8;        // n8 column groups of O
+constexpr int KSTEPS = PROD_COLS / KSTEP;    // k steps of Q K^T
 constexpr int PSTEPS = BC / KSTEP;           // k steps of P V
 constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
 constexpr int QBUF = CHAIN ? 2 : 1;          // Q buffers: CHAIN loads the next tile's Q under this one
@@ -107,7 +112,7 @@ constexpr int P_BAR = 2 + CWG;                    // P_SMEM: consumer c's named 
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && (ROW_BYTES == 128 || ROW_BYTES == 64 || ROW_BYTES == 32),
               "the tile's width in whole 128-, 64- or 32-byte panels");
-static_assert(D_VALID <= HEAD_DIM && D_VALID % 8 == 0, "the head dim, within the tile's width");
+static_assert(D_VALID <= HEAD_DIM && D_VALID % 8 == 0 && PROD_COLS <= HEAD_DIM, "the head dim, within the tile's width");
 static_assert(!FP8 || (D_VALID == HEAD_DIM && ROW_BYTES >= 64), "e4m3: whole 64- or 128-byte rows (d = 64, 128, 256)");
 static_assert(!P_SMEM || !FP8, "P through shared memory: 16-bit inputs");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
@@ -310,14 +315,14 @@ FT_DEVICE void issue_s(float (&s)[NTILES][4], unsigned long long dq, unsigned lo
 }
 
 // O += P V: V N-major (its rows are the k dim: a k step is 16 rows), panels of PANEL_COLS columns
-// LBO apart; or e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart. P from
+// LBO apart, its first PROD_COLS columns (the last panel's may be read in part); or e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart. P from
 // registers, or (P_SMEM) from shared memory at `dp`: a k step is 32 bytes into a panel's row.
 FT_DEVICE void issue_pv(float (&o)[DTILES][4], unsigned (&p)[PREGS][4], unsigned long long dp, unsigned long long dv) {
 #pragma unroll
   for (int ps = 0; ps < PSTEPS; ++ps) {
     const unsigned long long db = desc_advance(dv, FP8 ? (ps / 4) * HEAD_DIM * 128 + (ps % 4) * 32 : ps * 16 * ROW_BYTES);
-    if constexpr (P_SMEM) Wgmma<HEAD_DIM>::ssn(o, desc_advance(dp, (ps / 4) * 8192 + (ps % 4) * 32), db, 1);
-    else Wgmma<HEAD_DIM>::rs(o, p[ps], db, 1);
+    if constexpr (P_SMEM) Wgmma<PROD_COLS>::ssn(o, desc_advance(dp, (ps / 4) * 8192 + (ps % 4) * 32), db, 1);
+    else Wgmma<PROD_COLS>::rs(o, p[ps], db, 1);
   }
   wgmma_commit();
 }

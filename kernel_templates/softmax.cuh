@@ -149,10 +149,11 @@ FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* ls
     row_l[hh] = group_sum<4>(l[hh]);
     const int row = row0 + lane / 4 + hh * 8;
     const float inv = inv_row_sum(row_l[hh]);
-    if constexpr (DT != FT_F32 && DTILES % 4 == 0) {
+    if constexpr (DT != FT_F32 && DTILES >= 4) {
       // The quad's 4 x 4 block of packed pairs (lane q: column pair q of n8 groups 4k..4k+3) is
       // transposed in two shuffle stages, so that lane q holds all of group 4k+q: one 16-byte
-      // store per lane, 64 contiguous bytes of a row per quad.
+      // store per lane, 64 contiguous bytes of a row per quad. The groups past the last whole
+      // four (O of a tile 16 columns past 32s) go in 4-byte stores below.
       const int q = lane % 4;
 #pragma unroll
       for (int k = 0; k < DTILES / 4; ++k) {
@@ -173,9 +174,11 @@ FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* ls
         if (in_rows(row, nq) && (COLS == DTILES * 8 || (4 * k + q) * 8 < COLS))
           *reinterpret_cast<uint4*>(op + row * o_sn + (4 * k + q) * 8) = make_uint4(u[0], u[1], u[2], u[3]);
       }
-    } else if (in_rows(row, nq)) {
+    }
+    constexpr int FIRST = DT != FT_F32 && DTILES >= 4 ? DTILES / 4 * 4 : 0;   // groups not stored above
+    if (FIRST * 8 < COLS && in_rows(row, nq)) {
 #pragma unroll
-      for (int dt = 0; dt < COLS / 8; ++dt) {
+      for (int dt = FIRST; dt < COLS / 8; ++dt) {
         auto* dst = op + row * o_sn + dt * 8 + 2 * (lane % 4);
         if constexpr (DT == FT_F32) *reinterpret_cast<float2*>(dst) = make_float2(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
         else *reinterpret_cast<unsigned*>(dst) = pack2<DT>(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);

@@ -299,9 +299,10 @@ ANY_DIM_PROBLEMS = [Problem(2, 8, 1000, 1000, d, dt, m, kv_heads=2) for d, dt, m
 @pytest.mark.parametrize("problem", ANY_DIM_PROBLEMS, ids=lambda p: p.key)
 def test_sm90_any_head_dim_seeds_compile_without_spills(problem, tmp_path):
     """Every valid seed of flash_fwd_sm90 and of its split at such a head dim compiles for sm_90a:
-    P V a wgmma as wide as the tile, Q, K and V by TMA, no spills or local memory, O by ordinary
-    stores or, where the panels are 128 bytes and a seed asks, by TMA."""
-    from tuner.kernel_templates.flash_fwd_sm90 import tile_dim
+    P V a wgmma as wide as the head dim rounded up to a k step (not the padded tile: d=80's 80 of
+    96), S in that many k steps, Q, K and V by TMA, no spills or local memory, O by ordinary stores
+    or, where the panels are 128 bytes and a seed asks, by TMA (over the whole tile then)."""
+    from tuner.kernel_templates.flash_fwd_sm90 import prod_cols, tile_dim
     from tuner.kernel_templates.sm90_tma import panel_cols
 
     split = get_family("flash_fwd_sm90_split")
@@ -313,13 +314,20 @@ def test_sm90_any_head_dim_seeds_compile_without_spills(problem, tmp_path):
     cases = [(fam, p) for fam in (SM90, split) for p in fam.seeds(H100_SXM, problem) if fam.check(p, H100_SXM, problem) is None]
     assert len(cases) >= 3
     for fam, params in cases:
+        prod = prod_cols(params, problem)
+        assert prod == width if params["tma_store"] else (prod % 16 == 0 and 0 <= prod - problem.head_dim < 16)
         ck = compile_kernel(fam, params, problem, H100_SXM.arch)
         assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (fam.name, params, ck.resources)
         assert not re.search(r"C751[019]", ck.log), ck.log
         cubin = tmp_path / "k.cubin"
         cubin.write_bytes(ck.cubin)
         sass = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120).stdout
-        assert re.search(rf"\bHGMMA\.64x{width}x16\.F32", sass) and re.search(rf"\bHGMMA\.64x{params['Bc']}x16\.F32", sass)
+        assert re.search(rf"\bHGMMA\.64x{prod}x16\.F32", sass) and re.search(rf"\bHGMMA\.64x{params['Bc']}x16\.F32", sass)
+        if width not in (prod, params["Bc"]):
+            assert not re.search(rf"\bHGMMA\.64x{width}x16", sass), "P V over the tile's zero columns"
+        if params["Bc"] != prod:   # S's k steps, in whatever copies of the loop: a multiple of prod's
+            s_steps = len(re.findall(rf"\bHGMMA\.64x{params['Bc']}x16\.F32", sass))
+            assert s_steps % (prod // 16) == 0, (s_steps, prod, width)
         assert re.search(r"\bUTMALDG(\.\w+)*\b", sass), (fam.name, params)
         assert bool(re.search(r"\bUTMASTG", sass)) == bool(params["tma_store"]), (fam.name, params)
         assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), f"local memory (spills) in SASS: {fam.name} {params}"
