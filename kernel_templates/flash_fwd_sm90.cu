@@ -315,8 +315,9 @@ FT_DEVICE void issue_s(float (&s)[NTILES][4], unsigned long long dq, unsigned lo
 }
 
 // O += P V: V N-major (its rows are the k dim: a k step is 16 rows), panels of PANEL_COLS columns
-// LBO apart, its first PROD_COLS columns (the last panel's may be read in part); or e4m3's V^T K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart. P from
-// registers, or (P_SMEM) from shared memory at `dp`: a k step is 32 bytes into a panel's row.
+// LBO apart, its first PROD_COLS columns (the last panel's may be read in part); or e4m3's V^T
+// K-major like K, panels of 128 keys HEAD_DIM * 128 bytes apart. P from registers, or (P_SMEM) from
+// shared memory at `dp`: a k step is 32 bytes into a panel's row.
 FT_DEVICE void issue_pv(float (&o)[DTILES][4], unsigned (&p)[PREGS][4], unsigned long long dp, unsigned long long dv) {
 #pragma unroll
   for (int ps = 0; ps < PSTEPS; ++ps) {

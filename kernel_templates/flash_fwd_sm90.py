@@ -16,8 +16,9 @@ Head dims: any multiple of 8 from 8 to 256 in fp16/bf16. The tile is the head di
 bytes (`tile_cols`), in panels of the widest swizzle that divides it (`panel_cols`: 128 bytes at
 d = 64, 128, 192, 256; 64 at d = 96, 160); the tensor maps end at the head dim, so the columns past
 it read as zeros and are never stored. The products run over the head dim rounded up to a k step
-only (`prod_cols`: 80 of d=80's 96 columns), the tile's zero columns skipped. Lookups serve a head dim only from buckets of that head dim;
-a prefill that fills the GPU and that none reaches runs this family's default (dispatch).
+only (`prod_cols`: 80 of d=80's 96 columns), the tile's zero columns skipped. Lookups serve a head
+dim only from buckets of that head dim; a prefill that fills the GPU and that none reaches runs
+this family's default (dispatch).
 
 fp8 (e4m3 inputs, bf16 O): the producer warpgroup's warps 1-3 transpose each V tile for the K-major
 P V (kernel_templates/sm90_fp8.cuh), so the V^T buffer costs a third K/V-sized ring, the transposers
