@@ -223,10 +223,7 @@ class FlashFwdSm90(KernelFamily):
 
     def render(self, params: dict, problem: Problem) -> str:
         text = super().render(params, problem)
-        # wip (w4): the tile's width too, unused here, so that ab_kernel.py can compile the sources
-        # before trimming (P V as wide as the tile) beside these; dropped when w4 is decided
-        ns = (params["Bc"], prod_cols(params, problem), tile_dim(problem))
-        return text.replace(_WGMMA_MARK, wrappers(ns, problem.dtype), 1)
+        return text.replace(_WGMMA_MARK, wrappers((params["Bc"], prod_cols(params, problem)), problem.dtype), 1)
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         # the tensor maps of q, k, v and O (by value; O's unread without tma_store), the batch,
