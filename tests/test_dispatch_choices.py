@@ -577,3 +577,31 @@ def test_the_shipped_lookups_tune_every_model_of_the_table_in_its_own_bucket(tmp
         assert e is not None and e["bucket"] == p.bucket().key, (p.key, e and e["bucket"])
         assert e["gpu_key"] == gpu.key, (p.key, e["gpu_key"])
         assert e["family"] in (SM90.name, SPLIT.name, "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"), (p.key, e["family"])
+
+
+@pytest.mark.parametrize("gpu", [H100_SXM, H200], ids=["h100", "h200"])
+def test_a_shipped_decode_bucket_serves_what_measured_fastest_in_it(tmp_path, monkeypatch, gpu):
+    """A decode step (one query) of each shipped decode bucket is served by that bucket's fastest
+    measured entry: an SDPA backend where one led (cuDNN runs one query against 2 or more keys;
+    on the H200 it leads the large batches at 8k and 32k keys), else flash_decode."""
+    import json
+
+    from tuner.problem import Bucket
+
+    monkeypatch.setenv(export.SHIPPED_ENV, "1")
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    doc = json.loads(next(p for p in export.shipped_lookups() if gpu.key.replace("/", "_") in p.name).read_text())
+    fastest: dict[str, dict] = {}
+    for e in doc["entries"]:
+        if Bucket.from_key(e["bucket"]).queries == 1 and e["median_ms"] < fastest.get(e["bucket"], e | {"median_ms": 1e9})["median_ms"]:
+            fastest[e["bucket"]] = e
+    assert len(fastest) >= 8
+    d = Dispatcher(tmp_path / "absent.json")
+    served = {}
+    for bucket, best in fastest.items():
+        p = Problem.from_dict(best["problem"])
+        assert p.bucket().key == bucket
+        served[bucket] = d.serving_entry(p, gpu)["family"]
+        assert served[bucket] == best["family"], (bucket, served[bucket], best["family"])
+    if gpu is H200:
+        assert "sdpa_cudnn" in served.values(), served

@@ -384,16 +384,20 @@ def test_transformers_model_under_the_sdpa_switch(dispatcher):
         assert float((a - b).norm() / b.norm()) < 2e-2
 
 
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
 @pytest.mark.parametrize("peer", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"])
-def test_a_measured_peer_serves_without_a_warning(tmp_path, peer):
+def test_a_measured_peer_serves_without_a_warning(tmp_path, peer, shape):
     """A bucket whose lookup says an SDPA backend measured fastest runs that backend (no fallback
-    warning), with O and gradients as SDPA's, GQA and a ragged length included."""
+    warning), with O and gradients as SDPA's, GQA and a ragged length included; a decode step too
+    (one query against a ragged cache, 4 query heads a K/V head, either layout), where cuDNN leads
+    the H200's large batches."""
     from tuner import dispatch
     from tuner.export import lookup_of, write_lookup
     from tuner.gpu import detect
 
     rng = random.Random()
-    p = Problem(2, 8, 333, 333, 128, "bf16", "causal", kv_heads=2)
+    p = (Problem(2, 8, 333, 333, 128, "bf16", "causal", kv_heads=2) if shape == "prefill"
+         else Problem(3, 16, 1, rng.randint(100, 3000), rng.choice([64, 128]), "bf16", "none", kv_heads=4))
     path = tmp_path / "best.json"
     write_lookup(lookup_of(detect().key, [(p, peer, {}, 1.0)]), path)
     d = dispatch.reset(path)
@@ -402,7 +406,7 @@ def test_a_measured_peer_serves_without_a_warning(tmp_path, peer):
             warnings.filterwarnings("error", message="flashtune")
             _check_against_sdpa(p, rng, served=True)
             q, k, v = (t.detach() for t in _inputs(p, "bhnd", 1))
-            assert d.plan(q, k, v, True).peer == peer
+            assert d.plan(q, k, v, p.causal).peer == peer
     finally:
         dispatch.reset()
 

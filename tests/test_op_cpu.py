@@ -198,6 +198,8 @@ def _case(dtype=torch.bfloat16, d=128, nq=64, nk=64, causal=True, gqa=False, cc=
     (_case(nq=10, nk=300), "efficient"),                       # cuDNN's causal with Nq != Nk is not trusted
     (_case(nq=10, nk=300, causal=False), "cudnn"),
     (_case(nq=1, nk=1), "flash"),                              # cuDNN refuses s_q = s_kv = 1
+    (_case(nq=2, nk=1, causal=False), "flash"),                # and one key (not asked)
+    (_case(nq=1, nk=300, causal=False), "cudnn"),              # a decode step it runs
     (_case(dtype=torch.float32), "efficient"),
     (_case(dtype=torch.float16, d=96, cc=(7, 5)), "efficient"),
     (_case(dtype=torch.float32, d=100), "math"),

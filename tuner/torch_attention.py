@@ -115,10 +115,12 @@ def _cudnn_why_not(c: Case) -> str | None:
         return "cuDNN is not available"
     if c.causal and c.nq != c.nk:
         return "its causal mask with Nq != Nk is not verified here (NaN gradients were seen on the H100)"
-    if min(c.nq, c.nk) < 2:
+    if c.nk < 2:
         # cuDNN refuses s_q = s_kv = 1, and after a refused graph torch's cache of them crashed
-        # the process on the next call (H100, torch 2.11): never ask it for what it may refuse
-        return "takes sequences of 2 or more"
+        # the process on the next call (H100, torch 2.11): never ask it for what it may refuse.
+        # One query against 2 or more keys (a decode step) it runs: the searches measured it there
+        # against float64, fastest at large batches on the H200 (PERF_NOTES d10).
+        return "takes 2 or more keys"
     return _half_dim(c, 128)
 
 
