@@ -4,6 +4,7 @@ capture, and what it stores)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import replace
 
@@ -202,12 +203,13 @@ def test_the_shipped_h100_lookup_serves_chunked_prefill_with_our_kernel(tmp_path
 def test_the_shipped_h100_lookup_serves_a_shard_s_chunks_with_what_measured_fastest(tmp_path, monkeypatch):
     """A tensor-parallel shard's chunk (8 query heads, 1 K/V head): 32 work tiles of 128 rows at 512
     queries, so the keys split across CTAs (flash_fwd_sm90_split) where that measured fastest (512
-    against 32k and 128k keys, 1024 against 64k), SDPA flash where it did (512 against 4k: a 43 us
-    call, level with the split), and flash_fwd_sm90 at 2048 against 16k (128 tiles already)."""
+    against 32k and 128k keys, 1024 against 64k; at 512 against 4k too, where SDPA flash measured
+    level with it but runs 43 us, under its own host time: dispatch.PEER_MIN_MS), and flash_fwd_sm90
+    at 2048 against 16k (128 tiles already)."""
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
     dispatcher = Dispatcher(tmp_path / "absent.json")
     split = "flash_fwd_sm90_split"
-    for nq, nk, family in ((512, 4096, "sdpa_flash"), (512, 32768, split), (512, 131072, split), (1024, 65536, split),
+    for nq, nk, family in ((512, 4096, split), (512, 32768, split), (512, 131072, split), (1024, 65536, split),
                            (2048, 16384, SM90.name)):
         e = dispatcher.select(Problem(1, 8, nq, nk, 128, "bf16", "causal_br", 1), H100_SXM)
         assert e is not None and e["family"] == family, (nq, nk, e and e["family"])
@@ -583,25 +585,37 @@ def test_the_shipped_lookups_tune_every_model_of_the_table_in_its_own_bucket(tmp
 def test_a_shipped_decode_bucket_serves_what_measured_fastest_in_it(tmp_path, monkeypatch, gpu):
     """A decode step (one query) of each shipped decode bucket is served by that bucket's fastest
     measured entry: an SDPA backend where one led (cuDNN runs one query against 2 or more keys;
-    on the H200 it leads the large batches at 8k and 32k keys), else flash_decode."""
+    on the H200 it leads the large batches at 8k and 32k keys), else flash_decode; but a backend
+    that runs the call in under PEER_MIN_MS goes after the kernels, its host time being longer
+    than the call (the H200's B1 x 1024 keys, where cuDNN measured 4% ahead and served 0.3x)."""
     import json
 
+    from tuner.dispatch import PEER_MIN_MS, short_peer
     from tuner.problem import Bucket
 
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     doc = json.loads(next(p for p in export.shipped_lookups() if gpu.key.replace("/", "_") in p.name).read_text())
-    fastest: dict[str, dict] = {}
+    buckets: dict[str, list[dict]] = {}
     for e in doc["entries"]:
-        if Bucket.from_key(e["bucket"]).queries == 1 and e["median_ms"] < fastest.get(e["bucket"], e | {"median_ms": 1e9})["median_ms"]:
-            fastest[e["bucket"]] = e
-    assert len(fastest) >= 8
+        if Bucket.from_key(e["bucket"]).queries == 1:
+            buckets.setdefault(e["bucket"], []).append(e)
+    assert len(buckets) >= 8
     d = Dispatcher(tmp_path / "absent.json")
-    served = {}
-    for bucket, best in fastest.items():
-        p = Problem.from_dict(best["problem"])
+    served, demoted = {}, 0
+    for bucket, entries in buckets.items():
+        fastest = min(entries, key=lambda e: e["median_ms"])
+        p = Problem.from_dict(fastest["problem"])
         assert p.bucket().key == bucket
+        want = min(entries, key=lambda e: (short_peer(e, p), e["median_ms"]))
         served[bucket] = d.serving_entry(p, gpu)["family"]
-        assert served[bucket] == best["family"], (bucket, served[bucket], best["family"])
+        assert served[bucket] == want["family"], (bucket, served[bucket], want["family"])
+        if short_peer(fastest, p):
+            assert fastest["median_ms"] < PEER_MIN_MS and served[bucket] == "flash_decode"
+            demoted += 1
+            # the same bucket's entry at a batch whose call outlasts the host time serves the peer
+            big = replace(p, batch=p.batch * math.ceil(2 * PEER_MIN_MS / fastest["median_ms"]))
+            if big.bucket().key == bucket:
+                assert d.serving_entry(big, gpu)["family"] == fastest["family"]
     if gpu is H200:
-        assert "sdpa_cudnn" in served.values(), served
+        assert "sdpa_cudnn" in served.values() and demoted, served

@@ -38,6 +38,14 @@ NEAREST_OCTAVES = 2.0
 # Past that, a prefill call whose work fills the GPU (a query block of FILL_ROWS rows per SM at
 # least) still borrows the nearest tuned bucket, at any distance (Dispatcher.select).
 FILL_ROWS = 128
+# A measured SDPA backend serves by torch's Python path (the backend pinned, SDPA's own checks, an
+# LSE buffer), some 30-40 µs of host time a call where our kernels launch from C++; a call shorter
+# than that leaves the GPU idle behind it. So a peer whose entry, scaled to the call's work, runs
+# under PEER_MIN_MS goes after the kernels of its bucket (Dispatcher.candidates): on the H200 a B1
+# decode step of 1024 keys served cuDNN at 0.11 TB/s where pinned it read 0.37, B8 x 8192 keys at
+# 3.34 against 3.43 pinned and flash_decode's 3.50; from 160 µs served and pinned agreed within 1%
+# (benchmarks/PERF_NOTES.md, d10).
+PEER_MIN_MS = 0.05
 
 
 @dataclass
@@ -238,10 +246,19 @@ class Dispatcher:
     def candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
         bucket's first (distance 0), fastest first; then those of tuned buckets up to `octaves`
-        away, nearer first."""
+        away, nearer first. Among the entries of one distance, a measured peer too short for its
+        host time at this call (`short_peer`) comes after the kernels."""
+        held: list[tuple[float, dict]] = []
         for dist, e in self._entries_near(problem, gpu, octaves):
+            if held and held[0][0] != dist:
+                yield from held
+                held = []
             if self._runs(e, problem, gpu):
-                yield dist, e
+                if short_peer(e, problem):
+                    held.append((dist, e))
+                else:
+                    yield dist, e
+        yield from held
 
     def packed_candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
         """(octaves away, variant, entry) for each entry a varlen variant was tuned to (a search of
@@ -518,6 +535,17 @@ def served_params(entry: dict, problem: Problem) -> dict:
     if fam is None or not tuned:   # an SDPA backend's entry (no config), or one that does not say
         return entry["params"]
     return fam.adapt(entry["params"], Problem.from_dict(tuned), problem)
+
+
+def short_peer(entry: dict, problem: Problem) -> bool:
+    """Whether `entry` is a measured SDPA backend that would run `problem` for less than PEER_MIN_MS:
+    its measured time scaled by the work of `problem` against that of the problem it was measured on."""
+    from .peers import DISPATCHED_PEERS
+
+    ms, measured = entry.get("median_ms"), entry.get("problem")
+    if entry["family"] not in DISPATCHED_PEERS or not ms or not isinstance(measured, dict):
+        return False
+    return ms * problem.flops() / Problem.from_dict(measured).flops() < PEER_MIN_MS
 
 
 def _decode_default(problem: Problem, gpu) -> dict | None:
