@@ -673,7 +673,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   if (blk.x < 0) return;
   const int qblk = blk.y / heads, bh = blk.x * heads + blk.y % heads;
   const bool sections = false;   // varlen's own order, above
-  const int bhs = 0, sec = 0;
+  const int bhs = 0, sec = 0, last = 0;
   // persistent: none of its own; the longest lengths, where the producer's walk starts
   const Sequence seq = PERSISTENT ? Sequence{nq, 0, 0, 0} : FT_SEQUENCE(blk.x);
   const int n_qblk = 1, total = 1;   // persistent: the producer finds where the tiles end (TileScheduler)
@@ -684,17 +684,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   // order (x fastest) is the scheduler's in that place (causal_tile); else (query block, batch-head)
   const int bhs = batch * heads;
   const bool sections = IS_CAUSAL && causal_sections(bhs);
+  const int n_qblk = (nq + BR - 1) / BR;   // PERSISTENT: the work tiles are n_qblk x batch-heads
   const int sec = sections ? section_heads(bhs, kv_group, nk, D_VALID * static_cast<int>(sizeof(T))) : 0;
+  const int last = sections ? last_section(bhs, sec) : 0;
   const int2 grid_at = IS_CAUSAL && !PERSISTENT && sections
-                           ? causal_tile(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, bhs, sec)
+                           ? causal_tile(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, bhs, sec, last)
                            : make_int2(blockIdx.x, blockIdx.y);
   const int qblk = grid_at.x, bh = grid_at.y;
   const Sequence seq{nq, nk, 0, 0};
-  const int n_qblk = (nq + BR - 1) / BR;   // PERSISTENT: the work tiles are n_qblk x batch-heads
   const int total = PERSISTENT ? n_qblk * bhs : 1;
   const int *offsets_q = nullptr, *offsets_k = nullptr, packed = 0;
 #endif
-  const Scheduler sched{qblk, bh, n_qblk, total, heads, kv_group, seq, bhs, sec, sections, offsets_q, offsets_k, packed};
+  const Scheduler sched{qblk, bh, n_qblk, total, heads, kv_group, seq, bhs, sec, last, sections, offsets_q, offsets_k, packed};
 
   if (tid == 0) {
     bar.q.init(1, CWG * 128);

@@ -73,12 +73,21 @@ FT_DEVICE int section_heads(int bhs, int kv_group, int nk, int kv_row_bytes) {
   return groups < bhs / kv_group ? groups * kv_group : bhs;
 }
 
+// The index of the last causal section: the heads past the whole sections of `sec` join it, rather
+// than making a narrower one after it. A narrow last section's heaviest blocks (n_qblk K/V tiles
+// each) start as the section before runs out, with too little work left beside them, and run on
+// alone at the end: B1-H32-N8192 at d=80 (6-head sections) ended on a section of 2 heads and left
+// the SMs idle 10% of the kernel's time, where FlashAttention-4's two sections of 16 left them 1%
+// (H200, Nsight Compute). Widening the last section further, to give every SM one of its heaviest
+// blocks' worth of work, cost B16-H8-N1024 at d=256 5-8% (benchmarks/PERF_NOTES.md, "l3").
+FT_DEVICE int last_section(int bhs, int sec) { return max(0, bhs / sec - 1); }
+
 // Causal work tile `tile` of n_qblk x bhs as (query block, batch-head): sections of `sec` heads
-// (section_heads), each the heaviest block (qidx 0, work_tile's last rows) of every head in it,
-// then the next heaviest.
-FT_DEVICE int2 causal_tile(int tile, int n_qblk, int bhs, int sec) {
-  const int s = tile / (sec * n_qblk), first = s * sec;
-  const int width = min(sec, bhs - first), local = tile - first * n_qblk;
+// (section_heads; the `last` one wider, last_section), each the heaviest block (qidx 0,
+// work_tile's last rows) of every head in it, then the next heaviest.
+FT_DEVICE int2 causal_tile(int tile, int n_qblk, int bhs, int sec, int last) {
+  const int s = min(tile / (sec * n_qblk), last), first = s * sec;
+  const int width = s == last ? bhs - first : sec, local = tile - first * n_qblk;
   return make_int2(local / width, first + local % width);
 }
 
@@ -139,7 +148,8 @@ struct TileScheduler {
   int n_qblk, total;         // query blocks per batch-head; work tiles (DYNAMIC, not PACKED; 1 on the grid)
   int heads, kv_group;
   Sequence seq;              // the batch's lengths (VARLEN on the grid: the CTA's sequence)
-  int bhs, sec;              // DYNAMIC, causal: batch-heads, and heads a section (section_heads, once a launch)
+  int bhs, sec, last;        // DYNAMIC, causal: batch-heads, heads a section (section_heads) and the last
+                             // section's index (last_section), once a launch
   bool sections;             // DYNAMIC: causal tiles in sections (causal_sections)
   const int *cu_q, *cu_k;    // PACKED: the sequences' offsets (common.cuh)
   int nseq;
@@ -153,7 +163,7 @@ struct TileScheduler {
     if constexpr (PACKED && DYNAMIC) {
       at = make_int2(d.tile / heads, d.tile % heads);   // batch 0 of the packed views
     } else if constexpr (DYNAMIC) {
-      at = CAUSAL && sections ? causal_tile(d.tile, n_qblk, bhs, sec) : make_int2(d.tile % n_qblk, d.tile / n_qblk);
+      at = CAUSAL && sections ? causal_tile(d.tile, n_qblk, bhs, sec, last) : make_int2(d.tile % n_qblk, d.tile / n_qblk);
     }
     WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(at.x, at.y, heads, kv_group, d.seq.nq, d.seq.nk);
     if constexpr (PACKED) w.ntiles = max(1, w.ntiles);
