@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|decode|decode-ship|varlen|varlen-ship|fa4bench|ab|sweep|profile|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|decode|decode-ship|varlen|varlen-ship|fa4bench|ab|sweep|profile|profile-fa4|all]...
 # `tests` runs `pytest -m gpu` as eight processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -193,6 +193,13 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
               python3 benchmarks/ab_kernel.py --templates kernel_templates --family "$fam" --shape "$shape" --rounds 1 --seconds 0.05 \
               > "$OUT/profile-$name.csv" 2> "$OUT/profile-$name.log"; tail -n 3 "$OUT/profile-$name.log"
           done ;;&
+    profile-fa4) # the same sections on our served kernel and FlashAttention-4's (benchmarks/profile_vs_fa4.py) for
+                 # each of PROFILE_FA4_SHAPES (--shape arguments); FA4 by the two-call carry; $OUT/profile-fa4.csv
+          ncu --target-processes all --nvtx --nvtx-include "prof/" \
+            --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+            --section InstructionStats --section Occupancy --section LaunchStats --page raw --csv \
+            python3 benchmarks/profile_vs_fa4.py ${PROFILE_FA4_SHAPES:---shape 1,32,8192,80,causal} \
+            > "$OUT/profile-fa4.csv" 2> "$OUT/profile-fa4.log"; grep -v -i warn "$OUT/profile-fa4.log" | tail -n 4 ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
