@@ -62,6 +62,29 @@ def test_a_peer_that_measured_faster_is_chosen_where_its_backend_takes_the_case(
     assert d.select(BF16, old) is None
 
 
+def test_a_peer_serves_only_calls_that_outlast_its_host_time(tmp_path):
+    """A peer measured faster serves its bucket's calls whose work, scaled from what it was measured
+    on, keeps it running PEER_MIN_MS or more; a shorter call of the same bucket (the same batch x
+    heads class) runs the bucket's kernel, and one with no kernel in reach still runs the peer."""
+    from tuner.dispatch import PEER_MIN_MS, short_peer
+
+    big = Problem(32, 32, 1, 8192, 128, "bf16", "none", kv_heads=8)   # a decode step, 1024 batch-heads
+    fd = get_family("flash_decode")
+    ms = 3 * PEER_MIN_MS   # the peer's measured time at B32: 0.75 PEER_MIN_MS at B8
+    peer = entry(big, "sdpa_flash", {}, big.flops() / ms / 1e9)
+    kernel = entry(big, fd.name, fd.default(H100_SXM, big), big.flops() / (1.05 * ms) / 1e9)
+    d = Dispatcher(lookup(tmp_path / "best.json", [kernel, peer]))
+    assert d.select(big, H100_SXM)["family"] == "sdpa_flash"
+    small = replace(big, batch=8)   # 256 batch-heads: the same bucket, a quarter of the work
+    assert small.bucket() == big.bucket()
+    assert d.select(small, H100_SXM)["family"] == fd.name
+    entries = {e["family"]: e for e in read_lookup(tmp_path / "best.json")["entries"]}
+    assert short_peer(entries["sdpa_flash"], small) and not short_peer(entries["sdpa_flash"], big)
+    assert not short_peer(entries[fd.name], small)   # only peers go after
+    alone = Dispatcher(lookup(tmp_path / "alone.json", [peer]))
+    assert alone.select(small, H100_SXM)["family"] == "sdpa_flash"
+
+
 def test_a_peer_plan_runs_sdpa_without_the_fallback_warning(tmp_path, monkeypatch):
     d = Dispatcher(lookup(tmp_path / "best.json", [entry(BF16, "sdpa_flash", {}, 450.0)]))
     monkeypatch.setitem(d._gpus, 0, H100_SXM)
