@@ -411,6 +411,50 @@ def test_a_measured_peer_serves_without_a_warning(tmp_path, peer, shape):
         dispatch.reset()
 
 
+def test_a_decode_step_served_by_cudnn_replays_in_a_cuda_graph(tmp_path):
+    """A model's decode loop under CUDA graphs, where the step's bucket serves SDPA cuDNN (the H200's
+    large batches): one eager call, then captured on token-major K/V views and replayed on new
+    values written in place, O against float64 each time, and the plan a cuDNN one."""
+    import torch
+
+    import tuner
+    from cuda_graphs import capture
+    from tuner import dispatch
+    from tuner.export import lookup_of, write_lookup
+    from tuner.gpu import detect
+    from tuner.reference import attention_fp64, compare
+
+    rng = random.Random()
+    p = Problem(rng.randint(8, 16), 32, 1, rng.randint(1500, 4000), 128, "bf16", "none", kv_heads=8)
+    path = tmp_path / "best.json"
+    write_lookup(lookup_of(detect().key, [(p, "sdpa_cudnn", {}, 1.0)]), path)   # measured long: no short peer
+    d = dispatch.reset(path)
+    try:
+        q = torch.randn(p.batch, p.heads, 1, p.head_dim, device="cuda", dtype=torch.bfloat16)
+        cache = [torch.randn(p.batch, p.seqlen_k, p.kv_heads, p.head_dim, device="cuda", dtype=torch.bfloat16)
+                 for _ in range(2)]
+        k, v = (t.transpose(1, 2) for t in cache)
+
+        def check(o):
+            ref, _ = attention_fp64(q, k, v, "none", p.head_dim ** -0.5)
+            assert compare(o, None, ref, None).rel < FLOOR["bf16"]
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="flashtune")
+            check(tuner.attention(q, k, v))
+            assert d.plan(q, k, v, False).peer == "sdpa_cudnn"
+            graph, captured = capture(lambda: tuner.attention(q, k, v), warmup=False)
+            for _ in range(2):
+                q.copy_(torch.randn_like(q))
+                for t in cache:
+                    t.copy_(torch.randn_like(t))
+                graph.replay()
+                torch.cuda.synchronize()
+                check(captured)
+    finally:
+        dispatch.reset()
+
+
 def _assert_packed_causal_matches(o, packed, cu) -> None:
     """Each non-empty sequence of a packed causal bf16 call's O (`packed`: q, k, v) against float64
     SDPA on its own rows (a NaN fails the comparison too)."""
