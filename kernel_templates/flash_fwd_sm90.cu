@@ -58,7 +58,7 @@
 // reads it as wgmma's A operand; the BC / 4 registers P held are what three consumers lack at
 // Bc = 128 (O 48 + S 64 + P 32 + 32 of their 160 at d = 96).
 //
-// Set by the family spec: BC HEAD_DIM D_VALID PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
+// Set by the family spec: BC HEAD_DIM D_VALID PROD_COLS (flash_fwd_sm90.prod_cols) PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, PROD_COLS} are generated ahead of this file.
 #include "sm90.cuh"
@@ -81,8 +81,6 @@ constexpr int PANELS = HEAD_DIM / PANEL_COLS;
 constexpr int PANEL_KSTEPS = ROW_BYTES / 32;        // k steps per panel
 constexpr int NTILES = BC / 8;               // n8 column groups of S
 constexpr int KSTEP = 32 / sizeof(T);        // k of one wgmma: 32 bytes of a row
-// the columns the products run over; a TMA-stored O goes out in whole 64-column panels of them
-constexpr int PROD_COLS = TMA_STORE ? HEAD_DIM : (D_VALID + KSTEP - 1) / KSTEP * KSTEP;
 constexpr int DTILES = PROD_COLS / 8;        // n8 column groups of O
 constexpr int KSTEPS = PROD_COLS / KSTEP;    // k steps of Q K^T
 constexpr int PSTEPS = BC / KSTEP;           // k steps of P V
@@ -112,7 +110,9 @@ constexpr int P_BAR = 2 + CWG;                    // P_SMEM: consumer c's named 
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && (ROW_BYTES == 128 || ROW_BYTES == 64 || ROW_BYTES == 32),
               "the tile's width in whole 128-, 64- or 32-byte panels");
-static_assert(D_VALID <= HEAD_DIM && D_VALID % 8 == 0 && PROD_COLS <= HEAD_DIM, "the head dim, within the tile's width");
+static_assert(D_VALID <= HEAD_DIM && D_VALID % 8 == 0, "the head dim, within the tile's width");
+static_assert(PROD_COLS % KSTEP == 0 && D_VALID <= PROD_COLS && PROD_COLS <= HEAD_DIM && (!TMA_STORE || PROD_COLS == HEAD_DIM),
+              "the products: whole k steps over the head dim, within the tile (all of it where O goes out by TMA)");
 static_assert(!FP8 || (D_VALID == HEAD_DIM && ROW_BYTES >= 64), "e4m3: whole 64- or 128-byte rows (d = 64, 128, 256)");
 static_assert(!P_SMEM || !FP8, "P through shared memory: 16-bit inputs");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");

@@ -196,6 +196,7 @@ class FlashFwdSm90(KernelFamily):
             "CHAIN": params["chain"],
             "HEAD_DIM": tile_dim(problem),
             "D_VALID": problem.head_dim,
+            "PROD_COLS": prod_cols(params, problem),
             "PANEL_COLS": panel_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]),
             "P_SMEM": int(p_in_smem(params, problem)),
             "IN_DTYPE": ELEM_CODE[problem.dtype],

@@ -15,6 +15,7 @@ its few best candidates timed on the exact shape instead, once, outside CUDA-gra
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import warnings
@@ -248,17 +249,10 @@ class Dispatcher:
         bucket's first (distance 0), fastest first; then those of tuned buckets up to `octaves`
         away, nearer first. Among the entries of one distance, a measured peer too short for its
         host time at this call (`short_peer`) comes after the kernels."""
-        held: list[tuple[float, dict]] = []
-        for dist, e in self._entries_near(problem, gpu, octaves):
-            if held and held[0][0] != dist:
-                yield from held
-                held = []
-            if self._runs(e, problem, gpu):
-                if short_peer(e, problem):
-                    held.append((dist, e))
-                else:
-                    yield dist, e
-        yield from held
+        for dist, group in itertools.groupby(self._entries_near(problem, gpu, octaves), key=lambda de: de[0]):
+            runnable = [e for _, e in group if self._runs(e, problem, gpu)]
+            for e in sorted(runnable, key=lambda e: short_peer(e, problem)):   # stable: fastest first otherwise
+                yield dist, e
 
     def packed_candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
         """(octaves away, variant, entry) for each entry a varlen variant was tuned to (a search of
