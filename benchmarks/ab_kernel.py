@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="another family (flash_fwd_sm90_split): its shipped lookup entries, on their own problems")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a parameter of every config (repeatable; e.g. Bc=128 to time a peer's tile)")
+    ap.add_argument("--after-family", metavar="NAME",
+                    help="time the after side as this family's form of each config (flash_fwd_sm90_tail: its "
+                         "tail_form, configs without one left out), both sides from this checkout")
     ap.add_argument("--json")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2, help="compiler processes")
     a = ap.parse_args(argv)
@@ -107,8 +110,17 @@ def main(argv: list[str] | None = None) -> int:
         override = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
         points = list({(p.key, json.dumps(c | override, sort_keys=True)): (p, c | override) for p, c in points}.values())
     sides = {"before": a.templates, "after": None} | dict(v.split("=", 1) for v in a.variant)
-    precompile(points, list(sides.values()), a.jobs, a.family)
     fam = get_family(a.family)
+    after_fam, after_params = fam, {}
+    if a.after_family:   # the same configs in another family's form, e.g. with a cut tail
+        after_fam = get_family(a.after_family)
+        form = getattr(after_fam, "tail_form", None) or (lambda params, gpu, problem: params)
+        after_params = {(p.key, json.dumps(c, sort_keys=True)): form(c, gpu, p) for p, c in points}
+        points = [(p, c) for p, c in points if after_params[(p.key, json.dumps(c, sort_keys=True))] is not None]
+        precompile([(p, after_params[(p.key, json.dumps(c, sort_keys=True))]) for p, c in points], [None], a.jobs,
+                   a.after_family)
+        sides = {"before": a.templates, "after": None}
+    precompile(points, [v for k, v in sides.items() if k != "after" or not a.after_family], a.jobs, a.family)
     timer = Timer(gpu.l2_bytes, target_seconds=a.seconds, max_reps=2000)
     rows = []
     print(f"{gpu.name}: {fam.name} before ({a.templates}) and after (this checkout), in turns, TFLOP/s of the median")
@@ -116,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         prepared = {}
         for side, folder in sides.items():
             seed_resources.use_templates(folder)
-            prepared[side] = prepare_kernel(fam, params, problem, compile_kernel(fam, params, problem, gpu.arch), 0, gpu)
+            f, ps = fam, params
+            if side == "after" and a.after_family:
+                f, ps = after_fam, after_params[(problem.key, json.dumps(params, sort_keys=True))]
+            prepared[side] = prepare_kernel(f, ps, problem, compile_kernel(f, ps, problem, gpu.arch), 0, gpu)
         seed_resources.use_templates(None)
         out = measure_prepared(prepared, problem, timer, rounds=a.rounds)
         if not all(m.ok for m in out.values()):

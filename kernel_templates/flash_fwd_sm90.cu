@@ -51,6 +51,10 @@
 // SPLIT_KV (split_kv.cuh): a grid whose z splits each query block's K/V tiles; each split writes
 // its share of O and the LSE to a workspace and the block's last split merges them. For calls whose
 // work tiles leave SMs idle (few heads, a short chunk against a long cache).
+// TAIL_SPLIT (persistent, unmasked): the last two rounds of work tiles are cut into one segment of
+// equal work per CTA, Stream-K style (tile_scheduler.cuh); the two halves of a tile cut in two meet
+// warp by warp, the later one folding the first's accumulators into its own (split_kv.cuh,
+// join_halves). For launches whose last round would leave SMs idle.
 //
 // P_SMEM (three consumers on a 64-byte-panel tile, d = 72-96: FlashAttention-4's 192-row tiles
 // there): P goes through shared memory, not registers. Each consumer writes its P (64 rows x BC keys,
@@ -59,7 +63,7 @@
 // Bc = 128 (O 48 + S 64 + P 32 + 32 of their 160 at d = 96).
 //
 // Set by the family spec: BC HEAD_DIM D_VALID PROD_COLS (flash_fwd_sm90.prod_cols) PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV;
+// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV, TAIL_SPLIT;
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, PROD_COLS} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
@@ -123,11 +127,14 @@ static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tile
 static_assert(!VARLEN || (!TMA_STORE && !CHAIN && !FP8), "varlen: O by ordinary stores, unchained, 16-bit inputs");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
 static_assert(!SPLIT_KV || (!PERSISTENT && !VARLEN && !TMA_STORE && !FP8), "split keys: one work tile per CTA, 16-bit inputs, O by ordinary stores");
+static_assert(!TAIL_SPLIT || (PERSISTENT && !IS_CAUSAL && !VARLEN && !CHAIN && !FP8 && !SPLIT_KV),
+              "a cut tail: persistent, unmasked, unchained, 16-bit inputs");
+constexpr bool KEY_RANGES = SPLIT_KV || TAIL_SPLIT;   // a work tile may run a range of its K/V tiles
 #if SPLIT_KV
 constexpr int MERGE_BAR = 1 + CWG;   // the consumers' named barrier for the merge (ping-pong's are 1..CWG)
 #endif
 
-using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN>;
+using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN, TAIL_SPLIT>;
 using KvState = PipelineState<STAGES>;   // a role's place in the K/V (and V^T) rings
 using QState = PipelineState<QBUF>;      // in Q's buffers: the count of work tiles
 
@@ -135,7 +142,7 @@ using QState = PipelineState<QBUF>;      // in Q's buffers: the count of work ti
 struct Barriers {
   MbarRing<QBUF> q;          // Q: by TMA; freed by every consumer thread after its last S
   MbarRing<STAGES> k, v;     // K, V tiles: by TMA; freed by the consumers (e4m3 V: by the transposers)
-  TileRing<VARLEN> tiles;    // PERSISTENT: the producer's drawn tiles; taken by every other thread
+  TileRing<VARLEN, TAIL_SPLIT> tiles;   // PERSISTENT: the producer's drawn tiles; taken by every other thread
   MbarRing<STAGES> vt;       // e4m3: V^T, by the transposers; freed by the consumers
 #if SPLIT_KV
   int last_split;            // whether this CTA merges its work tile's splits
@@ -169,30 +176,39 @@ struct Output {
   int heads, nq;
   int lse_rows;         // VARLEN: the LSE is (H, total_q)
   const TmaMap* tmap;   // TMA_STORE
-#if SPLIT_KV
-  SplitWorkspace split; // the splits' partials (split_kv.cuh)
+#if SPLIT_KV || TAIL_SPLIT
+  SplitWorkspace split; // the splits' partials (split_kv.cuh; TAIL_SPLIT: the cut tiles' halves)
 #endif
 };
 
-// A work tile as the roles run it: SPLIT_KV, with its split's share of the K/V tiles (split_kv.cuh).
-template <bool SPLIT> struct RunTileOf { using type = WorkTile; };
+// A work tile as the roles run it: with split keys (SPLIT_KV) or a cut tail (TAIL_SPLIT), with its
+// share of the K/V tiles (split_kv.cuh, tile_scheduler.cuh).
+template <bool RANGE> struct RunTileOf { using type = WorkTile; };
 template <> struct RunTileOf<true> { using type = SplitTile; };
-using RunTile = typename RunTileOf<SPLIT_KV>::type;
+using RunTile = typename RunTileOf<KEY_RANGES>::type;
 FT_DEVICE RunTile work_of(const Scheduler& sched, const DrawnTile& d) {
 #if SPLIT_KV
   return keep_split<BC>(sched.work(d), d.seq.nk, blockIdx.z, gridDim.z);
+#elif TAIL_SPLIT
+  SplitTile w;
+  static_cast<WorkTile&>(w) = sched.work(d);
+  w.t0 = d.lo;   // the producer's piece (tile_scheduler.cuh): a whole tile is [0, its K/V tiles)
+  w.ntiles = d.hi - d.lo;
+  w.kv_end = min(d.seq.nk, d.hi * BC);
+  return w;
 #else
   return sched.work(d);
 #endif
 }
+
 // The K/V tile that run-relative tile t of w is, and the key its masking ends at: with split keys,
 // the split's; else tile t and the sequence's last key.
 template <class W> FT_DEVICE int kv_tile(const W& w, int t) {
-  if constexpr (SPLIT_KV) return w.t0 + t;
+  if constexpr (KEY_RANGES) return w.t0 + t;
   else return t;
 }
 template <class W> FT_DEVICE int kv_end(const W& w, const Sequence& seq) {
-  if constexpr (SPLIT_KV) return w.kv_end;
+  if constexpr (KEY_RANGES) return w.kv_end;
   else return seq.nk;
 }
 
@@ -204,7 +220,7 @@ FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, MbarRing<STAGES>& bars, cons
   bars.acquire(p);
   if (!leader) return;
   bars.expect(p, KV_BYTES);
-#if SPLIT_KV
+#if SPLIT_KV || TAIL_SPLIT
   t += w.t0;   // the split's tile t (not through kv_tile: where that folds to t, ptxas still placed the
                // producer's address arithmetic differently, and flash_fwd_sm90's SASS moved)
 #endif
@@ -226,8 +242,9 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
   }
   KvState kv{0};
   SeqCursor at = sched.walk();   // VARLEN, persistent: the walk over the sequences (varlen_find_longest)
+  TailCursor cut;                // TAIL_SPLIT: the leader's place in a drawn segment
   for (int it = 0;; ++it) {
-    const DrawnTile d = sched.draw<WARP_PRODUCER>(bar.tiles, tile_counter, it, leader, at);
+    const DrawnTile d = sched.draw<WARP_PRODUCER>(bar.tiles, tile_counter, it, leader, at, cut);
     if (sched.done(d)) break;
     const RunTile w = work_of(sched, d);
     const Sequence& seq = d.seq;
@@ -439,6 +456,9 @@ struct Consumer {
                                           acc.l, lane, w.q0 + wrow0, out.nq, scale_log2);
       return;
     }
+#elif TAIL_SPLIT
+    if (tile.cut >= 0 && !join_halves<DTILES>(out.split, tile.cut * (CWG * 4) + wrow0 / 16, acc.o, acc.m, acc.l, lane, scale_log2))
+      return;   // the first half of its cut tile here: its partial waits in the workspace for the second
 #endif
     if constexpr (TMA_STORE) {
       store_slab_tma<OUT_DTYPE, DTILES>(o_slab, out.tmap, lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, out.nq, w.h, w.b,
@@ -695,7 +715,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   const int total = PERSISTENT ? n_qblk * bhs : 1;
   const int *offsets_q = nullptr, *offsets_k = nullptr, packed = 0;
 #endif
-  const Scheduler sched{qblk, bh, n_qblk, total, heads, kv_group, seq, bhs, sec, last, sections, offsets_q, offsets_k, packed};
+#if TAIL_SPLIT
+  const int from = tail_from, segs = tail_from < total ? static_cast<int>(gridDim.x) : 0;
+#else
+  const int from = total, segs = 0;
+#endif
+  const Scheduler sched{qblk, bh, n_qblk, total, heads, kv_group, seq, bhs, sec, last, sections, offsets_q, offsets_k, packed,
+                        from, segs};
 
   if (tid == 0) {
     bar.q.init(1, CWG * 128);
@@ -725,7 +751,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                      0,
 #endif
                      &tmap_o
-#if SPLIT_KV
+#if SPLIT_KV || TAIL_SPLIT
                      , SplitWorkspace{part_o, part_lse, split_counter, batch * heads}
 #endif
     };

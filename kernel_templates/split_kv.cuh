@@ -12,8 +12,13 @@
 #ifndef SPLIT_KV
 #define SPLIT_KV 0
 #endif
+#ifndef TAIL_SPLIT
+#define TAIL_SPLIT 0
+#endif
 #if SPLIT_KV
 #define FT_SPLIT_PARAMS , float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ split_counter
+#elif TAIL_SPLIT   // the first work tile of the cut tail, the first halves' partials, their arrivals (tile_scheduler.cuh)
+#define FT_SPLIT_PARAMS , int tail_from, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ split_counter
 #else
 #define FT_SPLIT_PARAMS
 #endif
@@ -140,4 +145,56 @@ FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq
     }
     if (lane == 0) lse_bh[row] = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
   }
+}
+
+// TAIL_SPLIT (tile_scheduler.cuh, a cut tail): the two halves of a cut work tile meet warp by warp.
+// `slot` is this warp's place in the workspace (the tile's cut x the CTA's consumer warps + this
+// warp), where the first half to arrive leaves its accumulators as they are (O unnormalized, the
+// running max and the row sums of this thread, lane after lane in 16-byte columns: each store a
+// warp's 512 contiguous bytes) and returns false; the second waits for them, folds them into its
+// own by their maxima and returns true, to store O and the LSE as a whole tile would. One trip to
+// L2 and back a half, every lane at once: the first form of a merge (split_kv's, a warp per row,
+// two dependent trips a row) would run behind the launch's last round, where the halves meet.
+// The counter reads 1 once one half has arrived, 2 with both, +4 once the first's partial is out;
+// the second zeroes it for the next launch.
+template <int DTILES>
+FT_DEVICE bool join_halves(const SplitWorkspace& ws, int slot, float (&o)[DTILES][4], float (&m)[2], float (&l)[2], int lane,
+                           float scale_log2) {
+  float4* part = reinterpret_cast<float4*>(ws.o) + static_cast<long long>(slot) * (DTILES + 1) * 32 + lane;
+  int* counter = ws.counter + slot;
+  const int arrived = __shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(counter, 1) : 0, 0);
+  if (arrived == 0) {   // first: the partial out, then the flag
+#pragma unroll
+    for (int dt = 0; dt < DTILES; ++dt) __stcg(part + dt * 32, make_float4(o[dt][0], o[dt][1], o[dt][2], o[dt][3]));
+    __stcg(part + DTILES * 32, make_float4(m[0], m[1], l[0], l[1]));
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) atomicAdd(counter, 4);
+    return false;
+  }
+  // the wait's test stays warp-uniform (a broadcast), so the warp never diverges around it
+  while (__shfl_sync(0xffffffffu, lane == 0 ? atomicAdd(counter, 0) : 0, 0) < 4) __nanosleep(32);
+  __threadfence();
+  const float4 ml = __ldcg(part + DTILES * 32);
+  const float theirs_m[2] = {ml.x, ml.y}, theirs_l[2] = {ml.z, ml.w};
+  float mine_w[2], theirs_w[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float mx = fmaxf(m[hh], theirs_m[hh]);
+    const float ref = mx == FT_NEG_INF ? 0.f : mx * scale_log2;
+    mine_w[hh] = fast_exp2(m[hh] * scale_log2 - ref);
+    theirs_w[hh] = fast_exp2(theirs_m[hh] * scale_log2 - ref);
+    m[hh] = mx;
+    l[hh] = l[hh] * mine_w[hh] + theirs_l[hh] * theirs_w[hh];
+  }
+#pragma unroll
+  for (int dt = 0; dt < DTILES; ++dt) {
+    const float4 t = __ldcg(part + dt * 32);
+    o[dt][0] = o[dt][0] * mine_w[0] + t.x * theirs_w[0];
+    o[dt][1] = o[dt][1] * mine_w[0] + t.y * theirs_w[0];
+    o[dt][2] = o[dt][2] * mine_w[1] + t.z * theirs_w[1];
+    o[dt][3] = o[dt][3] * mine_w[1] + t.w * theirs_w[1];
+  }
+  if (lane == 0) atomicExch(counter, 0);
+  return true;
 }

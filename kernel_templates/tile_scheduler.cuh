@@ -111,23 +111,68 @@ FT_DEVICE int next_tile_dynamic(int* counter, int it, int total) {
   return tile;
 }
 
+// A cut tail (TAIL: flash_fwd_sm90_tail). A persistent launch of T equal work tiles (unmasked) on
+// S CTAs runs ceil(T / S) rounds, the last with T mod S tiles: B1-H16-N16384 at 128 rows is 2048
+// tiles, 15.5 rounds on 132 SMs, and the 16th leaves 64 SMs idle for 3% of the launch (Nsight
+// Compute: SMs active 96.8% of the elapsed cycles; benchmarks/PERF_NOTES.md, "k3"). So the tiles from
+// `from` on (S + T mod S of them: the last round and the one before) are cut where S equal segments
+// of their K/V tiles, taken tile after tile, meet, as in Stream-K: the CTA that draws segment j
+// runs its pieces in turn (at most three: the end of one tile, whole ones, the start of another).
+// A segment spans at least one tile, so a tile is cut in two at most, and its halves meet warp by
+// warp (split_kv.cuh, join_halves). The producer works out each piece and publishes it whole (the
+// work tile, its K/V tiles [lo, hi), the cut inside it), so that every other role gets it as
+// warp-uniform values: worked out again by each consumer, the divisions' results sat in vector
+// registers, the K/V ring's place with them, and ptxas put a WARPSYNC before each wgmma (the
+// first form: 0.82-0.92x on the cut launches, H100).
+struct TailPiece {
+  int tile, lo, hi;   // the work tile, and its K/V tiles [lo, hi)
+};
+// Where segment j of `segs` starts among the `tiles` x `n` K/V tiles of the tail. In 32 bits (the
+// host cuts only where segs x tiles x n fits, flash_fwd_sm90_tail.tail_from): a 64-bit division is
+// a called routine, and the persistent producer that runs it keeps 32-40 registers.
+FT_DEVICE int tail_bound(int j, int tiles, int n, int segs) {
+  return static_cast<int>(static_cast<unsigned>(j * tiles * n) / static_cast<unsigned>(segs));
+}
+// The pieces of segment j: the tail tiles its K/V tiles fall in.
+FT_DEVICE int tail_pieces(int j, int tiles, int n, int segs) {
+  return (tail_bound(j + 1, tiles, n, segs) - 1) / n - tail_bound(j, tiles, n, segs) / n + 1;
+}
+// Piece `place` of segment j.
+FT_DEVICE TailPiece tail_piece(int j, int place, int from, int tiles, int n, int segs) {
+  const int b0 = tail_bound(j, tiles, n, segs), b1 = tail_bound(j + 1, tiles, n, segs);
+  const int i = b0 / n + place, first = i * n;
+  return TailPiece{from + i, max(b0, first) - first, min(b1, first + n) - first};
+}
+// The producer's place in a drawn segment: how many draws it made from the counter, and the
+// segment's next piece (`next` of `count`; none drawn: count 0).
+struct TailCursor {
+  int fetches = 0, seg = 0, next = 0, count = 0;
+};
+
 // The producer publishes each tile to the other roles through a two-slot ring in shared memory;
-// PACKED, with its sequence.
-template <bool PACKED>
+// PACKED, with its sequence; TAIL, with its piece (K/V tiles lo..hi, the cut inside it).
+template <bool PACKED, bool TAIL = false>
 struct TileRing : MbarRing<2> {
   int tile[2];
 };
 template <>
-struct TileRing<true> : MbarRing<2> {
+struct TileRing<true, false> : MbarRing<2> {
   int tile[2];
   Sequence seq[2];
 };
+template <>
+struct TileRing<false, true> : MbarRing<2> {
+  int tile[2];
+  int lo[2], hi[2], cut[2];
+};
 
 // A work tile as a role gets it: its index, and the sequence it belongs to (the batch's lengths;
-// VARLEN on the grid: the CTA's sequence; PACKED and dynamic: the one the producer found for it).
+// VARLEN on the grid: the CTA's sequence; PACKED and dynamic: the one the producer found for it);
+// TAIL: its K/V tiles [lo, hi) and the cut inside it (the segment boundary; -1: a whole tile).
 struct DrawnTile {
   int tile;
   Sequence seq;
+  int lo = 0, hi = 0, cut = -1;
 };
 
 // The CTA's work tiles in turn, as each role sees them: `it` counts them (0, 1, ...), and a tile
@@ -142,8 +187,10 @@ struct DrawnTile {
 // one's blocks heaviest first, the heads fastest, as on the grid); the producer's warp finds each
 // one's sequence as it draws it, walking on from the last (a CTA's tiles only grow), and publishes
 // the tile as (its place in its sequence, the sequence); past the last sequence it publishes -1.
-template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool PACKED>
+// TAIL (DYNAMIC, unmasked): the tiles from `from` on are cut into segments' pieces (TailPiece).
+template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool PACKED, bool TAIL = false>
 struct TileScheduler {
+  static_assert(!TAIL || (DYNAMIC && !PACKED && !CAUSAL), "a cut tail: persistent, equal (unmasked) work tiles");
   int qblk, bh;              // the grid's tile (not DYNAMIC)
   int n_qblk, total;         // query blocks per batch-head; work tiles (DYNAMIC, not PACKED; 1 on the grid)
   int heads, kv_group;
@@ -153,11 +200,14 @@ struct TileScheduler {
   bool sections;             // DYNAMIC: causal tiles in sections (causal_sections)
   const int *cu_q, *cu_k;    // PACKED: the sequences' offsets (common.cuh)
   int nseq;
+  int from, segs;            // TAIL: the first cut tile (total: none) and the segments (the CTAs; 0: none)
 
   FT_DEVICE bool done(const DrawnTile& d) const {
     if constexpr (PACKED && DYNAMIC) return d.tile < 0;
     return d.tile >= total;
   }
+  // TAIL: the K/V tiles of one work tile (all alike, unmasked)
+  FT_DEVICE int kv_tiles() const { return (seq.nk + COLS - 1) / COLS; }
   FT_DEVICE WorkTile work(const DrawnTile& d) const {
     int2 at = make_int2(qblk, bh);
     if constexpr (PACKED && DYNAMIC) {
@@ -177,13 +227,49 @@ struct TileScheduler {
   // The producer's: the CTA's it-th tile, drawn by `leader` and published to the other roles; a
   // WARP producer's other lanes get it by shuffle, so it stays warp-uniform. PACKED needs the WARP
   // producer: its lanes walk the sequences from `at` (varlen_find_longest).
+  // TAIL: `cut` keeps the leader's place in a drawn segment; it counts the draws from the counter.
   template <bool WARP>
-  FT_DEVICE DrawnTile draw(TileRing<PACKED>& ring, int* counter, int it, bool leader, SeqCursor& at) const {
+  FT_DEVICE DrawnTile draw(TileRing<PACKED, TAIL>& ring, int* counter, int it, bool leader, SeqCursor& at,
+                           TailCursor& cut) const {
     DrawnTile d{it, seq};
     if constexpr (DYNAMIC) {
       const PipelineState<2> slot{it};
       ring.acquire(slot);
-      if constexpr (PACKED) {
+      if constexpr (TAIL) {
+        if (leader) {
+          const int n = kv_tiles();
+          d.hi = n;
+          if (cut.next == cut.count) {   // the drawn segment is done (or none was): draw from the counter
+            d.tile = next_tile_dynamic(counter, cut.fetches++, from + segs);   // a whole tile, a segment or none
+            if (d.tile >= from + segs) d.tile = total;
+            cut.count = 0;
+            if (d.tile >= from && d.tile < total) {
+              cut.seg = d.tile - from;
+              cut.count = tail_pieces(cut.seg, total - from, n, segs);
+              cut.next = 0;
+            }
+          }
+          if (cut.next < cut.count) {   // the segment's next piece
+            const TailPiece p = tail_piece(cut.seg, cut.next++, from, total - from, n, segs);
+            d.tile = p.tile;
+            d.lo = p.lo;
+            d.hi = p.hi;
+            if (p.hi - p.lo < n) d.cut = cut.seg + (p.lo > 0 ? 0 : 1);   // the boundary it starts at, or ends at
+          }
+          const int i = slot.index();
+          ring.tile[i] = d.tile;
+          ring.lo[i] = d.lo;
+          ring.hi[i] = d.hi;
+          ring.cut[i] = d.cut;
+          ring.commit(slot);
+        }
+        if constexpr (WARP) {
+          d.tile = __shfl_sync(0xffffffffu, d.tile, 0);
+          d.lo = __shfl_sync(0xffffffffu, d.lo, 0);
+          d.hi = __shfl_sync(0xffffffffu, d.hi, 0);
+          d.cut = __shfl_sync(0xffffffffu, d.cut, 0);
+        }
+      } else if constexpr (PACKED) {
         static_assert(WARP, "a packed batch's tiles are found by the producer's warp");
         const int tile = __shfl_sync(0xffffffffu, leader ? fetch_tile(counter, it) : 0, 0);
         const int2 found = varlen_find_longest<ROWS>(cu_q, nseq, tile, heads, at);
@@ -207,13 +293,18 @@ struct TileScheduler {
     return d;
   }
   // Every other role's: the CTA's it-th tile, as the producer published it.
-  FT_DEVICE DrawnTile take(TileRing<PACKED>& ring, int it) const {
+  FT_DEVICE DrawnTile take(TileRing<PACKED, TAIL>& ring, int it) const {
     DrawnTile d{it, seq};
     if constexpr (DYNAMIC) {
       const PipelineState<2> slot{it};
       ring.wait(slot);
       const int i = slot.index();
       d.tile = __shfl_sync(0xffffffffu, ring.tile[i], 0);   // warp-uniform: uniform registers downstream
+      if constexpr (TAIL) {
+        d.lo = __shfl_sync(0xffffffffu, ring.lo[i], 0);
+        d.hi = __shfl_sync(0xffffffffu, ring.hi[i], 0);
+        d.cut = __shfl_sync(0xffffffffu, ring.cut[i], 0);
+      }
       if constexpr (PACKED) {
         d.seq = Sequence{__shfl_sync(0xffffffffu, ring.seq[i].nq, 0), __shfl_sync(0xffffffffu, ring.seq[i].nk, 0),
                          __shfl_sync(0xffffffffu, ring.seq[i].q0, 0), __shfl_sync(0xffffffffu, ring.seq[i].k0, 0)};

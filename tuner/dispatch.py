@@ -204,7 +204,7 @@ class Dispatcher:
         if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
             near = next((e for _, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
-        return near and self._split_where_idle(self._given_way(near, problem, gpu), problem, gpu)
+        return near and _cut_tail(self._split_where_idle(self._given_way(near, problem, gpu), problem, gpu), problem, gpu)
 
     def _given_way(self, entry: dict, problem: Problem, gpu) -> dict:
         """`entry`, or the runnable entry of its bucket of the family it gives way to at this call:
@@ -529,6 +529,19 @@ def served_params(entry: dict, problem: Problem) -> dict:
     if fam is None or not tuned:   # an SDPA backend's entry (no config), or one that does not say
         return entry["params"]
     return fam.adapt(entry["params"], Problem.from_dict(tuned), problem)
+
+
+def _cut_tail(entry: dict, problem: Problem, gpu) -> dict:
+    """`entry`, or where it is a persistent flash_fwd_sm90 config serving an unmasked call whose last
+    round of work tiles would leave SMs idle, that config with its last two rounds cut into one
+    segment of equal work per SM (flash_fwd_sm90_tail.tail_form): the same tile and schedule."""
+    from .kernel_templates import FAMILIES
+
+    tail = FAMILIES.get("flash_fwd_sm90_tail")
+    if tail is None or entry.get("family") != "flash_fwd_sm90":
+        return entry
+    params = tail.tail_form(served_params(entry, problem), gpu, problem)
+    return entry if params is None else {**entry, "family": tail.name, "params": params}
 
 
 def short_peer(entry: dict, problem: Problem) -> bool:
