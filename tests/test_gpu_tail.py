@@ -9,7 +9,7 @@ import math
 import random
 
 import pytest
-from cuda_graphs import capture
+from cuda_graphs import assert_replays_match_reference, capture
 from test_gpu_kernel import _assert_within_budget, _run, _run_inputs
 
 from tuner.problem import Problem
@@ -69,7 +69,6 @@ def test_cut_tail_replays_in_a_cuda_graph(cut_any):
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
     from tuner.measure import poisoned_outputs
-    from tuner.reference import attention_fp64, compare
 
     fam, gpu = get_family("flash_fwd_sm90_tail"), detect()
     problem = _cut_problem(random.Random(7), 128, 128, 128, gpu.sm_count, "bf16")
@@ -80,15 +79,7 @@ def test_cut_tail_replays_in_a_cuda_graph(cut_any):
             for _ in range(2))
     out = poisoned_outputs(problem, q)
     graph, _ = capture(lambda: _run_inputs(fam, params, problem, q, k, v, sync=False, out=out))
-    for _ in range(3):
-        for t in (q, k, v):
-            t.copy_(torch.randn_like(t))
-        out[0].fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_o, ref_lse = attention_fp64(q, k, v, "none", 1.0 / math.sqrt(128))
-        err = compare(out[0], out[1], ref_o, ref_lse)
-        assert err.within(problem.rel_budget, problem.lse_budget), err
+    assert_replays_match_reference(graph, (q, k, v), out, problem)
 
 
 def test_attention_serves_a_persistent_config_with_its_tail_cut(tmp_path):
