@@ -18,6 +18,7 @@ from __future__ import annotations
 from tuner.family import ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
+from tuner.kernel_templates.flash_decode import call_grid
 from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args, prod_cols
 from tuner.launch import Launch
 from tuner.problem import Problem
@@ -109,6 +110,14 @@ def tail_workspace_size(params: dict, problem: Problem, segments: int) -> tuple[
     return segments * warps * 32 * 4 * (prod_cols(params, problem) // 8 + 1), segments * warps
 
 
+def tail_of_launch(params: dict, problem: Problem, ctas: int) -> tuple[int, tuple[int, int]]:
+    """A launch's first cut tile (tail_from) and its workspace's size (tail_workspace_size), for the
+    CTAs it makes: they are the kernel's segments (its gridDim.x)."""
+    tiles = problem.query_blocks(64 * params["cwg"])
+    first = tail_from(tiles, ctas, ceil_div(problem.seqlen_k, params["Bc"]))
+    return first, tail_workspace_size(params, problem, ctas if first < tiles else 0)
+
+
 class _TailArgs(_Sm90Args):
     """flash_fwd_sm90's arguments, then the first cut tile and the halves' workspace on the current
     stream (sized by the layout; its address may change as it grows)."""
@@ -122,15 +131,9 @@ class _TailArgs(_Sm90Args):
         if inner is None:
             return None
         from tuner.dispatch import problem_of
-        from tuner.kernel_templates.flash_decode import _gpu
-        from tuner.gpu import _from_torch
 
-        problem = problem_of(q, k, k, False)
-        sms = _gpu(q.device.index or 0, _from_torch).sm_count
-        tiles = problem.query_blocks(64 * self._params["cwg"])
-        first = tail_from(tiles, sms, ceil_div(problem.seqlen_k, self._params["Bc"]))
-        segments = min(tiles, sms) if first < tiles else 0
-        return inner, first, tail_workspace_size(self._params, problem, segments)
+        (ctas, _, _), _ = call_grid(self._family, self._params, q, k)
+        return (inner, *tail_of_launch(self._params, problem_of(q, k, k, False), ctas))
 
     def values(self, bound, pointers, q):
         inner, first, (floats, counters) = bound

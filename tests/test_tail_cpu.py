@@ -10,7 +10,7 @@ from tuner.family import ceil_div
 from tuner.gpu import H100_SXM
 from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90_tail import (TAIL_LONG_KV_TILES, TAIL_SHORT_GAIN, TAIL_SHORT_KV_TILES,
-                                                        tail_from, tail_start, tail_workspace_size)
+                                                        tail_from, tail_of_launch, tail_start, tail_workspace_size)
 from tuner.problem import Problem
 
 TAIL = get_family("flash_fwd_sm90_tail")
@@ -135,3 +135,14 @@ def test_seeds_compile_for_sm90a_without_spills(d):
         ck = compile_kernel(TAIL, params, problem, H100_SXM.arch)
         assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (params, ck.resources)
         assert "warning" not in ck.log and "C75" not in ck.log, ck.log
+
+
+def test_a_launch_binds_the_cut_and_the_workspace_of_its_own_ctas():
+    """A call's first cut tile and workspace, worked out for the CTAs the launch makes (the kernel's
+    segments are its gridDim.x): on 132 SMs B1-H16-N16384 d=128 cuts from tile 1848 with a slot per
+    consumer warp and segment; one round of tiles (a grid of that many CTAs) cuts nothing."""
+    ctas = TAIL.launch(PERSISTENT, GRID_D128, H100_SXM).grid[0]
+    assert tail_of_launch(PERSISTENT, GRID_D128, ctas) == (14 * 132, tail_workspace_size(PERSISTENT, GRID_D128, 132))
+    one_round = Problem(1, 100, 128, 8192, 128, "bf16")
+    ctas = TAIL.launch(PERSISTENT, one_round, H100_SXM).grid[0]
+    assert ctas == 100 and tail_of_launch(PERSISTENT, one_round, ctas) == (100, (0, 0))
