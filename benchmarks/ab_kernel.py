@@ -4,7 +4,9 @@ the same inputs (each checked against float64 first), as TFLOP/s before and afte
     python3 benchmarks/ab_kernel.py --templates OLD_DIR [--dtype bf16] [--lookup] [--json OUT]
 
 OLD_DIR holds the kernel sources before the change (`git archive <commit> kernel_templates | tar
--x -C DIR` gives DIR/kernel_templates); this checkout's sources are "after". The configs are the
+-x -C DIR` gives DIR/kernel_templates); this checkout's sources are "after". With `--after-family
+flash_fwd_sm90_tail` (and `--templates kernel_templates`) "after" is each config in that family's
+form from this checkout: what a cut tail changes on the same configs (PERF_NOTES "k3"). The configs are the
 committed grid winners of this GPU (benchmarks/results/<gpu>-fp16-bf16.json, else the H100's) and,
 with --lookup, the other flash_fwd_sm90 configs the shipped lookup serves, each on its own problem.
 One ratio moves by about 1.5% between runs on the H100; issue 20's first split read 4-10% slower
