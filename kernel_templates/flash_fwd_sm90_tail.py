@@ -20,7 +20,6 @@ from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
 from tuner.kernel_templates.flash_decode import call_grid
 from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args, prod_cols
-from tuner.launch import Launch
 from tuner.problem import Problem
 
 # Where a cut pays, measured on the H100 (PERF_NOTES "k3", ab_kernel.py --after-family, 16 shipped
@@ -71,7 +70,7 @@ class TailFlashFwdSm90(FlashFwdSm90):
         # ptxas: the segment's K/V range and the halves' join cost the consumers registers that these
         # configs, at their limit without a cut tail, do not have
         if problem.head_dim > 128 and params["Bc"] > 64 and params["split"] > 24:
-            return "at d=256 a cut tail's bounds leave Bc > 64 short of registers under split=40 (ptxas spills): split 24"
+            return "at d=256 a cut tail's bounds leave Bc > 64 short of registers under split=40 (ptxas spills): Bc=64 or split 0"
         if params["pingpong"] and params["Bc"] >= 176 and problem.head_dim > 64:
             return "with ping-pong at Bc=176 a cut tail's join leaves the consumers short of registers (ptxas spills)"
         return super()._check(params, gpu, problem)
