@@ -70,7 +70,7 @@ class TailFlashFwdSm90(FlashFwdSm90):
         # ptxas: the segment's K/V range and the halves' join cost the consumers registers that these
         # configs, at their limit without a cut tail, do not have
         if problem.head_dim > 128 and params["Bc"] > 64 and params["split"] > 24:
-            return "at d=256 a cut tail's bounds leave Bc > 64 short of registers under split=40 (ptxas spills): Bc=64 or split 0"
+            return "at d=256 a cut tail's bounds leave Bc > 64 short of registers under split=40 (ptxas spills): Bc=64"
         if params["pingpong"] and params["Bc"] >= 176 and problem.head_dim > 64:
             return "with ping-pong at Bc=176 a cut tail's join leaves the consumers short of registers (ptxas spills)"
         return super()._check(params, gpu, problem)
