@@ -113,26 +113,23 @@ def main(argv: list[str] | None = None) -> int:
         points = list({(p.key, json.dumps(c | override, sort_keys=True)): (p, c | override) for p, c in points}.values())
     sides = {"before": a.templates, "after": None} | dict(v.split("=", 1) for v in a.variant)
     fam = get_family(a.family)
-    after_fam, after_params = fam, {}
-    if a.after_family:   # the same configs in another family's form, e.g. with a cut tail
+    after_fam, afters = fam, [params for _, params in points]   # the after side's family and params, point by point
+    if a.after_family:   # the same configs in another family's form (a cut tail); those with none left out
         after_fam = get_family(a.after_family)
         form = getattr(after_fam, "tail_form", None) or (lambda params, gpu, problem: params)
-        after_params = {(p.key, json.dumps(c, sort_keys=True)): form(c, gpu, p) for p, c in points}
-        points = [(p, c) for p, c in points if after_params[(p.key, json.dumps(c, sort_keys=True))] is not None]
-        precompile([(p, after_params[(p.key, json.dumps(c, sort_keys=True))]) for p, c in points], [None], a.jobs,
-                   a.after_family)
+        kept = [(p, c, f) for p, c in points if (f := form(c, gpu, p)) is not None]
+        points, afters = [(p, c) for p, c, _ in kept], [f for _, _, f in kept]
         sides = {"before": a.templates, "after": None}
+        precompile(list(zip([p for p, _ in points], afters)), [None], a.jobs, a.after_family)
     precompile(points, [v for k, v in sides.items() if k != "after" or not a.after_family], a.jobs, a.family)
     timer = Timer(gpu.l2_bytes, target_seconds=a.seconds, max_reps=2000)
     rows = []
     print(f"{gpu.name}: {fam.name} before ({a.templates}) and after (this checkout), in turns, TFLOP/s of the median")
-    for problem, params in points:
+    for (problem, params), after in zip(points, afters):
         prepared = {}
         for side, folder in sides.items():
             seed_resources.use_templates(folder)
-            f, ps = fam, params
-            if side == "after" and a.after_family:
-                f, ps = after_fam, after_params[(problem.key, json.dumps(params, sort_keys=True))]
+            f, ps = (after_fam, after) if side == "after" else (fam, params)
             prepared[side] = prepare_kernel(f, ps, problem, compile_kernel(f, ps, problem, gpu.arch), 0, gpu)
         seed_resources.use_templates(None)
         out = measure_prepared(prepared, problem, timer, rounds=a.rounds)

@@ -84,10 +84,8 @@ class TailFlashFwdSm90(FlashFwdSm90):
     def tail_form(self, plain: dict, gpu: GpuSpec, problem: Problem) -> dict | None:
         """flash_fwd_sm90's config `plain` as it serves `problem`, in this family: where it runs
         persistent and unchained on an unmasked call whose tail `tail_from` cuts; else None."""
-        if not plain.get("persistent") or plain.get("chain") or problem.mask != "none" or problem.dtype == "fp8":
-            return None
         params = dict(plain)
-        if self.check(params, gpu, problem) is not None:
+        if self.check(params, gpu, problem) is not None:   # not persistent, chained, masked, fp8, or short of registers
             return None
         tiles = problem.query_blocks(64 * params["cwg"])
         if tail_from(tiles, gpu.sm_count, ceil_div(problem.seqlen_k, params["Bc"])) >= tiles:
