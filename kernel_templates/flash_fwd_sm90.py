@@ -86,6 +86,7 @@ class FlashFwdSm90(KernelFamily):
     dtypes = ("fp16", "bf16", "fp8")
     head_dims = (64, 128, 256)   # tuned and shipped (and fp8's); it pads to any other
     pads_head_dim = True
+    cuts_tail = True   # served_form: a persistent launch's last rounds cut (not the variants made from it)
     space = {
         "Bc": (64, 80, 96, 128, 176),
         "stages": (2, 3),
@@ -234,6 +235,16 @@ class FlashFwdSm90(KernelFamily):
     def arg_maker(self, params: dict):
         return _Sm90Args(64 * params["cwg"], params["Bc"], bool(params["tma_store"]), bool(params["persistent"]))
 
+    def served_form(self, params: dict, gpu: GpuSpec, problem: Problem) -> tuple[KernelFamily, dict]:
+        # a persistent config runs its last two rounds cut (flash_fwd_sm90_tail.tail_form) where the
+        # last round would leave SMs idle; the variants made from this family (split, tail, varlen) run as they are
+        if not self.cuts_tail:
+            return self, params
+        from tuner.kernel_templates.flash_fwd_sm90_tail import FAMILY as tail
+
+        cut = tail.tail_form(params, gpu, problem)
+        return (self, params) if cut is None else (tail, cut)
+
 
 class _Sm90Args(AttentionArgs):
     """flash_fwd_sm90's arguments: the shared ones, then the maps of q, k, v and O (a MapSlot per
@@ -270,6 +281,7 @@ class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
     ordinary stores (a TMA store box could cross into the next sequence), 16-bit inputs."""
 
     name = "flash_fwd_sm90_varlen"
+    cuts_tail = False
 
     def block_rows(self, params: dict) -> int:
         return 64 * params["cwg"]

@@ -67,6 +67,7 @@ def auto_splits(params: dict, problem: Problem, gpu: GpuSpec) -> int:
 
 class SplitFlashFwdSm90(FlashFwdSm90):
     name = "flash_fwd_sm90_split"
+    cuts_tail = False
     dtypes = ("fp16", "bf16")
     space = {
         "Bc": (64, 80, 128, 176),

@@ -9,8 +9,10 @@ boundaries (kernel_templates/tile_scheduler.cuh); a tile cut in two has its halv
 registers by the later one, warp by warp (kernel_templates/split_kv.cuh, join_halves). Unmasked
 tiles only: a causal launch's tiles differ in work, and its scheduler already balances them.
 
-Not searched on its own: the dispatcher serves a persistent unmasked flash_fwd_sm90 config in this
-form where `tail_from` cuts (`tail_form`), the same tile and schedule otherwise.
+Not searched on its own: a persistent unmasked flash_fwd_sm90 config runs in this form where
+`tail_from` cuts (`tail_form`, the same tile and schedule otherwise), both where the dispatcher
+serves it and where a search times it (FlashFwdSm90.served_form), so that a search ranks persistent
+configs by what they run.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def tail_from(tiles: int, sms: int, kv_tiles: int) -> int:
 
 class TailFlashFwdSm90(FlashFwdSm90):
     name = "flash_fwd_sm90_tail"
+    cuts_tail = False
     dtypes = ("fp16", "bf16")
     masks = ("none",)   # a causal launch's tiles differ in work; its scheduler balances them already
     space = {**FlashFwdSm90.space, "persistent": (1,), "chain": (0,)}

@@ -146,3 +146,64 @@ def test_a_launch_binds_the_cut_and_the_workspace_of_its_own_ctas():
     one_round = Problem(1, 100, 128, 8192, 128, "bf16")
     ctas = TAIL.launch(PERSISTENT, one_round, H100_SXM).grid[0]
     assert ctas == 100 and tail_of_launch(PERSISTENT, one_round, ctas) == (100, (0, 0))
+
+
+def test_the_plain_family_runs_its_persistent_configs_cut_and_its_variants_as_they_are():
+    """served_form: flash_fwd_sm90's persistent config on a call whose tail is cut runs as
+    flash_fwd_sm90_tail; a grid config, a call of whole rounds, and the families made from it (the
+    split, the tail itself, the varlen variant) run as they are."""
+    from tuner.kernel_templates import VARIANTS_BY_NAME
+
+    assert SM90.served_form(PERSISTENT, H100_SXM, GRID_D128) == (TAIL, PERSISTENT)
+    grid = dict(PERSISTENT, persistent=0)
+    assert SM90.served_form(grid, H100_SXM, GRID_D128) == (SM90, grid)
+    whole = Problem(1, 132, 128, 4096, 128, "bf16")
+    assert SM90.served_form(PERSISTENT, H100_SXM, whole) == (SM90, PERSISTENT)
+    for fam in (TAIL, get_family("flash_fwd_sm90_split"), VARIANTS_BY_NAME["flash_fwd_sm90_varlen"]):
+        assert fam.served_form(PERSISTENT, H100_SXM, GRID_D128) == (fam, PERSISTENT)
+
+
+def test_a_search_times_and_compiles_a_point_as_it_is_served():
+    """GpuRunner.measure and bench compile and time a persistent point in its cut form (the worker
+    told the tail family), prefetch compiles that form, and a grid point stays itself: the search
+    ranks what the dispatcher serves."""
+    from types import SimpleNamespace
+
+    from tuner.records import Measurement, SideBySide
+    from tuner.runner import GpuRunner
+
+    runner = GpuRunner.__new__(GpuRunner)   # no worker process or GPU: the compiler and the worker recorded
+    runner.gpu, runner._versions = H100_SXM, {}
+    compiled, jobs, submitted = [], [], []
+
+    def compile_(fam, params, problem):
+        compiled.append((fam.name, params))
+        return SimpleNamespace(resources=None, compile_seconds=0.0)
+
+    def run(job, timeout=None):
+        jobs.append((job.kind, job.family, job.params))
+        return SideBySide(Measurement("ok")) if job.kind == "bench" else Measurement("ok")
+
+    runner._compile = compile_
+    runner._worker = SimpleNamespace(run=run, timeout=1.0)
+    runner._compilers = SimpleNamespace(submit=lambda fn, args: submitted.append(args[:2]))
+    grid = dict(PERSISTENT, persistent=0)
+    runner.measure(SM90, PERSISTENT, GRID_D128)
+    runner.measure(SM90, grid, GRID_D128)
+    runner.bench(SM90, PERSISTENT, GRID_D128, ())
+    runner.prefetch(SM90, [PERSISTENT, grid], GRID_D128)
+    assert compiled == [(TAIL.name, PERSISTENT), (SM90.name, grid), (TAIL.name, PERSISTENT)]
+    assert jobs == [("kernel", TAIL.name, PERSISTENT), ("kernel", SM90.name, grid), ("bench", TAIL.name, PERSISTENT)]
+    assert submitted == [(TAIL.name, PERSISTENT), (SM90.name, grid)]
+
+
+def test_an_untuned_prefill_runs_its_persistent_default_cut():
+    """The default that serves a head dim nobody tuned (d=96: two persistent consumers first) runs in
+    its cut form where the tail is cut, as a tuned entry would."""
+    from tuner.dispatch import Dispatcher
+
+    problem = Problem(1, 16, 16384, 16384, 96, "bf16")   # 2048 tiles of 128 rows, 128 K/V tiles each
+    default = SM90.default(H100_SXM, problem)
+    assert default["persistent"] and TAIL.tail_form(default, H100_SXM, problem) == default
+    e = Dispatcher("/nonexistent/lookup.json").serving_entry(problem, H100_SXM)
+    assert e["family"] == TAIL.name and e["params"] == default

@@ -76,13 +76,13 @@ def measure(problem: Problem, gpu: GpuSpec, shortlist: list[dict], seed: int = 0
         if e["family"] in DISPATCHED_PEERS:
             prepared[name] = prepare_peer(e["family"], problem, seed)
             continue
-        fam = FAMILIES[e["family"]]
+        fam, params = FAMILIES[e["family"]].served_form(e["params"], gpu, problem)   # as the dispatcher runs it
         try:
-            ck = compile_kernel(fam, e["params"], problem, gpu.arch)
+            ck = compile_kernel(fam, params, problem, gpu.arch)
         except Exception as exc:
             prepared[name] = (None, Measurement("compile_error", message=one_line(exc)))
             continue
-        prepared[name] = prepare_kernel(fam, e["params"], problem, ck, seed, gpu)
+        prepared[name] = prepare_kernel(fam, params, problem, ck, seed, gpu)
     timed = measure_prepared(prepared, problem, Timer(target_seconds=TARGET_SECONDS, min_reps=5))
     versions = run_versions()
     out = []

@@ -511,7 +511,8 @@ def precompile(
         if arch not in known:
             raise UserError(f"--arch must be one of {', '.join(known)} without a GPU")
         g = known[arch]
-    work = [(fam.name, params, p, arch) for p in _problems(shape, dtype, max_error) for params in fam.valid_points(g, p)]
+    work = [(runs.name, ps, p, arch) for p in _problems(shape, dtype, max_error) for params in fam.valid_points(g, p)
+            for runs, ps in [fam.served_form(params, g, p)]]   # what the search compiles: the points as served
     counts: dict[str, int] = {}
     with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
         for status, _ in track(pool.map(compile_job, work), total=len(work), description=f"compiling for {arch}"):

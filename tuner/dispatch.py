@@ -204,7 +204,7 @@ class Dispatcher:
         if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
             near = next((e for _, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
-        return near and _cut_tail(self._split_where_idle(self._given_way(near, problem, gpu), problem, gpu), problem, gpu)
+        return near and _served_form(self._split_where_idle(self._given_way(near, problem, gpu), problem, gpu), problem, gpu)
 
     def _given_way(self, entry: dict, problem: Problem, gpu) -> dict:
         """`entry`, or the runnable entry of its bucket of the family it gives way to at this call:
@@ -241,8 +241,8 @@ class Dispatcher:
         flash_decode's default, for a prefill call that leaves SMs idle, flash_fwd_sm90_split's
         where it splits the keys, for one that fills the GPU (a head dim nobody tuned),
         flash_fwd_sm90's; None where none serves it (SDPA then does)."""
-        return (self.select(problem, gpu) or _decode_default(problem, gpu) or _split_default(problem, gpu)
-                or _prefill_default(problem, gpu))
+        return self.select(problem, gpu) or _served_form(_decode_default(problem, gpu) or _split_default(problem, gpu)
+                                                         or _prefill_default(problem, gpu), problem, gpu)
 
     def candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
@@ -531,17 +531,18 @@ def served_params(entry: dict, problem: Problem) -> dict:
     return fam.adapt(entry["params"], Problem.from_dict(tuned), problem)
 
 
-def _cut_tail(entry: dict, problem: Problem, gpu) -> dict:
-    """`entry`, or where it is a persistent flash_fwd_sm90 config serving an unmasked call whose last
-    round of work tiles would leave SMs idle, that config with its last two rounds cut into one
-    segment of equal work per SM (flash_fwd_sm90_tail.tail_form): the same tile and schedule."""
+def _served_form(entry: dict | None, problem: Problem, gpu) -> dict | None:
+    """`entry` in the form a call of `problem` runs it (KernelFamily.served_form, as a search timed
+    it): a persistent flash_fwd_sm90 config on an unmasked call whose last round of work tiles would
+    leave SMs idle runs its last two rounds cut into one segment of equal work per SM
+    (flash_fwd_sm90_tail), the same tile and schedule."""
     from .kernel_templates import FAMILIES
 
-    tail = FAMILIES.get("flash_fwd_sm90_tail")
-    if tail is None or entry.get("family") != "flash_fwd_sm90":
+    fam = FAMILIES.get(entry["family"]) if entry else None
+    if fam is None:   # none, or an SDPA backend's entry
         return entry
-    params = tail.tail_form(served_params(entry, problem), gpu, problem)
-    return entry if params is None else {**entry, "family": tail.name, "params": params}
+    runs, params = fam.served_form(served_params(entry, problem), gpu, problem)
+    return entry if runs is fam else {**entry, "family": runs.name, "params": params}
 
 
 def short_peer(entry: dict, problem: Problem) -> bool:

@@ -128,6 +128,12 @@ class KernelFamily(ABC):
         already fill the GPU), or None."""
         return None
 
+    def served_form(self, params: dict, gpu: GpuSpec, problem: Problem) -> tuple[KernelFamily, dict]:
+        """The family and config a call of `problem` runs this point as: the dispatcher serves it so
+        and a search times it so, so that what a search ranks is what runs (flash_fwd_sm90's
+        persistent configs with their last rounds cut, flash_fwd_sm90_tail). Most run as they are."""
+        return self, params
+
     def gives_way(self, params: dict, other: dict, gpu: GpuSpec, problem: Problem) -> bool:
         """Whether this config, its bucket's fastest where tuned, serves `problem` worse than
         `other`, the same bucket's entry of the family `gives_way_to` names: where what it adds

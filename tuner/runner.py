@@ -72,7 +72,8 @@ class GpuRunner:
             jobs = max(1, min(PREFETCH_JOBS, (os.cpu_count() or 2) - 1))
             self._compilers = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"))
         for params in points:
-            self._compilers.submit(compile_job, (family.name, params, problem, self.gpu.arch))
+            runs, ps = family.served_form(params, self.gpu, problem)
+            self._compilers.submit(compile_job, (runs.name, ps, problem, self.gpu.arch))
 
     def _seed(self) -> int:
         return time.time_ns() % (2**31)  # fresh inputs for every candidate
@@ -89,8 +90,10 @@ class GpuRunner:
         return m
 
     def measure(self, family: KernelFamily, params: dict, problem: Problem) -> Measurement:
+        """The point as a call of `problem` runs it (KernelFamily.served_form), filed under the point."""
         from .worker import Job
 
+        family, params = family.served_form(params, self.gpu, problem)
         ck = self._compile(family, params, problem)
         if isinstance(ck, Measurement):
             return ck
@@ -105,9 +108,11 @@ class GpuRunner:
 
     def bench(self, family: KernelFamily, params: dict, problem: Problem,
               backends: tuple[str, ...]) -> SideBySide:
-        """The point and the peers in one worker job, timed in turns on the same inputs."""
+        """The point (as served, like `measure`) and the peers in one worker job, timed in turns on
+        the same inputs."""
         from .worker import Job
 
+        family, params = family.served_form(params, self.gpu, problem)
         ck = self._compile(family, params, problem)
         if isinstance(ck, Measurement):
             return SideBySide(ck)
