@@ -13,8 +13,9 @@ and chain (two persistent overlapped consumers: a second Q buffer, and the next 
 issued with this one's last P V, so it runs under this tile's epilogue).
 
 Head dims: any multiple of 8 from 8 to 256 in fp16/bf16. The tile is the head dim rounded up to 64
-bytes (`tile_cols`), in panels of the widest swizzle that divides it (`panel_cols`: 128 bytes at
-d = 64, 128, 192, 256; 64 at d = 96, 160); the tensor maps end at the head dim, so the columns past
+bytes (`tile_cols`), in panels of the widest swizzle that divides it (128 bytes at d = 64, 128, 192,
+256; 64 at d = 96, 160), except d = 72 and 80, whose 96-column tile its products do not fill: 128
+columns of 128-byte panels there (`tile_width`); the tensor maps end at the head dim, so the columns past
 it read as zeros and are never stored. The products run over the head dim rounded up to a k step
 only (`prod_cols`: 80 of d=80's 96 columns), the tile's zero columns skipped. Lookups serve a head
 dim only from buckets of that head dim; a prefill that fills the GPU and that none reaches runs
@@ -33,7 +34,7 @@ from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem
 from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
-from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields, panel_cols, tile_cols
+from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields, tile_cols, tile_panel
 from tuner.kernel_templates.wgmma_gen import wrappers
 
 _REGS_PER_BLOCK = 65536
@@ -42,9 +43,27 @@ _BARRIER_SLACK = 1024 + 256  # alignment of the first tile to 1024 B, then the m
 _WGMMA_MARK = "// <wgmma wrappers>"
 
 
+def tile_width(d: int, esize: int) -> int:
+    """The width of the kernel's Q, K and V tiles at head dim `d`: d rounded up to 64 bytes
+    (tile_cols), or to 128 where that is 96 columns of which the products use fewer (d = 72, 80:
+    prod_cols 80). There one 128-byte-panel tile of 128 columns ran the same configs 1.03-1.06x
+    (Phi-2's d=80 causal at 8k and 2k), 1.06-1.20x at d=72, though it carries more zero columns; at
+    d=96 and 160, whose products fill their 64-byte-panel tiles, 0.97-0.99x (PERF_NOTES "w5")."""
+    narrow = tile_cols(d, esize)
+    if narrow * esize == 192 and padded_head_dim(d, 32 // esize) < narrow:
+        return padded_head_dim(d, 128 // esize)
+    return narrow
+
+
 def tile_dim(problem: Problem) -> int:
-    """The width of the kernel's Q, K and V tiles for `problem`: its head dim rounded up to 64 bytes."""
-    return tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype])
+    """The width of the kernel's Q, K and V tiles for `problem` (tile_width)."""
+    return tile_width(problem.head_dim, DTYPE_BYTES[problem.dtype])
+
+
+def map_panel(t) -> int:
+    """Columns of a box row of tensor `t`'s maps: one panel of the kernel's tile at its head dim
+    (O's at its own element size)."""
+    return tile_panel(tile_width(t.shape[-1], t.element_size()), t.element_size())
 
 
 def prod_cols(params: dict, problem: Problem) -> int:
@@ -61,7 +80,7 @@ def p_in_smem(params: dict, problem: Problem) -> bool:
     """Whether P goes through shared memory (the kernel's P_SMEM): three consumers on a 64-byte-panel
     tile (d = 72-96, 160), where P's Bc / 4 registers are what they lack at Bc = 128. FlashAttention-4
     runs 192-row tiles there with P V's A from shared memory ("RS is catastrophic with 192x tiles")."""
-    return params["cwg"] == 3 and tile_dim(problem) % 64 != 0 and problem.dtype != "fp8"
+    return params["cwg"] == 3 and tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]) % 64 != 0 and problem.dtype != "fp8"
 
 
 def entry_regs(threads: int) -> int:
@@ -168,7 +187,7 @@ class FlashFwdSm90(KernelFamily):
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
-        elif d <= 128 and tile_dim(problem) % 64:   # 64-byte panels (d = 72-96): Bc 128 won its searches (w1, w2)
+        elif d <= 128 and tile_cols(d, DTYPE_BYTES[problem.dtype]) % 64:   # d = 72-96: Bc 128 won its searches (w1, w2)
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]
         elif d <= 128:
@@ -198,7 +217,7 @@ class FlashFwdSm90(KernelFamily):
             "HEAD_DIM": tile_dim(problem),
             "D_VALID": problem.head_dim,
             "PROD_COLS": prod_cols(params, problem),
-            "PANEL_COLS": panel_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]),
+            "PANEL_COLS": tile_panel(tile_dim(problem), DTYPE_BYTES[problem.dtype]),
             "P_SMEM": int(p_in_smem(params, problem)),
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             **self.mask_defines(problem),
@@ -259,8 +278,8 @@ class _Sm90Args(AttentionArgs):
         if shared is None:
             return None
         q_rows, kv_rows = self._rows
-        slots = (MapSlot(q, q_rows), MapSlot(k, kv_rows), MapSlot(v, kv_rows),
-                 MapSlot(o, O_BOX_ROWS) if self._tma_store else None)
+        slots = (MapSlot(q, q_rows, map_panel(q)), MapSlot(k, kv_rows, map_panel(k)), MapSlot(v, kv_rows, map_panel(v)),
+                 MapSlot(o, O_BOX_ROWS, map_panel(o)) if self._tma_store else None)
         return shared, slots, q.shape[0]
 
     def values(self, bound, pointers, q):

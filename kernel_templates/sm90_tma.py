@@ -167,8 +167,12 @@ def panel_cols(d: int, esize: int) -> int:
     """Columns of one panel of a tile (a TMA box's row and a wgmma swizzle atom's): 128 bytes
     wherever the tile's width is a multiple of them (d = 64, 128, 192, 256 in 16 bits; 40 and 120
     padded to 64 and 128), else 64 (d = 96 and 160, 72 and 80 padded to 96)."""
-    row = tile_cols(d, esize) * esize
-    return (128 if row % 128 == 0 else 64) // esize
+    return tile_panel(tile_cols(d, esize), esize)
+
+
+def tile_panel(cols: int, esize: int) -> int:
+    """Columns of one panel of a tile `cols` wide: 128 bytes where the row is a multiple of them, else 64."""
+    return (128 if cols * esize % 128 == 0 else 64) // esize
 
 
 def box_cols(t) -> int:
@@ -246,11 +250,11 @@ _templates: OrderedDict[tuple, _Template] = OrderedDict()
 _TEMPLATES = 1024
 
 
-def _template(t, rows: int) -> _Template:
-    key = (t.shape, t.stride(), t.dtype, rows)
+def _template(t, rows: int, cols: int) -> _Template:
+    key = (t.shape, t.stride(), t.dtype, rows, cols)   # one tensor, two kernels' boxes (prefill's, decode's)
     tpl = _templates.get(key)
     if tpl is None:
-        geometry = _geometry(t, rows, box_cols(t))
+        geometry = _geometry(t, rows, cols)
         address = t.data_ptr()
         _check_address(address)
         base = _encode_at(geometry, address)
@@ -266,12 +270,14 @@ class MapSlot:
     """The maps of one tensor geometry at whatever address a call brings: a plan's q, k, v or O.
     With the driver's address field known, a map is the geometry's map with the address written
     into that field (integer arithmetic and one bytes join, the same cost for a new address as for
-    a seen one); without, the driver's encoding of each new address, cached on it."""
+    a seen one); without, the driver's encoding of each new address, cached on it. Boxes of `rows`
+    x `cols` (default box_cols: one panel of the head dim's tile_cols; a kernel with a tile of its
+    own passes its panel)."""
 
     __slots__ = ("_geometry", "_patched", "_head", "_word", "_tail", "_origin", "_shift", "_position")
 
-    def __init__(self, t, rows: int) -> None:
-        tpl = _template(t, rows)
+    def __init__(self, t, rows: int, cols: int | None = None) -> None:
+        tpl = _template(t, rows, box_cols(t) if cols is None else cols)
         self._geometry, f = tpl.geometry, tpl.field
         self._patched = f is not None
         if f is not None:   # AddressField.moved, with what it needs of the template kept at hand

@@ -303,13 +303,13 @@ def test_sm90_any_head_dim_seeds_compile_without_spills(problem, tmp_path):
     96), S in that many k steps, Q, K and V by TMA, no spills or local memory, O by ordinary stores
     or, where the panels are 128 bytes and a seed asks, by TMA (over the whole tile then)."""
     from tuner.kernel_templates.flash_fwd_sm90 import prod_cols, tile_dim
-    from tuner.kernel_templates.sm90_tma import panel_cols
+    from tuner.kernel_templates.sm90_tma import tile_panel
 
     split = get_family("flash_fwd_sm90_split")
     assert SM90.supports(H100_SXM, problem) is None and split.supports(H100_SXM, problem) is None
-    width = tile_dim(problem)
-    assert width % 32 == 0 and 0 <= width - problem.head_dim < 32 and width % panel_cols(problem.head_dim, 2) == 0
-    if panel_cols(problem.head_dim, 2) < 64:
+    width, panel = tile_dim(problem), tile_panel(tile_dim(problem), 2)
+    assert width % 32 == 0 and 0 <= width - problem.head_dim < panel and width % panel == 0   # whole panels
+    if panel < 64:
         assert not any(p["tma_store"] for p in SM90.valid_points(H100_SXM, problem))
     cases = [(fam, p) for fam in (SM90, split) for p in fam.seeds(H100_SXM, problem) if fam.check(p, H100_SXM, problem) is None]
     assert len(cases) >= 3

@@ -123,6 +123,26 @@ def test_an_address_field_that_is_not_linear_is_never_patched(monkeypatch):
     assert {t.data_ptr() for t in tensors} <= set(calls)
 
 
+def test_one_tensors_maps_keep_each_kernels_box(monkeypatch):
+    """flash_fwd_sm90 rounds d = 72 and 80 to a 128-column tile of 128-byte panels (its products stop
+    short of the 96-column one), flash_decode keeps d=80's 96 columns in 64-byte panels: the same K
+    then gets a map of each box width from the two kernels, never the other's cached one."""
+    from tuner.kernel_templates import sm90_tma as tma
+    from tuner.kernel_templates.flash_fwd_sm90 import map_panel, tile_width
+
+    assert [tile_width(d, 2) for d in (40, 64, 72, 80, 88, 96, 112, 160)] == [64, 64, 128, 128, 96, 96, 128, 160]
+    assert [tile_width(d, 1) for d in (64, 128, 256)] == [64, 128, 256]   # e4m3 tiles as before
+    encode = _fake_driver(lambda a: a)
+    monkeypatch.setattr(tma, "_encode_at", encode)
+    monkeypatch.setattr(tma, "_templates", type(tma._templates)())
+    monkeypatch.setattr(tma, "_cache", type(tma._cache)())
+    k = torch.empty(2, 512, 4, 80, dtype=torch.bfloat16).transpose(1, 2)
+    assert (map_panel(k), tma.box_cols(k)) == (64, 32)
+    prefill, decode = tma.MapSlot(k, 128, map_panel(k)), tma.MapSlot(k, 128)
+    assert prefill.at(k.data_ptr()) == encode(tma._geometry(k, 128, 64), k.data_ptr())
+    assert decode.at(k.data_ptr()) == encode(tma._geometry(k, 128, 32), k.data_ptr())
+
+
 def test_a_misaligned_address_is_refused_on_the_patched_path(monkeypatch):
     from tuner.kernel_templates import sm90_tma as tma
 
