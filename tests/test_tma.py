@@ -172,7 +172,7 @@ def test_patched_maps_match_the_driver_on_fresh_tensors():
         t = t.transpose(1, 2) if rng.random() < 0.5 else t.view(b, h, n, d)
         rows = rng.choice([16, 64, 128, 192])
         assert tma.tensor_map(t, rows) == tma._encode(t, rows, tma.box_cols(t))
-        learnt += tma._template(t, rows).field is not None
+        learnt += tma._template(t, rows, tma.box_cols(t)).field is not None
     assert learnt == 40, "the driver's address field was not learnt: every new address is encoded"
 
 

@@ -27,7 +27,7 @@ def choose(case: Case, order: tuple[str, ...] | None = None) -> Backend:
     reasons = []
     for name in names:
         backend = BACKENDS[name]
-        why = backend.why_not(case)
+        why = backend.why_not_backward(case)
         if why is None:
             return backend
         reasons.append(f"{name} {why}")

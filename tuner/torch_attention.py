@@ -104,6 +104,11 @@ class Backend:
     why_not: Callable[[Case], str | None]
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]   # (q, k, v, causal, scale) -> (O, LSE)
     backward: Callable[..., Grads]   # (grad_out, q, k, v, o, lse, causal, scale) -> (dq, dk, dv)
+    backward_why_not: Callable[[Case], str | None] | None = None   # what its backward refuses besides
+
+    def why_not_backward(self, c: Case) -> str | None:
+        """Why the backward cannot take `c`: what the forward refuses, and what only the backward does."""
+        return self.why_not(c) or (self.backward_why_not(c) if self.backward_why_not else None)
 
 
 # ---- cuDNN (sm80+; on Hopper its fastest) ----
@@ -122,6 +127,13 @@ def _cudnn_why_not(c: Case) -> str | None:
         # against float64, fastest at large batches on the H200 (PERF_NOTES d10).
         return "takes 2 or more keys"
     return _half_dim(c, 128)
+
+
+def _cudnn_backward_why_not(c: Case) -> str | None:
+    # its forward runs one query against 2 or more keys (d10), its backward there does not: dq, dk
+    # and dv 0.92-0.94 off (relative) at B4-H32/kv8 x 1 x 7 keys, d=64, fp16, from a correct O and
+    # LSE (H100, torch 2.11; FlashAttention-2's and the efficient backward within 4e-4 on the same)
+    return "its backward takes 2 or more query rows" if c.nq < 2 else None
 
 
 def _cudnn_forward(q, k, v, causal, scale):
@@ -258,7 +270,7 @@ def _scale(q, scale):
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-CUDNN = Backend("cudnn", _cudnn_why_not, _cudnn_forward, _cudnn_backward)
+CUDNN = Backend("cudnn", _cudnn_why_not, _cudnn_forward, _cudnn_backward, _cudnn_backward_why_not)
 FLASH = Backend("flash", _flash_why_not, _flash_forward, _flash_backward)
 EFFICIENT = Backend("efficient", _efficient_why_not, _efficient_forward, _efficient_backward)
 MATH = Backend("math", _math_why_not, _math_forward, _math_backward)
