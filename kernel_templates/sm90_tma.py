@@ -157,7 +157,8 @@ def _fast_encoder() -> _CtypesEncoder | None:
 
 def tile_cols(d: int, esize: int) -> int:
     """The width of a kernel's Q, K and V tiles for head dim `d`: d rounded up to 64 bytes (32
-    columns of fp16/bf16), so that a tile is whole 64- or 128-byte panels. The columns past d come
+    columns of fp16/bf16), so that a tile is whole 64- or 128-byte panels (flash_fwd_sm90 widens
+    d = 72 and 80 to 128 columns: its tile_width). The columns past d come
     in as zeros. Rounding only to a wgmma k step (32 bytes) needs 32-byte panels at d = 80 or 112,
     which ran 0.77-0.96x the same configs in wider ones, padding included (PERF_NOTES "w2")."""
     return padded_head_dim(d, 64 // esize)
