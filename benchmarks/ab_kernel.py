@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a parameter of every config (repeatable; e.g. Bc=128 to time a peer's tile)")
     ap.add_argument("--after-family", metavar="NAME",
-                    help="time the after side as this family's form of each config (flash_fwd_sm90_tail: its "
-                         "tail_form, configs without one left out), both sides from this checkout")
+                    help="time the after side as each config is served where that is in this family "
+                         "(flash_fwd_sm90_tail: a cut tail, KernelFamily.served_form; the others left out), "
+                         "both sides from this checkout")
     ap.add_argument("--json")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2, help="compiler processes")
     a = ap.parse_args(argv)
@@ -114,10 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     sides = {"before": a.templates, "after": None} | dict(v.split("=", 1) for v in a.variant)
     fam = get_family(a.family)
     after_fam, afters = fam, [params for _, params in points]   # the after side's family and params, point by point
-    if a.after_family:   # the same configs in another family's form (a cut tail); those with none left out
+    if a.after_family:   # the configs a call serves in another family's form (a cut tail); the others left out
         after_fam = get_family(a.after_family)
-        form = getattr(after_fam, "tail_form", None) or (lambda params, gpu, problem: params)
-        kept = [(p, c, f) for p, c in points if (f := form(c, gpu, p)) is not None]
+        kept = [(p, c, f) for p, c in points for runs, f in [fam.served_form(c, gpu, p)] if runs.name == after_fam.name]
         points, afters = [(p, c) for p, c, _ in kept], [f for _, _, f in kept]
         sides = {"before": a.templates, "after": None}
         precompile(list(zip([p for p, _ in points], afters)), [None], a.jobs, a.after_family)
