@@ -60,6 +60,12 @@ def tile_dim(problem: Problem) -> int:
     return tile_width(problem.head_dim, DTYPE_BYTES[problem.dtype])
 
 
+def half_panels(problem: Problem) -> bool:
+    """Whether the 64-byte rule's tile (tile_cols) is in 64-byte panels: d = 72-96 and 160, the head
+    dims whose seeds and P path were chosen on that tile (p_in_smem, seeds), whatever tile_width makes of it."""
+    return tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]) % 64 != 0
+
+
 def map_panel(t) -> int:
     """Columns of a box row of tensor `t`'s maps: one panel of the kernel's tile at its head dim
     (O's at its own element size)."""
@@ -80,7 +86,7 @@ def p_in_smem(params: dict, problem: Problem) -> bool:
     """Whether P goes through shared memory (the kernel's P_SMEM): three consumers on a 64-byte-panel
     tile (d = 72-96, 160), where P's Bc / 4 registers are what they lack at Bc = 128. FlashAttention-4
     runs 192-row tiles there with P V's A from shared memory ("RS is catastrophic with 192x tiles")."""
-    return params["cwg"] == 3 and tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]) % 64 != 0 and problem.dtype != "fp8"
+    return params["cwg"] == 3 and half_panels(problem) and problem.dtype != "fp8"
 
 
 def entry_regs(threads: int) -> int:
@@ -187,7 +193,7 @@ class FlashFwdSm90(KernelFamily):
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
-        elif d <= 128 and tile_cols(d, DTYPE_BYTES[problem.dtype]) % 64:   # d = 72-96: Bc 128 won its searches (w1, w2)
+        elif d <= 128 and half_panels(problem):   # d = 72-96: Bc 128 won its searches (w1, w2)
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]
         elif d <= 128:
