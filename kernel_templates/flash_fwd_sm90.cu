@@ -77,6 +77,9 @@
 constexpr bool FP8 = IN_DTYPE == FT_E4M3;
 using T = typename Elem<IN_DTYPE>::type;
 constexpr int OUT_DTYPE = FP8 ? FT_BF16 : IN_DTYPE;   // e4m3 inputs give a bf16 O
+// The online softmax keeps a row's max until it rises by 2^8 (softmax.cuh, FT_RESCALE_LOG2), so most
+// K/V tiles skip O's rescale; e4m3's P (at most 448) keeps the exact max.
+constexpr bool LAZY_RESCALE = !FP8;
 using TO = typename Elem<OUT_DTYPE>::type;
 constexpr int BR = 64 * CWG;                 // query rows per block
 constexpr int NT = 128 * (CWG + 1);          // threads: producer warpgroup + consumers
@@ -539,12 +542,12 @@ struct Consumer {
     wgmma_pin(acc.s);
     release_k(t);
     if constexpr (MASKED) mask(t);
-    softmax_advance(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
+    const bool move = softmax_advance<NTILES, LAZY_RESCALE>(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
     wgmma_wait<0>();                                // P V of tile t-1 has landed
     wgmma_pin(acc.o);
     pv.release(kv + (t - 1));
-    rescale_rows(acc.o, acc.alpha);
-    make_p();
+    make_p();                                       // before the branch: its packs run under the exp2s
+    if (move) rescale_rows(acc.o, acc.alpha);
   }
 
   // The schedule of one work tile, overlapped: its first S and softmax, then overlapped_tile for
@@ -599,8 +602,9 @@ struct Consumer {
       wgmma_pin(acc.s);
       release_k(t);
       mask(t);
-      softmax_step(acc.s, acc.o, acc.m, acc.l, scale_log2);
+      const bool move = softmax_advance<NTILES, LAZY_RESCALE>(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
       make_p();
+      if (move) rescale_rows(acc.o, acc.alpha);
       pv.wait(kv + t);
       turn_begin();
       wgmma_pin(acc.o);

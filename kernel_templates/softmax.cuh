@@ -53,17 +53,31 @@ template <int NTILES> FT_DEVICE float row_max(const float (&s)[NTILES][4], int h
   return t[0];
 }
 
+// How far (log2 units) a row's max may rise before LAZY softmax_advance moves it: P stays below
+// 2^8 meanwhile, exact in fp32 (l, O) and as relatively precise in 16 bits as below 1.
+constexpr float FT_RESCALE_LOG2 = 8.f;
+
 // One tile of the online softmax for a 16-row slab, O untouched: S becomes P in place (fp32),
 // m and l advance, and alpha[hh] = exp2((m_old - m_new) * c) is what O's rows must be scaled by.
 // Kept apart from the rescale so that a kernel can run it while O is still being accumulated.
-template <int NTILES>
-FT_DEVICE void softmax_advance(float (&s)[NTILES][4], float (&m)[2], float (&l)[2], float (&alpha)[2], float scale_log2) {
+// Returns whether O must be rescaled at all. LAZY: a row keeps its max unless the tile's rises
+// above it by more than FT_RESCALE_LOG2 (or it had none), and O's rescale is needed only where a
+// row of the warp moved (a vote, so the skip is warp-uniform): after a row's first tiles its max
+// rarely moves that far, and the rescale (d / 2 multiplies a thread, between P V landing and the
+// next one issued) is skipped. The result is the same softmax: m, l and O are all taken against
+// the kept max, and the LSE is m * c + log2(l) whichever max that is.
+template <int NTILES, bool LAZY = false>
+FT_DEVICE bool softmax_advance(float (&s)[NTILES][4], float (&m)[2], float (&l)[2], float (&alpha)[2], float scale_log2) {
+  bool moved = false;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const float mx = group_max<4>(row_max(s, hh));
-    const float m_new = fmaxf(m[hh], mx);
+    // & and |, not && and ||, and selects: a branch would split the softmax's block for ptxas (m1)
+    const bool move = !LAZY || ((m[hh] == FT_NEG_INF) & (mx != FT_NEG_INF)) | ((mx - m[hh]) * scale_log2 > FT_RESCALE_LOG2);
+    moved |= move;
+    const float m_new = move ? fmaxf(m[hh], mx) : m[hh];
     const float m_use = m_new == FT_NEG_INF ? 0.f : m_new * scale_log2;  // a fully masked row so far
-    alpha[hh] = fast_exp2(m[hh] * scale_log2 - m_use);
+    alpha[hh] = fast_exp2(m[hh] * scale_log2 - m_use);                    // 1 where the max stayed
     m[hh] = m_new;
     float sum = 0.f;
 #pragma unroll
@@ -75,6 +89,8 @@ FT_DEVICE void softmax_advance(float (&s)[NTILES][4], float (&m)[2], float (&l)[
       }
     l[hh] = l[hh] * alpha[hh] + sum;
   }
+  if constexpr (LAZY) return __any_sync(0xffffffffu, moved);
+  return true;
 }
 
 template <int DTILES> FT_DEVICE void rescale_rows(float (&o)[DTILES][4], const float (&alpha)[2]) {

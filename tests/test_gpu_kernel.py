@@ -414,3 +414,49 @@ def test_sm90_chained_work_tiles(dtype, causal):
             o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True)
             _assert_within_budget(compare(o, lse, ref_o, ref_lse), problem, f"{problem.key} {params} launch {launch}")
         assert tile_counter(q.device).tolist() == [0, 0], "the counter did not reset after the launches"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_sm90_rows_whose_max_keeps_rising(d, mask, dtype):
+    """flash_fwd_sm90 keeps a row's softmax max until a tile's rises past it by 2^8 (softmax.cuh,
+    FT_RESCALE_LOG2): scores that climb along the keys, by steps below and above that, up and down
+    the rows (some rows' max comes first, some last), against float64. Random inputs alone rarely
+    move a max after the first tiles."""
+    import torch
+
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.reference import attention_fp64, compare
+
+    gpu = detect()
+    fam = get_family("flash_fwd_sm90")
+    rng = random.Random()
+    nq, nk = rng.choice([(333, 1031), (1031, 1031), (200, 2000)])
+    problem = Problem(2, 4, nq, nk, d, dtype, mask, 2)
+    if reason := fam.supports(gpu, problem):
+        pytest.skip(reason)
+    g = torch.Generator(device="cuda").manual_seed(rng.randrange(2**31))
+    dt = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype])
+    e = torch.randn(d, device="cuda", generator=g, dtype=torch.float64)
+    e /= e.norm()
+    # a score of about rise * (j / nk) along e (in softmax-scaled natural units), 0 to 60 over the
+    # keys: 1-8 log2 units a 128-key tile, so some tiles keep the max and some move it; half the
+    # sequences' keys run backwards (the max first), and a quarter of the rows lean the other way
+    rise = rng.uniform(20.0, 60.0)
+    ramp = torch.linspace(0.0, 1.0, nk, device="cuda", dtype=torch.float64)
+    ramps = torch.stack([ramp, ramp.flip(0)])[:, None, :, None]                      # (B, 1, Nk, 1)
+    lean = torch.where(torch.rand(1, 4, nq, 1, device="cuda", generator=g) < 0.25, -1.0, 1.0).double()
+    scale = 1.0 / math.sqrt(d)
+    q = (torch.randn(2, 4, nq, d, device="cuda", generator=g) + 4.0 * lean * e)
+    k = (torch.randn(2, 2, nk, d, device="cuda", generator=g) * 0.5 + (rise / (4.0 * scale)) * ramps * e)
+    v = torch.randn(2, 2, nk, d, device="cuda", generator=g)
+    q, k, v = (t.to(dt).contiguous() for t in (q, k, v))
+    ref_o, ref_lse = attention_fp64(q, k, v, problem.mask, scale)
+    valid = fam.valid_points(gpu, problem)
+    picks = [fam.default(gpu, problem)] + [rng.choice([p for p in valid if p["overlap"] == o] or valid) for o in (0, 1)]
+    for params in picks:
+        o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True)
+        err = compare(o, lse, ref_o, ref_lse)
+        _assert_within_budget(err, problem, f"{problem.key} rise {rise:.1f} {params}")
