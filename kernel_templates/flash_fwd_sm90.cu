@@ -78,8 +78,9 @@ constexpr bool FP8 = IN_DTYPE == FT_E4M3;
 using T = typename Elem<IN_DTYPE>::type;
 constexpr int OUT_DTYPE = FP8 ? FT_BF16 : IN_DTYPE;   // e4m3 inputs give a bf16 O
 // The online softmax keeps a row's max until it rises by 2^8 (softmax.cuh, FT_RESCALE_LOG2), so most
-// K/V tiles skip O's rescale; e4m3's P (at most 448) keeps the exact max.
-constexpr bool LAZY_RESCALE = !FP8;
+// K/V tiles skip O's rescale; e4m3's P (at most 448) keeps the exact max, and three consumers (their
+// 128-160 registers) too: the vote's state spilled 24 B at d=96 there.
+constexpr bool LAZY_RESCALE = !FP8 && CWG < 3;
 using TO = typename Elem<OUT_DTYPE>::type;
 constexpr int BR = 64 * CWG;                 // query rows per block
 constexpr int NT = 128 * (CWG + 1);          // threads: producer warpgroup + consumers
