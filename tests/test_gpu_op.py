@@ -615,3 +615,66 @@ def test_the_sdpa_switch_runs_an_empty_batch_as_sdpa_does():
         assert ours.shape == theirs.shape == q.shape and ours.dtype == theirs.dtype
     with pytest.raises(ValueError, match="empty input"):
         tuner.attention(q, q, q, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_negative_scale_on_scores_spread_past_exp2s_range(dispatcher, dtype):
+    """scale < 0 (tuner.launch.kernel_scale): every kernel keeps each row's max of the raw scores,
+    the smallest scaled one for a negative scale, so exp2((s - max) * scale) overflowed where a
+    row's scores spread over more than 128 / |scale| / log2(e). Scores that wide, through each path
+    that launches our kernels, against float64: a prefill served a tuned config (GQA, Nq != Nk,
+    both masks), a decode step, a KV cache with ragged lengths, packed sequences."""
+    import torch
+
+    import tuner
+    from tuner.kvcache import kvcache_attention
+    from tuner.launch import LOG2E
+    from tuner.reference import attention_fp64, compare
+
+    scale = -0.25
+    dt = getattr(torch, TORCH[dtype])
+    g = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+
+    def rnd(*shape):
+        return (3 * torch.randn(*shape, generator=g, device="cuda")).to(dt)
+
+    def check(o, lse, q, k, v, mask, what):
+        ref_o, ref_lse = attention_fp64(q, k, v, mask, scale)
+        err = compare(o, lse, ref_o, ref_lse)
+        p = Problem(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], dtype, mask, k.shape[1])
+        assert err.finite and err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what} {dtype}: {err}"
+
+    prefill = [Problem(2, 8, 333, 1000, 128, dtype, mask, 2) for mask in ("none", "causal")]
+    served = dispatcher(prefill)
+    q, k, v = rnd(2, 8, 333, 128), rnd(2, 2, 1000, 128), rnd(2, 2, 1000, 128)
+    s = torch.matmul(q.double(), k.double().repeat_interleave(4, dim=1).transpose(-1, -2))
+    spread = (s.amax(-1) - s.amin(-1)) * -scale * LOG2E
+    assert float(spread.max()) > 128, f"the inputs do not spread wide enough to test this: {float(spread.max()):.0f}"
+    with torch.no_grad():
+        for p in prefill:
+            assert served.plan(q, k, v, p.mask, None).launcher is not None, f"{p.key}: not served by our kernels"
+            o, lse = served.forward(q, k, v, p.mask, scale)
+            check(o, lse, q, k, v, p.mask, f"prefill {p.key}")
+            check(tuner.attention(q, k, v, is_causal=p.causal, scale=scale), lse, q, k, v, p.mask,
+                  f"prefill {p.key} through tuner.attention")
+        qd, kd, vd = rnd(4, 32, 1, 128), rnd(4, 8, 700, 128), rnd(4, 8, 700, 128)
+        o, lse = served.forward(qd, kd, vd, "none", scale)
+        check(o, lse, qd, kd, vd, "none", "decode step")
+        lens = [900, 517]
+        qc, kc, vc = rnd(2, 8, 3, 128), rnd(2, 2, 900, 128), rnd(2, 2, 900, 128)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        o, lse = kvcache_attention(qc, kc, vc, seqlens, scale=scale, return_lse=True)
+        for i, n in enumerate(lens):
+            check(o[i:i + 1], lse[i:i + 1], qc[i:i + 1], kc[i:i + 1, :, :n], vc[i:i + 1, :, :n], "causal_br",
+                  f"KV cache sequence {i} ({n} keys)")
+        lens_q, lens_k = [300, 1, 129], [300, 1, 700]
+        cu = lambda ls: torch.tensor([0, *itertools.accumulate(ls)], dtype=torch.int32, device="cuda")
+        qv, kv, vv = rnd(sum(lens_q), 8, 128), rnd(sum(lens_k), 2, 128), rnd(sum(lens_k), 2, 128)
+        o, lse = tuner.varlen_attention(qv, kv, vv, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), mask="causal_br",
+                                        scale=scale, return_lse=True)
+        a = c = 0
+        for nq, nk in zip(lens_q, lens_k):
+            view = lambda t, r0, n: t[r0:r0 + n].transpose(0, 1)[None]
+            check(view(o, a, nq), lse[:, a:a + nq][None], view(qv, a, nq), view(kv, c, nk), view(vv, c, nk),
+                  "causal_br", f"packed sequence ({nq}, {nk})")
+            a, c = a + nq, c + nk

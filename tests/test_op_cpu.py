@@ -378,3 +378,28 @@ def test_switch_leaves_empty_inputs_to_sdpa():
         assert op._served(empty, empty, empty) == "empty inputs"
         no_keys = torch.empty(2, 8, 0, 64, device="cuda", dtype=torch.bfloat16)
         assert op._served(q, no_keys, no_keys) == "empty inputs"
+
+
+def test_kernel_scale_flips_q_for_a_negative_scale():
+    """tuner.launch.kernel_scale: a negative scale reaches the kernels as |scale| with q negated (the
+    same scores, so the same O and LSE), e4m3 by its sign bit; None and scale >= 0 pass untouched;
+    a scale that is not a finite number is refused in one line."""
+    from tuner.launch import kernel_scale
+
+    q = torch.randn(2, 5, 3, 16).transpose(1, 2)   # a (B, N, H, D) view: strides must survive
+    k, v = torch.randn(2, 3, 7, 16), torch.randn(2, 3, 7, 16)
+    for scale in (None, 0.0, 0.125):
+        q2, s2 = kernel_scale(q, scale)
+        assert q2 is q and s2 == scale
+    q2, s2 = kernel_scale(q, -0.3)
+    assert s2 == 0.3 and torch.equal(q2, -q) and q2.stride() == q.stride()
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=-0.3)
+    got = F.scaled_dot_product_attention(q2.double(), k.double(), v.double(), scale=s2)
+    torch.testing.assert_close(got, want)
+    q8 = (4 * torch.randn(2, 3, 5, 16)).to(torch.float8_e4m3fn).transpose(1, 2)
+    f8, s8 = kernel_scale(q8, -2.0)
+    assert s8 == 2.0 and f8.dtype == q8.dtype and f8.stride() == q8.stride()
+    assert torch.equal(f8.float(), -q8.float())
+    for bad in (float("nan"), float("-inf"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            kernel_scale(q, bad)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from . import autotune, recording
-from .launch import Launcher, launch_on
+from .launch import Launcher, kernel_scale, launch_on
 from .problem import DECODE_QUERIES, TORCH_DTYPES, Problem, mask_of, torch_dtype
 from .records import one_line
 
@@ -394,6 +394,7 @@ class Dispatcher:
         is a mask (problem.MASKS: "causal_br" for the bottom-right diagonal), or a bool as SDPA's
         is_causal. Without a tuned kernel the LSE is computed only where `need_lse` asks (else it
         is NaN). Rows that see no key (bottom-right, Nq > Nk) are O = 0 and LSE = -inf either way."""
+        q, scale = kernel_scale(q, scale)
         if self._fast is not None and (out := self._fast.run(q, k, v, MASK_CODES.get(causal, -1), scale, max_error,
                                                              True)) is not None:
             return out
@@ -405,6 +406,7 @@ class Dispatcher:
 
     def output(self, q, k, v, causal: bool | str = False, scale: float | None = None, max_error: float | None = None):
         """O alone (no gradient will be asked for): the kernel's LSE goes to a buffer of the plan."""
+        q, scale = kernel_scale(q, scale)
         if self._fast is not None and (o := self._fast.run(q, k, v, MASK_CODES.get(causal, -1), scale, max_error,
                                                            False)) is not None:
             return o

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .dispatch import TORCH_TO_DTYPE, default, out_layout, served_params
-from .launch import Launch, Launcher, launch_on
+from .launch import Launch, Launcher, kernel_scale, launch_on
 from .problem import Problem, mask_of
 from .records import one_line
 
@@ -73,6 +73,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens=None, block_table=None, m
     """O and the LSE of kvcache_attention for a problem mask (flashtune::kvcache_attention's kernel:
     its defaults are the schema's, which a compiled graph leaves out)."""
     nk, _ = check_cache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
+    q, scale = kernel_scale(q, scale)
     b, h, nq, d = q.shape
     problem = Problem(b, h, nq, nk, d, TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")], mask, k_cache.shape[1])
     paged = block_table is not None

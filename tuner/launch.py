@@ -21,6 +21,25 @@ from .records import CompiledKernel
 LOG2E = 1.4426950408889634
 
 
+def kernel_scale(q, scale: float | None):
+    """q and the softmax scale as every kernel takes them: the scale finite and not negative.
+
+    A kernel keeps each row's max of the raw scores q k^T and exponentiates (s - max) * scale, which
+    is the max of the scaled scores only where the scale is not negative; with a negative one the
+    exponents turn positive and overflow. q with its sign flipped and the scale's magnitude give the
+    same products (and the same LSE), so those calls cost one elementwise pass over q (a sign-bit
+    flip for e4m3, which has no negation) and nothing else changes. None (1/sqrt(d)) passes."""
+    if scale is None or 0.0 <= scale < math.inf:
+        return q, scale
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale}")
+    if q.element_size() == 1:   # float8: flip the sign bit (its strides kept, as -q keeps them)
+        import torch
+
+        return (q.view(torch.uint8) ^ 0x80).view(q.dtype), -scale
+    return -q, -scale
+
+
 class LaunchError(RuntimeError):
     """The launch itself was refused (resources, arguments): the context is still usable."""
 

@@ -26,7 +26,7 @@ import torch
 
 from .dispatch import TORCH_TO_DTYPE
 from .dispatch import default as default_dispatcher
-from .launch import Launch, Launcher, LoadedKernel, launch_on
+from .launch import Launch, Launcher, LoadedKernel, kernel_scale, launch_on
 from .backward import like
 from .problem import Problem, mask_of
 from .records import one_line
@@ -99,6 +99,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
     """O (total_q, H, D) and the LSE (H, total_q) of packed sequences, after check_varlen_inputs."""
     mask = mask_of(mask)
     dtype = check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
+    q, scale = kernel_scale(q, scale)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     if q.shape[0] == 0:
