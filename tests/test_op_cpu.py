@@ -382,15 +382,20 @@ def test_switch_leaves_empty_inputs_to_sdpa():
 
 def test_kernel_scale_flips_q_for_a_negative_scale():
     """tuner.launch.kernel_scale: a negative scale reaches the kernels as |scale| with q negated (the
-    same scores, so the same O and LSE), e4m3 by its sign bit; None and scale >= 0 pass untouched;
-    a scale that is not a finite number is refused in one line."""
-    from tuner.launch import kernel_scale
+    same scores, so the same O and LSE), e4m3 by its sign bit; 0 as a scale that keeps a masked
+    key's -inf; None and a positive scale pass untouched; a scale that is not a finite number is
+    refused in one line."""
+    from tuner.launch import LOG2E, kernel_scale
 
     q = torch.randn(2, 5, 3, 16).transpose(1, 2)   # a (B, N, H, D) view: strides must survive
     k, v = torch.randn(2, 3, 7, 16), torch.randn(2, 3, 7, 16)
-    for scale in (None, 0.0, 0.125):
+    for scale in (None, 0.125):
         q2, s2 = kernel_scale(q, scale)
         assert q2 is q and s2 == scale
+    q2, s2 = kernel_scale(q, 0.0)   # masked keys' -inf times it must stay -inf, and no exponential move
+    assert q2 is q and s2 > 0 and torch.isneginf(torch.tensor(float("-inf")) * s2 * LOG2E)
+    c = torch.tensor(s2 * LOG2E, dtype=torch.float32)
+    assert c > 0 and torch.equal(torch.exp2(torch.tensor([1e20, -1e20, 0.5]) * c), torch.ones(3))
     q2, s2 = kernel_scale(q, -0.3)
     assert s2 == 0.3 and torch.equal(q2, -q) and q2.stride() == q.stride()
     want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=-0.3)

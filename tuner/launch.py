@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from .records import CompiledKernel
 
 LOG2E = 1.4426950408889634
+# What a softmax scale of 0 runs as (kernel_scale): times log2(e) a normal fp32 number, and scores
+# below 1e20 times it leave every exponential at 1 (to fp32's precision), as 0 would.
+ZERO_SCALE = 1e-30
 
 
 def kernel_scale(q, scale: float | None):
@@ -28,9 +31,13 @@ def kernel_scale(q, scale: float | None):
     is the max of the scaled scores only where the scale is not negative; with a negative one the
     exponents turn positive and overflow. q with its sign flipped and the scale's magnitude give the
     same products (and the same LSE), so those calls cost one elementwise pass over q (a sign-bit
-    flip for e4m3, which has no negation) and nothing else changes. None (1/sqrt(d)) passes."""
-    if scale is None or 0.0 <= scale < math.inf:
+    flip for e4m3, which has no negation) and nothing else changes. A scale of 0 would make a masked
+    key's -inf * 0 a NaN, so it runs as ZERO_SCALE, nonzero in fp32 and too small to move any
+    exponential off 1. None (1/sqrt(d)) passes."""
+    if scale is None or 0.0 < scale < math.inf:
         return q, scale
+    if scale == 0.0:
+        return q, ZERO_SCALE
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale}")
     if q.element_size() == 1:   # float8: flip the sign bit (its strides kept, as -q keeps them)
