@@ -147,14 +147,17 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
             | grep -v Warning | tee "$OUT/varlen.log" ;;&
     fa4bench) # the issue-22 figure: the standard grid (d=64/128/256) and the model shapes, served from the
               # shipped lookup of this GPU (FA4_LOOKUP: another), against SDPA flash, SDPA cuDNN and
-              # FlashAttention-4 in the same run; FA4_WHAT narrows it ("bf16 fp16 models")
+              # FlashAttention-4 in the same run; FA4_WHAT narrows it ("bf16 fp16 models"); FA4_SHAPES (--shape
+              # arguments, in FA4_DTYPE, default bf16) benches just those, as "shapes" ($OUT/fa4-shapes.json)
           lookup=${FA4_LOOKUP:-tuner/lookups/$(python3 -c 'from tuner.gpu import detect; print(detect().key.replace("/", "_"))').json}
           shapes() {   # the standard grid of dtype $1, as --shape arguments
             python3 -c "import sys; from tuner.problem import standard_grid as g; print(' '.join(f'--shape {p.batch},{p.heads},{p.seqlen_q},{p.head_dim}' + (',causal' if p.causal else '') for p in g(sys.argv[1])))" "$1"; }
           models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
-          for what in "bf16:$(shapes bf16)" "fp16:$(shapes fp16)" "models:$models"; do
-            name=${what%%:*}; args=${what#*:}; dt=$([ "$name" = fp16 ] && echo fp16 || echo bf16)
-            case " ${FA4_WHAT:-bf16 fp16 models} " in *" $name "*) ;; *) continue ;; esac
+          whats=("bf16:$(shapes bf16)" "fp16:$(shapes fp16)" "models:$models"); [ -n "$FA4_SHAPES" ] && whats=("shapes:$FA4_SHAPES")
+          for what in "${whats[@]}"; do
+            name=${what%%:*}; args=${what#*:}
+            dt=$(case $name in fp16) echo fp16 ;; shapes) echo "${FA4_DTYPE:-bf16}" ;; *) echo bf16 ;; esac)
+            case " ${FA4_WHAT:-bf16 fp16 models} shapes " in *" $name "*) ;; *) continue ;; esac
             timeout ${FA4_BENCH_TIMEOUT:-280} python3 -m tuner.cli bench --gpu auto --dtype $dt $args --lookup "$lookup" \
               --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name.json" 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"
