@@ -157,7 +157,7 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
           for what in "${whats[@]}"; do
             name=${what%%:*}; args=${what#*:}
             dt=$(case $name in fp16) echo fp16 ;; shapes) echo "${FA4_DTYPE:-bf16}" ;; *) echo bf16 ;; esac)
-            case " ${FA4_WHAT:-bf16 fp16 models} shapes " in *" $name "*) ;; *) continue ;; esac
+            [ "$name" = shapes ] || case " ${FA4_WHAT:-bf16 fp16 models} " in *" $name "*) ;; *) continue ;; esac
             timeout ${FA4_BENCH_TIMEOUT:-280} python3 -m tuner.cli bench --gpu auto --dtype $dt $args --lookup "$lookup" \
               --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name.json" 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"

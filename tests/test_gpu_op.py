@@ -674,9 +674,9 @@ def test_a_negative_or_zero_scale(dispatcher, dtype, scale):
         qv, kv, vv = rnd(sum(lens_q), 8, 128), rnd(sum(lens_k), 2, 128), rnd(sum(lens_k), 2, 128)
         o, lse = tuner.varlen_attention(qv, kv, vv, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), mask="causal_br",
                                         scale=scale, return_lse=True)
+        view = lambda t, r0, n: t[r0:r0 + n].transpose(0, 1)[None]   # one packed sequence as (1, H, N, D)
         a = c = 0
         for nq, nk in zip(lens_q, lens_k):
-            view = lambda t, r0, n: t[r0:r0 + n].transpose(0, 1)[None]
             check(view(o, a, nq), lse[:, a:a + nq][None], view(qv, a, nq), view(kv, c, nk), view(vv, c, nk),
                   "causal_br", f"packed sequence ({nq}, {nk})")
             a, c = a + nq, c + nk
