@@ -78,9 +78,11 @@ constexpr bool FP8 = IN_DTYPE == FT_E4M3;
 using T = typename Elem<IN_DTYPE>::type;
 constexpr int OUT_DTYPE = FP8 ? FT_BF16 : IN_DTYPE;   // e4m3 inputs give a bf16 O
 // The online softmax keeps a row's max until it rises by 2^8 (softmax.cuh, FT_RESCALE_LOG2), so most
-// K/V tiles skip O's rescale; e4m3's P (at most 448) keeps the exact max, and three consumers (their
-// 128-160 registers) too: the vote's state spilled 24 B at d=96 there.
-constexpr bool LAZY_RESCALE = !FP8 && CWG < 3;
+// K/V tiles skip O's rescale; e4m3's P (at most 448) keeps the exact max. Three consumers (their
+// 128-160 registers) keep it too where products are wider than 64 columns (the vote's state spilled
+// 24 B at d=96) and in a grid launch: at d=64 on the H100 the lazy max ran the persistent three
+// (split 32) 2-7% faster and the grid's (split 24, ping-pong) 1-3% slower (benchmarks/PERF_NOTES.md, "e2").
+constexpr bool LAZY_RESCALE = !FP8 && (CWG < 3 || (PROD_COLS <= 64 && PERSISTENT));
 using TO = typename Elem<OUT_DTYPE>::type;
 constexpr int BR = 64 * CWG;                 // query rows per block
 constexpr int NT = 128 * (CWG + 1);          // threads: producer warpgroup + consumers

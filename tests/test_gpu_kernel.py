@@ -422,8 +422,9 @@ def test_sm90_chained_work_tiles(dtype, causal):
 def test_sm90_rows_whose_max_keeps_rising(d, mask, dtype):
     """flash_fwd_sm90 keeps a row's softmax max until a tile's rises past it by 2^8 (softmax.cuh,
     FT_RESCALE_LOG2): scores that climb along the keys, by steps below and above that, up and down
-    the rows (some rows' max comes first, some last), against float64. Random inputs alone rarely
-    move a max after the first tiles."""
+    the rows (some rows' max comes first, some last), against float64: the default, a serial and an
+    overlapped config, and three persistent consumers where they fit (lazy at d <= 64 only). Random
+    inputs alone rarely move a max after the first tiles."""
     import torch
 
     from tuner.gpu import detect
@@ -456,6 +457,7 @@ def test_sm90_rows_whose_max_keeps_rising(d, mask, dtype):
     ref_o, ref_lse = attention_fp64(q, k, v, problem.mask, scale)
     valid = fam.valid_points(gpu, problem)
     picks = [fam.default(gpu, problem)] + [rng.choice([p for p in valid if p["overlap"] == o] or valid) for o in (0, 1)]
+    picks += [rng.choice(three)] if (three := [p for p in valid if p["cwg"] == 3 and p["persistent"]]) else []   # lazy at d <= 64
     for params in picks:
         o, lse = _run_inputs(fam, params, problem, q, k, v, with_lse=True)
         err = compare(o, lse, ref_o, ref_lse)
