@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|decode|decode-ship|varlen|varlen-ship|fa4bench|ab|sweep|profile|profile-fa4|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|decode|decode-ship|varlen|varlen-ship|fa4bench|ab|sweep|profile|profile-fa4|power|all]...
 # `tests` runs `pytest -m gpu` as eight processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -205,6 +205,10 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
             --section InstructionStats --section Occupancy --section LaunchStats --page raw --csv \
             python3 benchmarks/profile_vs_fa4.py ${PROFILE_FA4_SHAPES:---shape 1,32,8192,80,causal} \
             > "$OUT/profile-fa4.csv" 2> "$OUT/profile-fa4.log"; grep -v -i warn "$OUT/profile-fa4.log" | tail -n 4 ;;&
+    power) # the SM clock and board power while ours, cuDNN and FA4 (where brought) run back to back
+           # (benchmarks/power_state.py): how far the power cap sets each one's clock; POWER_SHAPES (--shape arguments)
+          python3 benchmarks/power_state.py ${POWER_SHAPES:---shape 1,16,16384,128} --json "$OUT/power.json" 2>&1 \
+            | grep -v -i warn | tee "$OUT/power.log" ;;&
     overhead|all) python3 benchmarks/overhead.py --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;&
     train|all) python3 benchmarks/train_step.py --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" ;;&
     tune|all) tuner precompile ${TUNE_ARGS:---gpu auto} 2>&1 | tail -2 | tee "$OUT/tune.log"
