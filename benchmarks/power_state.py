@@ -66,8 +66,7 @@ def contenders(problem, peers: list[str]) -> dict:
     from tuner.measure import prepare_peer, random_inputs
 
     q, k, v = random_inputs(problem, 0)
-    causal = problem.mask != "none"
-    fns = {"flashtune": lambda: tuner.attention(q, k, v, is_causal=causal, enable_gqa=problem.kv_heads != problem.heads)}
+    fns = {"flashtune": lambda: tuner.attention(q, k, v, mask=problem.mask)}
     for peer in peers:
         run, m = prepare_peer(peer, problem, 0)
         if run is None:
