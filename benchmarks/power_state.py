@@ -8,10 +8,10 @@ Why: the H100 SXM runs attention at its 700 W cap, so its SM clock is not the 19
 whatever the draw allows (1420-1640 MHz here), and a kernel's TFLOP/s is its work per clock times
 the clock its own power draw leaves. Two kernels at the same TFLOP/s can differ in both. This
 separates them: each contender (flashtune as `tuner.attention` serves the shape, then the peers,
-the same random inputs, checked once) runs back to back for `--seconds` without L2 flushes, after
-a second of rest, in two rounds, while `nvidia-smi` samples the clock, the power and the clock
-event reasons (0x4: the software power cap) every 50 ms; the first second of each run is left out
-(the clock settles). TFLOP/s per GHz against the tensor cores' dense peak per GHz (4096 FLOP a
+each checked against float64 first; the same random inputs) runs back to back for `--seconds`
+without L2 flushes, after a second of rest, in two rounds, while `nvidia-smi` samples the clock,
+the power and the clock event reasons (0x4: the software power cap) every 50 ms; the first second
+of each run is left out (the clock settles). TFLOP/s per GHz against the tensor cores' dense peak per GHz (4096 FLOP a
 clock an SM in 16 bits on Hopper) is the share of the peak a kernel keeps at the clock it runs.
 TFLOP/s here read 0-3% above `tuner bench` (no flushes, no rests between repetitions).
 """
