@@ -11,8 +11,9 @@ separates them: each contender (flashtune as `tuner.attention` serves the shape,
 each checked against float64 first; the same random inputs) runs back to back for `--seconds`
 without L2 flushes, after a second of rest, in two rounds, while `nvidia-smi` samples the clock,
 the power and the clock event reasons (0x4: the software power cap) every 50 ms; the first second
-of each run is left out (the clock settles). TFLOP/s per GHz against the tensor cores' dense peak per GHz (4096 FLOP a
-clock an SM in 16 bits on Hopper) is the share of the peak a kernel keeps at the clock it runs.
+of each run is left out (the clock settles). TFLOP/s per GHz against the tensor cores' dense peak
+per GHz (4096 FLOP a clock an SM in 16 bits on Hopper) is the share of the peak a kernel keeps at
+the clock it runs.
 TFLOP/s here read 0-3% above `tuner bench` (no flushes, no rests between repetitions).
 """
 
@@ -20,24 +21,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # ablate, beside this script
+
+from ablate import parse_sample, smi_fields  # noqa: E402
+
 PEAK_FLOP_PER_CLOCK_SM = {(9, 0): 4096}   # dense 16-bit wgmma: 1024 FLOP a clock per tensor core, 4 an SM
 
 
-def sampler() -> tuple[subprocess.Popen, list[tuple[float, list[str]]]]:
-    """nvidia-smi sampling the clock, power and clock event reasons every 50 ms, into a list."""
-    proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
-                             "--format=csv,noheader,nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True)
-    samples: list[tuple[float, list[str]]] = []
+def sampler() -> tuple[subprocess.Popen, list[tuple[float, float, float, int]]]:
+    """nvidia-smi sampling every 50 ms, read as it comes (each run is reported when it ends) into a
+    list of ablate.parse_sample's (epoch seconds, SM MHz, W, reason bits)."""
+    query = ["nvidia-smi", f"--query-gpu={smi_fields()}", "--format=csv,noheader,nounits", "-lms", "50"]
+    proc = subprocess.Popen(query, stdout=subprocess.PIPE, text=True)
+    samples: list[tuple[float, float, float, int]] = []
 
     def read() -> None:
         for line in proc.stdout:
-            samples.append((time.time(), [f.strip() for f in line.split(",")]))
+            if (sample := parse_sample(line)) is not None:
+                samples.append(sample)
 
     threading.Thread(target=read, daemon=True).start()
     return proc, samples
@@ -82,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.problem import Problem
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", action="append", default=[], help="a tuner --shape, B,H[:KVH],NQ[:NK],D[,MASK] (default 1,16,16384,128)")
+    ap.add_argument("--shape", action="append", default=[],
+                    help="a tuner --shape, B,H[:KVH],NQ[:NK],D[,MASK] (default 1,16,16384,128)")
     ap.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"))
     ap.add_argument("--peer", action="append", default=[], help="sdpa_cudnn, sdpa_flash, fa4 (default: sdpa_cudnn, fa4)")
     ap.add_argument("--seconds", type=float, default=3.0, help="each run's length; its first second is left out")
@@ -105,14 +114,14 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.synchronize()
                     time.sleep(1.0)
                     ms, t0, t1 = run_for(fn, a.seconds)
-                    window = [s for t, s in samples if t0 + 1.0 <= t <= t1]
+                    window = [x for x in samples if t0 + 1.0 <= x[0] <= t1]
                     if not window:
                         raise SystemExit("nvidia-smi gave no samples: is it on PATH and the GPU visible?")
-                    mhz = sum(float(s[0]) for s in window) / len(window)
+                    mhz = statistics.mean(x[1] for x in window)
                     tflops = problem.tflops(ms)
                     row = dict(problem=problem.key, kernel=name, round=rnd, ms=ms, tflops=tflops, sm_mhz=mhz,
-                               power_w=sum(float(s[1]) for s in window) / len(window),
-                               reasons=sorted({s[2] for s in window}), samples=len(window),
+                               power_w=statistics.mean(x[2] for x in window),
+                               reasons=sorted({hex(x[3]) for x in window}), samples=len(window),
                                tflops_per_ghz=tflops / (mhz / 1e3),
                                share_of_peak_per_clock=tflops * 1e12 / (peak * sms * mhz * 1e6) if peak else None)
                     rows.append(row)
