@@ -61,7 +61,7 @@ for step in $steps; do
                groups=("tests/test_gpu_op.py tests/test_tma.py tests/test_gpu_varlen.py" "$fam -k sm90" "$fam -k mma" "$fam -k simt"
                        "tests/test_gpu_kernel.py --deselect $fam --deselect $anyd" "$anyd"
                        "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py"
-                       "tests/test_gpu_shipped.py tests/test_gpu_tail.py tests/test_gpu_split_kv.py")
+                       "tests/test_gpu_shipped.py tests/test_gpu_tail.py tests/test_gpu_split_kv.py tests/test_gpu_pairs.py")
                i=0; for g in "${groups[@]}"; do i=$((i + 1))
                  FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -q -rA \
                    ${PYTEST_K:+-k "$PYTEST_K"} $g > "$OUT/pytest_gpu_$i.log" 2>&1 &
@@ -148,7 +148,7 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
     fa4bench) # the issue-22 figure: the standard grid (d=64/128/256) and the model shapes, served from the
               # shipped lookup of this GPU (FA4_LOOKUP: another), against SDPA flash, SDPA cuDNN and
               # FlashAttention-4 in the same run; FA4_WHAT narrows it ("bf16 fp16 models"); FA4_SHAPES (--shape
-              # arguments, in FA4_DTYPE, default bf16) benches just those, as "shapes" ($OUT/fa4-shapes.json)
+              # arguments, in FA4_DTYPE, default bf16) benches just those, as "shapes" ($OUT/fa4-shapes-<dtype>.json)
           lookup=${FA4_LOOKUP:-tuner/lookups/$(python3 -c 'from tuner.gpu import detect; print(detect().key.replace("/", "_"))').json}
           shapes() {   # the standard grid of dtype $1, as --shape arguments
             python3 -c "import sys; from tuner.problem import standard_grid as g; print(' '.join(f'--shape {p.batch},{p.heads},{p.seqlen_q},{p.head_dim}' + (',causal' if p.causal else '') for p in g(sys.argv[1])))" "$1"; }
@@ -159,7 +159,7 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
             dt=$(case $name in fp16) echo fp16 ;; shapes) echo "${FA4_DTYPE:-bf16}" ;; *) echo bf16 ;; esac)
             [ "$name" = shapes ] || case " ${FA4_WHAT:-bf16 fp16 models} " in *" $name "*) ;; *) continue ;; esac
             timeout ${FA4_BENCH_TIMEOUT:-280} python3 -m tuner.cli bench --gpu auto --dtype $dt $args --lookup "$lookup" \
-              --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name.json" 2>&1 \
+              --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name$([ "$name" = shapes ] && echo "-$dt").json" 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"
           done ;;&
     sweep) # every valid flash_fwd_sm90 point of SWEEP_SHAPES (bf16), one database: replay fixtures for sampler

@@ -68,6 +68,20 @@ def run_for(fn, seconds: float) -> tuple[float, float, float]:
     return start.elapsed_time(end) / n, t0, time.time()
 
 
+def held_run(fn, seconds: float, samples: list) -> tuple[float, list]:
+    """`fn` back to back for `seconds` after a second's rest: (ms per call, the nvidia-smi samples
+    of the run past its first second, when the clock has settled)."""
+    import torch
+
+    torch.cuda.synchronize()
+    time.sleep(1.0)
+    ms, t0, t1 = run_for(fn, seconds)
+    window = [x for x in samples if t0 + 1.0 <= x[0] <= t1]
+    if not window:
+        raise SystemExit("nvidia-smi gave no samples: is it on PATH and the GPU visible?")
+    return ms, window
+
+
 def contenders(problem, peers: list[str]) -> dict:
     """flashtune as `tuner.attention` serves `problem`, and each peer that runs it, on the same inputs."""
     import tuner
@@ -111,12 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
             for rnd in range(a.rounds):
                 for name, fn in fns.items():
-                    torch.cuda.synchronize()
-                    time.sleep(1.0)
-                    ms, t0, t1 = run_for(fn, a.seconds)
-                    window = [x for x in samples if t0 + 1.0 <= x[0] <= t1]
-                    if not window:
-                        raise SystemExit("nvidia-smi gave no samples: is it on PATH and the GPU visible?")
+                    ms, window = held_run(fn, a.seconds, samples)
                     mhz = statistics.mean(x[1] for x in window)
                     tflops = problem.tflops(ms)
                     row = dict(problem=problem.key, kernel=name, round=rnd, ms=ms, tflops=tflops, sm_mhz=mhz,

@@ -56,6 +56,14 @@
 // warp by warp, the later one folding the first's accumulators into its own (split_kv.cuh,
 // join_halves). For launches whose last round would leave SMs idle.
 //
+// CLUSTER 2 (flash_fwd_sm90_pairs; persistent, unmasked, 16-bit): CTAs in clusters of two run
+// neighbouring query blocks of one head, the cluster's work tiles from a static schedule
+// (tile_scheduler.cuh, pair_tile), and the K/V tiles they share reach both CTAs by TMA multicast:
+// CTA 0 brings each K tile, CTA 1 each V tile, so the pair reads each from L2 once. Both producers
+// wait for the stage and post its bytes on their own barrier (bytes may land before the post: the
+// phase cannot complete while the post's arrival is pending). A stage is refilled once both CTAs'
+// consumers have freed it: each consumer thread frees it in its own CTA, and each consumer warp's
+// lane 0 in the other CTA too (MULTICAST_FREES more arrivals there).
 // P_SMEM (three consumers on a 64-byte-panel tile, d = 72-96: FlashAttention-4's 192-row tiles
 // there): P goes through shared memory, not registers. Each consumer writes its P (64 rows x BC keys,
 // 16-bit, K-major in 128-byte panels of 64 keys) by stmatrix once its last P V has landed, and P V
@@ -63,7 +71,8 @@
 // Bc = 128 (O 48 + S 64 + P 32 + 32 of their 160 at d = 96).
 //
 // Set by the family spec: BC HEAD_DIM D_VALID PROD_COLS (flash_fwd_sm90.prod_cols) PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
-// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV, TAIL_SPLIT;
+// PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV, TAIL_SPLIT,
+// CLUSTER (1 where unset);
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, PROD_COLS} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
@@ -73,6 +82,10 @@
 #include "tile_scheduler.cuh"
 #include "split_kv.cuh"
 // <wgmma wrappers>
+
+#ifndef CLUSTER
+#define CLUSTER 1
+#endif
 
 constexpr bool FP8 = IN_DTYPE == FT_E4M3;
 using T = typename Elem<IN_DTYPE>::type;
@@ -117,6 +130,8 @@ constexpr int P_PANELS = (BC + 63) / 64;          // P_SMEM: 128-byte panels of 
 constexpr unsigned P_BYTES = 64 * 128 * P_PANELS;   // P_SMEM: one consumer's P
 constexpr int PREGS = P_SMEM ? 1 : PSTEPS;        // P's A fragments in registers (none used with P_SMEM)
 constexpr int P_BAR = 2 + CWG;                    // P_SMEM: consumer c's named barrier is P_BAR + c
+constexpr bool MULTICAST = CLUSTER > 1;           // K/V tiles shared by a cluster's two CTAs (above)
+constexpr int MULTICAST_FREES = MULTICAST ? CWG * 4 : 0;   // the other CTA's consumer warps, freeing a K/V stage
 
 static_assert(HEAD_DIM % PANEL_COLS == 0 && (ROW_BYTES == 128 || ROW_BYTES == 64 || ROW_BYTES == 32),
               "the tile's width in whole 128-, 64- or 32-byte panels");
@@ -135,12 +150,14 @@ static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three
 static_assert(!SPLIT_KV || (!PERSISTENT && !VARLEN && !TMA_STORE && !FP8), "split keys: one work tile per CTA, 16-bit inputs, O by ordinary stores");
 static_assert(!TAIL_SPLIT || (PERSISTENT && !IS_CAUSAL && !VARLEN && !CHAIN && !FP8 && !SPLIT_KV),
               "a cut tail: persistent, unmasked, unchained, 16-bit inputs");
+static_assert(!MULTICAST || (CLUSTER == 2 && PERSISTENT && !IS_CAUSAL && !VARLEN && !CHAIN && !FP8 && !SPLIT_KV),
+              "K/V multicast: pairs of persistent CTAs on the same K/V tiles (unmasked, unchained, 16-bit)");
 constexpr bool KEY_RANGES = SPLIT_KV || TAIL_SPLIT;   // a work tile may run a range of its K/V tiles
 #if SPLIT_KV
 constexpr int MERGE_BAR = 1 + CWG;   // the consumers' named barrier for the merge (ping-pong's are 1..CWG)
 #endif
 
-using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN, TAIL_SPLIT>;
+using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN, TAIL_SPLIT, MULTICAST>;
 using KvState = PipelineState<STAGES>;   // a role's place in the K/V (and V^T) rings
 using QState = PipelineState<QBUF>;      // in Q's buffers: the count of work tiles
 
@@ -220,20 +237,24 @@ template <class W> FT_DEVICE int kv_end(const W& w, const Sequence& seq) {
 
 // ---- the producer: each work tile's Q and K/V tiles, by TMA ----
 
-// K/V tile t of work tile w (at `p` in its ring) into `ring`, once the consumers freed the stage.
+// K/V tile t of work tile w (at `p` in its ring) into `ring`, once the consumers freed the stage
+// (MULTICAST: the copy into both CTAs comes from cluster CTA `source`).
 FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, MbarRing<STAGES>& bars, const KvState& p, int t, const RunTile& w,
-                       const Sequence& seq, bool leader) {
+                       const Sequence& seq, bool leader, unsigned source) {
   bars.acquire(p);
   if (!leader) return;
   bars.expect(p, KV_BYTES);
+  if (MULTICAST && cluster_rank() != source) return;   // the other CTA's copy brings the tile here too
 #if SPLIT_KV || TAIL_SPLIT
   t += w.t0;   // the split's tile t (not through kv_tile: where that folds to t, ptxas still placed the
                // producer's address arithmetic differently, and flash_fwd_sm90's SASS moved)
 #endif
 #pragma unroll
-  for (int panel = 0; panel < PANELS; ++panel)
-    tma_load_4d(ring + p.index() * BC * HEAD_DIM + panel * BC * PANEL_COLS, tmap, bars.full_bar(p), panel * PANEL_COLS,
-                seq.k0 + t * BC, w.hk, VARLEN ? 0 : w.b);
+  for (int panel = 0; panel < PANELS; ++panel) {
+    T* dst = ring + p.index() * BC * HEAD_DIM + panel * BC * PANEL_COLS;
+    if constexpr (MULTICAST) tma_load_4d_multicast(dst, tmap, bars.full_bar(p), panel * PANEL_COLS, seq.k0 + t * BC, w.hk, w.b, 0x3);
+    else tma_load_4d(dst, tmap, bars.full_bar(p), panel * PANEL_COLS, seq.k0 + t * BC, w.hk, VARLEN ? 0 : w.b);
+  }
 }
 
 // WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps them in
@@ -256,7 +277,7 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     const Sequence& seq = d.seq;
     // The first K goes ahead of Q: it only needs a free stage, while Q waits for the previous work
     // tile's last S. Then V runs one tile behind K, the order the consumers use them in.
-    load_kv(sm.k, tk, bar.k, kv, 0, w, seq, leader);
+    load_kv(sm.k, tk, bar.k, kv, 0, w, seq, leader, 0);
     const QState q{it};
     bar.q.acquire(q);
     if (leader) {
@@ -270,10 +291,10 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     // the cost of this body (two configs spilled 108 B when it grew, others halved their unroll).
 #pragma unroll 1
     for (int t = 1; t < w.ntiles; ++t) {
-      load_kv(sm.k, tk, bar.k, kv + t, t, w, seq, leader);
-      load_kv(sm.v, tv, bar.v, kv + (t - 1), t - 1, w, seq, leader);
+      load_kv(sm.k, tk, bar.k, kv + t, t, w, seq, leader, 0);
+      load_kv(sm.v, tv, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1);
     }
-    load_kv(sm.v, tv, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader);
+    load_kv(sm.v, tv, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1);
     kv.advance(w.ntiles);
   }
 }
@@ -435,10 +456,16 @@ struct Consumer {
     const int diag0 = w.q0 + wrow0 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0);   // the warp's first row's last key (the batch's: params, no register held)
     if (k0 + BC > kv_end(w, tile.seq) || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, k0, kv_end(w, tile.seq));
   }
+  // This thread is done with a K/V stage (MULTICAST: and, from lane 0, this warp in the other CTA,
+  // whose copy fills this stage's twin there).
+  FT_DEVICE void free_kv(MbarRing<STAGES>& ring, const KvState& p) {
+    ring.release(p);
+    if (MULTICAST && lane == 0) mbar_arrive_remote(&ring.empty[p.index()], cluster_rank() ^ 1);
+  }
   // S of tile t has landed: its K stage may be refilled and, after the last S, Q too, so the next
   // work tile's Q streams in under this one's last softmax, P V and epilogue.
   FT_DEVICE void release_k(int t) {
-    bar.k.release(kv + t);
+    free_kv(bar.k, kv + t);
     if (t == own - 1) bar.q.release(q);
   }
   // the first S of a work tile has landed: its softmax starts the tile's O
@@ -463,7 +490,9 @@ struct Consumer {
       return;
     }
 #elif TAIL_SPLIT
-    if (tile.cut >= 0 && !join_halves<DTILES>(out.split, tile.cut * (CWG * 4) + wrow0 / 16, acc.o, acc.m, acc.l, lane, scale_log2))
+    // a slot per cut, cluster CTA (MULTICAST: each runs its own block of the cut pair) and consumer warp
+    const int cut_slot = MULTICAST ? tile.cut * CLUSTER + static_cast<int>(cluster_rank()) : tile.cut;
+    if (tile.cut >= 0 && !join_halves<DTILES>(out.split, cut_slot * (CWG * 4) + wrow0 / 16, acc.o, acc.m, acc.l, lane, scale_log2))
       return;   // the first half of its cut tile here: its partial waits in the workspace for the second
 #endif
     if constexpr (TMA_STORE) {
@@ -482,7 +511,7 @@ struct Consumer {
   FT_DEVICE void pass(int from) {
     auto skip = [&](MbarRing<STAGES>& ring, int t) {
       ring.wait(kv + t);
-      ring.release(kv + t);
+      free_kv(ring, kv + t);
     };
     if (from == 0) bar.q.release(q);   // Q unread: free it at once
     if constexpr (OVERLAP) {
@@ -548,7 +577,7 @@ struct Consumer {
     const bool move = softmax_advance<NTILES, LAZY_RESCALE>(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
     wgmma_wait<0>();                                // P V of tile t-1 has landed
     wgmma_pin(acc.o);
-    pv.release(kv + (t - 1));
+    free_kv(pv, kv + (t - 1));
     make_p();                                       // before the branch: its packs run under the exp2s
     if (move) rescale_rows(acc.o, acc.alpha);
   }
@@ -590,7 +619,7 @@ struct Consumer {
     turn_end();
     wgmma_wait<CHAIN ? 1 : 0>();                      // this tile's last P V has landed
     wgmma_pin(acc.o);
-    pv.release(kv + (n - 1));
+    free_kv(pv, kv + (n - 1));
   }
 
   // The schedule of one work tile without overlap: per K/V tile, S, its softmax, then P V.
@@ -616,7 +645,7 @@ struct Consumer {
       turn_end();
       wgmma_wait<0>();
       wgmma_pin(acc.o);
-      pv.release(kv + t);
+      free_kv(pv, kv + t);
     }
   }
 
@@ -679,7 +708,12 @@ struct Consumer {
 };
 
 // The tensor maps of Q, K, V and O (read only with TMA_STORE) come by value (kernel_templates/sm90_tma.py).
-extern "C" __global__ void __launch_bounds__(NT, 1)
+#if CLUSTER > 1
+#define FT_CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
+#else
+#define FT_CLUSTER_DIMS
+#endif
+extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
     flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_k,
                    const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_o, int batch,
                    int* __restrict__ tile_counter FT_VARLEN_PARAMS FT_SPLIT_PARAMS) {
@@ -711,7 +745,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   // order (x fastest) is the scheduler's in that place (causal_tile); else (query block, batch-head)
   const int bhs = batch * heads;
   const bool sections = IS_CAUSAL && causal_sections(bhs);
-  const int n_qblk = (nq + BR - 1) / BR;   // PERSISTENT: the work tiles are n_qblk x batch-heads
+  // PERSISTENT: the work tiles are n_qblk x batch-heads (MULTICAST: pairs of query blocks)
+  const int n_qblk = (nq + CLUSTER * BR - 1) / (CLUSTER * BR);
   const int sec = sections ? section_heads(bhs, kv_group, nk, D_VALID * static_cast<int>(sizeof(T))) : 0;
   const int last = sections ? last_section(bhs, sec) : 0;
   const int2 grid_at = IS_CAUSAL && !PERSISTENT && sections
@@ -723,7 +758,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   const int *offsets_q = nullptr, *offsets_k = nullptr, packed = 0;
 #endif
 #if TAIL_SPLIT
-  const int from = tail_from, segs = tail_from < total ? static_cast<int>(gridDim.x) : 0;
+  const int from = tail_from, segs = tail_from < total ? static_cast<int>(gridDim.x) / CLUSTER : 0;   // a segment a cluster
 #else
   const int from = total, segs = 0;
 #endif
@@ -733,12 +768,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
   if (tid == 0) {
     bar.q.init(1, CWG * 128);
     bar.tiles.init(1, CWG * 128 + (FP8 ? TRANSPOSERS : 0));
-    bar.k.init(1, CWG * 128);
-    bar.v.init(1, FP8 ? TRANSPOSERS : CWG * 128);
+    bar.k.init(1, CWG * 128 + MULTICAST_FREES);
+    bar.v.init(1, FP8 ? TRANSPOSERS : CWG * 128 + MULTICAST_FREES);
     if constexpr (FP8) bar.vt.init(TRANSPOSERS, CWG * 128);
     mbar_fence_init();
   }
-  __syncthreads();
+  if constexpr (MULTICAST) cluster_sync();   // both CTAs' barriers set up before either copies into the other
+  else __syncthreads();
 
   if (wg == 0) {
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
@@ -771,4 +807,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1)
                smem_u32(sm.p) + cw * P_BYTES);
     c.run();
   }
+  // MULTICAST: the other CTA's consumers free stages here and its copies land here until it is done
+  if constexpr (MULTICAST) cluster_sync();
 }

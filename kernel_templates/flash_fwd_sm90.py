@@ -261,12 +261,17 @@ class FlashFwdSm90(KernelFamily):
         return _Sm90Args(64 * params["cwg"], params["Bc"], bool(params["tma_store"]), bool(params["persistent"]))
 
     def served_form(self, params: dict, gpu: GpuSpec, problem: Problem) -> tuple[KernelFamily, dict]:
-        # a persistent config runs its last two rounds cut (flash_fwd_sm90_tail.tail_form) where the
-        # last round would leave SMs idle; the variants made from this family (split, tail, varlen) run as they are
+        # a persistent config runs in clusters of two sharing K/V (flash_fwd_sm90_pairs.pairs_form, its
+        # tail cut too) where that pays, else its last two rounds cut (flash_fwd_sm90_tail.tail_form)
+        # where the last round would leave SMs idle; the variants made from this family (split, tail,
+        # pairs, varlen) run as they are
         if not self.cuts_tail:
             return self, params
+        from tuner.kernel_templates.flash_fwd_sm90_pairs import FAMILY as pairs
         from tuner.kernel_templates.flash_fwd_sm90_tail import FAMILY as tail
 
+        if (paired := pairs.pairs_form(params, gpu, problem)) is not None:
+            return pairs, paired
         cut = tail.tail_form(params, gpu, problem)
         return (self, params) if cut is None else (tail, cut)
 

@@ -95,6 +95,10 @@ class TailFlashFwdSm90(FlashFwdSm90):
             return None
         return params
 
+    def cut_of_launch(self, params: dict, problem: Problem, ctas: int) -> tuple[int, tuple[int, int]]:
+        """A launch's first cut tile and its workspace's size (tail_of_launch), for its CTAs."""
+        return tail_of_launch(params, problem, ctas)
+
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         # then the first cut tile, the first halves' partials, (an unused LSE slot) and their counters
         return super().param_kinds(params) + ("i32", "ptr", "ptr", "ptr")
@@ -133,7 +137,7 @@ class _TailArgs(_Sm90Args):
         from tuner.dispatch import problem_of
 
         (ctas, _, _), _ = call_grid(self._family, self._params, q, k)
-        return (inner, *tail_of_launch(self._params, problem_of(q, k, k, False), ctas))
+        return (inner, *self._family.cut_of_launch(self._params, problem_of(q, k, k, False), ctas))
 
     def values(self, bound, pointers, q):
         inner, first, (floats, counters) = bound

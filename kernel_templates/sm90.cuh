@@ -25,6 +25,30 @@ FT_DEVICE void mbar_wait(unsigned long long* bar, unsigned parity) {
       "@!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
 }
 
+// ---- clusters (thread block clusters of sm_90) ----
+// This CTA's rank in its cluster.
+FT_DEVICE unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// An arrival on the mbarrier at `bar`'s offset in the shared memory of cluster CTA `rank`, with
+// mbarrier.arrive's default ordering (release at CTA scope): what it signals is that this warp's
+// wgmma reads of a stage are done, which their wait already saw; a cluster-scope release made each
+// warp wait for its own earlier memory accesses first (0.79x on the H100, PERF_NOTES "c1").
+FT_DEVICE void mbar_arrive_remote(unsigned long long* bar, unsigned rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(smem_u32(bar)), "r"(rank)
+      : "memory");
+}
+// Every thread of every CTA of the cluster, until all have arrived: the cluster's barriers are then
+// initialised (before the first copy into another CTA), or no longer used (before a CTA exits).
+FT_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // ---- TMA: a 4-d box (d, n, h, b) of a tensor map ----
 // A map is a kernel parameter passed by value (`const __grid_constant__ TmaMap`), so it lives in
 // parameter space: the launch carries it, and no fence is needed before the copy engine reads it.
@@ -39,6 +63,15 @@ FT_DEVICE void tma_load_4d(void* dst, const void* tmap, unsigned long long* bar,
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
       ::"r"(smem_u32(dst)), "l"(tmap), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+// The same box into this shared-memory offset of every CTA of the cluster in `ctas` (a bit per CTA
+// rank), each CTA's mbarrier at `bar`'s offset counting the bytes it receives.
+FT_DEVICE void tma_load_4d_multicast(void* dst, const void* tmap, unsigned long long* bar, int c0, int c1, int c2, int c3,
+                                     unsigned short ctas) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;\n"
+      ::"r"(smem_u32(dst)), "l"(tmap), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(ctas) : "memory");
 }
 // Bulk tensor store of a shared-memory box to global memory (rows past the map's bounds are not
 // written); completion is tracked per thread in bulk groups.

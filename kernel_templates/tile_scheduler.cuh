@@ -104,6 +104,14 @@ FT_DEVICE void sign_off(int* counter) {
     atomicExch(counter + 1, 0);
   }
 }
+// PAIRS (clusters of two CTAs sharing each K/V tile, flash_fwd_sm90's CLUSTER): both CTAs of a
+// cluster must run the same K/V tiles in the same order, so the cluster's tiles come from a static
+// schedule rather than the counter: its it-th is the cluster's index plus `it` times the clusters.
+// A tile is then a pair of neighbouring query blocks of one head, one a CTA (TileScheduler::work).
+// The tiles are equal (unmasked), so the static order ends as evenly as the counter's.
+FT_DEVICE int pair_tile(int it) {
+  return static_cast<int>(blockIdx.x) / 2 + it * (static_cast<int>(gridDim.x) / 2);
+}
 // a tile >= total means the CTA is done, and it has then signed off on the counter
 FT_DEVICE int next_tile_dynamic(int* counter, int it, int total) {
   const int tile = fetch_tile(counter, it);
@@ -188,9 +196,14 @@ struct DrawnTile {
 // one's sequence as it draws it, walking on from the last (a CTA's tiles only grow), and publishes
 // the tile as (its place in its sequence, the sequence); past the last sequence it publishes -1.
 // TAIL (DYNAMIC, unmasked): the tiles from `from` on are cut into segments' pieces (TailPiece).
-template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool PACKED, bool TAIL = false>
+// PAIRS (DYNAMIC, unmasked): the tiles are pairs of query blocks (`n_qblk` pairs a batch-head), drawn by
+// pair_tile, and each CTA of a cluster runs its own block of the pair; with TAIL the pairs are cut,
+// one segment a cluster.
+template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool PACKED, bool TAIL = false,
+          bool PAIRS = false>
 struct TileScheduler {
   static_assert(!TAIL || (DYNAMIC && !PACKED && !CAUSAL), "a cut tail: persistent, equal (unmasked) work tiles");
+  static_assert(!PAIRS || (DYNAMIC && !PACKED && !CAUSAL), "pairs of CTAs: persistent, equal (unmasked) work tiles");
   int qblk, bh;              // the grid's tile (not DYNAMIC)
   int n_qblk, total;         // query blocks per batch-head; work tiles (DYNAMIC, not PACKED; 1 on the grid)
   int heads, kv_group;
@@ -213,7 +226,9 @@ struct TileScheduler {
     if constexpr (PACKED && DYNAMIC) {
       at = make_int2(d.tile / heads, d.tile % heads);   // batch 0 of the packed views
     } else if constexpr (DYNAMIC) {
-      at = CAUSAL && sections ? causal_tile(d.tile, n_qblk, bhs, sec, last) : make_int2(d.tile % n_qblk, d.tile / n_qblk);
+      at = CAUSAL && sections ? causal_tile(d.tile, n_qblk, bhs, sec, last)
+           : PAIRS           ? make_int2(2 * (d.tile % n_qblk) + static_cast<int>(blockIdx.x & 1), d.tile / n_qblk)
+                             : make_int2(d.tile % n_qblk, d.tile / n_qblk);
     }
     WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(at.x, at.y, heads, kv_group, d.seq.nq, d.seq.nk);
     if constexpr (PACKED) w.ntiles = max(1, w.ntiles);
@@ -240,7 +255,8 @@ struct TileScheduler {
           const int n = kv_tiles();
           d.hi = n;
           if (cut.next == cut.count) {   // the drawn segment is done (or none was): draw from the counter
-            d.tile = next_tile_dynamic(counter, cut.fetches++, from + segs);   // a whole tile, a segment or none
+            // a whole tile, a segment or none
+            d.tile = PAIRS ? pair_tile(cut.fetches++) : next_tile_dynamic(counter, cut.fetches++, from + segs);
             if (d.tile >= from + segs) d.tile = total;
             cut.count = 0;
             if (d.tile >= from && d.tile < total) {
@@ -283,7 +299,7 @@ struct TileScheduler {
         }
       } else {
         if (leader) {
-          d.tile = next_tile_dynamic(counter, it, total);
+          d.tile = PAIRS ? pair_tile(it) : next_tile_dynamic(counter, it, total);
           ring.tile[slot.index()] = d.tile;
           ring.commit(slot);
         }

@@ -249,7 +249,7 @@ def test_every_family_runs_every_mask():
 def test_mask_defines_and_what_they_change_in_the_source(fam):
     """IS_CAUSAL is set for either diagonal, MASK_BR for the bottom-right one only, and the two
     renderings of a point differ in that one define line (the diagonal's shift is computed in the
-    kernel from its runtime nq and nk). An unmasked-only family (flash_fwd_sm90_tail) builds none."""
+    kernel from its runtime nq and nk). An unmasked-only family (flash_fwd_sm90_tail, _pairs) builds none."""
     tl = Problem(1, 4, min(128, fam.max_queries or 128), 512, 64, "bf16", "causal")
     params = fam.default(H100_SXM, tl)
     full, br = replace(tl, mask="none"), replace(tl, mask="causal_br")
@@ -263,7 +263,7 @@ def test_mask_defines_and_what_they_change_in_the_source(fam):
 
 def test_an_unmasked_only_family_builds_no_diagonal():
     only = [f for f in FAMILIES.values() if "causal" not in f.masks]
-    assert [f.name for f in only] == ["flash_fwd_sm90_tail"]
+    assert [f.name for f in only] == ["flash_fwd_sm90_tail", "flash_fwd_sm90_pairs"]
     for fam in only:
         full = Problem(1, 4, 128, 512, 64, "bf16")
         d = fam.defines(fam.default(H100_SXM, full), full)

@@ -85,33 +85,47 @@ def test_cut_tail_replays_in_a_cuda_graph(cut_any):
 def test_attention_serves_a_persistent_config_with_its_tail_cut(tmp_path):
     """A lookup entry of a persistent flash_fwd_sm90 config serves an unmasked call whose last round
     is part-full in the cut form (the plan's family says so), O and the LSE against float64."""
+    from tuner.family import ceil_div
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.kernel_templates.flash_fwd_sm90_tail import tail_from
+
+    gpu, sm90, tail = detect(), get_family("flash_fwd_sm90"), get_family("flash_fwd_sm90_tail")
+    # 2 x 100 tiles of 128 rows, 24 K/V tiles each: 1.5 rounds on 132 SMs, cut under the shipped rule
+    # (and too few keys for pairs of CTAs, which serve 4096 keys or more: test_gpu_pairs.py)
+    problem = Problem(1, 2, 100 * 128 - 37, 3001, 128, "bf16", "none", 1)
+    params = next(p for p in sm90.seeds(gpu, problem) if p["persistent"] and not p["chain"] and p["cwg"] == 2
+                  and p["Bc"] == 128 and tail.check(p, gpu, problem) is None)
+    assert tail_from(problem.query_blocks(128), gpu.sm_count, ceil_div(problem.seqlen_k, 128)) < problem.query_blocks(128)
+    assert_served_in_form(tmp_path, problem, params, tail.name)
+
+
+def assert_served_in_form(tmp_path, problem: Problem, params: dict, family: str, token_major: bool = False) -> None:
+    """A lookup of one flash_fwd_sm90 entry (`params`, tuned on `problem`) serves `problem` through
+    `attention` in the form `family` (the plan says so), O and the LSE against float64; inputs
+    head-major or (token_major) (B, H, N, D) views of (B, N, H, D) storage."""
     import torch
 
     from tuner import dispatch
     from tuner.export import lookup_of, write_lookup
     from tuner.gpu import detect
-    from tuner.kernel_templates import get_family
     from tuner.reference import attention_fp64, compare
 
-    from tuner.family import ceil_div
-    from tuner.kernel_templates.flash_fwd_sm90_tail import tail_from
-
-    gpu, sm90, tail = detect(), get_family("flash_fwd_sm90"), get_family("flash_fwd_sm90_tail")
-    # 2 x 100 tiles of 128 rows, 71 K/V tiles each: 1.5 rounds on 132 SMs, cut under the shipped rule
-    problem = Problem(1, 2, 100 * 128 - 37, 9001, 128, "bf16", "none", 1)
-    params = next(p for p in sm90.seeds(gpu, problem) if p["persistent"] and not p["chain"] and p["cwg"] == 2
-                  and p["Bc"] == 128 and tail.check(p, gpu, problem) is None)
-    assert tail_from(problem.query_blocks(128), gpu.sm_count, ceil_div(problem.seqlen_k, 128)) < problem.query_blocks(128)
+    gpu, d = detect(), problem.head_dim
     path = tmp_path / "lookup.json"
-    write_lookup(lookup_of(gpu.key, [(problem, sm90.name, params, 1.0)]), path)
-    d = dispatch.reset(path)
+    write_lookup(lookup_of(gpu.key, [(problem, "flash_fwd_sm90", params, 1.0)]), path)
+    disp = dispatch.reset(path)
     try:
-        q = torch.randn(problem.batch, problem.heads, problem.seqlen_q, 128, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(problem.batch, problem.kv_heads, problem.seqlen_k, 128, device="cuda", dtype=torch.bfloat16)
-                for _ in range(2))
-        o, lse = d(q, k, v, "none", return_lse=True)
-        assert d.plan(q, k, v, "none").family == "flash_fwd_sm90_tail"
-        ref_o, ref_lse = attention_fp64(q, k, v, "none", 1.0 / math.sqrt(128))
+        def draw(heads, n):
+            if token_major:
+                return torch.randn(problem.batch, n, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            return torch.randn(problem.batch, heads, n, d, device="cuda", dtype=torch.bfloat16)
+
+        q = draw(problem.heads, problem.seqlen_q)
+        k, v = draw(problem.kv_heads, problem.seqlen_k), draw(problem.kv_heads, problem.seqlen_k)
+        assert disp.plan(q, k, v, "none").family == family
+        o, lse = disp(q, k, v, "none", return_lse=True)
+        ref_o, ref_lse = attention_fp64(q, k, v, "none", 1.0 / math.sqrt(d))
         err = compare(o, lse, ref_o, ref_lse)
         assert err.within(problem.rel_budget, problem.lse_budget), err
     finally:

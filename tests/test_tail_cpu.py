@@ -16,6 +16,9 @@ from tuner.problem import Problem
 TAIL = get_family("flash_fwd_sm90_tail")
 SM90 = get_family("flash_fwd_sm90")
 GRID_D128 = Problem(1, 16, 16384, 16384, 128, "bf16")   # 2048 tiles of 128 rows: 15.5 rounds on 132 SMs
+# served in pairs of CTAs, not this form (flash_fwd_sm90_pairs: d >= 128 with 4096 keys or more);
+# this one is cut and not paired: 140 tiles of 128 rows (1.06 rounds), 18 K/V tiles of 176 keys each
+TAIL_ONLY = Problem(1, 10, 1792, 3000, 128, "bf16")
 PERSISTENT = {"Bc": 176, "chain": 0, "cwg": 2, "overlap": 1, "persistent": 1, "pingpong": 0, "split": 40, "stages": 2,
               "tma_store": 0}
 
@@ -105,16 +108,18 @@ def test_dispatcher_serves_a_persistent_entry_with_its_tail_cut(tmp_path):
     from tuner.dispatch import Dispatcher
     from tuner.export import lookup_of, write_lookup
 
-    def served(params, problem):
+    def served(params, problem, tuned=TAIL_ONLY):
         path = tmp_path / f"lookup-{len(list(tmp_path.iterdir()))}.json"
-        write_lookup(lookup_of(H100_SXM.key, [(GRID_D128, SM90.name, params, 600.0)]), path)
+        write_lookup(lookup_of(H100_SXM.key, [(tuned, SM90.name, params, 600.0)]), path)
         return Dispatcher(path).select(problem, H100_SXM)
 
-    e = served(PERSISTENT, GRID_D128)
+    e = served(PERSISTENT, TAIL_ONLY)
     assert e["family"] == TAIL.name and e["params"] == PERSISTENT
-    same_bucket_whole = Problem(1, 33, 4096, 16384, 128, "bf16")   # 33 x 32 = 1056 tiles: 8 whole rounds
+    same_bucket_whole = Problem(1, 11, 1536, 3000, 128, "bf16")   # 11 x 12 = 132 tiles: one whole round
+    assert same_bucket_whole.bucket() == TAIL_ONLY.bucket()
     assert served(PERSISTENT, same_bucket_whole)["family"] == SM90.name
-    assert served(dict(PERSISTENT, persistent=0), GRID_D128)["family"] == SM90.name
+    assert served(dict(PERSISTENT, persistent=0), TAIL_ONLY)["family"] == SM90.name
+    assert served(PERSISTENT, GRID_D128, GRID_D128)["family"] == "flash_fwd_sm90_pairs"   # paired, its tail cut there
 
 
 @pytest.mark.parametrize("d", [64, 80, 128, 256])
@@ -123,18 +128,24 @@ def test_seeds_compile_for_sm90a_without_spills(d):
     at this head dim, with no spill, no stack and no warning: the segment's bounds cost the
     persistent producer registers (64-bit ones spilled 52 B at split 40), the halves' join the
     consumers."""
+    assert compile_unmasked_seeds_and_shipped(TAIL, d) or d == 256, "no persistent config to cut at this head dim"
+
+
+def compile_unmasked_seeds_and_shipped(fam, d: int) -> int:
+    """Compiles `fam`'s seeds and the shipped unmasked configs at head dim d that it runs, asserting
+    no spill, no stack and no warning from ptxas; how many it compiled."""
     from test_compile import SEED_RESOURCES
     from tuner.compile import compile_kernel
 
     problem = Problem(1, 16, 8192, 8192, d, "bf16")
-    points = TAIL.seeds(H100_SXM, problem)
+    points = fam.seeds(H100_SXM, problem)
     points += [p for pr, p, _ in SEED_RESOURCES.shipped_configs() if pr.head_dim == d and pr.mask == "none"]
-    points = list({str(sorted(p.items())): p for p in points if TAIL.check(p, H100_SXM, problem) is None}.values())
-    assert points or d == 256, "no persistent config to cut at this head dim"
+    points = list({str(sorted(p.items())): p for p in points if fam.check(p, H100_SXM, problem) is None}.values())
     for params in points:
-        ck = compile_kernel(TAIL, params, problem, H100_SXM.arch)
+        ck = compile_kernel(fam, params, problem, H100_SXM.arch)
         assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (params, ck.resources)
         assert "warning" not in ck.log and "C75" not in ck.log, ck.log
+    return len(points)
 
 
 def test_a_launch_binds_the_cut_and_the_workspace_of_its_own_ctas():
@@ -154,12 +165,13 @@ def test_the_plain_family_runs_its_persistent_configs_cut_and_its_variants_as_th
     split, the tail itself, the varlen variant) run as they are."""
     from tuner.kernel_templates import VARIANTS_BY_NAME
 
-    assert SM90.served_form(PERSISTENT, H100_SXM, GRID_D128) == (TAIL, PERSISTENT)
+    assert SM90.served_form(PERSISTENT, H100_SXM, TAIL_ONLY) == (TAIL, PERSISTENT)
     grid = dict(PERSISTENT, persistent=0)
-    assert SM90.served_form(grid, H100_SXM, GRID_D128) == (SM90, grid)
-    whole = Problem(1, 132, 128, 4096, 128, "bf16")
+    assert SM90.served_form(grid, H100_SXM, TAIL_ONLY) == (SM90, grid)
+    whole = Problem(1, 132, 128, 4000, 128, "bf16")   # one whole round (and too few keys for pairs)
     assert SM90.served_form(PERSISTENT, H100_SXM, whole) == (SM90, PERSISTENT)
-    for fam in (TAIL, get_family("flash_fwd_sm90_split"), VARIANTS_BY_NAME["flash_fwd_sm90_varlen"]):
+    for fam in (TAIL, get_family("flash_fwd_sm90_pairs"), get_family("flash_fwd_sm90_split"),
+                VARIANTS_BY_NAME["flash_fwd_sm90_varlen"]):
         assert fam.served_form(PERSISTENT, H100_SXM, GRID_D128) == (fam, PERSISTENT)
 
 
@@ -188,10 +200,10 @@ def test_a_search_times_and_compiles_a_point_as_it_is_served():
     runner._worker = SimpleNamespace(run=run, timeout=1.0)
     runner._compilers = SimpleNamespace(submit=lambda fn, args: submitted.append(args[:2]))
     grid = dict(PERSISTENT, persistent=0)
-    runner.measure(SM90, PERSISTENT, GRID_D128)
-    runner.measure(SM90, grid, GRID_D128)
-    runner.bench(SM90, PERSISTENT, GRID_D128, ())
-    runner.prefetch(SM90, [PERSISTENT, grid], GRID_D128)
+    runner.measure(SM90, PERSISTENT, TAIL_ONLY)
+    runner.measure(SM90, grid, TAIL_ONLY)
+    runner.bench(SM90, PERSISTENT, TAIL_ONLY, ())
+    runner.prefetch(SM90, [PERSISTENT, grid], TAIL_ONLY)
     assert compiled == [(TAIL.name, PERSISTENT), (SM90.name, grid), (TAIL.name, PERSISTENT)]
     assert jobs == [("kernel", TAIL.name, PERSISTENT), ("kernel", SM90.name, grid), ("bench", TAIL.name, PERSISTENT)]
     assert submitted == [(TAIL.name, PERSISTENT), (SM90.name, grid)]

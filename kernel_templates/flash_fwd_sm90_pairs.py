@@ -1,0 +1,82 @@
+"""flash_fwd_sm90_pairs: persistent flash_fwd_sm90 in clusters of two CTAs sharing each K/V tile.
+
+At bf16 d=128 N=16k every work tile streams its head's whole K and V from L2 (8 MB for each of
+2,048 query blocks: ~5 TB/s of L2 reads at 690 TFLOP/s), and the H100 runs the kernel at its 700 W
+power cap, so what the chip spends on those reads comes off the SM clock (benchmarks/PERF_NOTES.md,
+"pw1"). Here two CTAs of a cluster run neighbouring query blocks of one head and receive each K/V
+tile by one TMA multicast (CTA 0 brings K, CTA 1 V): half the L2 reads. The grid form of this
+(c1, withdrawn) ran the same grid config 1.01-1.04x at N=16k but tied the persistent configs the
+lookup served; this is the persistent form, with the last rounds cut as flash_fwd_sm90_tail cuts
+them (a segment a cluster, over pairs of query blocks).
+
+The cluster's tiles come from a static schedule (tile_scheduler.cuh, pair_tile): both CTAs must run
+the same K/V tiles in the same order, and the work tiles are equal (unmasked only), so the static
+order ends as evenly as the counter's. Like the cut tail, it assumes every cluster of the launch is
+resident at once (one CTA an SM, the grid at most the SMs: a cut tile's second half waits for its
+first).
+
+Not searched on its own: a persistent unmasked flash_fwd_sm90 config runs in this form where
+`pairs_form`'s rule says it pays (head dims of 128 and up, 4096 keys or more), both where the
+dispatcher serves it and where a search times it (FlashFwdSm90.served_form).
+"""
+
+from __future__ import annotations
+
+from tuner.family import ceil_div
+from tuner.gpu import GpuSpec
+from tuner.kernel_templates.flash_fwd_sm90 import tile_dim
+from tuner.kernel_templates.flash_fwd_sm90_tail import TailFlashFwdSm90, tail_from, tail_workspace_size
+from tuner.launch import Launch
+from tuner.problem import Problem
+
+CLUSTER = 2
+# Where pairs pay, measured on the H100 (PERF_NOTES "c2", benchmarks/pairs_ab.py, the served config
+# against its pairs form in turns): at d=128 with 4096 keys or more, 1.02-1.05x (bf16 N=16k 1.03x,
+# its clock 1424 -> 1496 MHz at the 700 W cap); at N=1024 0.98x, and at d=64 0.93-1.00x, where the
+# L2 reads they halve are a smaller share of the work and the cluster's lockstep costs more.
+PAIRS_MIN_KEYS = 4096
+PAIRS_MIN_TILE_DIM = 128
+
+
+def pair_tiles(params: dict, problem: Problem) -> int:
+    """The launch's work tiles: pairs of query blocks (the last one's second block may be past N) of
+    each batch-head."""
+    return ceil_div(problem.seqlen_q, CLUSTER * 64 * params["cwg"]) * problem.batch * problem.heads
+
+
+class PairsFlashFwdSm90(TailFlashFwdSm90):
+    name = "flash_fwd_sm90_pairs"
+    dtypes = ("fp16", "bf16")
+    masks = ("none",)   # both CTAs run the same K/V tiles: equal (unmasked) work tiles
+
+    def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        return (f"{self.name} is flash_fwd_sm90's persistent configs in clusters of two: the dispatcher "
+                f"serves them in that form (pairs_form), a search tunes flash_fwd_sm90")
+
+    def defines(self, params: dict, problem: Problem) -> dict[str, int]:
+        return {**super().defines(params, problem), "CLUSTER": CLUSTER}
+
+    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
+        plain = super().launch(params, problem, gpu)
+        clusters = min(pair_tiles(params, problem), gpu.sm_count // CLUSTER)
+        return Launch(grid=(CLUSTER * clusters, 1, 1), block=plain.block, smem_bytes=plain.smem_bytes)
+
+    def pairs_form(self, plain: dict, gpu: GpuSpec, problem: Problem) -> dict | None:
+        """flash_fwd_sm90's config `plain` as it serves `problem`, in this family: where it runs so
+        (persistent, unchained, unmasked 16-bit, the registers a cut tail needs) and the rule above
+        says it pays; else None. The SMs must pair up into clusters (an even count; every cluster
+        of the launch resident at once, as on the H100 and H200)."""
+        if (tile_dim(problem) < PAIRS_MIN_TILE_DIM or problem.seqlen_k < PAIRS_MIN_KEYS or gpu.sm_count % CLUSTER
+                or self.check(plain, gpu, problem) is not None):
+            return None
+        return dict(plain)
+
+    def cut_of_launch(self, params: dict, problem: Problem, ctas: int) -> tuple[int, tuple[int, int]]:
+        """The first cut pair (tail_from over pairs and clusters) and the workspace's size: a slot per
+        cut, CTA of the cluster and consumer warp, so the cut tail's size for the same CTAs."""
+        tiles, clusters = pair_tiles(params, problem), ctas // CLUSTER
+        first = tail_from(tiles, clusters, ceil_div(problem.seqlen_k, params["Bc"]))
+        return first, tail_workspace_size(params, problem, ctas if first < tiles else 0)
+
+
+FAMILY = PairsFlashFwdSm90()
