@@ -8,8 +8,8 @@ cuts: what `attention` served before pairs), the same config in pairs (a grid en
 persistent, split 24 -> 40 as persistent producers need), and the peers, on the same inputs, each
 checked against float64 first, then timed in turns with L2 flushed (tuner.timing.Timer,
 docs/benchmarks.md). With --power S each one also runs back to back for S seconds while nvidia-smi
-samples the SM clock and the board power (power_state.py's method): whether halving the L2 reads lowers the draw and raises the clock at the
-H100's 700 W cap (PERF_NOTES "pw1", "c2").
+samples the SM clock and the board power (power_state.py's method): whether halving the L2 reads
+lowers the draw and raises the clock at the H100's 700 W cap (PERF_NOTES "pw1", "c2").
 """
 
 from __future__ import annotations
@@ -26,36 +26,36 @@ DEFAULT_SHAPES = ["1,16,16384,128", "4,16,4096,128", "1,8,16384,256", "4,8,4096,
                   "4,32,4096,64"]
 
 
-def sides(problem, lookup: str | None, gpu) -> dict[str, tuple]:
-    """(family, params) of the served entry in its single-CTA form (the cut tail where it cuts) and
-    in pairs (wherever that runs, whatever pairs_form's rule says); empty where no flash_fwd_sm90
-    config serves the shape or its pairs form cannot run."""
-    from tuner import dispatch
+def sides(problem, dispatcher, gpu) -> dict[str, tuple]:
+    """(family, params) of the entry `dispatcher` serves in its single-CTA form (the cut tail where it
+    cuts) and in pairs (wherever that runs, whatever pairs_form's rule says); empty where no
+    flash_fwd_sm90 config serves the shape or its pairs form cannot run."""
     from tuner.kernel_templates import get_family
-    from tuner.kernel_templates.flash_fwd_sm90 import VarlenFlashFwdSm90
     from tuner.kernel_templates.flash_fwd_sm90_pairs import FAMILY as PAIRS
     from tuner.kernel_templates.flash_fwd_sm90_tail import FAMILY as TAIL
 
-    entry = dispatch.reset(lookup).select(problem, gpu)
+    entry = dispatcher.select(problem, gpu)
     if entry is None or not entry["family"].startswith("flash_fwd_sm90"):
         return {}
-    params = entry["params"]
+    params, sm90 = entry["params"], get_family("flash_fwd_sm90")
     cut = TAIL.tail_form(params, gpu, problem)
-    single = (TAIL, cut) if cut is not None else (get_family("flash_fwd_sm90"), params)
-    pairs = VarlenFlashFwdSm90.schedule(params, True, problem)
+    single = (TAIL, cut) if cut is not None else (sm90, params)
+    pairs = sm90.schedule(params, True, problem)
     return {"served": single} | ({"pairs": (PAIRS, pairs)} if PAIRS.check(pairs, gpu, problem) is None else {})
 
 
 def main(argv: list[str] | None = None) -> int:
     from power_state import held_run, sampler
     from tuner.compile import compile_kernel
+    from tuner.dispatch import Dispatcher
     from tuner.gpu import detect
     from tuner.measure import measure_prepared, prepare_kernel, prepare_peer
     from tuner.problem import Problem
     from tuner.timing import Timer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lookup", help="the lookup to serve from (default: this GPU's shipped one)")
+    ap.add_argument("--lookup",
+                    help="the lookup to serve from (default: what `attention` serves: yours, then the shipped ones)")
     ap.add_argument("--shape", action="append", default=[], help="a tuner --shape, unmasked (repeatable)")
     ap.add_argument("--dtype", default="bf16", choices=("fp16", "bf16"))
     ap.add_argument("--peer", action="append", default=[], help="sdpa_cudnn, sdpa_flash, fa4 (default fa4)")
@@ -65,16 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     gpu = detect()
-    lookup = a.lookup or str(Path(__file__).resolve().parents[1] / "tuner" / "lookups" / f"{gpu.key.replace('/', '_')}.json")
+    dispatcher = Dispatcher(a.lookup)
     timer = Timer(gpu.l2_bytes, target_seconds=a.seconds, max_reps=2000)
     proc, samples = sampler() if a.power else (None, [])
     rows = []
     try:
         for shape in a.shape or DEFAULT_SHAPES:
             problem = Problem.parse(shape, a.dtype)
-            ours = sides(problem, lookup, gpu)
+            ours = sides(problem, dispatcher, gpu)
             if "pairs" not in ours:
-                print(f"{problem.key}: no pairs form of what is served ({ours.get('served')})")
+                fam, params = ours.get("served", (None, None))
+                print(f"{problem.key}: no pairs form of what is served ({fam and fam.name} {params})")
                 continue
             prepared = {name: prepare_kernel(fam, ps, problem, compile_kernel(fam, ps, problem, gpu.arch), 0, gpu)
                         for name, (fam, ps) in ours.items()}

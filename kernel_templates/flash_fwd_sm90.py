@@ -260,6 +260,18 @@ class FlashFwdSm90(KernelFamily):
     def arg_maker(self, params: dict):
         return _Sm90Args(64 * params["cwg"], params["Bc"], bool(params["tma_store"]), bool(params["persistent"]))
 
+    @staticmethod
+    def schedule(params: dict, persistent: bool, problem: Problem) -> dict:
+        """`params` run persistent or on the grid, with a producer split that schedule allows: the
+        persistent producer's state needs more than 24 registers (32 only for FA3's 192-row tile at
+        d=64, 40 elsewhere), and split 32 exists only for that persistent producer (24 on the grid)."""
+        split = params["split"]
+        if persistent and split == 24:
+            split = 32 if params["cwg"] == 3 and problem.head_dim == 64 else 40
+        elif not persistent and split == 32:
+            split = 24
+        return dict(params, persistent=int(persistent), split=split)
+
     def served_form(self, params: dict, gpu: GpuSpec, problem: Problem) -> tuple[KernelFamily, dict]:
         # a persistent config runs in clusters of two sharing K/V (flash_fwd_sm90_pairs.pairs_form, its
         # tail cut too) where that pays, else its last two rounds cut (flash_fwd_sm90_tail.tail_form)
@@ -327,18 +339,6 @@ class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
         if self.register_estimate(persistent, problem) <= consumer_regs(persistent["cwg"], persistent["split"]):
             return persistent
         return self.schedule(persistent, False, problem)
-
-    @staticmethod
-    def schedule(params: dict, persistent: bool, problem: Problem) -> dict:
-        """`params` run persistent or on the grid, with a producer split that schedule allows: the
-        persistent producer's state needs more than 24 registers (32 only for FA3's 192-row tile at
-        d=64, 40 elsewhere), and split 32 exists only for that persistent producer (24 on the grid)."""
-        split = params["split"]
-        if persistent and split == 24:
-            split = 32 if params["cwg"] == 3 and problem.head_dim == 64 else 40
-        elif not persistent and split == 32:
-            split = 24
-        return dict(params, persistent=int(persistent), split=split)
 
     def packed_launch(self, params: dict, problem: Problem, gpu: GpuSpec, total_q: int, total_k: int) -> Launch:
         grid = super().packed_launch(params, problem, gpu, total_q, total_k)

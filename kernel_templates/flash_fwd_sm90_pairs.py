@@ -16,8 +16,8 @@ resident at once (one CTA an SM, the grid at most the SMs: a cut tile's second h
 first).
 
 Not searched on its own: a persistent unmasked flash_fwd_sm90 config runs in this form where
-`pairs_form`'s rule says it pays (head dims of 128 and up, 4096 keys or more), both where the
-dispatcher serves it and where a search times it (FlashFwdSm90.served_form).
+`pairs_form`'s rule says it pays (head dims over 96, whose tiles are 128 columns wide and up; 4096
+keys or more), both where the dispatcher serves it and where a search times it (FlashFwdSm90.served_form).
 """
 
 from __future__ import annotations
