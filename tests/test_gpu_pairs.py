@@ -78,3 +78,50 @@ def test_attention_serves_a_long_d128_persistent_config_in_pairs(tmp_path):
     params = next(p for p in sm90.seeds(gpu, problem) if p["persistent"] and not p["chain"] and p["cwg"] == 2
                   and pairs.pairs_form(p, gpu, problem) is not None)
     assert_served_in_form(tmp_path, problem, params, pairs.name, token_major=True)
+
+
+def test_pairs_served_under_torch_compile_and_in_a_cuda_graph(tmp_path):
+    """What a model does with the op: `attention` served in pairs (200 pairs on the clusters, the last
+    rounds cut) inside torch.compile(fullgraph=True), then captured in a CUDA graph and replayed on new values,
+    O against float64 each time (the cut halves' join slots reset themselves between replays)."""
+    import math
+
+    import torch
+    from cuda_graphs import capture
+
+    import tuner
+    from tuner import dispatch
+    from tuner.export import lookup_of, write_lookup
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.reference import attention_fp64, compare
+
+    gpu, sm90, pairs = detect(), get_family("flash_fwd_sm90"), get_family("flash_fwd_sm90_pairs")
+    problem = Problem(1, 4, 100 * 128 - 37, 4100, 128, "bf16", "none", 2)
+    params = next(p for p in sm90.seeds(gpu, problem) if p["persistent"] and not p["chain"] and p["cwg"] == 2
+                  and pairs.pairs_form(p, gpu, problem) is not None)
+    path = tmp_path / "lookup.json"
+    write_lookup(lookup_of(gpu.key, [(problem, "flash_fwd_sm90", params, 1.0)]), path)
+    disp = dispatch.reset(path)
+    try:
+        q = torch.randn(1, 4, problem.seqlen_q, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 2, problem.seqlen_k, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        assert disp.plan(q, k, v, "none").family == pairs.name
+
+        def check(o) -> None:
+            ref_o, ref_lse = attention_fp64(q, k, v, "none", 1.0 / math.sqrt(128))
+            err = compare(o, None, ref_o, None)
+            assert err.within(problem.rel_budget, problem.lse_budget), err
+
+        compiled = torch.compile(lambda q, k, v: tuner.attention(q, k, v), fullgraph=True)
+        check(compiled(q, k, v))
+        graph, out = capture(lambda: tuner.attention(q, k, v))
+        for _ in range(3):
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check(out)
+    finally:
+        dispatch.reset()
