@@ -13,7 +13,9 @@ short search on the spot (the family's seeds with splits from the occupancy, the
 split counts), then timed in turns with the peers; beside it `flashtune_served`, what
 `tuner.attention` runs for the shape as a model's decode step calls it (the lookup's entry for its
 bucket, its split count re-derived where it was tuned on another grid, else flash_decode's default;
-the row's `served`). Each output is checked against SDPA's (max abs difference), since a float64
+the row's `served`); and `flashtune_cluster`, the spot search's best in the form a call runs it where
+that is another (on Hopper, 2, 4 or 8 splits as a cluster that merges in shared memory,
+flash_decode_cluster). Each output is checked against SDPA's (max abs difference), since a float64
 reference of the large shapes does not fit in memory; the kernel's correctness against float64 is
 tests/test_gpu_decode.py's. `--variant NAME=DIR` adds the kernel
 compiled from the sources in the folder DIR (e.g. the sources before a change: `git archive <commit>
@@ -213,6 +215,9 @@ def main() -> int:
             run, o = ours(fam, best, problem, gpu, q, k, v)
             served, o_served = attention_call(q, k, v)
             fns = {"flashtune": run, "flashtune_served": served}
+            form, formed = fam.served_form(best, gpu, problem)
+            if form is not fam:   # the spot search's best as a call runs it (its splits in a cluster)
+                fns["flashtune_cluster"] = ours(form, formed, problem, gpu, q, k, v)[0]
             configs = {}
             for name, folder in variants.items():
                 seed_resources.use_templates(folder)

@@ -14,6 +14,7 @@ import os
 
 from tuner.family import KernelFamily
 
+from .flash_decode import CLUSTER_FAMILY as _DECODE_CLUSTER
 from .flash_decode import FAMILY as _DECODE
 from .flash_decode import VARLEN_FAMILY as _DECODE_VARLEN
 from .flash_fwd_mma import FAMILY as _MMA
@@ -26,7 +27,7 @@ from .flash_fwd_sm90_tail import FAMILY as _SM90_TAIL
 from .flash_fwd_simt import FAMILY as _SIMT
 
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA, _SM90, _SM90_SPLIT, _SM90_TAIL, _SM90_PAIRS,
-                                                         _DECODE)}
+                                                         _DECODE, _DECODE_CLUSTER)}
 # Each family's variant on packed sequences (tuner/varlen.py), made from its tuned configs unless a
 # search tuned it by name (never under `auto`). In order of preference for a default: decode for
 # short queries, then prefill.
@@ -64,6 +65,13 @@ def _load_extra(spec: str) -> None:
 
 
 _load_extra(os.environ.get(EXTRA_ENV, ""))
+
+
+def configs_family(name: str) -> str:
+    """The family whose configs `name` runs: itself, or the one it serves in another form
+    (KernelFamily.configs_of); a name no family has (an SDPA backend's) as it is."""
+    found = FAMILIES.get(name)
+    return (found.configs_of or name) if found else name
 
 
 def get_family(name: str) -> KernelFamily:

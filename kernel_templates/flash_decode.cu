@@ -28,11 +28,16 @@
 // Q's, K's and V's columns past D_VALID come in as zeros (cp.async reads nothing there), and only
 // D_VALID columns are stored, to O and to the splits' workspace (rows of D_VALID floats).
 //
+// MERGE_CLUSTER (2-8, sm_90; flash_decode_cluster): the splits of a (sequence, K/V head, row block)
+// run as one thread-block cluster along z, each leaves its rows (O / l and the LSE) in its own
+// shared memory, and rank 0 merges them from there: no workspace, fence or arrival counter, so the
+// last split's merge waits on the cluster's shared memory rather than on L2 round trips.
+//
 // VARLEN (common.cuh): packed sequences, each with its own queries (up to nq) and keys; the grid
 // is the longest sequence's row blocks, a sequence's extra ones exit at once.
 //
 // Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM D_VALID PANEL_COLS IN_DTYPE IS_CAUSAL MASK_BR PAGED
-// KV_TMA (VARLEN).
+// KV_TMA (VARLEN) (MERGE_CLUSTER).
 #include "mma.cuh"
 #include "softmax.cuh"
 // sm90.cuh: TmaMap (a parameter on every arch); its copies only where FT_TMA
@@ -42,6 +47,12 @@
 #else
 #define FT_TMA 0
 #endif
+
+#ifndef MERGE_CLUSTER
+#define MERGE_CLUSTER 1
+#endif
+static_assert(MERGE_CLUSTER == 1 || (MERGE_CLUSTER <= 8 && !VARLEN),
+              "a cluster of 2-8 splits (a portable cluster), each launch's CTAs all running to its end");
 
 using T = typename Elem<IN_DTYPE>::type;
 constexpr int NT = WARPS * 32;
@@ -85,7 +96,12 @@ FT_DEVICE const T* key_row(const T* base, long long sb, long long sh, long long 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1)
+#if MERGE_CLUSTER > 1
+#define FT_SPLIT_CLUSTER __cluster_dims__(1, 1, MERGE_CLUSTER)
+#else
+#define FT_SPLIT_CLUSTER
+#endif
+extern "C" __global__ void __launch_bounds__(NT, 1) FT_SPLIT_CLUSTER
 flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restrict__ part_lse,
              int* __restrict__ arrivals, const int* __restrict__ seqused_k, const int* __restrict__ block_table,
              int page_size, int bt_stride, const __grid_constant__ TmaMap tmap_k,
@@ -319,6 +335,8 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   float* red_m = reinterpret_cast<float*>(Ks);          // [WARPS][ROWS]
   float* red_l = red_m + WARPS * ROWS;                  // [WARPS][ROWS]
   float* red_o = red_l + WARPS * ROWS;                  // [WARPS][ROWS][HEAD_DIM]
+  float* split_o = red_o + WARPS * ROWS * HEAD_DIM;     // MERGE_CLUSTER: this split's O / l, [ROWS][HEAD_DIM]
+  __shared__ float split_lse[MERGE_CLUSTER > 1 ? ROWS : 1];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -386,12 +404,61 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     if (splits == 1) {
       store_n<IN_DTYPE, 4>(FT_O_ROW(h, qi) + c4, acc);
       if (c4 == 0) FT_LSE_ROW(h, qi, grow) = lse_row;
+    } else if constexpr (MERGE_CLUSTER > 1) {
+      *reinterpret_cast<float4*>(split_o + r * HEAD_DIM + c4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      if (c4 == 0) split_lse[r] = lse_row;
     } else {
       *reinterpret_cast<float4*>(part_o + (split * all_rows + grow) * D_VALID + c4) = make_float4(acc[0], acc[1], acc[2], acc[3]);
       if (c4 == 0) part_lse[split * all_rows + grow] = lse_row;
     }
   }
   if (splits == 1) return;
+
+#if MERGE_CLUSTER > 1
+  // ---- rank 0 of the cluster (the splits, along z) merges their rows from their shared memory ----
+  cluster_sync();   // every split's rows are in its shared memory (a release / acquire at cluster scope)
+  if (cluster_rank() == 0) {
+    __shared__ float weight[MERGE_CLUSTER][ROWS];   // split s's share of row r: exp(its LSE - the merged)
+    for (int r = tid; r < ROWS; r += NT) {
+      const int pr = r0 + r;
+      if (pr >= packed) continue;
+      float ls[MERGE_CLUSTER], mx = FT_NEG_INF;
+#pragma unroll
+      for (int s = 0; s < MERGE_CLUSTER; ++s) {
+        ls[s] = ld_cluster(cluster_map(&split_lse[r], s));
+        mx = fmaxf(mx, ls[s]);
+      }
+      float sum = 0.f;
+#pragma unroll
+      for (int s = 0; s < MERGE_CLUSTER; ++s)
+        if (ls[s] != FT_NEG_INF) sum += fast_exp2((ls[s] - mx) * (1.f / FT_LN2));
+      const float merged = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
+#pragma unroll
+      for (int s = 0; s < MERGE_CLUSTER; ++s)   // 0 for a split that saw no key of the row
+        weight[s][r] = ls[s] == FT_NEG_INF ? 0.f : fast_exp2((ls[s] - merged) * (1.f / FT_LN2));
+      const int h = hk * kv_group + pr % kv_group, qi = pr / kv_group;
+      FT_LSE_ROW(h, qi, bhq0 + static_cast<long long>(h) * nq + qi) = merged;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < ROWS * (D_VALID / 4); idx += NT) {
+      const int r = idx / (D_VALID / 4), c4 = idx % (D_VALID / 4) * 4, pr = r0 + r;
+      if (pr >= packed) continue;
+      float4 x[MERGE_CLUSTER];
+#pragma unroll
+      for (int s = 0; s < MERGE_CLUSTER; ++s) x[s] = ld_cluster4(cluster_map(split_o + r * HEAD_DIM + c4, s));
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int s = 0; s < MERGE_CLUSTER; ++s) {
+        const float w = weight[s][r];
+        if (w == 0.f) continue;   // (its O is 0 / 0 there)
+        acc[0] += w * x[s].x; acc[1] += w * x[s].y; acc[2] += w * x[s].z; acc[3] += w * x[s].w;
+      }
+      store_n<IN_DTYPE, 4>(FT_O_ROW(pr % kv_group + hk * kv_group, pr / kv_group) + c4, acc);
+    }
+  }
+  cluster_sync();   // rank 0 has read every split's rows: no CTA's shared memory goes before that
+  return;
+#endif
 
   // ---- the last split of this (sequence, K/V head, row block) to arrive merges all of them ----
   __threadfence();   // this split's partials are visible device-wide before it counts itself in

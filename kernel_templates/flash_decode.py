@@ -20,6 +20,17 @@ MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decod
 MAX_SPLITS = 128
 MAX_CTAS_PER_SM = 32   # sm_80 and sm_90: 32 resident blocks, 64 warps
 LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (FlashDecode.seeds)
+# Split counts a cluster merges through shared memory: powers of two, which pack a GPC's SMs, up to
+# a portable cluster's 8 CTAs.
+CLUSTER_SIZES = (2, 4, 8)
+GPC_SMS = 16   # a Hopper GPC's SMs, at least (16-18 on the H100 and H200 SXM): what a cluster packs into
+
+
+def clusters_at_once(gpu: GpuSpec, size: int) -> int:
+    """Clusters of `size` one-SM CTAs the GPU runs at once: every SM in pairs (a GPC's SMs come in
+    pairs), larger ones within whole 16-SM groups (a cluster lives in one GPC, and the spare SMs of an
+    18-SM GPC fit no cluster of 4 or 8)."""
+    return gpu.sm_count // 2 if size == 2 else (gpu.sm_count // GPC_SMS) * (GPC_SMS // size)
 _MAX_REGS = 255
 
 
@@ -106,6 +117,10 @@ class FlashDecode(KernelFamily):
         "splits": (0, 1, 2, 4, 8, 16, 32, 64),
     }
     launch_params = ("splits",)
+    # Whether the splits merge in a cluster's shared memory (flash_decode_cluster) rather than
+    # through the workspace; and whether a call may be served so (served_form: the dense family only).
+    merges_in_cluster = False
+    cluster_form = True
 
     @staticmethod
     def register_estimate(params: dict, problem: Problem) -> int:
@@ -187,6 +202,8 @@ class FlashDecode(KernelFamily):
         d, rows = padded_head_dim(problem.head_dim), 16 * params["MT"]
         ring = 2 * 2 * params["stages"] * stage_keys(params) * d          # K and V, 2-byte elements
         merge = 4 * params["warps"] * rows * (d + 2)                       # the warps' O, m and l in fp32
+        if self.merges_in_cluster:
+            merge += 4 * rows * d                                          # the split's O / l, which rank 0 reads
         return 2 * rows * d + max(ring, merge) + 1024   # + the ring's alignment to 1 KB (the copy engine's swizzle)
 
     def adapt(self, params: dict, tuned: Problem, problem: Problem) -> dict:
@@ -210,6 +227,22 @@ class FlashDecode(KernelFamily):
             return params["splits"]
         once = gpu.sm_count if gpu.major >= 9 and self.kv_tma(params, problem.head_dim) else None
         return auto_splits(params, problem, gpu, self.smem_bytes(params, problem), once)
+
+    def served_form(self, params: dict, gpu: GpuSpec, problem: Problem) -> tuple[KernelFamily, dict]:
+        """A call whose keys split 2, 4 or 8 ways on sm_90+ runs as flash_decode_cluster, its splits one
+        cluster that merges in shared memory: the workspace's merge waited on L2 round trips (the
+        partials' stores and fence, the counter, the last arriver's loads), the end of every CTA's
+        stream on a small batch (PERF_NOTES "d8", "q1"). Paged and packed calls keep the workspace."""
+        if not self.cluster_form or gpu.major < 9:
+            return self, params
+        splits = self.splits(params, problem, gpu)
+        # clusters of 2, 4 or 8 CTAs, no more than run at once: where a wave of single
+        # CTAs would have held them all, a second wave of clusters would double the call
+        clustered = dict(params, splits=splits)
+        if (splits not in CLUSTER_SIZES or ctas_per_split(params, problem) > clusters_at_once(gpu, splits)
+                or CLUSTER_FAMILY.check(clustered, gpu, problem) is not None):
+            return self, params
+        return CLUSTER_FAMILY, clustered
 
     def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
         return self.split_launch(params, problem, self.splits(params, problem, gpu))
@@ -256,7 +289,8 @@ class FlashDecode(KernelFamily):
         args = args[:8] + (nk,) + args[9:]   # the cache's capacity, not a page's rows
         seqlens = cache_seqlens.data_ptr() if cache_seqlens is not None else 0
         table = (block_table.data_ptr(), k.shape[2], block_table.stride(0)) if self.paged else (0, 0, 0)
-        return args + split_workspace(q.get_device(), launch.grid, q.shape[0] * q.shape[1] * q.shape[2], q.shape[3]) \
+        grid = launch.grid if not self.merges_in_cluster else (*launch.grid[:2], 1)   # no workspace
+        return args + split_workspace(q.get_device(), grid, q.shape[0] * q.shape[1] * q.shape[2], q.shape[3]) \
             + (seqlens,) + table + self.kv_maps(params, k, v)
 
     def _geometry(self, params: dict, q, k) -> tuple[int, int, int]:
@@ -283,7 +317,7 @@ class _DecodeArgs(AttentionArgs):
     def values(self, bound, pointers, q):
         shared, splits, sizes, slots = bound
         maps = (slots[0].at(pointers[1]), slots[1].at(pointers[2])) if slots else (NO_MAP, NO_MAP)
-        if splits == 1:
+        if splits == 1 or self._family.merges_in_cluster:   # no workspace
             return pointers + shared + (0, 0, 0, 0, 0, 0, 0) + maps
         return pointers + shared + workspace(q.get_device(), *sizes) + (0, 0, 0, 0) + maps
 
@@ -322,12 +356,39 @@ def _gpu(index: int, make) -> GpuSpec:
     return g
 
 
+class ClusterMergeFlashDecode(FlashDecode):
+    """flash_decode whose 2 to 8 splits of a (sequence, K/V head, row block) run as one thread-block
+    cluster and merge through the cluster's shared memory (MERGE_CLUSTER in the kernel), with no
+    workspace. Served by rule, not searched: a flash_decode config runs in this form where its call
+    splits the keys that many ways on sm_90+ (FlashDecode.served_form), and a search times it so.
+    The split count is explicit here: the cluster's size is compiled in."""
+
+    name = "flash_decode_cluster"
+    configs_of = "flash_decode"
+    min_cc = (9, 0)
+    space = {**FlashDecode.space, "splits": CLUSTER_SIZES}
+    launch_params = ()   # the cluster's size is compiled in: a cubin per split count
+    merges_in_cluster = True
+    cluster_form = False
+
+    def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        return (f"{self.name} is flash_decode's configs with their splits merged in a cluster: the "
+                f"dispatcher serves them in that form (served_form), a search tunes flash_decode")
+
+    def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
+        return [dict(p, splits=n) for p in super().seeds(gpu, problem) for n in CLUSTER_SIZES]
+
+    def defines(self, params: dict, problem: Problem) -> dict[str, int]:
+        return {**super().defines(params, problem), "MERGE_CLUSTER": params["splits"]}
+
+
 class VarlenFlashDecode(VarlenVariant, FlashDecode):
     """flash_decode on packed sequences (each with up to MAX_QUERIES queries of its own and its own
     keys): the padded problem's grid (its batch by K/V heads, the longest sequence's row blocks),
     splits for the ragged keys (ragged_splits), the splits' workspace in (B, H, Nq) rows."""
 
     name = "flash_decode_varlen"
+    cluster_form = False
 
     def block_rows(self, params: dict) -> int:
         return 16 * params["MT"]
@@ -359,6 +420,7 @@ class PagedFlashDecode(FlashDecode):
 
     name = "flash_decode_paged"
     paged = True
+    cluster_form = False
 
     def kv_tma(self, params: dict, head_dim: int) -> bool:
         return False   # any page size: rows one by one through the table
@@ -371,6 +433,7 @@ class PagedBoxesFlashDecode(FlashDecode):
 
     name = "flash_decode_paged_boxes"
     paged = True
+    cluster_form = False
 
     @staticmethod
     def page_fits(params: dict, page_size: int) -> bool:
@@ -379,6 +442,7 @@ class PagedBoxesFlashDecode(FlashDecode):
 
 
 FAMILY = FlashDecode()
+CLUSTER_FAMILY = ClusterMergeFlashDecode()
 PAGED = PagedFlashDecode()
 PAGED_BOXES = PagedBoxesFlashDecode()
 VARLEN_FAMILY = VarlenFlashDecode()

@@ -60,6 +60,7 @@ def tail_from(tiles: int, sms: int, kv_tiles: int) -> int:
 
 class TailFlashFwdSm90(FlashFwdSm90):
     name = "flash_fwd_sm90_tail"
+    configs_of = "flash_fwd_sm90"
     cuts_tail = False
     dtypes = ("fp16", "bf16")
     masks = ("none",)   # a causal launch's tiles differ in work; its scheduler balances them already

@@ -49,6 +49,25 @@ FT_DEVICE void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
 
+// `p` (in this CTA's shared memory) as the same offset in cluster CTA `rank`'s, for ld_cluster.
+FT_DEVICE unsigned cluster_map(const void* p, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
+  return r;
+}
+// Loads from another CTA's shared memory (an address from cluster_map), after a cluster_sync that
+// followed the owner's stores.
+FT_DEVICE float ld_cluster(unsigned addr) {
+  float x;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(addr) : "memory");
+  return x;
+}
+FT_DEVICE float4 ld_cluster4(unsigned addr) {
+  float4 x;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(addr) : "memory");
+  return x;
+}
+
 // ---- TMA: a 4-d box (d, n, h, b) of a tensor map ----
 // A map is a kernel parameter passed by value (`const __grid_constant__ TmaMap`), so it lives in
 // parameter space: the launch carries it, and no fence is needed before the copy engine reads it.

@@ -373,3 +373,30 @@ def test_splits_fill_each_sm_once_where_kv_comes_by_boxes():
     a100 = FAM.default(A100_SXM, p)
     assert FAM.splits(a100, p, A100_SXM) == auto_splits(a100, p, A100_SXM, FAM.smem_bytes(a100, p))
     assert FAM.launch(params, p, H100_SXM).grid == (64, 1, 2)
+
+
+def test_splits_of_a_hopper_call_merge_in_a_cluster_where_they_pack():
+    """flash_decode's served form (FlashDecode.served_form): on sm_90 a call whose keys split 2, 4 or
+    8 ways runs as flash_decode_cluster with that explicit count, where its clusters all run at once;
+    other counts, too many clusters for one wave, an A100, and the paged and packed variants keep
+    the workspace's merge. The cluster form compiles its size in: a define, and no workspace."""
+    from tuner.kernel_templates import configs_family
+    from tuner.kernel_templates.flash_decode import CLUSTER_FAMILY, VARLEN_FAMILY, clusters_at_once
+
+    b8 = replace(LLAMA_DECODE, batch=8, mask="none")   # 64 (sequence, K/V head) groups: 2 splits fill 132 SMs
+    params = FAM.default(H100_SXM, b8)
+    assert FAM.splits(params, b8, H100_SXM) == 2
+    form, served = FAM.served_form(params, H100_SXM, b8)
+    assert form is CLUSTER_FAMILY and served == dict(params, splits=2) and configs_family(form.name) == FAM.name
+    assert form.launch(served, b8, H100_SXM).grid == (64, 1, 2)
+    assert form.defines(served, b8)["MERGE_CLUSTER"] == 2 and "MERGE_CLUSTER" not in FAM.defines(params, b8)
+    assert form.smem_bytes(served, b8) >= FAM.smem_bytes(params, b8)
+    assert FAM.served_form(params, A100_SXM, b8) == (FAM, params)
+    for p in (PAGED, VARLEN_FAMILY):
+        assert p.served_form(params, H100_SXM, b8) == (p, params)
+    for n in (1, 3, 16):   # counts that are no cluster of 2, 4 or 8
+        assert FAM.served_form(dict(params, splits=n), H100_SXM, b8) == (FAM, dict(params, splits=n))
+    assert clusters_at_once(H100_SXM, 2) == 66 and clusters_at_once(H100_SXM, 8) == 16
+    many = replace(b8, batch=9)   # 72 groups: more pairs than the GPU runs at once
+    assert FAM.served_form(dict(params, splits=2), H100_SXM, many)[0] is FAM
+    assert CLUSTER_FAMILY.check(dict(params, splits=4), A100_SXM, b8) is not None   # sm_90 and later only

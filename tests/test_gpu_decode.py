@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from cuda_graphs import capture
+from tuner.kernel_templates import configs_family
 from tuner.problem import Problem
 
 pytestmark = pytest.mark.gpu
@@ -169,7 +170,7 @@ def test_decode_any_head_dim_matches_reference(d, tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")   # no fallback to SDPA
             o, lse = served(q, k, v, "causal_br", return_lse=True)
-        assert served.plan(q, k, v, "causal_br").family == "flash_decode"
+        assert configs_family(served.plan(q, k, v, "causal_br").family) == "flash_decode"   # (splits in a cluster where 2-8)
         ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1 / math.sqrt(d))
         p = Problem(2, 8, 2, 3001, d, dtype, "causal_br", 2)
         err = compare(o, lse, ref_o, ref_lse)
@@ -277,7 +278,7 @@ def test_attention_serves_decode_from_a_tuned_flash_decode_entry(tmp_path):
         q = torch.randn(4, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(4, 8, 8000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         o, lse = d(q, k, v, "causal_br", return_lse=True)
-        assert d.plan(q, k, v, "causal_br").family == "flash_decode"
+        assert configs_family(d.plan(q, k, v, "causal_br").family) == "flash_decode"   # (splits in a cluster where 2-8)
         ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(128))
         err = compare(o, lse, ref_o, ref_lse)
         assert err.within(problem.rel_budget, problem.lse_budget), err
@@ -302,7 +303,7 @@ def test_attention_runs_flash_decode_default_where_nothing_is_tuned(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             o, lse = d(q, k, v, "causal_br", return_lse=True)
-        assert d.plan(q, k, v, "causal_br").family == "flash_decode"
+        assert configs_family(d.plan(q, k, v, "causal_br").family) == "flash_decode"   # (splits in a cluster where 2-8)
         ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(64))
         p = Problem(3, 16, 2, 3001, 64, "fp16", "causal_br", 4)
         assert compare(o, lse, ref_o, ref_lse).within(p.rel_budget, p.lse_budget)
@@ -329,3 +330,72 @@ def test_kvcache_attention_under_torch_compile():
     eager = step(q, k, v, lens, table)
     compiled = torch.compile(step, fullgraph=True)(q, k, v, lens, table)
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+
+
+@pytest.mark.parametrize("mask", ["none", "causal_br", "causal"])
+def test_decode_splits_merged_in_a_cluster_match_reference(mask):
+    """flash_decode_cluster: 2, 4 and 8 splits of each sequence's keys as one cluster, merged in its
+    shared memory, on random shapes (splits that see no key among them: short and causal rows), a
+    random flash_decode config each, NaN-poisoned outputs, O and LSE against float64, through the
+    search's measuring path."""
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import prepare_kernel
+
+    fam, plain, gpu, rng = get_family("flash_decode_cluster"), get_family("flash_decode"), detect(), random.Random()
+    ran = 0
+    for _ in range(3):
+        problem = _random_decode_problem(rng, rng.choice(["fp16", "bf16"]), mask)
+        base = rng.choice([fam.default(gpu, problem)] + plain.valid_points(gpu, problem))
+        for n in (2, 4, 8):
+            params = dict(base, splits=n)
+            if fam.check(params, gpu, problem) is not None:   # fewer stages than splits
+                continue
+            ck = compile_kernel(fam, params, problem, gpu.arch)
+            run, m = prepare_kernel(fam, params, problem, ck, rng.randrange(2**31), gpu)
+            assert m.status == "ok" and run is not None, f"{problem.key} {params}: {m.message}"
+            ran += 1
+    assert ran, "no random shape took a cluster of splits"
+
+
+def test_a_decode_step_served_with_its_splits_in_a_cluster():
+    """What a model's decode loop runs on Hopper at B8 x 8k (GQA 4): flash_decode's two splits as a
+    cluster (the plan says so), through kvcache_attention on a dense cache of ragged lengths (0 and 1
+    among them, NaN past each) and through `attention`, against float64; then the cache call captured
+    in a CUDA graph and replayed on new values and lengths."""
+    import torch
+
+    from tuner import dispatch, kvcache_attention
+    from tuner.kvcache import _plans
+    from tuner.reference import attention_fp64, compare
+
+    rng = random.Random()
+    b, kvh, group, cap, d = 8, 8, 4, 8192, 128
+    _check_ragged_cache(rng, "bf16", 0, True, b, kvh, group, 1, d, cap)
+    plan = next(p for key, p in _plans.items() if key[0] == (b, kvh * group, 1, d) and key[1][2] == cap)
+    assert plan.family.name == "flash_decode_cluster" and plan.launch.grid[2] == 2, (plan.family.name, plan.launch)
+
+    served = dispatch.reset()
+    try:
+        q = torch.randn(b, 1, kvh * group, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(b, cap, kvh, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+        assert served.plan(q, k, v, "none").family == "flash_decode_cluster"
+        o, lse = served(q, k, v, "none", return_lse=True)
+        ref_o, ref_lse = attention_fp64(q, k, v, "none", 1 / math.sqrt(d))
+        p = Problem(b, kvh * group, 1, cap, d, "bf16", "none", kvh)
+        assert compare(o, lse, ref_o, ref_lse).within(p.rel_budget, p.lse_budget)
+
+        lens = torch.tensor([rng.randint(1, cap) for _ in range(b)], dtype=torch.int32, device="cuda")
+        graph, captured = capture(lambda: kvcache_attention(q, k, v, lens, causal=True, return_lse=True))
+        for _ in range(3):
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            lens.copy_(torch.tensor([0, 1] + [rng.randint(0, cap) for _ in range(b - 2)], dtype=torch.int32))
+            captured[0].fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check_cached_sequences(captured[0], captured[1], q, k, v, lens, None, lens.tolist(), cap, True, "bf16",
+                                   f"graph replay, lens {lens.tolist()}")
+    finally:
+        dispatch.reset()

@@ -84,6 +84,9 @@ class KernelFamily(ABC):
     launch_params: tuple[str, ...] = ()
     # The family whose entry of the same bucket may serve in this one's place (gives_way), or None.
     gives_way_to: str | None = None
+    # The family whose configs this one runs in another form, served by rule (served_form: the cut
+    # tail, pairs, a decode's splits in a cluster), or None: its own.
+    configs_of: str | None = None
     # A varlen variant (VarlenVariant): it runs packed sequences, timed on a representative mix of
     # them (tuner/length_mix.py), never a dense call.
     packed: bool = False

@@ -150,6 +150,7 @@ def _plan(problem: Problem, page_size: int, device_index: int) -> _Plan:
     params = served_params(tuned[0], problem) if tuned else FAMILY.default(gpu, problem)
     boxes = PAGED_BOXES.kv_tma(params, problem.head_dim) and PAGED_BOXES.page_fits(params, page_size)
     fam = FAMILY if not page_size else PAGED_BOXES if boxes else PAGED
+    fam, params = fam.served_form(params, gpu, problem)   # a dense cache's splits merged in a cluster
     try:
         ck = compile_kernel(fam, params, problem, gpu.arch)
         launch = fam.launch(params, problem, gpu)
