@@ -51,7 +51,7 @@
 #ifndef MERGE_CLUSTER
 #define MERGE_CLUSTER 1
 #endif
-static_assert(MERGE_CLUSTER == 1 || (MERGE_CLUSTER <= 8 && !VARLEN),
+static_assert(MERGE_CLUSTER == 1 || (MERGE_CLUSTER >= 2 && MERGE_CLUSTER <= 8 && !VARLEN),
               "a cluster of 2-8 splits (a portable cluster), each launch's CTAs all running to its end");
 
 using T = typename Elem<IN_DTYPE>::type;

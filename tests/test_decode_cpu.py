@@ -400,3 +400,23 @@ def test_splits_of_a_hopper_call_merge_in_a_cluster_where_they_pack():
     many = replace(b8, batch=9)   # 72 groups: more pairs than the GPU runs at once
     assert FAM.served_form(dict(params, splits=2), H100_SXM, many)[0] is FAM
     assert CLUSTER_FAMILY.check(dict(params, splits=4), A100_SXM, b8) is not None   # sm_90 and later only
+
+
+def test_a_tuned_decode_entry_serves_its_cluster_form_with_the_calls_split_count(tmp_path):
+    """An entry tuned at B32 (one split there) serving a B8 call: its split count is the call's (2),
+    and the cluster form keeps it (its own adapt would have reset it and compiled no cluster)."""
+    from tuner.dispatch import Dispatcher, served_params
+    from tuner.export import lookup_of, write_lookup
+    from tuner.kernel_templates import FAMILIES
+
+    b32 = replace(LLAMA_DECODE, batch=32)
+    path = tmp_path / "lookup.json"
+    write_lookup(lookup_of(H100_SXM.key, [(b32, FAM.name, dict(FAM.default(H100_SXM, b32), splits=1), 1.0)]), path)
+    b8 = replace(b32, batch=8)
+    entry = Dispatcher(path).serving_entry(b8, H100_SXM)
+    fam = FAMILIES[entry["family"]]
+    params = served_params(entry, b8)
+    assert fam.name == "flash_decode_cluster" and params["splits"] == 2
+    assert fam.defines(params, b8)["MERGE_CLUSTER"] == 2 and fam.launch(params, b8, H100_SXM).grid[2] == 2
+    with pytest.raises(ValueError, match="splits=0"):
+        fam.defines(dict(params, splits=0), b8)

@@ -347,7 +347,7 @@ def test_decode_splits_merged_in_a_cluster_match_reference(mask):
     ran = 0
     for _ in range(3):
         problem = _random_decode_problem(rng, rng.choice(["fp16", "bf16"]), mask)
-        base = rng.choice([fam.default(gpu, problem)] + plain.valid_points(gpu, problem))
+        base = rng.choice([plain.default(gpu, problem)] + plain.valid_points(gpu, problem))
         for n in (2, 4, 8):
             params = dict(base, splits=n)
             if fam.check(params, gpu, problem) is not None:   # fewer stages than splits
