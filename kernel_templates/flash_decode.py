@@ -379,14 +379,12 @@ class ClusterMergeFlashDecode(FlashDecode):
         return [dict(p, splits=n) for p in super().seeds(gpu, problem) for n in CLUSTER_SIZES]
 
     def adapt(self, params: dict, tuned: Problem, problem: Problem) -> dict:
-        """As served: served_form derived the split count for this call already (resetting it to the
-        occupancy's, flash_decode's adapt, would compile no cluster and launch no workspace)."""
+        """As served: served_form derived the split count for this call already (flash_decode's adapt
+        reset it to 0 for an entry tuned at another batch, which is no point of this family: the
+        dispatcher then could not render it and fell back to SDPA)."""
         return params
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
-        if params["splits"] not in CLUSTER_SIZES:
-            raise ValueError(f"{self.name} merges {'/'.join(map(str, CLUSTER_SIZES))} splits in a cluster, "
-                             f"not splits={params['splits']}")
         return {**super().defines(params, problem), "MERGE_CLUSTER": params["splits"]}
 
 
