@@ -24,6 +24,7 @@ LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (Fl
 # a portable cluster's 8 CTAs.
 CLUSTER_SIZES = (2, 4, 8)
 GPC_SMS = 16   # a Hopper GPC's SMs, at least (16-18 on the H100 and H200 SXM): what a cluster packs into
+_MAX_REGS = 255
 
 
 def clusters_at_once(gpu: GpuSpec, size: int) -> int:
@@ -31,7 +32,6 @@ def clusters_at_once(gpu: GpuSpec, size: int) -> int:
     pairs), larger ones within whole 16-SM groups (a cluster lives in one GPC, and the spare SMs of an
     18-SM GPC fit no cluster of 4 or 8)."""
     return gpu.sm_count // 2 if size == 2 else (gpu.sm_count // GPC_SMS) * (GPC_SMS // size)
-_MAX_REGS = 255
 
 
 def stage_keys(params: dict) -> int:
@@ -289,9 +289,9 @@ class FlashDecode(KernelFamily):
         args = args[:8] + (nk,) + args[9:]   # the cache's capacity, not a page's rows
         seqlens = cache_seqlens.data_ptr() if cache_seqlens is not None else 0
         table = (block_table.data_ptr(), k.shape[2], block_table.stride(0)) if self.paged else (0, 0, 0)
-        grid = launch.grid if not self.merges_in_cluster else (*launch.grid[:2], 1)   # no workspace
-        return args + split_workspace(q.get_device(), grid, q.shape[0] * q.shape[1] * q.shape[2], q.shape[3]) \
-            + (seqlens,) + table + self.kv_maps(params, k, v)
+        merge = (0, 0, 0) if self.merges_in_cluster else \
+            split_workspace(q.get_device(), launch.grid, q.shape[0] * q.shape[1] * q.shape[2], q.shape[3])
+        return args + merge + (seqlens,) + table + self.kv_maps(params, k, v)
 
     def _geometry(self, params: dict, q, k) -> tuple[int, int, int]:
         """(CTAs per split, splits, rows of LSE) of a launch on these tensors, as `launch` sizes it."""
