@@ -2,13 +2,17 @@
 FlashAttention-4 (where installed), as achieved TB/s, against the GPU's measured copy bandwidth.
 
     python3 benchmarks/decode_bench.py [--batch 1,8,32,128] [--keys 1024,8192,32768] [--json OUT]
-                                       [--variant NAME=DIR ...] [--page 16,64,256]
+                                       [--variant NAME=DIR ...] [--same-config] [--config NAME=JSON ...]
+                                       [--page 16,64,256]
                                        [--heads 32:8] [--head-dim 128]
 
 Shapes: one query per sequence, 32 query heads sharing 8 K/V heads, d=128, bf16 (a Llama-3-8B
 decode step; `--heads H:KV` and `--head-dim D` give another model's, Phi-2's 32:32 and 80 say), a
 cache of Nk keys. TB/s is Problem.bytes_moved (q, K, V read once, O written once)
-over the median time, L2 flushed before every repetition (tuner.timing). flashtune's config: a
+over the median time, L2 flushed before every repetition (tuner.timing), twice over: by the timer's
+usual write flush (`tb_s`), whose dirty lines every kernel then writes back (~9 us of the H100's
+memory time, 9% of a B8 x 8k step), and by a read flush that leaves none (`tb_s_read_flush`, a
+second line), which compares a decode step's bandwidth with the copy's on equal terms. flashtune's config: a
 short search on the spot (the family's seeds with splits from the occupancy, then the best seed's
 split counts), then timed in turns with the peers; beside it `flashtune_served`, what
 `tuner.attention` runs for the shape as a model's decode step calls it (the lookup's entry for its
@@ -19,8 +23,10 @@ flash_decode_cluster). Each output is checked against SDPA's (max abs difference
 reference of the large shapes does not fit in memory; the kernel's correctness against float64 is
 tests/test_gpu_decode.py's. `--variant NAME=DIR` adds the kernel
 compiled from the sources in the folder DIR (e.g. the sources before a change: `git archive <commit>
-kernel_templates | tar -x -C .abd` gives .abd/kernel_templates), searched the same way and timed in
-the same turns. `--page SIZES` adds, for each page size, the same cache as pages (a vLLM/FlashAttention
+kernel_templates | tar -x -C .abd` gives .abd/kernel_templates), searched the same way (with
+`--same-config`: this checkout's best, a kernel change's A/B) and timed in the same turns, and in its
+cluster form too (NAME_cluster) where the call runs one. `--config NAME=JSON` adds a flash_decode
+config of your own, in the form a call runs it. `--page SIZES` adds, for each page size, the same cache as pages (a vLLM/FlashAttention
 (num_pages, page_size, Hk, D) cache in a shuffled block table), read by flash_decode_paged (row by
 row through the table) and, where the page size fits a stage, flash_decode_paged_boxes (a tensor-map
 box per page), with the dense search's config, timed in the same turns.
@@ -183,6 +189,10 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=DIR",
                     help="also the kernel compiled from the sources in DIR, named NAME")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=JSON",
+                    help="also this flash_decode config (its splits 0: from the occupancy), in the form a call runs it")
+    ap.add_argument("--same-config", action="store_true",
+                    help="each variant runs this checkout's spot-search best (a kernel change's A/B), not its own")
     ap.add_argument("--page", default="", help="page sizes: also the cache as pages (comma-separated)")
     ap.add_argument("--heads", default="32:8", help="query heads:K/V heads")
     ap.add_argument("--head-dim", type=int, default=128)
@@ -203,7 +213,7 @@ def main() -> int:
         print("decode_bench needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     gpu, fam = detect(), get_family("flash_decode")
-    screen, timer = Timer(target_seconds=0.1), Timer()
+    screen, timer, clean = Timer(target_seconds=0.1), Timer(), Timer(flush="read")
     copy = copy_bandwidth(timer)
     print(f"{gpu.name}: device-to-device copy {copy:.2f} TB/s", flush=True)
     rows = []
@@ -219,10 +229,20 @@ def main() -> int:
             if form is not fam:   # the spot search's best as a call runs it (its splits in a cluster)
                 fns["flashtune_cluster"] = ours(form, formed, problem, gpu, q, k, v)[0]
             configs = {}
+            for name, text in (c.split("=", 1) for c in args.config):
+                configs[name] = json.loads(text)
+                if (why := fam.check(configs[name], gpu, problem)) is None:
+                    form, formed = fam.served_form(configs[name], gpu, problem)
+                    fns[name] = ours(form, formed, problem, gpu, q, k, v)[0]
+                else:
+                    print(f"  {name}: {why}", flush=True)
             for name, folder in variants.items():
                 seed_resources.use_templates(folder)
-                configs[name] = screened(fam, problem, gpu, q, k, v, screen)
+                configs[name] = best if args.same_config else screened(fam, problem, gpu, q, k, v, screen)
                 fns[name] = ours(fam, configs[name], problem, gpu, q, k, v)[0]
+                vform, vformed = fam.served_form(configs[name], gpu, problem)
+                if vform is not fam:
+                    fns[f"{name}_cluster"] = ours(vform, vformed, problem, gpu, q, k, v)[0]
                 seed_resources.use_templates(None)
             outs = {}
             for size in (int(x) for x in args.page.split(",") if x):
@@ -236,22 +256,29 @@ def main() -> int:
             others = peers(problem, q, k, v)
             fns |= {n: fn for n, (fn, _) in others.items()}
             timings = timer.interleaved(fns)
+            timings_clean = clean.interleaved(fns)
             ref = next(iter(others.values()))[1] if others else None
             diff = float((o.float() - ref.float()).abs().max()) if ref is not None else float("nan")
             diff_pages = {n: float((x.float() - o.float()).abs().max()) for n, x in outs.items()}   # same data, same config
             tbs = {n: problem.bytes_moved() / (tm.median_ms * 1e-3) / 1e12 for n, tm in timings.items()}
+            tbs_clean = {n: problem.bytes_moved() / (tm.median_ms * 1e-3) / 1e12 for n, tm in timings_clean.items()}
             splits = fam.launch(best, problem, gpu).grid[2]
             row = dict(batch=b, keys=nk, config=best, splits=splits, served=served_config(problem, gpu), tb_s=tbs,
+                       tb_s_read_flush=tbs_clean,
                        variant_configs=configs,
                        ms={n: tm.median_ms for n, tm in timings.items()}, max_abs_diff=diff, copy_tb_s=copy,
                        pages_max_abs_diff=diff_pages)
             rows.append(row)
-            peer_best = max((v for n, v in tbs.items() if not n.startswith(("flashtune", "pages")) and n not in variants), default=float("nan"))
+            mine = set(variants) | {f"{n}_cluster" for n in variants} | set(configs)
+            peer_best = max((v for n, v in tbs.items() if not n.startswith(("flashtune", "pages")) and n not in mine), default=float("nan"))
             print(f"B{b:<4} Nk{nk:<6} " + "  ".join(f"{n} {v:.2f}" for n, v in tbs.items())
                   + f"  | ours/copy {tbs['flashtune'] / copy:.2f} ours/best peer {tbs['flashtune'] / peer_best:.2f}"
                   + f" served/best peer {tbs['flashtune_served'] / peer_best:.2f}"
                   + f"  splits {splits} {best}  served {row['served']}  maxdiff {diff:.3g}"
                   + "".join(f"  {n} diff {x:.3g}" for n, x in diff_pages.items()), flush=True)
+            clean_peer = max((v for n, v in tbs_clean.items() if not n.startswith(("flashtune", "pages")) and n not in mine), default=float("nan"))
+            print(f"  read flush: " + "  ".join(f"{n} {v:.2f}" for n, v in tbs_clean.items())
+                  + f"  | served/copy {tbs_clean['flashtune_served'] / copy:.2f} served/best peer {tbs_clean['flashtune_served'] / clean_peer:.2f}", flush=True)
             del q, k, v, run, served, fns, others, o, o_served, ref, outs
             torch.cuda.empty_cache()
     if args.json:

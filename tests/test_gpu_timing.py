@@ -46,3 +46,48 @@ def test_a_single_callable_is_timed_without_settling():
     run, calls = _counted(200_000)
     t = Timer(target_seconds=0.05, settle_seconds=0.05)(run, warmup=2)
     assert calls[0] == 2 + t.reps
+
+
+def _read_ms(buf, timer=None) -> float:
+    """Median ms of a sum over `buf`: timed by `timer`, or back to back with nothing between (what
+    L2 holds of it stays there)."""
+    import statistics
+
+    import torch
+
+    run = lambda: torch.sum(buf, dtype=torch.float32)
+    if timer is not None:
+        return timer(run).median_ms
+    run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(50)]
+    for start, end in events:
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+@pytest.mark.parametrize("flush", ["write", "read"])
+def test_either_flush_keeps_the_inputs_out_of_l2(flush):
+    import torch
+
+    from tuner.timing import Timer
+
+    small = torch.randn(4 << 20, device="cuda")   # 16 MB: held by an H100's or H200's 50 MB L2
+    warm, flushed = _read_ms(small), _read_ms(small, Timer(target_seconds=0.05, flush=flush))
+    assert flushed > 1.5 * warm, (flush, warm, flushed)
+
+
+def test_the_read_flush_leaves_no_write_back_to_the_timed_call():
+    """A write flush leaves L2's lines dirty and the next call writes them back (q2 in PERF_NOTES:
+    ~9 us of a 100 us decode step on the H100); after a read flush it has nothing to write."""
+    import torch
+
+    from tuner.timing import Timer
+
+    big = torch.randn(64 << 20, device="cuda")   # 256 MB
+    after_write = _read_ms(big, Timer(target_seconds=0.1, flush="write"))
+    after_read = _read_ms(big, Timer(target_seconds=0.1, flush="read"))
+    assert after_write - after_read > 0.003, (after_write, after_read)   # ms
+

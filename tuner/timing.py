@@ -17,18 +17,31 @@ class Timing:
     rounds: tuple[float, ...] = ()   # the median of each timed turn, in order (Timer.interleaved)
 
 
+FLUSHES = ("write", "read")
+
+
 class Timer:
-    """Times a callable on the current stream. The flush buffer (twice L2, 256 MiB at least) is
-    written before each repetition so no input is served from L2, and it keeps the GPU busy while
-    the host enqueues the events and the launch, so host overhead stays outside the events."""
+    """Times a callable on the current stream. The flush buffer (twice L2, 256 MiB at least) goes
+    through L2 before each repetition so no input is served from there, and it keeps the GPU busy
+    while the host enqueues the events and the launch, so host overhead stays outside the events.
+
+    `flush`: "write" (the default, as Triton's do_bench) zeroes the buffer, which leaves L2 full of
+    dirty lines that the timed call then writes back to memory: ~9 us of an H100's DRAM time, the
+    same for every kernel, which a memory-bound call of ~100 us pays as 9% of its bandwidth
+    (PERF_NOTES "q2"). "read" reads the buffer instead: L2 holds clean lines of it and nothing of
+    the inputs, and what the previous repetition wrote is written back during the flush."""
 
     def __init__(self, l2_bytes: int = 50 << 20, target_seconds: float = 0.5,
-                 min_reps: int = 10, max_reps: int = 200, settle_seconds: float = 0.05) -> None:
+                 min_reps: int = 10, max_reps: int = 200, settle_seconds: float = 0.05,
+                 flush: str = "write") -> None:
         import torch
 
-        self._flush = torch.empty(max(2 * l2_bytes, 256 << 20) // 4, dtype=torch.int32, device="cuda")
+        if flush not in FLUSHES:
+            raise ValueError(f"flush must be one of {', '.join(FLUSHES)}, got {flush!r}")
+        self._flush = torch.zeros(max(2 * l2_bytes, 256 << 20) // 4, dtype=torch.int32, device="cuda")
+        self._flush_op = self._flush.zero_ if flush == "write" else (lambda: torch.sum(self._flush, dtype=torch.int32))
         self.target_seconds, self.min_reps, self.max_reps = target_seconds, min_reps, max_reps
-        self.settle_seconds = settle_seconds
+        self.settle_seconds, self.flush = settle_seconds, flush
 
     def __call__(self, fn: Callable[[], None], warmup: int = 3) -> Timing:
         return self.interleaved({"": fn}, warmup=warmup)[""]
@@ -74,7 +87,7 @@ class Timer:
 
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
-            self._flush.zero_()
+            self._flush_op()
             start.record()
             fn()
             end.record()
