@@ -31,10 +31,7 @@
 // MERGE_CLUSTER (2-8, sm_90; flash_decode_cluster): the splits of a (sequence, K/V head, row block)
 // run as one thread-block cluster along z, each leaves its rows (O / l and the LSE) in its own
 // shared memory, and rank 0 merges them from there: no workspace, fence or arrival counter, so the
-// last split's merge waits on the cluster's shared memory rather than on L2 round trips. Where K/V
-// come as boxes, the splits do not own fixed ranges of the keys: each takes its next stage from a
-// counter in rank 0's shared memory (FT_CLAIM; the first STAGES - 1 each are dealt in turn), so a
-// split whose SM reads faster takes more of them and the cluster's CTAs end together.
+// last split's merge waits on the cluster's shared memory rather than on L2 round trips.
 //
 // VARLEN (common.cuh): packed sequences, each with its own queries (up to nq) and keys; the grid
 // is the longest sequence's row blocks, a sequence's extra ones exit at once.
@@ -56,14 +53,6 @@
 #endif
 static_assert(MERGE_CLUSTER == 1 || (MERGE_CLUSTER >= 2 && MERGE_CLUSTER <= 8 && !VARLEN),
               "a cluster of 2-8 splits (a portable cluster), each launch's CTAs all running to its end");
-// FT_CLAIM: a cluster's splits take the stages of their keys from a counter in rank 0's shared
-// memory as they go, not a fixed range each, so that splits whose SMs are served at different rates
-// end together (the launch waits for its slowest CTA). Where K/V come as boxes, issued by one thread.
-#if MERGE_CLUSTER > 1 && FT_TMA && !PAGED
-#define FT_CLAIM 1
-#else
-#define FT_CLAIM 0
-#endif
 
 using T = typename Elem<IN_DTYPE>::type;
 constexpr int NT = WARPS * 32;
@@ -129,18 +118,11 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   T* Vs = Ks + STAGES * STAGE_ELEMS;
   __shared__ float row_m[ROWS], row_l[ROWS];
   __shared__ int last_flag;
-#if FT_CLAIM
-  __shared__ int next_tile;            // rank 0's: the cluster's next stage not yet claimed
-  __shared__ int slot_tile[STAGES];    // the stage in each ring slot, -1 once the keys are all claimed
-#endif
 #if FT_TMA
   __shared__ alignas(8) unsigned long long kv_full[STAGES];   // a ring slot's K and V boxes have landed
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) mbar_init(&kv_full[s], 1);
-#if FT_CLAIM
-    next_tile = MERGE_CLUSTER * (STAGES - 1);   // (read in rank 0's only) past the stages dealt in turn
-#endif
     mbar_fence_init();
     tmap_prefetch(tmap_k);
     tmap_prefetch(tmap_v);
@@ -176,19 +158,13 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   }
   // stage t goes to ring slot SLOT(t): its own count from t_begin where an mbarrier's phase follows
   // the slot's uses (FT_TMA)
-#if FT_CLAIM
-#define SLOT(i) ((i) % STAGES)   // i: this CTA's own count of its stages
-#elif FT_TMA
+#if FT_TMA
 #define SLOT(t) (((t) - t_begin) % STAGES)
 #else
 #define SLOT(t) ((t) % STAGES)
 #endif
 #if FT_TMA
   cp_async_commit();   // Q's group
-#if FT_CLAIM
-  const unsigned next_tile_at = cluster_map(&next_tile, 0);
-  int claimed = 0;   // thread 0's: the answer of its last claim, the stage it copies next
-#endif
   auto issue_kv = [&](int t) {
     if constexpr (PAGED) {
       // maps of the pages ((num_pages, Hk, page_size, D)): a box per page the stage covers, or the
@@ -213,30 +189,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
           }
         }
       }
-    }
-#if FT_CLAIM
-    else if (tid == 0) {
-      // t: this CTA's count of its stages; the stage itself is dealt (the first STAGES - 1: split,
-      // split + splits, ...) or claimed. A claim's answer is asked for one stage ahead (`claimed`),
-      // so the atomic's round trip to rank 0 is not in the way of the copy it starts.
-      const int slot = SLOT(t);
-      int tile = t < STAGES - 1 ? split + MERGE_CLUSTER * t : claimed;
-      if (tile >= ntiles) tile = -1;
-      else if (t >= STAGES - 1) claimed = atomic_add_cluster(next_tile_at, 1);   // (only where `claims`)
-      slot_tile[slot] = tile;   // released to the consumers by the arrival below
-      if (tile < 0) {
-        mbar_arrive(&kv_full[slot]);   // the phase completes with nothing to copy: the keys are done
-        return;
-      }
-      mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
-#pragma unroll
-      for (int p = 0; p < HEAD_DIM / PANEL_COLS; ++p) {
-        tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * PANEL_COLS, &tmap_k, &kv_full[slot], p * PANEL_COLS, seq.k0 + tile * TK, hk, b);
-        tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * PANEL_COLS, &tmap_v, &kv_full[slot], p * PANEL_COLS, seq.k0 + tile * TK, hk, b);
-      }
-    }
-#else
-    else if (t < t_end && tid == 0) {
+    } else if (t < t_end && tid == 0) {
       const int slot = SLOT(t);
       mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
 #pragma unroll
@@ -246,16 +199,8 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
         tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * PANEL_COLS, &tmap_v, &kv_full[slot], p * PANEL_COLS, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
       }
     }
-#endif
   };
   __syncthreads();   // the barriers are initialised before a copy counts on one
-#if FT_CLAIM
-  // Claims only where the stages dealt in turn leave some: a short call's splits skip the counter's
-  // set-up (a cluster barrier) and its atomics (B1 x 1k, 8 splits: 0.37 -> 0.35 TB/s with them).
-  // The same answer in every CTA of the cluster (its row block's keys), so all take part or none.
-  const bool claims = ntiles > MERGE_CLUSTER * (STAGES - 1);
-  if (claims) cluster_arrive();  // rank 0's counter is set before any CTA's first claim (cluster_wait below)
-#endif
 #else
   auto issue_kv = [&](int t) {
     if (t < t_end) {
@@ -276,15 +221,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   };
 #endif
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue_kv(FT_CLAIM ? s : t_begin + s);
-#if FT_CLAIM
-  if (claims) {
-    cluster_wait();
-    if (tid == 0) claimed = atomic_add_cluster(next_tile_at, 1);   // the first claim, asked early
-  } else if (tid == 0) {
-    claimed = ntiles;   // none: every stage was dealt
-  }
-#endif
+  for (int s = 0; s < STAGES - 1; ++s) issue_kv(t_begin + s);
 #if FT_TMA
   cp_async_wait<0>();   // Q (every thread's cp.async) has landed ...
   __syncthreads();      // ... and every warp sees it
@@ -311,15 +248,6 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
       for (int e = 0; e < 4; ++e) o_acc[mt][dt][e] = 0.f;
   }
 
-#if FT_CLAIM
-  for (int i = 0;; ++i) {
-    const int slot = SLOT(i);
-    mbar_wait(&kv_full[slot], (i / STAGES) & 1);   // this CTA's i-th stage has landed, or there is none
-    const int t = slot_tile[slot];
-    if (t < 0) break;   // every thread alike; no copy is in flight past this one
-    __syncthreads();    // every warp is done with the slot of stage i-1 ...
-    issue_kv(i + STAGES - 1);   // ... which takes stage i + STAGES - 1
-#else
   for (int t = t_begin; t < t_end; ++t) {
     const int slot = SLOT(t);
 #if FT_TMA
@@ -329,7 +257,6 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #endif
     __syncthreads();               // and every warp is done with stage t-1's slot
     issue_kv(t + STAGES - 1);      // into the slot stage t-1 just freed
-#endif
     const T* Kt = Ks + slot * STAGE_ELEMS;
     const T* Vt = Vs + slot * STAGE_ELEMS;
     const int krow0 = warp * BC;               // this warp's keys within the stage

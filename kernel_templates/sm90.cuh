@@ -48,10 +48,6 @@ FT_DEVICE void mbar_arrive_remote(unsigned long long* bar, unsigned rank) {
 FT_DEVICE void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
 }
-// The two halves of cluster_sync, apart, so that work can go on between them: every thread arrives
-// once and waits once per phase (the wait acquires what the others' arrivals released).
-FT_DEVICE void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
-FT_DEVICE void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 
 // `p` (in this CTA's shared memory) as the same offset in cluster CTA `rank`'s, for ld_cluster.
 FT_DEVICE unsigned cluster_map(const void* p, unsigned rank) {
@@ -70,13 +66,6 @@ FT_DEVICE float4 ld_cluster4(unsigned addr) {
   float4 x;
   asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(addr) : "memory");
   return x;
-}
-// atomicAdd on an int in a cluster CTA's shared memory (an address from cluster_map), relaxed: a
-// counter that hands out work, whose value is all that is shared. Returns the value before.
-FT_DEVICE int atomic_add_cluster(unsigned addr, int v) {
-  int old;
-  asm volatile("atom.relaxed.cluster.shared::cluster.add.u32 %0, [%1], %2;\n" : "=r"(old) : "r"(addr), "r"(v) : "memory");
-  return old;
 }
 
 // ---- TMA: a 4-d box (d, n, h, b) of a tensor map ----

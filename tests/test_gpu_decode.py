@@ -359,29 +359,6 @@ def test_decode_splits_merged_in_a_cluster_match_reference(mask):
     assert ran, "no random shape took a cluster of splits"
 
 
-@pytest.mark.parametrize("splits", [2, 4, 8])
-def test_a_cluster_deals_or_claims_its_stages_at_the_edges(splits):
-    """flash_decode_cluster's splits take the first STAGES - 1 stages each in turn and claim the rest
-    from rank 0's counter: keys that end exactly at the dealt stages (no claim), one key past them
-    (one claim; the other splits find none) and many stages past (claims race), with K/V as boxes
-    (the claims' path), against float64 on NaN-poisoned outputs."""
-    from tuner.compile import compile_kernel
-    from tuner.gpu import detect
-    from tuner.kernel_templates import get_family
-    from tuner.kernel_templates.flash_decode import stage_keys
-    from tuner.measure import prepare_kernel
-
-    fam, gpu, rng = get_family("flash_decode_cluster"), detect(), random.Random()
-    params = dict(Bc=16, warps=4, stages=3, MT=1, splits=splits)
-    dealt = stage_keys(params) * splits * (params["stages"] - 1)
-    for nk in (dealt, dealt + 1, 7 * dealt + rng.randint(1, dealt)):
-        problem = Problem(rng.randint(1, 3), 8, 1, nk, 128, "bf16", "causal_br", 2)
-        assert fam.kv_tma(params, problem.head_dim) and fam.check(params, gpu, problem) is None
-        ck = compile_kernel(fam, params, problem, gpu.arch)
-        run, m = prepare_kernel(fam, params, problem, ck, rng.randrange(2**31), gpu)
-        assert m.status == "ok" and run is not None, f"{problem.key} {params}: {m.message}"
-
-
 def test_a_decode_step_served_with_its_splits_in_a_cluster():
     """What a model's decode loop runs on Hopper at B8 x 8k (GQA 4): flash_decode's two splits as a
     cluster (the plan says so), through kvcache_attention on a dense cache of ragged lengths (0 and 1
