@@ -90,4 +90,3 @@ def test_the_read_flush_leaves_no_write_back_to_the_timed_call():
     after_write = _read_ms(big, Timer(target_seconds=0.1, flush="write"))
     after_read = _read_ms(big, Timer(target_seconds=0.1, flush="read"))
     assert after_write - after_read > 0.003, (after_write, after_read)   # ms
-
