@@ -105,6 +105,13 @@ def ours(fam, params, problem, gpu, q, k, v, table=None):
     return (lambda keep=(o, lse, k, v, table): launcher(stream, *args)), o
 
 
+def served_form(fam, params, problem, gpu, q, k, v):
+    """A launch of `params` in the form a call runs it (on Hopper, splits of 2, 4 or 8 as a cluster:
+    FlashDecode.served_form), or None where that is the family's own."""
+    form, formed = fam.served_form(params, gpu, problem)
+    return None if form is fam else ours(form, formed, problem, gpu, q, k, v)[0]
+
+
 def attention_call(q, k, v):
     """`tuner.attention` on these inputs, as a model's decode step calls it (the dispatcher's plan:
     the lookup's entry for this bucket, else flash_decode's default), planned before timing; and its O."""
@@ -225,24 +232,23 @@ def main() -> int:
             run, o = ours(fam, best, problem, gpu, q, k, v)
             served, o_served = attention_call(q, k, v)
             fns = {"flashtune": run, "flashtune_served": served}
-            form, formed = fam.served_form(best, gpu, problem)
-            if form is not fam:   # the spot search's best as a call runs it (its splits in a cluster)
-                fns["flashtune_cluster"] = ours(form, formed, problem, gpu, q, k, v)[0]
+            # the spot search's best as a call runs it (its splits in a cluster), where that differs
+            if (clustered := served_form(fam, best, problem, gpu, q, k, v)) is not None:
+                fns["flashtune_cluster"] = clustered
             configs = {}
             for name, text in (c.split("=", 1) for c in args.config):
                 configs[name] = json.loads(text)
                 if (why := fam.check(configs[name], gpu, problem)) is None:
-                    form, formed = fam.served_form(configs[name], gpu, problem)
-                    fns[name] = ours(form, formed, problem, gpu, q, k, v)[0]
+                    fns[name] = served_form(fam, configs[name], problem, gpu, q, k, v) \
+                        or ours(fam, configs[name], problem, gpu, q, k, v)[0]
                 else:
                     print(f"  {name}: {why}", flush=True)
             for name, folder in variants.items():
                 seed_resources.use_templates(folder)
                 configs[name] = best if args.same_config else screened(fam, problem, gpu, q, k, v, screen)
                 fns[name] = ours(fam, configs[name], problem, gpu, q, k, v)[0]
-                vform, vformed = fam.served_form(configs[name], gpu, problem)
-                if vform is not fam:
-                    fns[f"{name}_cluster"] = ours(vform, vformed, problem, gpu, q, k, v)[0]
+                if (clustered := served_form(fam, configs[name], problem, gpu, q, k, v)) is not None:
+                    fns[f"{name}_cluster"] = clustered
                 seed_resources.use_templates(None)
             outs = {}
             for size in (int(x) for x in args.page.split(",") if x):
@@ -270,13 +276,18 @@ def main() -> int:
                        pages_max_abs_diff=diff_pages)
             rows.append(row)
             mine = set(variants) | {f"{n}_cluster" for n in variants} | set(configs)
-            peer_best = max((v for n, v in tbs.items() if not n.startswith(("flashtune", "pages")) and n not in mine), default=float("nan"))
+
+            def best_peer(t: dict) -> float:
+                return max((x for n, x in t.items() if not n.startswith(("flashtune", "pages")) and n not in mine),
+                           default=float("nan"))
+
+            peer_best = best_peer(tbs)
             print(f"B{b:<4} Nk{nk:<6} " + "  ".join(f"{n} {v:.2f}" for n, v in tbs.items())
                   + f"  | ours/copy {tbs['flashtune'] / copy:.2f} ours/best peer {tbs['flashtune'] / peer_best:.2f}"
                   + f" served/best peer {tbs['flashtune_served'] / peer_best:.2f}"
                   + f"  splits {splits} {best}  served {row['served']}  maxdiff {diff:.3g}"
                   + "".join(f"  {n} diff {x:.3g}" for n, x in diff_pages.items()), flush=True)
-            clean_peer = max((v for n, v in tbs_clean.items() if not n.startswith(("flashtune", "pages")) and n not in mine), default=float("nan"))
+            clean_peer = best_peer(tbs_clean)
             print(f"  read flush: " + "  ".join(f"{n} {v:.2f}" for n, v in tbs_clean.items())
                   + f"  | served/copy {tbs_clean['flashtune_served'] / copy:.2f} served/best peer {tbs_clean['flashtune_served'] / clean_peer:.2f}", flush=True)
             del q, k, v, run, served, fns, others, o, o_served, ref, outs

@@ -384,7 +384,8 @@ def test_a_decode_step_served_with_its_splits_in_a_cluster():
         # what `attention` serves: the cluster form, or an SDPA backend where this GPU's lookup
         # measured one faster for the bucket (the H200's cuDNN at 8k keys; kvcache_attention above
         # runs flash_decode all the same)
-        entry = served.serving_entry(Problem(b, kvh * group, 1, cap, d, "bf16", "none", kvh), detect())
+        p = Problem(b, kvh * group, 1, cap, d, "bf16", "none", kvh)
+        entry = served.serving_entry(p, detect())
         got = served.plan(q, k, v, "none")
         if configs_family(entry["family"]) == "flash_decode":
             assert got.family == "flash_decode_cluster", (entry["family"], got.family, got.reason)
@@ -392,7 +393,6 @@ def test_a_decode_step_served_with_its_splits_in_a_cluster():
             assert got.peer == entry["family"], (entry["family"], got.peer, got.reason)
         o, lse = served(q, k, v, "none", return_lse=True)
         ref_o, ref_lse = attention_fp64(q, k, v, "none", 1 / math.sqrt(d))
-        p = Problem(b, kvh * group, 1, cap, d, "bf16", "none", kvh)
         assert compare(o, lse, ref_o, ref_lse).within(p.rel_budget, p.lse_budget)
 
         lens = torch.tensor([rng.randint(1, cap) for _ in range(b)], dtype=torch.int32, device="cuda")

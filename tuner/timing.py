@@ -41,7 +41,7 @@ class Timer:
         self._flush = torch.zeros(max(2 * l2_bytes, 256 << 20) // 4, dtype=torch.int32, device="cuda")
         self._flush_op = self._flush.zero_ if flush == "write" else (lambda: torch.sum(self._flush, dtype=torch.int32))
         self.target_seconds, self.min_reps, self.max_reps = target_seconds, min_reps, max_reps
-        self.settle_seconds, self.flush = settle_seconds, flush
+        self.settle_seconds = settle_seconds
 
     def __call__(self, fn: Callable[[], None], warmup: int = 3) -> Timing:
         return self.interleaved({"": fn}, warmup=warmup)[""]
