@@ -43,6 +43,10 @@ class Timer:
         self.target_seconds, self.min_reps, self.max_reps = target_seconds, min_reps, max_reps
         self.settle_seconds = settle_seconds
 
+    def flush(self) -> None:
+        """Puts the flush buffer through L2 once, as before each timed repetition."""
+        self._flush_op()
+
     def __call__(self, fn: Callable[[], None], warmup: int = 3) -> Timing:
         return self.interleaved({"": fn}, warmup=warmup)[""]
 
@@ -87,7 +91,7 @@ class Timer:
 
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
-            self._flush_op()
+            self.flush()
             start.record()
             fn()
             end.record()
