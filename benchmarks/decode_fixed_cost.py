@@ -9,14 +9,16 @@ Why: at B32 x 1k keys (a 134 MB K/V read, ~50 us) every decode kernel, ours and 
 and a streaming rate. If a plain copy or read of the same bytes pays the same fixed cost, it is the
 launch and the memory's ramp, not the kernel's work.
 
-Each shape (one query, 32 query heads on 8 K/V heads, d=128, bf16, as decode_bench.py) is timed with
+First the 2 GiB copy decode_bench.py measures (the bar's reference, TB/s of read + write). Each
+shape (one query, 32 query heads on 8 K/V heads, d=128, bf16, as decode_bench.py) is timed with
 tuner.timing's read flush, in turns:
 - `served`: `tuner.attention` as a model's decode step calls it; `sdpa_cudnn`.
 - `copy`: a device-to-device copy of a buffer the size of K and V (reads and writes those bytes).
 - `read`: torch.sum over that buffer (reads them once).
 - `empty`: a one-element add: the event pair and one launch, the floor of any call.
 and again as two calls between one event pair (`x2`): the second call's launch is queued behind the
-first, so x2 - x1 is a call's cost with its launch hidden. Then torch.profiler gives each call's
+first, so x2 - x1 is a call's cost with its launch hidden (not where K and V fit in L2, as B8 x 1k's
+34 MB do on the H100: the second call reads them from there). Then torch.profiler gives each call's
 kernels (count, and their duration on the GPU's clock), so event time - kernel time is what the
 event pair, the launch and the gaps between a call's kernels cost.
 """
@@ -83,7 +85,7 @@ def main() -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from decode_bench import attention_call, inputs
+    from decode_bench import attention_call, copy_bandwidth, inputs
     from tuner.problem import Problem
     from tuner.timing import Timer
 
@@ -92,6 +94,8 @@ def main() -> int:
         return 2
     timer = Timer(flush="read")
     tiny = torch.zeros(1, device="cuda")
+    copy_tb_s = copy_bandwidth(timer)   # the bar's reference: a 2 GiB copy, as decode_bench.py measures it
+    print(f"{torch.cuda.get_device_name()}: 2 GiB device-to-device copy {copy_tb_s:.2f} TB/s", flush=True)
     rows = []
     for b in map(int, args.batch.split(",")):
         for nk in map(int, args.keys.split(",")):
@@ -122,14 +126,14 @@ def main() -> int:
             for n in one:
                 us, us2, kern = row["us"][n], row["us"][f"{n}_x2"], row["kernels"][n]
                 tbs = bytes_read[n] / (us * 1e-6) / 1e12 if bytes_read[n] else float("nan")
-                print(f"  {n:<11} {us:8.2f} us  x2 {us2:8.2f} (+{us2 - us:7.2f})  {tbs:5.2f} TB/s"
+                print(f"  {n:<11} {us:8.2f} us  x2 {us2:8.2f} (+{us2 - us:7.2f})  {tbs:5.2f} TB/s ({tbs / copy_tb_s:.2f}x the copy)"
                       f"  kernels {kern['count']} {kern['us']:8.2f} us  event - kernels {us - kern['us']:6.2f}", flush=True)
     fits = fit_rows(rows)
     for name, f in fits.items():
         print(f"fit {name:<24} fixed {f['fixed_us']:6.2f} us  streaming {f['tb_s']:.2f} TB/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows, fits=fits), f, indent=1)
+            json.dump(dict(gpu=torch.cuda.get_device_name(), copy_tb_s=copy_tb_s, rows=rows, fits=fits), f, indent=1)
     return 0
 
 
