@@ -149,13 +149,6 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   const int t_begin = split * per_split, t_end = min(ntiles, t_begin + per_split);
   const float c = scale_log2;
 
-  // ---- Q: the packed rows, zeros past the group's last ----
-  for (int idx = tid; idx < ROWS * CHUNKS; idx += NT) {
-    const int r = idx / CHUNKS, ch = idx % CHUNKS, pr = r0 + r;
-    const bool ok = pr < packed && ch * 8 < D_VALID;
-    const int qi = ok ? pr / kv_group : 0, h = hk * kv_group + (ok ? pr % kv_group : 0);
-    cp_async16(at(Qs, r, ch), q + (VARLEN ? seq.q0 * q_sn : b * q_sb) + h * q_sh + qi * q_sn + ch * 8, ok);
-  }
   // stage t goes to ring slot SLOT(t): its own count from t_begin where an mbarrier's phase follows
   // the slot's uses (FT_TMA)
 #if FT_TMA
@@ -164,7 +157,6 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 #define SLOT(t) ((t) % STAGES)
 #endif
 #if FT_TMA
-  cp_async_commit();   // Q's group
   auto issue_kv = [&](int t) {
     if constexpr (PAGED) {
       // maps of the pages ((num_pages, Hk, page_size, D)): a box per page the stage covers, or the
@@ -200,7 +192,15 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
       }
     }
   };
-  __syncthreads();   // the barriers are initialised before a copy counts on one
+  // The ring's first stages go out before Q's loads: their bytes are the launch's longest wait, and
+  // a short call pays it once a wave (PERF_NOTES "q6"). Warp 0 issues them (thread 0 for a dense
+  // cache, its lanes for pages' boxes), after thread 0's barrier init, which __syncwarp orders before
+  // the other lanes' copies; every other thread waits on a barrier only after the __syncthreads below.
+  if (warp == 0) {
+    __syncwarp();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue_kv(t_begin + s);
+  }
 #else
   auto issue_kv = [&](int t) {
     if (t < t_end) {
@@ -220,11 +220,20 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     cp_async_commit();   // empty groups keep the wait counts uniform
   };
 #endif
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) issue_kv(t_begin + s);
+  // ---- Q: the packed rows, zeros past the group's last ----
+  for (int idx = tid; idx < ROWS * CHUNKS; idx += NT) {
+    const int r = idx / CHUNKS, ch = idx % CHUNKS, pr = r0 + r;
+    const bool ok = pr < packed && ch * 8 < D_VALID;
+    const int qi = ok ? pr / kv_group : 0, h = hk * kv_group + (ok ? pr % kv_group : 0);
+    cp_async16(at(Qs, r, ch), q + (VARLEN ? seq.q0 * q_sn : b * q_sb) + h * q_sh + qi * q_sn + ch * 8, ok);
+  }
 #if FT_TMA
+  cp_async_commit();    // Q's group
   cp_async_wait<0>();   // Q (every thread's cp.async) has landed ...
-  __syncthreads();      // ... and every warp sees it
+  __syncthreads();      // ... and every warp sees it, and the barriers' init
+#else
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) issue_kv(t_begin + s);   // (Q's copies join stage 0's group)
 #endif
 
   // Each thread's last visible key per fragment row (mt, half): the sequence's end, and the diagonal.
