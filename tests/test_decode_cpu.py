@@ -419,3 +419,24 @@ def test_a_tuned_decode_entry_serves_its_cluster_form_with_the_calls_split_count
     assert fam.name == "flash_decode_cluster" and params["splits"] == 2
     assert fam.defines(params, b8)["MERGE_CLUSTER"] == 2 and fam.launch(params, b8, H100_SXM).grid[2] == 2
     assert "splits=0" in fam.check(dict(params, splits=0), H100_SXM, b8)   # no cluster of the occupancy's count
+
+
+@pytest.mark.parametrize("name", ["FAMILY", "CLUSTER_FAMILY", "PAGED_BOXES", "VARLEN_FAMILY"])
+def test_the_first_kv_boxes_go_out_before_q_and_the_first_barrier(name):
+    """On sm_90a a CTA's first K/V tensor-map copies are issued before Q's cp.async loads and before
+    any CTA barrier: a short decode call waits on them once a wave (PERF_NOTES "q6")."""
+    import re
+
+    import tuner.kernel_templates.flash_decode as fd
+    from tuner.compile import compile_kernel, disassemble
+
+    fam = getattr(fd, name)
+    params = dict(FAM.default(H100_SXM, LLAMA_DECODE), splits=2 if fam is fd.CLUSTER_FAMILY else 0)
+    assert fam.kv_tma(params, LLAMA_DECODE.head_dim)
+    sass = disassemble(compile_kernel(fam, params, LLAMA_DECODE, H100_SXM.arch).cubin)
+
+    def first(pattern: str) -> int:
+        return next(i for i, insn in enumerate(sass) if re.search(pattern, insn))
+
+    assert first(r"\bUTMALDG\b") < first(r"\bLDGSTS\b"), name
+    assert first(r"\bUTMALDG\b") < first(r"\bBAR\.SYNC\b"), name
