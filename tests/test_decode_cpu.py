@@ -3,6 +3,7 @@ kvcache_attention's input checks (tests/test_gpu_decode.py runs them)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -425,8 +426,6 @@ def test_a_tuned_decode_entry_serves_its_cluster_form_with_the_calls_split_count
 def test_the_first_kv_boxes_go_out_before_q_and_the_first_barrier(name):
     """On sm_90a a CTA's first K/V tensor-map copies are issued before Q's cp.async loads and before
     any CTA barrier: a short decode call waits on them once a wave (PERF_NOTES "q6")."""
-    import re
-
     import tuner.kernel_templates.flash_decode as fd
     from tuner.compile import compile_kernel, disassemble
 
