@@ -13,7 +13,7 @@ from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_di
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
 from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields, panel_cols
-from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, layout_args
+from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, layout_args, one_sm_clusters
 from tuner.problem import DECODE_QUERIES, Problem
 
 MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decode (~16), short chunks
@@ -23,14 +23,17 @@ LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (Fl
 # Split counts a cluster merges through shared memory: powers of two, which pack a GPC's SMs, up to
 # a portable cluster's 8 CTAs.
 CLUSTER_SIZES = (2, 4, 8)
-GPC_SMS = 16   # a Hopper GPC's SMs, at least (16-18 on the H100 and H200 SXM): what a cluster packs into
+GPC_SMS = 16   # a Hopper GPC's SMs in clusters_at_once's estimate (the H100 SXM's driver counts fewer: s3)
 _MAX_REGS = 255
 
 
 def clusters_at_once(gpu: GpuSpec, size: int) -> int:
-    """Clusters of `size` one-SM CTAs the GPU runs at once: every SM in pairs (a GPC's SMs come in
-    pairs), larger ones within whole 16-SM groups (a cluster lives in one GPC, and the spare SMs of an
-    18-SM GPC fit no cluster of 4 or 8)."""
+    """Clusters of `size` one-SM CTAs the GPU runs at once: on a device, its driver's count (a cluster
+    lives in one GPC, and GPCs keep different numbers of SMs: the H100 SXM measured holds fewer
+    clusters of 4 and 8 than whole 16-SM groups would, PERF_NOTES "s3"); for a reference spec, an
+    estimate: every SM in pairs, larger ones within whole 16-SM groups."""
+    if (measured := one_sm_clusters(gpu, size)) is not None:
+        return measured
     return gpu.sm_count // 2 if size == 2 else (gpu.sm_count // GPC_SMS) * (GPC_SMS // size)
 
 

@@ -376,14 +376,15 @@ def test_splits_fill_each_sm_once_where_kv_comes_by_boxes():
     assert FAM.launch(params, p, H100_SXM).grid == (64, 1, 2)
 
 
-def test_splits_of_a_hopper_call_merge_in_a_cluster_where_they_pack():
+def test_splits_of_a_hopper_call_merge_in_a_cluster_where_they_pack(monkeypatch):
     """flash_decode's served form (FlashDecode.served_form): on sm_90 a call whose keys split 2, 4 or
     8 ways runs as flash_decode_cluster with that explicit count, where its clusters all run at once;
     other counts, too many clusters for one wave, an A100, and the paged and packed variants keep
     the workspace's merge. The cluster form compiles its size in: a define, and no workspace."""
-    from tuner.kernel_templates import configs_family
+    from tuner.kernel_templates import configs_family, flash_decode
     from tuner.kernel_templates.flash_decode import CLUSTER_FAMILY, VARLEN_FAMILY, clusters_at_once
 
+    monkeypatch.setattr(flash_decode, "one_sm_clusters", lambda gpu, size: None)   # the spec's estimate
     b8 = replace(LLAMA_DECODE, batch=8, mask="none")   # 64 (sequence, K/V head) groups: 2 splits fill 132 SMs
     params = FAM.default(H100_SXM, b8)
     assert FAM.splits(params, b8, H100_SXM) == 2
@@ -401,6 +402,43 @@ def test_splits_of_a_hopper_call_merge_in_a_cluster_where_they_pack():
     many = replace(b8, batch=9)   # 72 groups: more pairs than the GPU runs at once
     assert FAM.served_form(dict(params, splits=2), H100_SXM, many)[0] is FAM
     assert CLUSTER_FAMILY.check(dict(params, splits=4), A100_SXM, b8) is not None   # sm_90 and later only
+
+
+def test_the_cluster_form_needs_the_drivers_count_of_clusters_at_once(monkeypatch):
+    """Where the device's driver says fewer clusters run at once than whole 16-SM groups would hold
+    (GPCs keep different numbers of SMs), a split count whose clusters would not all fit keeps the
+    workspace's merge: a second wave of clusters costs 15-20% (PERF_NOTES "s3"). Without a device
+    (a reference spec) the estimate stands."""
+    from tuner.kernel_templates import flash_decode
+    from tuner.kernel_templates.flash_decode import CLUSTER_FAMILY, clusters_at_once
+
+    monkeypatch.setattr(flash_decode, "one_sm_clusters", lambda gpu, size: None)   # the spec's estimate
+    b2 = replace(LLAMA_DECODE, batch=2, mask="none")   # 16 (sequence, K/V head) groups
+    params = dict(FAM.default(H100_SXM, b2), splits=8)
+    assert clusters_at_once(H100_SXM, 8) == 16 and FAM.served_form(params, H100_SXM, b2)[0] is CLUSTER_FAMILY
+    asked = []
+
+    def driver(gpu, size):
+        asked.append((gpu, size))
+        return {2: 66, 4: 30, 8: 15}[size]
+
+    monkeypatch.setattr(flash_decode, "one_sm_clusters", driver)
+    assert [clusters_at_once(H100_SXM, n) for n in (2, 4, 8)] == [66, 30, 15]
+    assert FAM.served_form(params, H100_SXM, b2) == (FAM, params)   # 16 clusters of 8, 15 at once
+    assert FAM.served_form(dict(params, splits=4), H100_SXM, b2)[0] is CLUSTER_FAMILY   # 16 of 4 fit
+    b4 = replace(b2, batch=4)   # 32 groups: 32 clusters of 4 where 30 fit
+    assert FAM.served_form(dict(params, splits=4), H100_SXM, b4) == (FAM, dict(params, splits=4))
+    assert (H100_SXM, 8) in asked
+
+
+def test_no_device_has_no_drivers_cluster_count():
+    """one_sm_clusters answers None for a spec that is not a visible device (here: no GPU, or an A100
+    spec), so callers fall back to their estimate rather than raising."""
+    from tuner.launch import one_sm_clusters
+
+    assert one_sm_clusters(A100_SXM, 2) is None
+    if not torch.cuda.is_available():
+        assert one_sm_clusters(H100_SXM, 8) is None
 
 
 def test_a_tuned_decode_entry_serves_its_cluster_form_with_the_calls_split_count(tmp_path):

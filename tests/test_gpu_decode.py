@@ -344,10 +344,11 @@ def test_decode_splits_merged_in_a_cluster_match_reference(mask):
     from tuner.measure import prepare_kernel
 
     fam, plain, gpu, rng = get_family("flash_decode_cluster"), get_family("flash_decode"), detect(), random.Random()
-    ran = 0
-    for _ in range(3):
+    shapes = 0
+    for _ in range(40):   # until three shapes took a cluster: short keys have fewer stages than splits
         problem = _random_decode_problem(rng, rng.choice(["fp16", "bf16"]), mask)
         base = rng.choice([plain.default(gpu, problem)] + plain.valid_points(gpu, problem))
+        ran = 0
         for n in (2, 4, 8):
             params = dict(base, splits=n)
             if fam.check(params, gpu, problem) is not None:   # fewer stages than splits
@@ -356,7 +357,70 @@ def test_decode_splits_merged_in_a_cluster_match_reference(mask):
             run, m = prepare_kernel(fam, params, problem, ck, rng.randrange(2**31), gpu)
             assert m.status == "ok" and run is not None, f"{problem.key} {params}: {m.message}"
             ran += 1
-    assert ran, "no random shape took a cluster of splits"
+        shapes += ran > 0
+        if shapes == 3:
+            break
+    assert shapes == 3, f"only {shapes} of 40 random shapes took a cluster of splits"
+
+
+_ARRIVE = r"""
+extern "C" __global__ void arrive_and_wait(unsigned* count, unsigned total, long long spin, unsigned* late) {
+    if (threadIdx.x == 0) {
+        atomicAdd(count, 1u);
+        long long start = clock64();
+        while (atomicAdd(count, 0u) < total) {
+            if (clock64() - start > spin) { atomicAdd(late, 1u); break; }
+        }
+    }
+}
+"""
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_the_drivers_count_of_one_sm_clusters_all_run_at_once(size):
+    """clusters_at_once's count on this device (the driver's, one_sm_clusters) is what the cluster
+    form's serving rule trusts: that many clusters of `size` CTAs that each fill an SM all run at
+    once (each CTA arrives, then waits for every other), and one cluster more does not (some wait
+    out their spin). And a decode call's splits run as one cluster only where its clusters fit."""
+    import numpy as np
+    import torch
+    from cuda.core import Device, LaunchConfig, Program, ProgramOptions, launch
+
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.kernel_templates.flash_decode import clusters_at_once, ctas_per_split
+    from tuner.launch import _set_max_dynamic_smem, one_sm_clusters
+
+    gpu = detect()
+    if gpu.major < 9:
+        pytest.skip(f"thread-block clusters need sm_90 or later, not {gpu.name} (sm_{gpu.major}{gpu.minor})")
+    count = one_sm_clusters(gpu, size)
+    assert count is not None and 0 < count <= gpu.sm_count // size and clusters_at_once(gpu, size) == count
+    dev = Device(gpu.index)
+    dev.set_current()
+    kernel = Program(_ARRIVE, "c++", ProgramOptions(arch=gpu.arch)).compile("cubin").get_kernel("arrive_and_wait")
+    _set_max_dynamic_smem(kernel, gpu.smem_per_block_optin, gpu.index)
+    stream = dev.create_stream()
+    late = {}
+    for clusters in (count, count + 1):
+        flags = torch.zeros(2, dtype=torch.int32, device="cuda")
+        torch.cuda.synchronize()
+        # with a cluster, cuda.core's grid counts clusters
+        config = LaunchConfig(grid=clusters, cluster=size, block=32, shmem_size=gpu.smem_per_block_optin)
+        launch(stream, config, kernel, np.uint64(flags.data_ptr()), np.uint32(clusters * size),
+               np.int64(400_000_000), np.uint64(flags.data_ptr() + 4))
+        stream.sync()
+        late[clusters] = int(flags[1])
+        assert int(flags[0]) == clusters * size
+    assert late[count] == 0 and late[count + 1] > 0, (size, count, late)
+
+    fam = get_family("flash_decode")
+    for batch in (1, 2, 4, 8, 16):
+        p = Problem(batch, 32, 1, 16384, 128, "bf16", "none", 8)
+        params = dict(fam.default(gpu, p), splits=size)
+        form = fam.served_form(params, gpu, p)[0]
+        fits = ctas_per_split(params, p) <= count
+        assert (configs_family(form.name) == fam.name) and ((form.name == "flash_decode_cluster") == fits), (batch, form.name)
 
 
 def test_a_decode_step_served_with_its_splits_in_a_cluster():

@@ -11,6 +11,7 @@ device, nothing synchronizes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import struct
 import threading
@@ -285,6 +286,40 @@ def _set_max_dynamic_smem(kernel, nbytes: int, device_index: int) -> None:
         )
     if err != driver.CUresult.CUDA_SUCCESS:
         raise LaunchError(f"cannot allow {nbytes} B of dynamic shared memory: {err.name}")
+
+
+# An empty kernel the driver compiles itself (no NVRTC), to ask it how clusters pack the SMs.
+_PROBE_PTX = b""".version 7.8
+.target sm_90
+.address_size 64
+.visible .entry flashtune_one_sm_probe() { ret; }
+"""
+
+
+@functools.cache
+def one_sm_clusters(gpu, size: int) -> int | None:
+    """Clusters of `size` CTAs that each fill an SM (all the shared memory a block may take) which
+    the GpuSpec `gpu` runs at once, as the driver of the device at gpu.index counts them; None where
+    it has no clusters (before sm_90), where that device is not this GPU (a reference spec) or where
+    the driver cannot say. A cluster's CTAs share one GPC, and a GPU's GPCs keep different numbers
+    of SMs, so this is not sm_count // size: PERF_NOTES "s3"."""
+    import torch
+
+    try:
+        if (gpu.major < 9 or not torch.cuda.is_available() or gpu.index >= torch.cuda.device_count()
+                or torch.cuda.get_device_name(gpu.index) != gpu.name):
+            return None
+        from cuda.core import Device, LaunchConfig, ObjectCode
+
+        with torch.cuda.device(gpu.index):
+            dev = Device(gpu.index)
+            dev.set_current()
+            kernel = ObjectCode.from_ptx(_PROBE_PTX).get_kernel("flashtune_one_sm_probe")
+            _set_max_dynamic_smem(kernel, gpu.smem_per_block_optin, gpu.index)
+            config = LaunchConfig(grid=1, cluster=size, block=32, shmem_size=gpu.smem_per_block_optin)   # grid: clusters
+            return int(kernel.occupancy.max_active_clusters(config, stream=dev.default_stream))
+    except Exception:   # an old driver or cuda.core: the caller's estimate stands
+        return None
 
 
 class LoadedKernel:
