@@ -25,6 +25,10 @@ LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (Fl
 CLUSTER_SIZES = (2, 4, 8)
 GPC_SMS = 16   # a Hopper GPC's SMs in clusters_at_once's estimate (the H100 SXM's driver counts fewer: s3)
 _MAX_REGS = 255
+# K/V bytes an SM keeps on their way to hold its share of the memory's rate where K/V come by boxes:
+# about 3.3 TB/s over 132 SMs for 1.3 us of latency (PERF_NOTES "s3": a CTA of 16 KB wants company,
+# one of 32-48 KB does not, "s1")
+SM_IN_FLIGHT = 32 << 10
 
 
 def clusters_at_once(gpu: GpuSpec, size: int) -> int:
@@ -40,6 +44,11 @@ def clusters_at_once(gpu: GpuSpec, size: int) -> int:
 def stage_keys(params: dict) -> int:
     """Keys a CTA reads per stage: BC for each warp."""
     return params["Bc"] * params["warps"]
+
+
+def in_flight_bytes(params: dict, problem: Problem) -> int:
+    """K/V bytes a CTA has on their way while it works on one stage: the ring's other STAGES - 1."""
+    return (params["stages"] - 1) * stage_keys(params) * padded_head_dim(problem.head_dim) * 2 * 2
 
 
 def row_blocks(params: dict, problem: Problem) -> int:
@@ -221,15 +230,21 @@ class FlashDecode(KernelFamily):
 
     def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
         """The config's split count, or the occupancy's. Where K/V come by tensor-map boxes (sm_90+),
-        a wave is one CTA an SM, not every slot: the copy engine keeps one CTA's stream busy, and
-        a second CTA on the SM only halves each stream and doubles the partials to merge. Timed
-        at the default config over 61 H100 decode shapes at d=64-96 (two or three CTAs an SM),
-        the SM rule read 0.984x the best count on average (0.915 at worst), the slot rule 0.965x
-        (0.859): PERF_NOTES "s1"."""
+        a wave is as many CTAs an SM as keep SM_IN_FLIGHT bytes of K/V on their way (one, mostly),
+        not every slot: past that a CTA more on the SM only shares its stream and doubles the
+        partials to merge. Timed at the default config over 61 H100 decode shapes at d=64-96 (two
+        or three CTAs an SM, 32 KB in flight each), one CTA an SM read 0.984x the best count on
+        average (0.915 at worst), every slot 0.965x (0.859): PERF_NOTES "s1"; a served d=64 config
+        of 16 KB in flight and six CTAs an SM read 0.80-0.87x the best count at one an SM, 0.97-0.99x
+        at two: "s3"."""
         if params["splits"]:
             return params["splits"]
-        once = gpu.sm_count if gpu.major >= 9 and self.kv_tma(params, problem.head_dim) else None
-        return auto_splits(params, problem, gpu, self.smem_bytes(params, problem), once)
+        smem = self.smem_bytes(params, problem)
+        if gpu.major < 9 or not self.kv_tma(params, problem.head_dim):
+            return auto_splits(params, problem, gpu, smem)
+        per_sm = cta_slots(params, problem, gpu, smem) // gpu.sm_count
+        streams = min(per_sm, ceil_div(SM_IN_FLIGHT, in_flight_bytes(params, problem)))
+        return auto_splits(params, problem, gpu, smem, gpu.sm_count * streams)
 
     def served_form(self, params: dict, gpu: GpuSpec, problem: Problem) -> tuple[KernelFamily, dict]:
         """A call whose keys split 2, 4 or 8 ways on sm_90+ runs as flash_decode_cluster, its splits one

@@ -376,6 +376,23 @@ def test_splits_fill_each_sm_once_where_kv_comes_by_boxes():
     assert FAM.launch(params, p, H100_SXM).grid == (64, 1, 2)
 
 
+def test_a_cta_with_little_in_flight_shares_its_sm_in_the_split_count():
+    """Where a CTA keeps less than SM_IN_FLIGHT bytes of K/V on their way (d=64, two warps of 32 keys
+    in 2 stages: 16 KB), a wave counts two CTAs an SM, as many as keep an SM's share of the stream
+    fed: B8 x 8 K/V heads takes 4 splits (256 CTAs), not one an SM's 2 (which read 0.80-0.87x the
+    best count, PERF_NOTES "s3"), nor every slot's. At 32 KB and more, one an SM stays ("s1")."""
+    from tuner.kernel_templates.flash_decode import SM_IN_FLIGHT, cta_slots, in_flight_bytes
+
+    p = Problem(8, 32, 1, 16384, 64, "bf16", "causal_br", 8)
+    thin = dict(Bc=32, warps=2, stages=2, MT=1, splits=0)
+    smem = FAM.smem_bytes(thin, p)
+    assert in_flight_bytes(thin, p) == 16 << 10 < SM_IN_FLIGHT and cta_slots(thin, p, H100_SXM, smem) > 2 * 132
+    assert FAM.splits(thin, p, H100_SXM) == auto_splits(thin, p, H100_SXM, smem, 2 * 132) == 4
+    assert auto_splits(thin, p, H100_SXM, smem, 132) == 2 and auto_splits(thin, p, H100_SXM, smem) > 4
+    assert FAM.splits(dict(thin, stages=3), p, H100_SXM) == 2   # 32 KB in flight: one an SM
+    assert FAM.splits(thin, replace(p, batch=16), H100_SXM) == 2
+
+
 def test_splits_of_a_hopper_call_merge_in_a_cluster_where_they_pack(monkeypatch):
     """flash_decode's served form (FlashDecode.served_form): on sm_90 a call whose keys split 2, 4 or
     8 ways runs as flash_decode_cluster with that explicit count, where its clusters all run at once;
