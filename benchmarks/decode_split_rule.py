@@ -1,10 +1,13 @@
 """flash_decode's occupancy split count, two rules, at the default config: a wave of every CTA slot
 of the GPU (auto_splits' default) against one CTA an SM (what FlashDecode.splits uses where K/V
 come by tensor-map boxes), beside explicit counts (1, 2, 4, 8, 16), timed in turns; each rule's
-median against the best count's. PERF_NOTES "s1". The JSON is written after each shape.
+median against the best count's. PERF_NOTES "s1". With --served, the config `attention` serves
+each shape from (the lookup's entry, else the default), each count in the form a call runs it (2, 4
+or 8 splits as one cluster on sm_90), and the bytes each CTA keeps in flight: PERF_NOTES "s3". The
+JSON is written after each shape.
 
     python3 benchmarks/decode_split_rule.py [--json OUT] [--shapes H:KV:D,...] [--batch 1,4,8,16]
-                                            [--keys 1024,4096,16384]
+                                            [--keys 1024,4096,16384] [--served] [--flush write|read]
 """
 
 from __future__ import annotations
@@ -25,13 +28,18 @@ def main() -> int:
     ap.add_argument("--shapes", default=SHAPES, help="query heads:K/V heads:head dim, comma-separated")
     ap.add_argument("--batch", default="1,4,8,16")
     ap.add_argument("--keys", default="1024,4096,16384")
+    ap.add_argument("--served", action="store_true",
+                    help="the served config in its served form at each count, not the default's workspace form")
+    ap.add_argument("--flush", default="write", choices=("write", "read"), help="the timer's L2 flush (tuner.timing)")
     args = ap.parse_args()
     import torch
 
     import decode_bench as db
     from tuner.family import ceil_div
     from tuner.gpu import detect
-    from tuner.kernel_templates.flash_decode import FAMILY, FlashDecode, auto_splits, cta_slots, stage_keys
+    from tuner.kernel_templates import configs_family
+    from tuner.kernel_templates.flash_decode import (CLUSTER_SIZES, FAMILY, FlashDecode, auto_splits, clusters_at_once,
+                                                     cta_slots, in_flight_bytes, stage_keys)
     from tuner.problem import Problem
     from tuner.timing import Timer
 
@@ -48,30 +56,47 @@ def main() -> int:
         def splits(self, params, problem, gpu):
             return self.n
 
-    gpu, timer = detect(), Timer(target_seconds=0.15)
+    def served(params, n, p, q, k, v):
+        """`params` at n splits as a call runs it (FlashDecode.served_form); a count outside the space
+        is the occupancy rule's (splits 0)."""
+        form, formed = FAMILY.served_form(dict(params, splits=n if n in FAMILY.space["splits"] else 0), gpu, p)
+        return db.ours(form, formed, p, gpu, q, k, v)[0]
+
+    gpu, timer = detect(), Timer(target_seconds=0.15, flush=args.flush)
+    clusters = {n: clusters_at_once(gpu, n) for n in CLUSTER_SIZES}
+    print(f"{gpu.name}: one-SM clusters at once by size {clusters}", flush=True)
     rows = []
     for heads, kvh, d in (map(int, s.split(":")) for s in args.shapes.split(",")):
         for b in map(int, args.batch.split(",")):
             for nk in map(int, args.keys.split(",")):
                 p = Problem(b, heads, 1, nk, d, "bf16", "causal_br", kvh)
-                params = FAMILY.default(gpu, p)
+                source, params = "default", FAMILY.default(gpu, p)
+                if args.served and configs_family((sc := db.served_config(p, gpu))["family"] or "") == FAMILY.name:
+                    source, params = sc["source"], dict(sc["params"], splits=0)
                 smem = FAMILY.smem_bytes(params, p)
                 by_slots, by_sm = auto_splits(params, p, gpu, smem), auto_splits(params, p, gpu, smem, gpu.sm_count)
-                counts = sorted({by_slots, by_sm, 1, 2, 4, 8, 16} & set(range(1, ceil_div(nk, stage_keys(params)) + 1)))
+                rule = FAMILY.splits(params, p, gpu)   # what a call takes (FlashDecode.splits)
+                # served, a count outside the space is only the rule's (the slot rule's is not served on sm_90)
+                counts = sorted(({rule} if args.served else {by_slots, by_sm}) | {1, 2, 4, 8, 16})
+                counts = [n for n in counts if n <= ceil_div(nk, stage_keys(params))]
                 _, (q, k, v) = db.inputs(p)
-                ms = {n: tm.median_ms for n, tm in timer.interleaved(
-                    {n: db.ours(Fixed(n), params, p, gpu, q, k, v)[0] for n in counts}).items()}
+                run = (lambda n: served(params, n, p, q, k, v)) if args.served else (
+                    lambda n: db.ours(Fixed(n), params, p, gpu, q, k, v)[0])
+                ms = {n: tm.median_ms for n, tm in timer.interleaved({n: run(n) for n in counts}).items()}
                 best = min(ms.values())
-                row = dict(shape=p.key, params=params, per_sm=cta_slots(params, p, gpu, smem) // gpu.sm_count,
-                           slot_rule=by_slots, sm_rule=by_sm, ms={str(n): x for n, x in ms.items()},
-                           slot_vs_best=round(best / ms[by_slots], 3), sm_vs_best=round(best / ms[by_sm], 3))
+                vs_best = lambda n: round(best / ms[n], 3) if n in ms else None
+                row = dict(shape=p.key, source=source, params=params, in_flight=in_flight_bytes(params, p),
+                           per_sm=cta_slots(params, p, gpu, smem) // gpu.sm_count, slot_rule=by_slots, sm_rule=by_sm,
+                           rule=rule, ms={str(n): x for n, x in ms.items()}, rule_vs_best=vs_best(rule),
+                           sm_vs_best=vs_best(by_sm), slot_vs_best=vs_best(by_slots))
                 rows.append(row)
-                print(f"{p.key:<40} per_sm {row['per_sm']} slots {by_slots:>2} ({row['slot_vs_best']:.3f}) "
-                      f"sm {by_sm:>2} ({row['sm_vs_best']:.3f})  " + " ".join(f"{n}:{x * 1000:.1f}us" for n, x in ms.items()),
+                print(f"{p.key:<40} {row['in_flight'] >> 10:>4} KB per_sm {row['per_sm']} "
+                      f"slots {by_slots:>2} ({row['slot_vs_best']}) sm {by_sm:>2} ({row['sm_vs_best']}) "
+                      f"rule {rule:>2} ({row['rule_vs_best']})  " + " ".join(f"{n}:{x * 1000:.1f}us" for n, x in ms.items()),
                       flush=True)
                 if args.json:
                     with open(args.json, "w") as f:
-                        json.dump(dict(gpu=gpu.name, rows=rows), f, indent=1)
+                        json.dump(dict(gpu=gpu.name, flush=args.flush, clusters_at_once=clusters, rows=rows), f, indent=1)
                 del q, k, v
     return 0
 
