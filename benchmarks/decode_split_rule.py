@@ -38,8 +38,9 @@ def main() -> int:
     from tuner.family import ceil_div
     from tuner.gpu import detect
     from tuner.kernel_templates import configs_family
-    from tuner.kernel_templates.flash_decode import (CLUSTER_SIZES, FAMILY, FlashDecode, auto_splits, clusters_at_once,
-                                                     cta_slots, in_flight_bytes, stage_keys)
+    from tuner.kernel_templates.flash_decode import (CLUSTER_SIZES, FAMILY, FlashDecode, auto_splits, cta_slots,
+                                                     in_flight_bytes, stage_keys)
+    from tuner.launch import clusters_at_once
     from tuner.problem import Problem
     from tuner.timing import Timer
 

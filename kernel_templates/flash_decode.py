@@ -13,7 +13,7 @@ from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_di
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
 from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields, panel_cols
-from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, layout_args, one_sm_clusters
+from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, clusters_at_once, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
 
 MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decode (~16), short chunks
@@ -23,22 +23,11 @@ LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (Fl
 # Split counts a cluster merges through shared memory: powers of two, which pack a GPC's SMs, up to
 # a portable cluster's 8 CTAs.
 CLUSTER_SIZES = (2, 4, 8)
-GPC_SMS = 16   # a Hopper GPC's SMs in clusters_at_once's estimate (the H100 SXM's driver counts fewer: s3)
 _MAX_REGS = 255
 # K/V bytes an SM keeps on their way to hold its share of the memory's rate where K/V come by boxes:
 # about 3.3 TB/s over 132 SMs for 1.3 us of latency (PERF_NOTES "s3": a CTA of 16 KB wants company,
 # one of 32-48 KB does not, "s1")
 SM_IN_FLIGHT = 32 << 10
-
-
-def clusters_at_once(gpu: GpuSpec, size: int) -> int:
-    """Clusters of `size` one-SM CTAs the GPU runs at once: on a device, its driver's count (a cluster
-    lives in one GPC, and GPCs keep different numbers of SMs: the H100 SXM measured holds fewer
-    clusters of 4 and 8 than whole 16-SM groups would, PERF_NOTES "s3"); for a reference spec, an
-    estimate: every SM in pairs, larger ones within whole 16-SM groups."""
-    if (measured := one_sm_clusters(gpu, size)) is not None:
-        return measured
-    return gpu.sm_count // 2 if size == 2 else (gpu.sm_count // GPC_SMS) * (GPC_SMS // size)
 
 
 def stage_keys(params: dict) -> int:

@@ -26,7 +26,7 @@ from tuner.family import ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.flash_fwd_sm90 import tile_dim
 from tuner.kernel_templates.flash_fwd_sm90_tail import TailFlashFwdSm90, tail_from, tail_workspace_size
-from tuner.launch import Launch
+from tuner.launch import Launch, clusters_at_once
 from tuner.problem import Problem
 
 CLUSTER = 2
@@ -58,15 +58,18 @@ class PairsFlashFwdSm90(TailFlashFwdSm90):
 
     def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
         plain = super().launch(params, problem, gpu)
-        clusters = min(pair_tiles(params, problem), gpu.sm_count // CLUSTER)
+        clusters = min(pair_tiles(params, problem), clusters_at_once(gpu, CLUSTER))
         return Launch(grid=(CLUSTER * clusters, 1, 1), block=plain.block, smem_bytes=plain.smem_bytes)
 
     def pairs_form(self, plain: dict, gpu: GpuSpec, problem: Problem) -> dict | None:
         """flash_fwd_sm90's config `plain` as it serves `problem`, in this family: where it runs so
         (persistent, unchained, unmasked 16-bit, the registers a cut tail needs) and the rule above
-        says it pays; else None. The SMs must pair up into clusters (an even count; every cluster
-        of the launch resident at once, as on the H100 and H200)."""
-        if (tile_dim(problem) < PAIRS_MIN_TILE_DIM or problem.seqlen_k < PAIRS_MIN_KEYS or gpu.sm_count % CLUSTER
+        says it pays; else None. Every SM must pair up into a cluster of the launch, all resident at
+        once (a cut tile's second half waits for its first): the driver's count of clusters of two
+        (clusters_at_once) covers the SMs on the H100 measured (66 for 132, PERF_NOTES "s3"); a GPU
+        whose GPCs leave an SM unpaired runs the plain form, which uses every SM."""
+        if (tile_dim(problem) < PAIRS_MIN_TILE_DIM or problem.seqlen_k < PAIRS_MIN_KEYS
+                or CLUSTER * clusters_at_once(gpu, CLUSTER) < gpu.sm_count
                 or self.check(plain, gpu, problem) is not None):
             return None
         return dict(plain)

@@ -398,10 +398,12 @@ def test_splits_of_a_hopper_call_merge_in_a_cluster_where_they_pack(monkeypatch)
     8 ways runs as flash_decode_cluster with that explicit count, where its clusters all run at once;
     other counts, too many clusters for one wave, an A100, and the paged and packed variants keep
     the workspace's merge. The cluster form compiles its size in: a define, and no workspace."""
-    from tuner.kernel_templates import configs_family, flash_decode
-    from tuner.kernel_templates.flash_decode import CLUSTER_FAMILY, VARLEN_FAMILY, clusters_at_once
+    from tuner import launch
+    from tuner.kernel_templates import configs_family
+    from tuner.kernel_templates.flash_decode import CLUSTER_FAMILY, VARLEN_FAMILY
+    from tuner.launch import clusters_at_once
 
-    monkeypatch.setattr(flash_decode, "one_sm_clusters", lambda gpu, size: None)   # the spec's estimate
+    monkeypatch.setattr(launch, "one_sm_clusters", lambda gpu, size: None)   # the spec's estimate
     b8 = replace(LLAMA_DECODE, batch=8, mask="none")   # 64 (sequence, K/V head) groups: 2 splits fill 132 SMs
     params = FAM.default(H100_SXM, b8)
     assert FAM.splits(params, b8, H100_SXM) == 2
@@ -426,10 +428,11 @@ def test_the_cluster_form_needs_the_drivers_count_of_clusters_at_once(monkeypatc
     (GPCs keep different numbers of SMs), a split count whose clusters would not all fit keeps the
     workspace's merge: a second wave of clusters costs 15-20% (PERF_NOTES "s3"). Without a device
     (a reference spec) the estimate stands."""
-    from tuner.kernel_templates import flash_decode
-    from tuner.kernel_templates.flash_decode import CLUSTER_FAMILY, clusters_at_once
+    from tuner import launch
+    from tuner.kernel_templates.flash_decode import CLUSTER_FAMILY
+    from tuner.launch import clusters_at_once
 
-    monkeypatch.setattr(flash_decode, "one_sm_clusters", lambda gpu, size: None)   # the spec's estimate
+    monkeypatch.setattr(launch, "one_sm_clusters", lambda gpu, size: None)   # the spec's estimate
     b2 = replace(LLAMA_DECODE, batch=2, mask="none")   # 16 (sequence, K/V head) groups
     params = dict(FAM.default(H100_SXM, b2), splits=8)
     assert clusters_at_once(H100_SXM, 8) == 16 and FAM.served_form(params, H100_SXM, b2)[0] is CLUSTER_FAMILY
@@ -439,7 +442,7 @@ def test_the_cluster_form_needs_the_drivers_count_of_clusters_at_once(monkeypatc
         asked.append((gpu, size))
         return {2: 66, 4: 30, 8: 15}[size]
 
-    monkeypatch.setattr(flash_decode, "one_sm_clusters", driver)
+    monkeypatch.setattr(launch, "one_sm_clusters", driver)
     assert [clusters_at_once(H100_SXM, n) for n in (2, 4, 8)] == [66, 30, 15]
     assert FAM.served_form(params, H100_SXM, b2) == (FAM, params)   # 16 clusters of 8, 15 at once
     assert FAM.served_form(dict(params, splits=4), H100_SXM, b2)[0] is CLUSTER_FAMILY   # 16 of 4 fit

@@ -388,8 +388,8 @@ def test_the_drivers_count_of_one_sm_clusters_all_run_at_once(size):
 
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
-    from tuner.kernel_templates.flash_decode import clusters_at_once, ctas_per_split
-    from tuner.launch import _set_max_dynamic_smem, one_sm_clusters
+    from tuner.kernel_templates.flash_decode import ctas_per_split
+    from tuner.launch import _set_max_dynamic_smem, clusters_at_once, one_sm_clusters
 
     gpu = detect()
     if gpu.major < 9:

@@ -44,6 +44,21 @@ def test_pairs_serve_long_unmasked_calls_at_wide_head_dims_only():
     assert SM90.tune_skip(H100_SXM, D128_16K) is None
 
 
+def test_pairs_run_only_where_the_driver_pairs_every_sm(monkeypatch):
+    """Every cluster of a pairs launch must be resident at once (a cut tile's second half waits for
+    its first), and the plain form uses every SM: where the device's driver counts fewer clusters of
+    two than SMs / 2 (a GPC with an odd number of SMs), a call keeps the single-CTA form; where it
+    counts them all (the H100 measured: 66), pairs, at most that many clusters a launch."""
+    from tuner import launch
+
+    monkeypatch.setattr(launch, "one_sm_clusters", lambda gpu, size: 65)
+    assert PAIRS.pairs_form(PERSISTENT, H100_SXM, D128_16K) is None
+    assert SM90.served_form(PERSISTENT, H100_SXM, D128_16K)[0] is TAIL
+    monkeypatch.setattr(launch, "one_sm_clusters", lambda gpu, size: 66)
+    assert SM90.served_form(PERSISTENT, H100_SXM, D128_16K) == (PAIRS, PERSISTENT)
+    assert PAIRS.launch(PERSISTENT, D128_16K, H100_SXM).grid == (2 * 66, 1, 1)
+
+
 def test_the_kernel_is_built_as_clusters_of_two_with_a_cut_tail():
     lines = PAIRS.define_lines(PERSISTENT, D128_16K)
     assert "#define CLUSTER 2" in lines and "#define TAIL_SPLIT 1" in lines

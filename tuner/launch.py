@@ -306,8 +306,10 @@ def one_sm_clusters(gpu, size: int) -> int | None:
     import torch
 
     try:
-        if (gpu.major < 9 or not torch.cuda.is_available() or gpu.index >= torch.cuda.device_count()
-                or torch.cuda.get_device_name(gpu.index) != gpu.name):
+        if gpu.major < 9 or not torch.cuda.is_available() or gpu.index >= torch.cuda.device_count():
+            return None
+        props = torch.cuda.get_device_properties(gpu.index)
+        if props.name != gpu.name or props.multi_processor_count != gpu.sm_count:
             return None
         from cuda.core import Device, LaunchConfig, ObjectCode
 
@@ -320,6 +322,18 @@ def one_sm_clusters(gpu, size: int) -> int | None:
             return int(kernel.occupancy.max_active_clusters(config, stream=dev.default_stream))
     except Exception:   # an old driver or cuda.core: the caller's estimate stands
         return None
+
+
+GPC_SMS = 16   # a Hopper GPC's SMs in clusters_at_once's estimate (the H100 SXM's driver counts fewer: s3)
+
+
+def clusters_at_once(gpu, size: int) -> int:
+    """Clusters of `size` one-SM CTAs the GpuSpec `gpu` runs at once: on a device, its driver's count
+    (one_sm_clusters: the H100 SXM measured holds 66 of 2 but 30 of 4 and 15 of 8, PERF_NOTES "s3");
+    for a reference spec, an estimate: every SM in pairs, larger ones within whole 16-SM groups."""
+    if (measured := one_sm_clusters(gpu, size)) is not None:
+        return measured
+    return gpu.sm_count // 2 if size == 2 else (gpu.sm_count // GPC_SMS) * (GPC_SMS // size)
 
 
 class LoadedKernel:
