@@ -420,7 +420,8 @@ def test_the_drivers_count_of_one_sm_clusters_all_run_at_once(size):
         params = dict(fam.default(gpu, p), splits=size)
         form = fam.served_form(params, gpu, p)[0]
         fits = ctas_per_split(params, p) <= count
-        assert (configs_family(form.name) == fam.name) and ((form.name == "flash_decode_cluster") == fits), (batch, form.name)
+        assert configs_family(form.name) == fam.name, form.name
+        assert (form.name == "flash_decode_cluster") == fits, (batch, form.name)
 
 
 def test_a_decode_step_served_with_its_splits_in_a_cluster():

@@ -318,7 +318,8 @@ def one_sm_clusters(gpu, size: int) -> int | None:
             dev.set_current()
             kernel = ObjectCode.from_ptx(_PROBE_PTX).get_kernel("flashtune_one_sm_probe")
             _set_max_dynamic_smem(kernel, gpu.smem_per_block_optin, gpu.index)
-            config = LaunchConfig(grid=1, cluster=size, block=32, shmem_size=gpu.smem_per_block_optin)   # grid: clusters
+            # with a cluster size, cuda.core's grid counts clusters
+            config = LaunchConfig(grid=1, cluster=size, block=32, shmem_size=gpu.smem_per_block_optin)
             return int(kernel.occupancy.max_active_clusters(config, stream=dev.default_stream))
     except Exception:   # an old driver or cuda.core: the caller's estimate stands
         return None
