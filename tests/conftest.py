@@ -21,24 +21,7 @@ def _no_gpu_reason() -> str | None:
     return None
 
 
-# Modules whose tests mostly wait (on killed and restarted workers, PostgreSQL, Chromium, the C++
-# build, searches in subprocesses): collected first, so each xdist worker starts with them beside the
-# compile sweep's CPU-bound points rather than ending on one while the other cores sit idle.
-WAITING_MODULES = ("test_fleet_postgres", "test_reliability_interrupt", "test_dashboard_browser",
-                   "test_reliability_concurrency", "test_cli", "test_search", "test_db")
-
-
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """`-n auto`: one worker more than the CPUs this process may use, so a core whose worker waits
-    (WAITING_MODULES) still compiles; PYTEST_XDIST_AUTO_NUM_WORKERS, where set, as xdist reads it."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return None   # xdist's own hook reads it
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus + 1
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda it: it.module is None or it.module.__name__.rpartition(".")[2] not in WAITING_MODULES)
     gpu_items = [it for it in items if it.get_closest_marker("gpu")]
     if not gpu_items:
         return
