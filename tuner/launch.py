@@ -17,6 +17,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
+from .gpu import GpuSpec, visible
 from .records import CompiledKernel
 
 LOG2E = 1.4426950408889634
@@ -297,7 +298,7 @@ _PROBE_PTX = b""".version 7.8
 
 
 @functools.cache
-def one_sm_clusters(gpu, size: int) -> int | None:
+def one_sm_clusters(gpu: GpuSpec, size: int) -> int | None:
     """Clusters of `size` CTAs that each fill an SM (all the shared memory a block may take) which
     the GpuSpec `gpu` runs at once, as the driver of the device at gpu.index counts them; None where
     it has no clusters (before sm_90), where that device is not this GPU (a reference spec) or where
@@ -306,10 +307,7 @@ def one_sm_clusters(gpu, size: int) -> int | None:
     import torch
 
     try:
-        if gpu.major < 9 or not torch.cuda.is_available() or gpu.index >= torch.cuda.device_count():
-            return None
-        props = torch.cuda.get_device_properties(gpu.index)
-        if props.name != gpu.name or props.multi_processor_count != gpu.sm_count:
+        if gpu.major < 9 or gpu not in visible():
             return None
         from cuda.core import Device, LaunchConfig, ObjectCode
 
@@ -328,7 +326,7 @@ def one_sm_clusters(gpu, size: int) -> int | None:
 GPC_SMS = 16   # a Hopper GPC's SMs in clusters_at_once's estimate (the H100 SXM's driver counts fewer: s3)
 
 
-def clusters_at_once(gpu, size: int) -> int:
+def clusters_at_once(gpu: GpuSpec, size: int) -> int:
     """Clusters of `size` one-SM CTAs the GpuSpec `gpu` runs at once: on a device, its driver's count
     (one_sm_clusters: the H100 SXM measured holds 66 of 2 but 30 of 4 and 15 of 8, PERF_NOTES "s3");
     for a reference spec, an estimate: every SM in pairs, larger ones within whole 16-SM groups."""
