@@ -19,7 +19,10 @@
 # carried from an earlier session, e.g. another GPU's) is copied in first, so its winners warm-start
 # the studies. SHIP_TIMEOUT bounds the search (seconds). OTHER_LOOKUP (another GPU's lookup, e.g.
 # a shipped one) is re-keyed to this GPU and benched the same way ($OUT/cross.json): the cost of
-# running that GPU's configs here ($OUT/cross-<dtype>.json).
+# running that GPU's configs here ($OUT/cross-<dtype>.json). SHIP_PRECOMPILE=0 / SHIP_BENCH=0 leave out its
+# precompile and its bench (a short warm-started search); SHIP_MERGE (a folder) merges the search's
+# entries into this GPU's shipped lookup there ($OUT/merged.json), which a later call on the same machine
+# installs over the shipped one with LOOKUP_OVERLAY=<that folder> (its tests and benches run it).
 set -o pipefail
 OUT=${OUT:-.out}; mkdir -p "$OUT"
 WHEELS=${WHEELS:-.whl}   # the carried wheels: our runtime deps (../shared/device/wheelhouse.sh), FA4's too where brought
@@ -35,6 +38,10 @@ if [ -d "$WHEELS" ]; then
 fi
 # flashtune itself, from this working tree (no network there: no build isolation, no deps)
 python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-ft . 2>&1 | grep -v WARN
+# LOOKUP_OVERLAY: a folder of lookups named as the shipped ones (an earlier call's SHIP_MERGE, say) that replace
+# them in this install, so the tests and benches of this call run the lookup about to be committed
+if [ -n "$LOOKUP_OVERLAY" ]; then cp "$LOOKUP_OVERLAY"/*.json /tmp/site-ft/tuner/lookups/ \
+  && (cd "$LOOKUP_OVERLAY" && md5sum *.json) | sed 's/^/overlaid lookup: /' | tee -a "$OUT/gpu.log"; fi
 export PYTHONPATH=/tmp/site-ft:$PYTHONPATH
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 export TUNER_CACHE_DIR=${TUNER_CACHE_DIR:-/tmp/flashtune-cubin}
@@ -86,14 +93,21 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
           if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q "H100 80GB HBM3"; then
             python3 benchmarks/results_db.py $grid "$TUNER_DB" | tee -a "$OUT/ship.log"
           fi
-          tuner precompile --family flash_fwd_sm90 --dtype $dt --shape 1,16:8,2048,128,causal --shape 1,16:8,2048,256,causal \
+          [ "${SHIP_PRECOMPILE:-1}" = 1 ] && tuner precompile --family flash_fwd_sm90 --dtype $dt --shape 1,16:8,2048,128,causal --shape 1,16:8,2048,256,causal \
             --shape 1,16,2048,64,causal --shape 1,16,2048,64 ${SHIP_GRID:+--shape 1,16,2048,128} 2>&1 | tail -1 | tee -a "$OUT/ship.log"
           tuner search --gpu auto --family flash_fwd_sm90 $models ${SHIP_GRID:+$gridshapes} ${SHIP_SHAPES:-} --dtype $dt --trials "${TRIALS:-16}" \
             --timeout "${SHIP_TIMEOUT:-330}" --lookup /tmp/flashtune/ship.json 2>&1 | grep -v -E "UserWarning|warnings.warn" \
             | tail -40 | tee -a "$OUT/ship.log"
           key=$(python3 -c 'from tuner.gpu import detect; print(detect().key)')
           tuner export -o "$OUT/lookup.json" --force --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
-          FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} ${SHIP_SHAPES:-} --dtype $dt --lookup "$OUT/lookup.json" \
+          if [ -n "$SHIP_MERGE" ]; then   # this GPU's shipped lookup with the search's entries merged in, kept in
+            # $SHIP_MERGE for a later call's LOOKUP_OVERLAY and brought back as $OUT/merged.json
+            shipped=/tmp/site-ft/tuner/lookups/${key//\//_}.json; mkdir -p "$SHIP_MERGE"
+            [ -f "$SHIP_MERGE/${key//\//_}.json" ] || cp "$shipped" "$SHIP_MERGE/"
+            tuner export -o "$SHIP_MERGE/${key//\//_}.json" --merge --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
+            cp "$SHIP_MERGE/${key//\//_}.json" "$OUT/merged.json"
+          fi
+          [ "${SHIP_BENCH:-1}" = 1 ] && FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} ${SHIP_SHAPES:-} --dtype $dt --lookup "$OUT/lookup.json" \
             --peer sdpa_flash --peer sdpa_cudnn --json "$OUT/bench-$dt.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" \
             | tee -a "$OUT/ship.log"
           if [ -n "$OTHER_LOOKUP" ]; then   # another GPU's configs on this one: what per-GPU tuning buys
