@@ -4,10 +4,13 @@ come by tensor-map boxes), beside explicit counts (1, 2, 4, 8, 16), timed in tur
 median against the best count's. PERF_NOTES "s1". With --served, the config `attention` serves
 each shape from (the lookup's entry, else the default), each count in the form a call runs it (2, 4
 or 8 splits as one cluster on sm_90), and the bytes each CTA keeps in flight: PERF_NOTES "s3". The
-JSON is written after each shape.
+JSON is written after each shape. --replay reads such JSON files instead (no GPU): the count this
+checkout's FlashDecode.splits takes on each recorded shape and config, against the recorded times,
+so that a change to the rule is weighed against every sweep measured so far before it is timed.
 
     python3 benchmarks/decode_split_rule.py [--json OUT] [--shapes H:KV:D,...] [--batch 1,4,8,16]
                                             [--keys 1024,4096,16384] [--served] [--flush write|read]
+    python3 benchmarks/decode_split_rule.py --replay benchmarks/results/*decode-split*.json
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ def main() -> int:
     ap.add_argument("--served", action="store_true",
                     help="the served config in its served form at each count, not the default's workspace form")
     ap.add_argument("--flush", default="write", choices=("write", "read"), help="the timer's L2 flush (tuner.timing)")
+    ap.add_argument("--replay", nargs="+", default=[], metavar="JSON",
+                    help="recorded runs of this script: the rule's count now against their times (no GPU)")
     args = ap.parse_args()
+    if args.replay:
+        return replay(args.replay)
     import torch
 
     import decode_bench as db
@@ -99,6 +106,43 @@ def main() -> int:
                     with open(args.json, "w") as f:
                         json.dump(dict(gpu=gpu.name, flush=args.flush, clusters_at_once=clusters, rows=rows), f, indent=1)
                 del q, k, v
+    return 0
+
+
+def replay_rows(doc: dict) -> list[dict]:
+    """A recorded run's rows with the count this checkout's rule takes on each (`now`) and that
+    count's recorded time against the row's best count (`share`; None where it was not timed)."""
+    from dataclasses import replace
+
+    from tuner.gpu import H100_SXM
+    from tuner.kernel_templates.flash_decode import FAMILY
+    from tuner.problem import Problem
+
+    # the recorded GPUs are GH100s (H100, H200): 132 SMs with the same shared memory and registers
+    gpu = replace(H100_SXM, name=doc["gpu"])
+    out = []
+    for row in doc["rows"]:
+        p, ms = Problem.from_key(row["shape"]), {int(n): t for n, t in row["ms"].items()}
+        now, best = FAMILY.splits(dict(row["params"], splits=0), p, gpu), min(ms, key=ms.get)
+        out.append(dict(shape=row["shape"], recorded=row.get("rule", row.get("sm_rule")), now=now, best=best,
+                        share=round(ms[best] / ms[now], 3) if now in ms else None))
+    return out
+
+
+def replay(paths: list[str]) -> int:
+    """Each recorded row's count under this checkout's rule against the row's best count, and the
+    mean and worst over the rows whose count was timed."""
+    shares = []
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        print(f"{path} ({doc['gpu']}, {doc.get('flush', 'write')} flush)")
+        for r in replay_rows(doc):
+            print(f"  {r['shape']:<40} recorded rule {r['recorded']:>2}  now {r['now']:>2} ({r['share']})  best {r['best']:>2}")
+            if r["share"] is not None:
+                shares.append(r["share"])
+    if shares:
+        print(f"{len(shares)} rows timed at the rule's count: mean {sum(shares) / len(shares):.3f} of the best, "
+              f"worst {min(shares):.3f}")
     return 0
 
 

@@ -1,0 +1,48 @@
+"""benchmarks/decode_split_rule.py --replay: a recorded split sweep weighed under this checkout's
+split rule, on the CPU (the sweeps themselves need the GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from tuner.gpu import H100_SXM
+from tuner.kernel_templates.flash_decode import FAMILY
+from tuner.problem import Problem
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = {"Bc": 32, "MT": 1, "splits": 0, "stages": 2, "warps": 4}
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("decode_split_rule", ROOT / "benchmarks" / "decode_split_rule.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(p: Problem, ms: dict[int, float]) -> dict:
+    return dict(shape=p.key, params=PARAMS, rule=0, ms={str(n): t for n, t in ms.items()})
+
+
+def test_the_rule_s_count_is_weighed_against_the_best_recorded_count():
+    gpu = replace(H100_SXM, name="NVIDIA H200")
+    short, long_ = Problem(2, 32, 1, 1024, 64, "bf16", "causal_br", 8), Problem(4, 32, 1, 16384, 64, "bf16", "causal_br", 8)
+    rule_short, rule_long = (FAMILY.splits(PARAMS, p, gpu) for p in (short, long_))
+    # the rule's count twice the best's time on one row; on the other it is the best; a third row
+    # never timed the rule's count
+    rows = [_row(short, {1: 0.010, rule_short: 0.020}), _row(long_, {1: 0.100, rule_long: 0.050}),
+            _row(short, {1: 0.010} if rule_short != 1 else {2: 0.010})]
+    got = _script().replay_rows(dict(gpu="NVIDIA H200", rows=rows))
+    assert [(r["now"], r["best"], r["share"]) for r in got] == [
+        (rule_short, 1, 0.5), (rule_long, rule_long, 1.0), (rule_short, got[2]["best"], None)]
+
+
+def test_a_committed_sweep_replays(tmp_path, capsys):
+    path = ROOT / "benchmarks" / "results" / "NVIDIA-H200_sm_90-decode-split-h1.json"
+    rows = json.loads(path.read_text())["rows"]
+    assert _script().replay([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" now ") == len(rows) and "rows timed at the rule's count" in out
