@@ -40,7 +40,7 @@ def test_the_rule_s_count_is_weighed_against_the_best_recorded_count():
         (rule_short, 1, 0.5), (rule_long, rule_long, 1.0), (rule_short, got[2]["best"], None)]
 
 
-def test_a_committed_sweep_replays(tmp_path, capsys):
+def test_a_committed_sweep_replays(capsys):
     path = ROOT / "benchmarks" / "results" / "NVIDIA-H200_sm_90-decode-split-h1.json"
     rows = json.loads(path.read_text())["rows"]
     assert _script().replay([str(path)]) == 0
