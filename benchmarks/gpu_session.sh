@@ -102,10 +102,10 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
           tuner export -o "$OUT/lookup.json" --force --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
           if [ -n "$SHIP_MERGE" ]; then   # this GPU's shipped lookup with the search's entries merged in, kept in
             # $SHIP_MERGE for a later call's LOOKUP_OVERLAY and brought back as $OUT/merged.json
-            shipped=/tmp/site-ft/tuner/lookups/${key//\//_}.json; mkdir -p "$SHIP_MERGE"
-            [ -f "$SHIP_MERGE/${key//\//_}.json" ] || cp "$shipped" "$SHIP_MERGE/"
-            tuner export -o "$SHIP_MERGE/${key//\//_}.json" --merge --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
-            cp "$SHIP_MERGE/${key//\//_}.json" "$OUT/merged.json"
+            merged=$SHIP_MERGE/${key//\//_}.json   # named as the shipped file it starts from (the installed one)
+            mkdir -p "$SHIP_MERGE"; [ -f "$merged" ] || cp "/tmp/site-ft/tuner/lookups/${merged##*/}" "$merged"
+            tuner export -o "$merged" --merge --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
+            cp "$merged" "$OUT/merged.json"
           fi
           [ "${SHIP_BENCH:-1}" = 1 ] && FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} ${SHIP_SHAPES:-} --dtype $dt --lookup "$OUT/lookup.json" \
             --peer sdpa_flash --peer sdpa_cudnn --json "$OUT/bench-$dt.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" \
