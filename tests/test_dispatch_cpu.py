@@ -200,6 +200,20 @@ def test_nearest_bucket_order_limit_and_mask(tmp_path):
     assert d.select(replace(TUNED, seqlen_q=1024, seqlen_k=1024), A100_SXM) is None           # another GPU
 
 
+def test_a_huge_batch_takes_its_own_bucket_else_borrows_the_large_one(tmp_path):
+    """B128 x 32 heads is the "huge" work class: with no entry there it is served by the "large"
+    bucket's (1.5 octaves of work away), as before that class existed; an entry tuned at B128 serves
+    it and nothing at B32."""
+    b32 = replace(TUNED, batch=32, heads=32, kv_heads=32)
+    b128 = replace(b32, batch=128)
+    assert (b32.bucket().work, b128.bucket().work) == ("large", "huge")
+    d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0, problem=b32)]))
+    assert d.select(b128, H100_SXM)["params"] == FAST
+    d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0, problem=b32), entry(SLOW, 25.0, problem=b128, mid=2)]))
+    assert d.select(b128, H100_SXM)["params"] == SLOW and d.select(replace(b32, batch=64), H100_SXM)["params"] == SLOW
+    assert d.select(b32, H100_SXM)["params"] == FAST and d.select(replace(b32, batch=63), H100_SXM)["params"] == FAST
+
+
 def test_select_keeps_error_budgets_apart(tmp_path):
     """A config tuned under a widened budget (fp32 at tf32/bf16 precision) serves only calls that
     allow that error; the default-budget config serves the rest; the lookup file round-trips it."""

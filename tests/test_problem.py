@@ -180,6 +180,9 @@ def test_bucket_rounds_seqlen_and_work():
     assert Problem(1, 31, 128, 128, 64).bucket().work == "small"
     assert Problem(1, 32, 128, 128, 64).bucket().work == "medium"
     assert Problem(2, 128, 128, 128, 64).bucket().work == "large"
+    assert Problem(63, 32, 1, 1024, 128, "bf16", kv_heads=8).bucket().work == "large"
+    assert Problem(64, 32, 1, 1024, 128, "bf16", kv_heads=8).bucket().key == "bf16/d128/full/n1x1024/huge"
+    assert Bucket.from_key("bf16/d128/full/n1x1024/huge") == Problem(128, 32, 1, 1024, 128, "bf16", kv_heads=8).bucket()
 
 
 @pytest.mark.parametrize("a,b", [(1000, 1024), (513, 1024), (129, 256), (65, 128), (4097, 8192)])

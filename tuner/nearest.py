@@ -17,8 +17,9 @@ from typing import TypeVar
 from .problem import Bucket, Problem
 
 T = TypeVar("T")
-# What a bucket's work class stands for, in batch x heads (Bucket.of: < 32, < 256, above).
-WORK_BH = {"small": 16, "medium": 128, "large": 512}
+# What a bucket's work class stands for, in batch x heads (problem.WORK_CLASSES: < 32, < 256, < 2048,
+# above).
+WORK_BH = {"small": 16, "medium": 128, "large": 512, "huge": 4096}
 WORK_WEIGHT = 0.5   # an octave of work moves a config's fitness less than an octave of length
 
 

@@ -249,6 +249,13 @@ def _query_bucket(n: int) -> int:
     return _pow2_ceil(n) if n <= DECODE_QUERIES else _seqlen_bucket(n)
 
 
+# The work classes of a bucket, (name, batch x heads below which a call is in it), in order. A decode
+# step of 32 query heads spans B8-B63 in "large" and B64 up in "huge": at B128 a call streams four
+# times B32's K/V in eight waves of CTAs, and the config and backend that win at B32 lost there
+# (0.91-0.94x cuDNN on the H200, PERF_NOTES "h1").
+WORK_CLASSES = (("small", 32), ("medium", 256), ("large", 2048), ("huge", math.inf))
+
+
 @dataclass(frozen=True, order=True)
 class Bucket:
     """The shape class a tuned config serves.
@@ -256,7 +263,7 @@ class Bucket:
     Configs depend on the head dim, dtype and mask exactly, and on the sequence lengths and the
     amount of parallel work only coarsely, so each length is rounded up to a power of two (min
     128; Nq of a decode call, up to DECODE_QUERIES, from 1) and the work (batch x heads) to one of
-    three sizes. Nq and Nk are rounded apart: a chunk
+    four sizes, each 8x the one before (WORK_CLASSES). Nq and Nk are rounded apart: a chunk
     of 512 queries against a cache of 8192 keys wants another config than 8192 against 8192.
     """
 
@@ -276,7 +283,7 @@ class Bucket:
     @classmethod
     def of(cls, p: Problem) -> "Bucket":
         bh = p.batch * p.heads
-        work = "small" if bh < 32 else ("medium" if bh < 256 else "large")
+        work = next(name for name, below in WORK_CLASSES if bh < below)
         # a decode step is one bucket whether the caller says bottom-right (a KV cache, --seqlen 1:N)
         # or no mask (SDPA's call); a square bottom-right call is the causal one's
         return cls(p.dtype, p.head_dim, seen_mask(p.mask, p.seqlen_q, p.seqlen_k), _seqlen_bucket(p.seqlen_k), work,
