@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|decode|decode-ship|varlen|varlen-ship|fa4bench|ab|sweep|profile|profile-fa4|power|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|varlen|varlen-ship|fa4bench|ab|sweep|profile|profile-fa4|power|all]...
 # `tests` runs `pytest -m gpu` as eight processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -56,6 +56,13 @@ fi
 [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 if [ -n "$SEED_DB" ] && [ ! -e /tmp/flashtune/results.db ]; then cp "$SEED_DB" /tmp/flashtune/results.db; fi
 tuner() { python3 -m tuner.cli "$@"; }
+merge_into() {   # $1: a folder; $2: the step's log. This GPU's shipped lookup with this machine's searches merged in,
+  # kept in $1 for a later call's LOOKUP_OVERLAY and brought back as $OUT/merged.json
+  local key merged; key=$(python3 -c 'from tuner.gpu import detect; print(detect().key)')
+  merged=$1/${key//\//_}.json   # named as the shipped file it starts from (the installed one)
+  mkdir -p "$1"; [ -f "$merged" ] || cp "/tmp/site-ft/tuner/lookups/${merged##*/}" "$merged"
+  tuner export -o "$merged" --merge --gpu-key "$key" 2>&1 | tee -a "$OUT/$2.log"
+  cp "$merged" "$OUT/merged.json"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee -a "$OUT/gpu.log"
 python3 -c "import torch, cuda.core; print('torch', torch.__version__, 'cuda.core', cuda.core.__version__)" | tee -a "$OUT/gpu.log"
 steps=${*:-all}
@@ -100,13 +107,7 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
             | tail -40 | tee -a "$OUT/ship.log"
           key=$(python3 -c 'from tuner.gpu import detect; print(detect().key)')
           tuner export -o "$OUT/lookup.json" --force --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
-          if [ -n "$SHIP_MERGE" ]; then   # this GPU's shipped lookup with the search's entries merged in, kept in
-            # $SHIP_MERGE for a later call's LOOKUP_OVERLAY and brought back as $OUT/merged.json
-            merged=$SHIP_MERGE/${key//\//_}.json   # named as the shipped file it starts from (the installed one)
-            mkdir -p "$SHIP_MERGE"; [ -f "$merged" ] || cp "/tmp/site-ft/tuner/lookups/${merged##*/}" "$merged"
-            tuner export -o "$merged" --merge --gpu-key "$key" 2>&1 | tee -a "$OUT/ship.log"
-            cp "$merged" "$OUT/merged.json"
-          fi
+          [ -n "$SHIP_MERGE" ] && merge_into "$SHIP_MERGE" ship
           [ "${SHIP_BENCH:-1}" = 1 ] && FLASHTUNE_SHIPPED_LOOKUPS=0 tuner bench --gpu auto $models ${SHIP_GRID:+$gridshapes} ${SHIP_SHAPES:-} --dtype $dt --lookup "$OUT/lookup.json" \
             --peer sdpa_flash --peer sdpa_cudnn --json "$OUT/bench-$dt.json" 2>&1 | grep -v -E "UserWarning|warnings.warn" \
             | tee -a "$OUT/ship.log"
@@ -117,6 +118,24 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
               | grep -v -E "UserWarning|warnings.warn" | tail -45 | tee -a "$OUT/ship.log"
           fi
           gzip -c /tmp/flashtune/results.db > "$OUT/ship.db.gz" ;;&
+    fill) # the buckets FILL_FROM (another GPU's shipped lookup, default the H100's) has tuned and this GPU's shipped
+          # lookup lacks (benchmarks/missing_buckets.py: chunked prefill, split, decode), each searched here by its
+          # family, warm-started from both GPUs' configs, in FILL_DTYPES (default "bf16 fp16"), TRIALS (default 4)
+          # a problem, FILL_TIMEOUT (seconds, default 420) for all; FILL_MORE adds lines of the same form, searched
+          # first ("<family> --dtype D [--trials N] --shape ...", ';' between them); merged as SHIP_MERGE (default
+          # /tmp/flashtune/merged)
+          mine=/tmp/site-ft/tuner/lookups/$(python3 -c 'from tuner.gpu import detect; print(detect().key.replace("/", "_"))').json
+          lines=$(python3 benchmarks/missing_buckets.py --from "${FILL_FROM:-tuner/lookups/NVIDIA-H100-80GB-HBM3_sm_90.json}" --to "$mine")
+          lines=$(printf '%s\n%s\n' "$(echo "$FILL_MORE" | tr ';' '\n')" "$lines" | grep -v '^ *$')
+          end=$(( $(date +%s) + ${FILL_TIMEOUT:-420} ))
+          for dt in ${FILL_DTYPES:-bf16 fp16}; do
+            echo "$lines" | grep -- "--dtype $dt " | while read -r fam args; do
+              left=$(( end - $(date +%s) )); [ $left -gt 5 ] || { echo "fill: out of time before $fam $args" | tee -a "$OUT/fill.log"; continue; }
+              tuner search --gpu auto --family $fam --trials "${TRIALS:-4}" $args --timeout $left --lookup /tmp/flashtune/fill.json 2>&1 < /dev/null \
+                | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|tuning|--timeout)" | tee -a "$OUT/fill.log"
+            done
+          done
+          merge_into "${SHIP_MERGE:-/tmp/flashtune/merged}" fill ;;&
     decode) # the issue-23 figures: decode against a KV cache beside SDPA cuDNN, SDPA flash and FA4, as TB/s;
             # then a chunked prefill (512 queries after 3584 cached keys), searched and benched beside them.
             # DECODE_ARGS adds decode_bench.py's options, e.g. "--page 16,64,256" (the cache as pages too)
