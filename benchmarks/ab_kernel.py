@@ -27,21 +27,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 HERE = Path(__file__).resolve().parent
 
 
-def configs(gpu, dtype: str | None, lookup: bool, family: str = "flash_fwd_sm90") -> list[tuple]:
-    """(problem, params) of the committed grid (and the shipped lookup), flash_fwd_sm90's; another
-    family's: the shipped lookup's entries of it, each on the problem it was tuned on."""
+def committed(gpu, grid: str, family: str) -> list[tuple]:
+    """(problem, params) of `family`'s rows in the committed results of a grid ("fp16-bf16", "fp32")
+    on this GPU, else on the H100."""
     from tuner.problem import Problem
 
+    results = HERE / "results" / f"{gpu.key.replace('/', '_')}-{grid}.json"
+    if not results.exists():
+        results = HERE / "results" / f"NVIDIA-H100-80GB-HBM3_sm_90-{grid}.json"
+    return [(Problem.from_dict(r), r["config"]) for r in json.loads(results.read_text())["rows"]
+            if r.get("family") == family and r.get("config")]
+
+
+def configs(gpu, dtype: str | None, lookup: bool, family: str = "flash_fwd_sm90") -> list[tuple]:
+    """(problem, params) of the committed grid (and the shipped lookup), flash_fwd_sm90's; another
+    family's: the shipped lookup's entries of it, each on the problem it was tuned on, and its
+    winners of the committed fp32 grid (flash_fwd_simt's GPT-2 problems)."""
     if family != "flash_fwd_sm90":
         from seed_resources import shipped_configs
 
-        return [(p, params) for p, params, _ in shipped_configs(gpu.key, family) if dtype in (None, p.dtype)]
+        rows = [(p, params) for p, params, _ in shipped_configs(gpu.key, family)] + committed(gpu, "fp32", family)
+        return [(p, params) for p, params in rows if dtype in (None, p.dtype)]
 
-    results = HERE / "results" / f"{gpu.key.replace('/', '_')}-fp16-bf16.json"
-    if not results.exists():
-        results = HERE / "results" / "NVIDIA-H100-80GB-HBM3_sm_90-fp16-bf16.json"
-    rows = [(Problem.from_dict(r), r["config"]) for r in json.loads(results.read_text())["rows"]
-            if r.get("family") == "flash_fwd_sm90" and r.get("config")]
+    rows = committed(gpu, "fp16-bf16", family)
     if lookup:
         from seed_resources import shipped_configs
 

@@ -36,6 +36,10 @@ constexpr int ROW_GROUPS = BR / VM;
 constexpr int LOAD_UNROLL = 4;
 // Unroll O += P V fully while the body stays small enough for the instruction cache.
 constexpr int PV_UNROLL = BC * TM * DN <= 4096 ? BC : 16;
+// S = Q K^T by 16 head-dim steps a trip (TM x TN FMAs each): the shared-memory offsets stay
+// immediates within a trip, and NVVM and ptxas do not optimize a straight line of HEAD_DIM steps,
+// which took half of this family's compile time (about 2 s a point at d=128, PERF_NOTES "ci1").
+constexpr int KD_UNROLL = 16;
 constexpr int SWZ = (ROW_GROUPS & (ROW_GROUPS - 1)) == 0 ? (ROW_GROUPS < 8 ? ROW_GROUPS : 8) : 1;
 
 static_assert(TX * TN == BC && TY * TM == BR, "tile must split evenly into thread patches");
@@ -175,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS) flash_fwd_simt(FT_A
     for (int i = 0; i < TM; ++i)
 #pragma unroll
       for (int j = 0; j < TN; ++j) s[i][j] = 0.f;
-#pragma unroll
+#pragma unroll KD_UNROLL
     for (int kd = 0; kd < HEAD_DIM; ++kd) {
       float a[TM], bb[TN];
 #pragma unroll
