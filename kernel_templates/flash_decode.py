@@ -24,10 +24,14 @@ LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (Fl
 # a portable cluster's 8 CTAs.
 CLUSTER_SIZES = (2, 4, 8)
 _MAX_REGS = 255
-# K/V bytes an SM keeps on their way to hold its share of the memory's rate where K/V come by boxes:
-# about 3.3 TB/s over 132 SMs for 1.3 us of latency (PERF_NOTES "s3": a CTA of 16 KB wants company,
-# one of 32-48 KB does not, "s1")
-SM_IN_FLIGHT = 32 << 10
+# K/V bytes the GPU keeps on their way where K/V come by tensor-map boxes (sm_90+): about the memory's
+# rate times its latency (3.35 TB/s x ~1.5 us on an H100, 4.8 x ~1.2 on an H200). Past it a split more
+# only adds partials to merge; short of it the memory idles. Fitted to 94 served sweeps of the split
+# count on both GPUs, 1k-24k keys, d=64-256 (PERF_NOTES "s5"): 5-6 MB the same on both.
+GPU_IN_FLIGHT = 6 << 20
+# Stages of keys a split streams at least: a shorter stream is mostly its ramp and its merge (the
+# 1k-2k key rows of "s5", where the fewest splits that fill the memory were still too many).
+MIN_SPLIT_STAGES = 3
 
 
 def stage_keys(params: dict) -> int:
@@ -66,6 +70,26 @@ def auto_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int, slots: 
 
     best = max(fill(s) for s in range(1, most + 1))
     return next(s for s in range(1, most + 1) if fill(s) >= 0.85 * best)
+
+
+def in_flight_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int) -> int:
+    """The fewest splits, a power of two (a cluster's count, merged in shared memory, where it packs),
+    whose first wave of CTAs keeps GPU_IN_FLIGHT bytes of K/V on their way, each CTA what its ring
+    holds or its whole share of the keys if less; at most as many as leave each split
+    MIN_SPLIT_STAGES stages of keys."""
+    ctas, keys = ctas_per_split(params, problem), stage_keys(params)
+    slots = cta_slots(params, problem, gpu, smem)
+    stages = ceil_div(problem.seqlen_k, keys)
+    stage_bytes = keys * padded_head_dim(problem.head_dim) * 2 * 2
+    most = max(1, min(MAX_SPLITS, stages // MIN_SPLIT_STAGES))
+
+    def in_flight(s: int) -> int:
+        return min(ctas * s, slots) * min(in_flight_bytes(params, problem), ceil_div(stages, s) * stage_bytes)
+
+    s = 1
+    while 2 * s <= most and in_flight(s) < GPU_IN_FLIGHT:
+        s *= 2
+    return s
 
 
 def cta_slots(params: dict, problem: Problem, gpu: GpuSpec, smem: int) -> int:
@@ -219,21 +243,18 @@ class FlashDecode(KernelFamily):
 
     def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
         """The config's split count, or the occupancy's. Where K/V come by tensor-map boxes (sm_90+),
-        a wave is as many CTAs an SM as keep SM_IN_FLIGHT bytes of K/V on their way (one, mostly),
-        not every slot: past that a CTA more on the SM only shares its stream and doubles the
-        partials to merge. Timed at the default config over 61 H100 decode shapes at d=64-96 (two
-        or three CTAs an SM, 32 KB in flight each), one CTA an SM read 0.984x the best count on
-        average (0.915 at worst), every slot 0.965x (0.859): PERF_NOTES "s1"; a served d=64 config
-        of 16 KB in flight and six CTAs an SM read 0.80-0.87x the best count at one an SM, 0.97-0.99x
-        at two: "s3"."""
+        the fewest that keep the GPU's memory busy (`in_flight_splits`). Over the recorded served
+        sweeps (PERF_NOTES "s5") that reads 0.992 of the best count on average on the H200 (62 rows,
+        0.862 at worst) and on the H100 (29 rows, 0.907), where filling each SM once, the rule
+        before, read 0.954 (0.823: B12 x 28 heads of 4 K/V x 3k keys, 5 splits where one was best;
+        d=64 at long keys, half the best count) and 0.987 (0.887). Elsewhere (cp.async rows, the
+        A100) every CTA slot once (`auto_splits`)."""
         if params["splits"]:
             return params["splits"]
         smem = self.smem_bytes(params, problem)
         if gpu.major < 9 or not self.kv_tma(params, problem.head_dim):
             return auto_splits(params, problem, gpu, smem)
-        per_sm = cta_slots(params, problem, gpu, smem) // gpu.sm_count
-        streams = min(per_sm, ceil_div(SM_IN_FLIGHT, in_flight_bytes(params, problem)))
-        return auto_splits(params, problem, gpu, smem, gpu.sm_count * streams)
+        return in_flight_splits(params, problem, gpu, smem)
 
     def served_form(self, params: dict, gpu: GpuSpec, problem: Problem) -> tuple[KernelFamily, dict]:
         """A call whose keys split 2, 4 or 8 ways on sm_90+ runs as flash_decode_cluster, its splits one

@@ -11,6 +11,7 @@ import torch
 
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
+from tuner.family import ceil_div
 from tuner.kernel_templates.flash_decode import MAX_QUERIES, PAGED, auto_splits, stage_keys
 from tuner.kvcache import check_cache_inputs
 from tuner.problem import Problem
@@ -61,7 +62,10 @@ def test_auto_splits_fill_the_gpu_without_empty_splits(gpu, batch, nk):
     slots, ctas = gpu.sm_count * per_sm, batch * 8
     fill = lambda n: ctas * n / (-(-ctas * n // slots) * slots)
     assert fill(s) >= 0.85 * max(fill(n) for n in range(1, min(tiles, -(-4 * slots // ctas)) + 1)) - 1e-9
-    assert FAM.launch(params, p, gpu).grid == (batch * 8, 1, s)
+    # the launch takes the family's count: this one on the A100, the bytes-in-flight rule's on sm_90
+    assert FAM.launch(params, p, gpu).grid == (batch * 8, 1, FAM.splits(params, p, gpu))
+    if gpu.major < 9:
+        assert FAM.splits(params, p, gpu) == s
 
 
 def test_explicit_splits_beyond_the_keys_are_refused():
@@ -358,39 +362,42 @@ def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
         assert key(FAM.seeds(H100_SXM, p)) == key(FAM.seeds(A100_SXM, p))
 
 
-def test_splits_fill_each_sm_once_where_kv_comes_by_boxes():
-    """At d=80 two CTAs of the default fit an SM. Where K/V come by tensor-map boxes (sm_90), the
-    occupancy's split count fills each SM once (B8 x 8 K/V heads: 2 splits, 128 CTAs), not every
-    slot (4 splits); the row-by-row pages and the A100 (cp.async) keep the slot rule."""
-    from tuner.kernel_templates.flash_decode import cta_slots
+def test_splits_keep_the_gpu_s_bytes_in_flight_where_kv_comes_by_boxes():
+    """Where K/V come by tensor-map boxes (sm_90), the occupancy's count is the fewest power of two
+    whose first wave keeps GPU_IN_FLIGHT bytes of K/V on their way: at d=80, B8 x 8 K/V heads of the
+    default (64 CTAs a split) takes 2 splits, not every slot's count; the row-by-row pages and the
+    A100 (cp.async) keep the slot rule."""
+    from tuner.kernel_templates.flash_decode import GPU_IN_FLIGHT, cta_slots, in_flight_bytes
 
     p = Problem(8, 32, 1, 8192, 80, "bf16", "causal_br", 8)
     params = FAM.default(H100_SXM, p)
     smem = FAM.smem_bytes(params, p)
     assert cta_slots(params, p, H100_SXM, smem) >= 2 * H100_SXM.sm_count and FAM.kv_tma(params, 80)
     by_slots = auto_splits(params, p, H100_SXM, smem)
-    assert FAM.splits(params, p, H100_SXM) == auto_splits(params, p, H100_SXM, smem, H100_SXM.sm_count) == 2 < by_slots
+    assert 64 * in_flight_bytes(params, p) < GPU_IN_FLIGHT <= 128 * in_flight_bytes(params, p)
+    assert FAM.splits(params, p, H100_SXM) == 2 < by_slots
     assert PAGED.splits(params, p, H100_SXM) == by_slots
     a100 = FAM.default(A100_SXM, p)
     assert FAM.splits(a100, p, A100_SXM) == auto_splits(a100, p, A100_SXM, FAM.smem_bytes(a100, p))
     assert FAM.launch(params, p, H100_SXM).grid == (64, 1, 2)
 
 
-def test_a_cta_with_little_in_flight_shares_its_sm_in_the_split_count():
-    """Where a CTA keeps less than SM_IN_FLIGHT bytes of K/V on their way (d=64, two warps of 32 keys
-    in 2 stages: 16 KB), a wave counts two CTAs an SM, as many as keep an SM's share of the stream
-    fed: B8 x 8 K/V heads takes 4 splits (256 CTAs), not one an SM's 2 (which read 0.80-0.87x the
-    best count, PERF_NOTES "s3"), nor every slot's. At 32 KB and more, one an SM stays ("s1")."""
-    from tuner.kernel_templates.flash_decode import SM_IN_FLIGHT, cta_slots, in_flight_bytes
+@pytest.mark.parametrize("batch,nk,want", [(2, 16384, 32), (4, 16384, 16), (8, 16384, 8), (16, 16384, 4), (64, 16384, 1),
+                                           (2, 1024, 4), (1, 256, 1)])
+def test_a_cta_with_little_in_flight_takes_more_splits_up_to_a_few_stages_each(batch, nk, want):
+    """d=64, two warps of 32 keys in 2 stages: 16 KB a CTA on its way, a CTA a sequence and K/V head
+    in each split. The count doubles until GPU_IN_FLIGHT (6 MB) is on its way, 384 such CTAs: the 64
+    of B8 x 8 K/V heads split 8 ways (one CTA an SM, 2 splits, read 0.80-0.87x the best count here,
+    PERF_NOTES "s3"), B2's 32; but each split keeps 3 stages of 64 keys: 1024 keys split 4 ways at
+    most, 256 keys not at all."""
+    from tuner.kernel_templates.flash_decode import GPU_IN_FLIGHT, MIN_SPLIT_STAGES, in_flight_bytes
 
-    p = Problem(8, 32, 1, 16384, 64, "bf16", "causal_br", 8)
+    p = Problem(batch, 32, 1, nk, 64, "bf16", "causal_br", 8)
     thin = dict(Bc=32, warps=2, stages=2, MT=1, splits=0)
-    smem = FAM.smem_bytes(thin, p)
-    assert in_flight_bytes(thin, p) == 16 << 10 < SM_IN_FLIGHT and cta_slots(thin, p, H100_SXM, smem) > 2 * 132
-    assert FAM.splits(thin, p, H100_SXM) == auto_splits(thin, p, H100_SXM, smem, 2 * 132) == 4
-    assert auto_splits(thin, p, H100_SXM, smem, 132) == 2 and auto_splits(thin, p, H100_SXM, smem) > 4
-    assert FAM.splits(dict(thin, stages=3), p, H100_SXM) == 2   # 32 KB in flight: one an SM
-    assert FAM.splits(thin, replace(p, batch=16), H100_SXM) == 2
+    assert in_flight_bytes(thin, p) == 16 << 10 and GPU_IN_FLIGHT == 6 << 20 and MIN_SPLIT_STAGES == 3
+    got = FAM.splits(thin, p, H100_SXM)
+    assert got == want and got & (got - 1) == 0
+    assert ceil_div(ceil_div(nk, 64), got) >= MIN_SPLIT_STAGES or got == 1
 
 
 def test_splits_of_a_hopper_call_merge_in_a_cluster_where_they_pack(monkeypatch):

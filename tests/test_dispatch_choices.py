@@ -335,7 +335,9 @@ def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path
     decode = replace(prefill, seqlen_q=1, seqlen_k=8192)
     for p, gpu in ((few, H100_SXM), (prefill, A100_SXM), (replace(prefill, head_dim=84), H100_SXM)):
         assert d_.serving_entry(p, gpu) is None, (p.key, gpu.name)
-    assert d_.serving_entry(decode, H100_SXM) == {"family": "flash_decode", "params": get_family("flash_decode").default(H100_SXM, decode)}
+    step = d_.serving_entry(decode, H100_SXM)   # in its cluster form where its keys split 2-8 ways
+    assert configs_family(step["family"]) == "flash_decode"
+    assert dict(step["params"], splits=0) == get_family("flash_decode").default(H100_SXM, decode)
     monkeypatch.setitem(d_._gpus, 0, H100_SXM)
     assert "no flashtune kernel takes head dim 84" in d_._plan(replace(prefill, head_dim=84), 0).reason
 
