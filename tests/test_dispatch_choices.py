@@ -85,6 +85,32 @@ def test_a_peer_serves_only_calls_that_outlast_its_host_time(tmp_path):
     assert alone.select(small, H100_SXM)["family"] == "sdpa_flash"
 
 
+def test_a_decode_peer_s_time_scales_with_the_bytes_a_call_streams(tmp_path):
+    """A decode step streams its K/V: a peer measured at B32 x 12 heads (MHA, 8k keys, d=64) for
+    3 PEER_MIN_MS runs B4 x 32 query heads on 8 K/V heads in about a twelfth of that, under its
+    host time, though the FLOPs say a third (over it: the H200 served cuDNN there at 0.85x of cuDNN
+    pinned, PERF_NOTES "s5"), so the bucket's kernel serves it; B32 of those heads streams 2/3 of
+    the measured bytes and keeps the peer. A prefill still scales by FLOPs."""
+    from tuner.dispatch import PEER_MIN_MS, short_peer
+
+    mha = Problem(32, 12, 1, 8192, 64, "bf16", "none")
+    fd = get_family("flash_decode")
+    ms = 3 * PEER_MIN_MS
+    peer = entry(mha, "sdpa_cudnn", {}, mha.flops() / ms / 1e9)
+    kernel = entry(mha, fd.name, fd.default(H100_SXM, mha), mha.flops() / (1.02 * ms) / 1e9)
+    path = lookup(tmp_path / "best.json", [kernel, peer])
+    entries = {e["family"]: e for e in read_lookup(path)["entries"]}
+    gqa = Problem(4, 32, 1, 8192, 64, "bf16", "causal_br", kv_heads=8)
+    assert ms * gqa.flops() / mha.flops() >= PEER_MIN_MS > ms * gqa.bytes_moved() / mha.bytes_moved()
+    assert short_peer(entries["sdpa_cudnn"], gqa) and not short_peer(entries["sdpa_cudnn"], replace(gqa, batch=32))
+    d = Dispatcher(path)
+    assert configs_family(d.select(gqa, H100_SXM)["family"]) == fd.name
+    assert d.select(replace(gqa, batch=32), H100_SXM)["family"] == "sdpa_cudnn"
+    prefill = Problem(1, 12, 2048, 2048, 64, "bf16", "causal")   # a quarter of its FLOPs at 1024: 0.75 PEER_MIN_MS
+    measured = build_lookup([entry(prefill, "sdpa_cudnn", {}, prefill.flops() / ms / 1e9)])["entries"][0]
+    assert short_peer(measured, replace(prefill, seqlen_q=1024, seqlen_k=1024)) and not short_peer(measured, prefill)
+
+
 def test_a_peer_plan_runs_sdpa_without_the_fallback_warning(tmp_path, monkeypatch):
     d = Dispatcher(lookup(tmp_path / "best.json", [entry(BF16, "sdpa_flash", {}, 450.0)]))
     monkeypatch.setitem(d._gpus, 0, H100_SXM)

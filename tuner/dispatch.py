@@ -549,13 +549,16 @@ def _served_form(entry: dict | None, problem: Problem, gpu) -> dict | None:
 
 def short_peer(entry: dict, problem: Problem) -> bool:
     """Whether `entry` is a measured SDPA backend that would run `problem` for less than PEER_MIN_MS:
-    its measured time scaled by the work of `problem` against that of the problem it was measured on."""
+    its measured time scaled by the work of `problem` against that of the problem it was measured on,
+    the bytes through memory for a decode step (which streams its K/V: 32 query heads on 8 K/V
+    heads read a quarter of what 32 on 32 do for the same FLOPs), the FLOPs otherwise."""
     from .peers import DISPATCHED_PEERS
 
     ms, measured = entry.get("median_ms"), entry.get("problem")
     if entry["family"] not in DISPATCHED_PEERS or not ms or not isinstance(measured, dict):
         return False
-    return ms * problem.flops() / Problem.from_dict(measured).flops() < PEER_MIN_MS
+    work = Problem.bytes_moved if problem.decode_step else Problem.flops
+    return ms * work(problem) / work(Problem.from_dict(measured)) < PEER_MIN_MS
 
 
 def _decode_default(problem: Problem, gpu) -> dict | None:
