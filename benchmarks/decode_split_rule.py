@@ -131,18 +131,20 @@ def replay_rows(doc: dict) -> list[dict]:
 
 def replay(paths: list[str]) -> int:
     """Each recorded row's count under this checkout's rule against the row's best count, and the
-    mean and worst over the rows whose count was timed."""
-    shares = []
+    mean and worst over the rows whose count was timed: all of them, then GPU by GPU."""
+    shares: dict[str, list] = {}
     for path in paths:
         doc = json.loads(Path(path).read_text())
         print(f"{path} ({doc['gpu']}, {doc.get('flush', 'write')} flush)")
         for r in replay_rows(doc):
             print(f"  {r['shape']:<40} recorded rule {r['recorded']:>2}  now {r['now']:>2} ({r['share']})  best {r['best']:>2}")
-            if r["share"] is not None:
-                shares.append(r["share"])
-    if shares:
-        print(f"{len(shares)} rows timed at the rule's count: mean {sum(shares) / len(shares):.3f} of the best, "
-              f"worst {min(shares):.3f}")
+            shares.setdefault(doc["gpu"], []).append(r["share"])
+    groups = {"all": [s for v in shares.values() for s in v], **shares} if len(shares) > 1 else shares
+    for name, group in groups.items():
+        timed = [s for s in group if s is not None]
+        if timed:
+            print(f"{name}: {len(timed)} of {len(group)} rows timed at the rule's count: mean "
+                  f"{sum(timed) / len(timed):.3f} of the best, worst {min(timed):.3f}")
     return 0
 
 

@@ -46,6 +46,11 @@ def test_a_committed_sweep_replays(capsys):
     assert _script().replay([str(path)]) == 0
     out = capsys.readouterr().out
     assert out.count(" now ") == len(rows) and "rows timed at the rule's count" in out
+    # two GPUs' sweeps: the summary over all rows, then one line a GPU
+    h100 = ROOT / "benchmarks" / "results" / "NVIDIA-H100-80GB-HBM3_sm_90-decode-split-rule-d128.json"
+    assert _script().replay([str(path), str(h100)]) == 0
+    summary = [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines() if "rows timed" in ln]
+    assert summary == ["all", "NVIDIA H200", "NVIDIA H100 80GB HBM3"]
 
 
 # The sweeps recorded in the form a call runs each count now (PERF_NOTES "s4", "s5"); s3's "before"
