@@ -8,7 +8,6 @@ workers (conftest), so the default configs below are cache hits after the sweep.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import re
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmark_scripts import script
 from tuner.compile import CompileError, compile_kernel, parse_ptxas, resources_from_cubin
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import FAMILIES, get_family
@@ -225,16 +225,7 @@ def test_mma_sm90a_sass_uses_tensor_cores(tmp_path):
 SM90 = get_family("flash_fwd_sm90")
 
 
-def _load_seed_resources():
-    """benchmarks/seed_resources.py, the one home of the sm90 seed problems and of their resource record."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "seed_resources.py"
-    spec = importlib.util.spec_from_file_location("seed_resources", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SEED_RESOURCES = _load_seed_resources()
+SEED_RESOURCES = script("seed_resources")   # the one home of the sm90 seed problems and of their resource record
 SM90_PROBLEMS = SEED_RESOURCES.problems()
 SM90_RECORD = Path(__file__).parent / "fixtures" / "sm90_seed_resources.json"
 

@@ -3,19 +3,9 @@ over key lengths (CPU; the timings themselves need the GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("decode_fixed_cost", ROOT / "benchmarks" / "decode_fixed_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmark_scripts import script
 
 
 def _row(batch: int, mb: float, fixed: dict, kernel_fixed: dict, tb_s: dict) -> dict:
@@ -32,7 +22,7 @@ def test_the_fit_recovers_each_contenders_fixed_cost_and_rate():
     tb_s = {"served": 3.17, "sdpa_cudnn": 3.12, "copy": 3.02, "read": 3.11}
     rows = [_row(32, mb, fixed, kernel_fixed, tb_s) for mb in (134.0, 268.0, 537.0, 1074.0)]
     rows.append(_row(8, 34.0, fixed, kernel_fixed, tb_s))   # one length only: no fit for B8
-    fits = _script().fit_rows(rows)
+    fits = script("decode_fixed_cost").fit_rows(rows)
     assert not any(k.startswith("B8 ") for k in fits)
     for n in fixed:
         assert fits[f"B32 {n}"]["fixed_us"] == pytest.approx(fixed[n], abs=1e-6)

@@ -3,11 +3,11 @@ split rule, on the CPU (the sweeps themselves need the GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
 
+from benchmark_scripts import script
 from tuner.gpu import H100_SXM
 from tuner.kernel_templates.flash_decode import FAMILY
 from tuner.problem import Problem
@@ -15,12 +15,6 @@ from tuner.problem import Problem
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = {"Bc": 32, "MT": 1, "splits": 0, "stages": 2, "warps": 4}
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("decode_split_rule", ROOT / "benchmarks" / "decode_split_rule.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _row(p: Problem, ms: dict[int, float]) -> dict:
@@ -35,7 +29,7 @@ def test_the_rule_s_count_is_weighed_against_the_best_recorded_count():
     # never timed the rule's count
     rows = [_row(short, {1: 0.010, rule_short: 0.020}), _row(long_, {1: 0.100, rule_long: 0.050}),
             _row(short, {1: 0.010} if rule_short != 1 else {2: 0.010})]
-    got = _script().replay_rows(dict(gpu="NVIDIA H200", rows=rows))
+    got = script("decode_split_rule").replay_rows(dict(gpu="NVIDIA H200", rows=rows))
     assert [(r["now"], r["best"], r["share"]) for r in got] == [
         (rule_short, 1, 0.5), (rule_long, rule_long, 1.0), (rule_short, got[2]["best"], None)]
 
@@ -43,12 +37,12 @@ def test_the_rule_s_count_is_weighed_against_the_best_recorded_count():
 def test_a_committed_sweep_replays(capsys):
     path = ROOT / "benchmarks" / "results" / "NVIDIA-H200_sm_90-decode-split-h1.json"
     rows = json.loads(path.read_text())["rows"]
-    assert _script().replay([str(path)]) == 0
+    assert script("decode_split_rule").replay([str(path)]) == 0
     out = capsys.readouterr().out
     assert out.count(" now ") == len(rows) and "rows timed at the rule's count" in out
     # two GPUs' sweeps: the summary over all rows, then one line a GPU
     h100 = ROOT / "benchmarks" / "results" / "NVIDIA-H100-80GB-HBM3_sm_90-decode-split-rule-d128.json"
-    assert _script().replay([str(path), str(h100)]) == 0
+    assert script("decode_split_rule").replay([str(path), str(h100)]) == 0
     summary = [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines() if "rows timed" in ln]
     assert summary == ["all", "NVIDIA H200", "NVIDIA H100 80GB HBM3"]
 
@@ -68,7 +62,7 @@ def test_the_rule_reads_near_the_best_count_on_every_recorded_served_sweep():
     by_gpu: dict[str, list] = {}
     for name in SERVED_SWEEPS:
         doc = json.loads((ROOT / "benchmarks" / "results" / name).read_text())
-        by_gpu.setdefault(doc["gpu"], []).extend(r["share"] for r in _script().replay_rows(doc))
+        by_gpu.setdefault(doc["gpu"], []).extend(r["share"] for r in script("decode_split_rule").replay_rows(doc))
     assert set(by_gpu) == {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
     for gpu, shares in by_gpu.items():
         timed = [s for s in shares if s is not None]

@@ -3,22 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from benchmark_scripts import script
 from tuner.problem import Problem
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("missing_buckets", ROOT / "benchmarks" / "missing_buckets.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _entry(family: str, p: Problem, gpu: str = "NVIDIA H100/sm_90") -> dict:
@@ -31,7 +25,7 @@ WIDE = Problem(1, 8, 512, 4096, 64, "bf16", "causal_br", max_error=2e-2)
 
 
 def test_each_missing_bucket_and_family_is_searched_once_by_family_dtype_and_budget(tmp_path):
-    mod = _script()
+    mod = script("missing_buckets")
     source = [_entry("flash_fwd_sm90", CHUNK), _entry("flash_fwd_sm90_split", CHUNK), _entry("sdpa_cudnn", CHUNK),
               _entry("flash_fwd_sm90", Problem(1, 32, 500, 8000, 128, "bf16", "causal_br", 8)),   # CHUNK's bucket
               _entry("flash_decode", STEP), _entry("flash_decode_varlen", STEP), _entry("flash_fwd_sm90", WIDE)]

@@ -3,26 +3,21 @@ search does (the same seed gives the same count), and its arithmetic on a curve.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from benchmark_scripts import script
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "h100_simt.db"
 REPORT = ROOT / "benchmarks" / "results" / "NVIDIA-H100-80GB-HBM3_sm_90-sampler-study-simt.json"
 
 
-def _study():
-    spec = importlib.util.spec_from_file_location("sampler_study", ROOT / "benchmarks" / "sampler_study.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_first_within():
-    study = _study()
+    study = script("sampler_study")
     assert study.first_within([5.0, 9.0, 9.85, 10.0], 10.0, 0.02) == 3
     assert study.first_within([5.0, 9.0, 9.85, 10.0], 10.0, 0.01) == 4
     assert study.first_within([5.0], 10.0, 0.01) is None
@@ -33,7 +28,7 @@ def test_a_replayed_search_reproduces_the_reported_trial_counts(sampler):
     """Seed 0 of the committed report, run again through the replay of the sweep (each sampler)."""
     from tuner.problem import Problem
 
-    study = _study()
+    study = script("sampler_study")
     report = json.loads(REPORT.read_text())
     url = f"sqlite:///{FIXTURE}"
     problem = Problem.from_key(report["problem"])
@@ -95,7 +90,7 @@ def _sm90_cases():
 def test_a_replayed_hopper_search_reproduces_the_reported_trial_counts(report, sampler):
     from tuner.problem import Problem
 
-    study = _study()
+    study = script("sampler_study")
     best = report["sweep_best_tflops"]
     curve = study.run(f"sqlite:///{SM90_FIXTURE}", report["family"], Problem.from_key(report["problem"]), sampler, 0,
                       report["budget"], report["starts"], until=(1 - min(study.WITHIN)) * best)
