@@ -202,7 +202,7 @@ def test_nearest_bucket_order_limit_and_mask(tmp_path):
 
 def test_a_huge_batch_takes_its_own_bucket_else_borrows_the_large_one(tmp_path):
     """B128 x 32 heads is the "huge" work class: with no entry there it is served by the "large"
-    bucket's (1.5 octaves of work away), as before that class existed; an entry tuned at B128 serves
+    bucket's (an octave of work away), as before that class existed; an entry tuned at B128 serves
     it and nothing at B32."""
     b32 = replace(TUNED, batch=32, heads=32, kv_heads=32)
     b128 = replace(b32, batch=128)
@@ -212,6 +212,19 @@ def test_a_huge_batch_takes_its_own_bucket_else_borrows_the_large_one(tmp_path):
     d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0, problem=b32), entry(SLOW, 25.0, problem=b128, mid=2)]))
     assert d.select(b128, H100_SXM)["params"] == SLOW and d.select(replace(b32, batch=64), H100_SXM)["params"] == SLOW
     assert d.select(b32, H100_SXM)["params"] == FAST and d.select(replace(b32, batch=63), H100_SXM)["params"] == FAST
+
+
+def test_a_huge_call_prefers_its_own_gpu_s_large_neighbour_to_another_gpu_s_huge_entry(tmp_path):
+    """A B64 call at a key length nobody tuned: its own GPU's large bucket an octave of keys away serves
+    it, not the huge entry another GPU of the architecture has at that length (kin borrow only where
+    a GPU's own entries are not that near)."""
+    h200 = replace(H100_SXM, name="NVIDIA H200")
+    own = replace(TUNED, batch=32, heads=32, kv_heads=32, seqlen_q=1024, seqlen_k=8192)
+    kin = entry(SLOW, 25.0, problem=replace(own, batch=128), gpu=h200, mid=2)
+    d = Dispatcher(lookup_file(tmp_path, [entry(FAST, 20.0, problem=own), kin]))
+    call = replace(own, batch=64, seqlen_k=3000)
+    e = d.select(call, H100_SXM)
+    assert e["params"] == FAST and e["gpu_key"] == H100_SXM.key
 
 
 def test_select_keeps_error_budgets_apart(tmp_path):

@@ -18,8 +18,10 @@ from .problem import Bucket, Problem
 
 T = TypeVar("T")
 # What a bucket's work class stands for, in batch x heads (problem.WORK_CLASSES: < 32, < 256, < 2048,
-# above).
-WORK_BH = {"small": 16, "medium": 128, "large": 512, "huge": 4096}
+# above). Huge stands at its floor: a huge call of a length nobody tuned at that work still takes its
+# own GPU's large neighbour an octave of length away (1 + 0.5 x 2 octaves of work) before another
+# GPU's huge entry (Dispatcher.kin), as it did before the class existed.
+WORK_BH = {"small": 16, "medium": 128, "large": 512, "huge": 2048}
 WORK_WEIGHT = 0.5   # an octave of work moves a config's fitness less than an octave of length
 
 
