@@ -45,9 +45,10 @@ def test_build_groups_sorted_and_deduped() -> None:
     doc = sample_doc()
     assert doc["schema"] == SCHEMA and doc["version"] == SCHEMA_VERSION and "generated_at" in doc
     h100 = [e for e in doc["entries"] if e["gpu_key"] == H100_SXM.key and e["bucket"] == P1.bucket().key]
-    # one per family, fastest first; of the two simt problems in the bucket the faster stays
-    assert [(e["family"], e["tflops"]) for e in h100] == [("wgmma", 200.0), ("sdpa_flash", 120.0), ("simt", 70.0)]
-    assert h100[2]["problem"] == P1b.to_dict()
+    # one per family, fastest first; of the two simt problems in the bucket the one tuned nearer its
+    # shape stays (P1, B8 x 12 heads at 1024, against P1b's B6 at 1000), though P1b's ran faster
+    assert [(e["family"], e["tflops"]) for e in h100] == [("wgmma", 200.0), ("sdpa_flash", 120.0), ("simt", 50.0)]
+    assert h100[2]["problem"] == P1.to_dict()
     assert (h100[0]["dtype"], h100[0]["head_dim"], h100[0]["mask"]) == ("fp16", 64, "causal")
     assert len(doc["entries"]) == 5
 
@@ -250,6 +251,41 @@ def test_merge_keeps_what_the_new_lookup_lacks_and_takes_its_entries(tmp_path: P
     h100_p1 = [e["family"] for e in read_lookup(path)["entries"]
                if e["gpu_key"] == H100_SXM.key and e["bucket"] == P1.bucket().key]
     assert h100_p1 == ["wgmma", "sdpa_flash", "simt"]  # still fastest first
+
+
+# Two decode steps of one bucket (bf16/d64/full/n1x8192/large: 32 query heads on 8 K/V heads, B8-B63):
+# B16 is the bucket's own work (tuner.nearest.WORK_BH), B32 an octave of work off it. As measured on
+# the H200 (PERF_NOTES "h4", us): at B16 the kernel leads, at B32 cuDNN, and B32's figures are higher
+# TFLOP/s than B16's whatever runs, since the larger step streams more bytes a microsecond.
+DEC16 = Problem(16, 32, 1, 8192, 64, "bf16", "causal_br", kv_heads=8)
+DEC32 = Problem(32, 32, 1, 8192, 64, "bf16", "causal_br", kv_heads=8)
+
+
+def timed(problem: Problem, family: str, us: float) -> BestEntry:
+    return BestEntry(H100_SXM.key, family, problem, problem.bucket().key, {"fam": family},
+                     problem.flops() / (us * 1e-6) / 1e12, us / 1e3, 1)
+
+
+def test_a_bucket_answers_with_the_problem_tuned_at_its_shape() -> None:
+    assert DEC16.bucket() == DEC32.bucket()
+    measured = [timed(DEC16, "flash_decode", 76.8), timed(DEC16, "sdpa_cudnn", 83.8), timed(DEC16, "sdpa_flash", 85.7),
+                timed(DEC32, "flash_decode", 139.3), timed(DEC32, "sdpa_cudnn", 134.6)]
+    for order in (measured, measured[::-1]):
+        doc = build_lookup(order)
+        # both families from B16's search, the kernel first, as measured there (by speed alone cuDNN's
+        # B32 figure came first and B16 served cuDNN)
+        assert [(e["family"], e["problem"]["batch"]) for e in doc["entries"]] == [
+            ("flash_decode", 16), ("sdpa_cudnn", 16), ("sdpa_flash", 16)]
+
+
+def test_a_merge_keeps_the_entry_tuned_nearer_the_buckets_shape() -> None:
+    centre = build_lookup([timed(DEC16, "flash_decode", 76.8), timed(DEC16, "sdpa_cudnn", 83.8)])
+    off = build_lookup([timed(DEC32, "flash_decode", 139.3), timed(DEC32, "sdpa_cudnn", 134.6)])
+    assert [e["problem"]["batch"] for e in export.merge_lookups(centre, off)["entries"]] == [16, 16]
+    # from farther to nearer, and the same problem measured again, the new entry replaces the old
+    assert [e["problem"]["batch"] for e in export.merge_lookups(off, centre)["entries"]] == [16, 16]
+    again = build_lookup([timed(DEC16, "flash_decode", 70.0), timed(DEC16, "sdpa_cudnn", 90.0)])
+    assert [round(e["median_ms"] * 1e3, 1) for e in export.merge_lookups(centre, again)["entries"]] == [70.0, 90.0]
 
 
 def test_an_empty_file_or_none_is_nothing_to_keep(tmp_path: Path) -> None:

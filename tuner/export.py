@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .files import atomic_write
+from .nearest import octaves
 from .problem import DTYPES, MASKS, Bucket, Problem, mask_of
 
 if TYPE_CHECKING:
@@ -88,11 +89,28 @@ def _document(entries: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _offset(e: dict[str, Any]) -> float:
+    """Octaves between the problem an entry was tuned on and its bucket's own shape (tuner.nearest)."""
+    return octaves(Problem.from_dict(e["problem"]), Bucket.from_key(e["bucket"]))
+
+
+def _answers_better(e: dict[str, Any], than: dict[str, Any]) -> bool:
+    """Whether entry `e` should fill a slot `than` fills: a bucket's entries answer for its shape, so
+    the one tuned nearer that shape; of two tuned as near, the faster.
+
+    The dispatcher takes a group's fastest runnable entry by TFLOP/s, which compares families only
+    on one problem: a larger problem of the same bucket runs more TFLOP/s whatever serves it. Kept
+    by speed alone, a group mixed problems (PERF_NOTES "h4": a B32 decode step's cuDNN entry beside
+    a B16 one's kernel, and B16, the bucket's own work, served cuDNN at 0.92x of the kernel)."""
+    return (_offset(e), -e["tflops"]) < (_offset(than), -than["tflops"])
+
+
 def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
     """One entry per (GPU, dtype, head dim, mask, bucket, family), fastest first per group.
 
-    Several tuned problems can fall into one bucket; per family only the fastest is kept, since
-    the dispatcher takes the first entry of a group whose family it can run.
+    Several tuned problems can fall into one bucket; per family the one tuned nearest the bucket's
+    shape is kept (`_answers_better`), since the dispatcher takes the first entry of a group whose
+    family it can run.
     """
     fastest: dict[tuple[Any, ...], dict[str, Any]] = {}
     for b in entries:
@@ -103,16 +121,20 @@ def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
             "tflops": float(b.tflops), "median_ms": float(b.median_ms), "problem": p.to_dict(),
         }
         k = _slot(e)
-        if k not in fastest or e["tflops"] > fastest[k]["tflops"]:
+        if k not in fastest or _answers_better(e, fastest[k]):
             fastest[k] = e
     return _document(list(fastest.values()))
 
 
 def merge_lookups(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """`old` with `new`'s entries added: where both serve the same slot, the new entry (measured
-    more recently, from the database being exported) replaces the old one; nothing else is lost."""
+    more recently, from the database being exported) replaces the old one, unless the old one was
+    tuned nearer the bucket's shape (`_answers_better`); nothing else is lost."""
     slots = {_slot(e): e for e in old["entries"]}
-    slots.update((_slot(e), e) for e in new["entries"])
+    for e in new["entries"]:
+        was = slots.get(_slot(e))
+        if was is None or _offset(e) <= _offset(was):
+            slots[_slot(e)] = e
     return _document(list(slots.values()))
 
 

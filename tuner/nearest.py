@@ -36,9 +36,13 @@ def _coords(x: Problem | Bucket) -> tuple[tuple, tuple[float, float, float]]:
 def distance(a: Problem | Bucket, b: Problem | Bucket) -> float | None:
     """Octaves between two shapes, or None where they are not comparable (another dtype, head dim,
     mask or error budget)."""
-    (ea, (qa, ka, wa)), (eb, (qb, kb, wb)) = _coords(a), _coords(b)
-    if ea != eb:
-        return None
+    return octaves(a, b) if _coords(a)[0] == _coords(b)[0] else None
+
+
+def octaves(a: Problem | Bucket, b: Problem | Bucket) -> float:
+    """Octaves between two shapes' lengths and work, whatever else they are: a tuned problem and
+    the bucket it fell into (a decode step's bottom-right mask is its bucket's "full")."""
+    (qa, ka, wa), (qb, kb, wb) = _coords(a)[1], _coords(b)[1]
     return abs(qa - qb) + abs(ka - kb) + WORK_WEIGHT * abs(wa - wb)
 
 
