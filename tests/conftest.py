@@ -32,17 +32,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             it.add_marker(skip)
 
 
-# ---- xdist: `-n auto` starts one worker more than there are CPUs ----
-# Some tests mostly wait (a PostgreSQL server, processes killed and resumed, Chromium): with one
-# worker a CPU, a core idles while one of them runs; with one more, NVRTC's compiles fill it.
-
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return None   # xdist's own override stands
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus + 1
-
-
 # ---- the cubin cache: one folder for every xdist worker ----
 # .pytest_cache/d/cubin under the rootdir (kept between local runs; the cache key covers source,
 # arch, NVRTC version and flags, so a stale entry is never reused). Set at configure time, before
