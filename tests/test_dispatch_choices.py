@@ -264,6 +264,22 @@ def test_the_shipped_h100_lookup_serves_a_shard_s_chunks_with_what_measured_fast
         assert e is not None and e["family"] == family, (nq, nk, e and e["family"])
 
 
+def test_the_shipped_h200_lookup_serves_d64_gqa_decode_from_its_own_buckets(tmp_path, monkeypatch):
+    """A decode step of 32 query heads on 8 K/V heads at d=64 on the H200 (PERF_NOTES "h4"): its own
+    buckets serve it, each with what measured fastest at the bucket's shape: flash_decode from B4 to
+    B32 (1.02-1.08x the best peer at B4 and B16), cuDNN at B128, its huge bucket's pick. At B16 x 8k
+    the merge by speed alone had put B32's cuDNN entry first in the bucket (0.92x of the kernel)."""
+    monkeypatch.setenv(export.SHIPPED_ENV, "1")
+    dispatcher = Dispatcher(tmp_path / "absent.json")
+    for batch, nk, ours in ((4, 1024, True), (4, 8192, True), (16, 1024, True), (16, 8192, True), (32, 8192, True),
+                            (128, 8192, False)):
+        for dtype in ("bf16", "fp16"):
+            p = Problem(batch, 32, 1, nk, 64, dtype, "causal_br", kv_heads=8)
+            e = dispatcher.select(p, H200)   # flash_decode, or its cluster form where the splits merge in one
+            assert e is not None and (e["gpu_key"], e["bucket"]) == (H200.key, p.bucket().key), (p.key, e)
+            assert e["family"].startswith("flash_decode") if ours else e["family"] == "sdpa_cudnn", (p.key, e["family"])
+
+
 def test_a_split_entry_that_would_pad_more_rows_unsplit_gives_way_to_the_plain_kernels(tmp_path):
     """A bucket tuned at B1 (32 query blocks: the split won, with three consumers: 192 rows for 100
     queries) also serves B7 (224 blocks: one split, the plain kernel padding 92 rows a CTA); there
