@@ -16,7 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PARAMS = {"Bc": 32, "MT": 1, "splits": 0, "stages": 2, "warps": 4}
 
 
-
 def _row(p: Problem, ms: dict[int, float]) -> dict:
     return dict(shape=p.key, params=PARAMS, rule=0, ms={str(n): t for n, t in ms.items()})
 

@@ -14,7 +14,6 @@ from tuner.problem import Problem
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 def _entry(family: str, p: Problem, gpu: str = "NVIDIA H100/sm_90") -> dict:
     return dict(bucket=p.bucket().key, family=family, gpu_key=gpu, problem=p.to_dict(), params={}, median_ms=1.0)
 

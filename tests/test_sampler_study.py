@@ -15,7 +15,6 @@ FIXTURE = ROOT / "tests" / "fixtures" / "h100_simt.db"
 REPORT = ROOT / "benchmarks" / "results" / "NVIDIA-H100-80GB-HBM3_sm_90-sampler-study-simt.json"
 
 
-
 def test_first_within():
     study = script("sampler_study")
     assert study.first_within([5.0, 9.0, 9.85, 10.0], 10.0, 0.02) == 3

@@ -129,7 +129,7 @@ def build_lookup(entries: list[BestEntry]) -> dict[str, Any]:
 def merge_lookups(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """`old` with `new`'s entries added: where both serve the same slot, the new entry (measured
     more recently, from the database being exported) replaces the old one, unless the old one was
-    tuned nearer the bucket's shape (`_answers_better`); nothing else is lost."""
+    tuned nearer the bucket's shape (`_offset`; see `_answers_better`); nothing else is lost."""
     slots = {_slot(e): e for e in old["entries"]}
     for e in new["entries"]:
         was = slots.get(_slot(e))

@@ -26,24 +26,27 @@ WORK_WEIGHT = 0.5   # an octave of work moves a config's fitness less than an oc
 
 
 def _coords(x: Problem | Bucket) -> tuple[tuple, tuple[float, float, float]]:
-    if isinstance(x, Problem):
-        exact = (x.dtype, x.head_dim, x.mask, x.max_error)
-        return exact, (math.log2(x.seqlen_q), math.log2(x.seqlen_k), math.log2(x.batch * x.heads))
     exact = (x.dtype, x.head_dim, x.mask, x.max_error)
+    if isinstance(x, Problem):
+        return exact, (math.log2(x.seqlen_q), math.log2(x.seqlen_k), math.log2(x.batch * x.heads))
     return exact, (math.log2(x.queries), math.log2(x.seqlen), math.log2(WORK_BH[x.work]))
+
+
+def _apart(a: tuple[float, float, float], b: tuple[float, float, float]) -> float:
+    return abs(a[0] - b[0]) + abs(a[1] - b[1]) + WORK_WEIGHT * abs(a[2] - b[2])
 
 
 def distance(a: Problem | Bucket, b: Problem | Bucket) -> float | None:
     """Octaves between two shapes, or None where they are not comparable (another dtype, head dim,
     mask or error budget)."""
-    return octaves(a, b) if _coords(a)[0] == _coords(b)[0] else None
+    (ea, pa), (eb, pb) = _coords(a), _coords(b)
+    return _apart(pa, pb) if ea == eb else None
 
 
 def octaves(a: Problem | Bucket, b: Problem | Bucket) -> float:
     """Octaves between two shapes' lengths and work, whatever else they are: a tuned problem and
     the bucket it fell into (a decode step's bottom-right mask is its bucket's "full")."""
-    (qa, ka, wa), (qb, kb, wb) = _coords(a)[1], _coords(b)[1]
-    return abs(qa - qb) + abs(ka - kb) + WORK_WEIGHT * abs(wa - wb)
+    return _apart(_coords(a)[1], _coords(b)[1])
 
 
 def nearest(target: Problem | Bucket, candidates: Iterable[T], shape: Callable[[T], Problem | Bucket],
