@@ -11,14 +11,13 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from benchmark_scripts import script
-from tuner.compile import CompileError, compile_kernel, parse_ptxas, resources_from_cubin
+from tuner.compile import CompileError, compile_kernel, parse_ptxas, resources_from_cubin, sass_listing
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import FAMILIES, get_family
 from tuner.problem import GPT2_FP32, MASK_KEYS, MASKS, Problem
@@ -157,22 +156,10 @@ def test_mma_seeds_do_not_spill(gpu, problem):
         assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (params, ck.resources)
 
 
-def _tool(name: str) -> str:
-    from cuda.pathfinder import find_nvidia_binary_utility
-
-    path = find_nvidia_binary_utility(name)
-    assert path, f"{name} not found: install nvidia-cuda-{name} (the test extra)"
-    return path
-
-
-def test_default_sm90a_sass_is_ffma_without_local_memory(tmp_path):
+def test_default_sm90a_sass_is_ffma_without_local_memory():
     problem = GPT2_FP32[0]
     ck = compile_kernel(FAM, FAM.default(H100_SXM, problem), problem, H100_SXM.arch)
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(ck.cubin)
-    out = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    sass = out.stdout
+    sass = sass_listing(ck.cubin)
     assert FAM.kernel_name in sass
     assert len(re.findall(r"\bFFMA\b", sass)) > 100  # the inner loops are fp32 FMAs
     assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), "local memory (spills) in SASS"
@@ -193,13 +180,11 @@ def test_mma_fp32_inputs_need_a_budget_for_tensor_cores():
 
 
 @pytest.mark.parametrize("compute", ["tf32", "bf16"])
-def test_mma_fp32_sass_uses_the_chosen_tensor_core_precision(compute, tmp_path):
+def test_mma_fp32_sass_uses_the_chosen_tensor_core_precision(compute):
     problem = Problem(4, 16, 2048, 2048, 64, "fp32", True, max_error=2e-2)
     params = next(p for p in MMA.seeds(H100_SXM, problem) if p["compute"] == compute)
     ck = compile_kernel(MMA, params, problem, H100_SXM.arch)
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(ck.cubin)
-    sass = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120).stdout
+    sass = sass_listing(ck.cubin)
     if compute == "tf32":
         assert len(re.findall(r"\bHMMA\.1688\.F32\.TF32", sass)) >= 16
         assert re.search(r"\bLDGSTS(\.\w+)*\b", sass)  # fp32 tiles by cp.async
@@ -209,12 +194,10 @@ def test_mma_fp32_sass_uses_the_chosen_tensor_core_precision(compute, tmp_path):
     assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), "local memory (spills) in SASS"
 
 
-def test_mma_sm90a_sass_uses_tensor_cores(tmp_path):
+def test_mma_sm90a_sass_uses_tensor_cores():
     problem = MMA_PROBLEMS[1]
     ck = compile_kernel(MMA, MMA.default(H100_SXM, problem), problem, H100_SXM.arch)
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(ck.cubin)
-    sass = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120).stdout
+    sass = sass_listing(ck.cubin)
     assert len(re.findall(r"\bHMMA\.16816\.F32", sass)) >= 16  # both products on tensor cores
     assert re.search(r"\bLDSM(\.\w+)*\b", sass)  # ldmatrix
     assert re.search(r"\bLDGSTS(\.\w+)*\b", sass)  # cp.async
@@ -231,7 +214,7 @@ SM90_RECORD = Path(__file__).parent / "fixtures" / "sm90_seed_resources.json"
 
 
 @pytest.mark.parametrize("problem", SM90_PROBLEMS, ids=lambda p: p.key)
-def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
+def test_sm90_seeds_are_hgmma_without_local_memory(problem):
     """The seeded Hopper configs: both products on wgmma (HGMMA, QGMMA for e4m3), tiles by TMA (UTMALDG), the
     register split honoured (no C7508 warning), no spills, no local memory in the SASS, the
     tile scheduler's atomic exactly in the persistent ones, and O stored by TMA exactly where asked."""
@@ -245,9 +228,7 @@ def test_sm90_seeds_are_hgmma_without_local_memory(problem, tmp_path):
         # C7510/C7511/C7519: ptxas serialized the wgmma pipeline (a branch between wgmma instructions
         # did that to the tried diagonal-half tile, h13: 25-45% slower; too few registers, C7511, h15)
         assert not re.search(r"C751[019]", ck.log), ck.log
-        cubin = tmp_path / "k.cubin"
-        cubin.write_bytes(ck.cubin)
-        sass = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120).stdout
+        sass = sass_listing(ck.cubin)
         op, k = ("QGMMA", 32) if problem.dtype == "fp8" else ("HGMMA", 16)
         assert len(re.findall(rf"\b{op}\.64x\d+x{k}\.F32", sass)) >= (problem.head_dim + params["Bc"]) // k, params
         assert re.search(r"\bUTMALDG(\.\w+)*\b", sass), params
@@ -288,7 +269,7 @@ ANY_DIM_PROBLEMS = [Problem(2, 8, 1000, 1000, d, dt, m, kv_heads=2) for d, dt, m
 
 
 @pytest.mark.parametrize("problem", ANY_DIM_PROBLEMS, ids=lambda p: p.key)
-def test_sm90_any_head_dim_seeds_compile_without_spills(problem, tmp_path):
+def test_sm90_any_head_dim_seeds_compile_without_spills(problem):
     """Every valid seed of flash_fwd_sm90 and of its split at such a head dim compiles for sm_90a:
     P V a wgmma as wide as the head dim rounded up to a k step (not the padded tile: d=80's 80 of
     96), S in that many k steps, Q, K and V by TMA, no spills or local memory, O by ordinary stores
@@ -310,9 +291,7 @@ def test_sm90_any_head_dim_seeds_compile_without_spills(problem, tmp_path):
         ck = compile_kernel(fam, params, problem, H100_SXM.arch)
         assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (fam.name, params, ck.resources)
         assert not re.search(r"C751[019]", ck.log), ck.log
-        cubin = tmp_path / "k.cubin"
-        cubin.write_bytes(ck.cubin)
-        sass = subprocess.run([_tool("nvdisasm"), str(cubin)], capture_output=True, text=True, timeout=120).stdout
+        sass = sass_listing(ck.cubin)
         assert re.search(rf"\bHGMMA\.64x{prod}x16\.F32", sass) and re.search(rf"\bHGMMA\.64x{params['Bc']}x16\.F32", sass)
         if width not in (prod, params["Bc"]):
             assert not re.search(rf"\bHGMMA\.64x{width}x16", sass), "P V over the tile's zero columns"
@@ -404,6 +383,27 @@ def test_key_depends_on_params_and_problem(private_cache):
     c = compile_kernel(FAM, SMALL_PARAMS, Problem(1, 2, 128, 128, 64, "fp16", False), "sm_80")
     assert len({a.key, b.key, c.key}) == 3
     assert not b.cached and not c.cached
+
+
+def test_sass_listing_is_kept_by_cubin_and_nvdisasm_version(private_cache, monkeypatch):
+    import tuner.compile as compile_mod
+
+    ck = compile_kernel(FAM, SMALL_PARAMS, SMALL, "sm_80")
+    first = sass_listing(ck.cubin)
+    assert FAM.kernel_name in first and re.search(r"\bFFMA\b", first)
+    assert len(list((private_cache / "sass").iterdir())) == 1
+
+    def no_nvdisasm(*args, **kwargs):
+        raise AssertionError("nvdisasm ran again for a listing in the cache")
+
+    monkeypatch.setattr(compile_mod, "_run_on_cubin", no_nvdisasm)
+    assert sass_listing(ck.cubin) == first
+    with pytest.raises(AssertionError, match="ran again"):   # another cubin is another entry
+        sass_listing(compile_kernel(FAM, {**SMALL_PARAMS, "min_blocks": 1}, SMALL, "sm_80").cubin)
+    tool, version = compile_mod._nvdisasm()
+    monkeypatch.setattr(compile_mod, "_nvdisasm", lambda: (tool, version + " (another)"))
+    with pytest.raises(AssertionError, match="ran again"):   # so is another nvdisasm's listing
+        sass_listing(ck.cubin)
 
 
 def test_compile_error_raises_with_nvrtc_message(private_cache, monkeypatch):

@@ -74,14 +74,39 @@ def cuobjdump() -> str | None:
 
 def disassemble(cubin: bytes) -> list[str]:
     """The SASS instructions of a cubin, in order, as nvdisasm prints them (without addresses and
-    encodings). nvdisasm comes with the test extra (nvidia-cuda-nvdisasm)."""
+    encodings)."""
+    return [m.group(1) for line in sass_listing(cubin).splitlines() if (m := _SASS_INSN.search(line))]
+
+
+def sass_listing(cubin: bytes) -> str:
+    """nvdisasm's listing of a cubin, kept in the cache folder by the cubin's hash and nvdisasm's
+    version: the seeds' SASS tests and benchmarks/seed_resources.py read the same cubins, and
+    nvdisasm takes about as long on one as a warm compile cache takes on a whole test. nvdisasm
+    comes with the test extra (nvidia-cuda-nvdisasm)."""
+    tool, version = _nvdisasm()
+    path = cache_dir() / "sass" / f"{short_hash(version + cubin.hex(), 32)}.sass"
+    try:
+        return path.read_text()
+    except (OSError, ValueError):
+        pass
+    out = _run_on_cubin([tool], cubin, check=True, timeout=300)
+    try:
+        atomic_write(path, out.encode())
+    except OSError:
+        pass  # a read-only cache only costs another disassembly
+    return out
+
+
+@cache
+def _nvdisasm() -> tuple[str, str]:
+    import subprocess
+
     from cuda.pathfinder import find_nvidia_binary_utility
 
     tool = find_nvidia_binary_utility("nvdisasm")
     if not tool:
         raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm (in flashtune's test extra)")
-    out = _run_on_cubin([tool], cubin, check=True, timeout=300)
-    return [m.group(1) for line in out.splitlines() if (m := _SASS_INSN.search(line))]
+    return tool, subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=60).stdout
 
 
 def _run_on_cubin(command: list[str], cubin: bytes, **run) -> str:
