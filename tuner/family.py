@@ -98,7 +98,12 @@ class KernelFamily(ABC):
         return [dict(zip(keys, combo)) for combo in itertools.product(*self.space.values())]
 
     def valid_points(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
-        return [p for p in self.points() if self.check(p, gpu, problem) is None]
+        """The points `check` accepts. The space's own points need neither its type check nor the
+        per-problem `supports` again for each of them (the compile sweep asks this of every family
+        and variant at collection: a few seconds per pytest worker)."""
+        if self.supports(gpu, problem) is not None:
+            return []
+        return [p for p in self.points() if self._rule_error(p, gpu, problem) is None]
 
     def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
         """Why this family cannot serve (gpu, problem) at all, or None."""
@@ -163,9 +168,10 @@ class KernelFamily(ABC):
         reason = self.space_error(params)
         if reason:
             return reason
-        reason = self.supports(gpu, problem)
-        if reason:
-            return reason
+        return self.supports(gpu, problem) or self._rule_error(params, gpu, problem)
+
+    def _rule_error(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        """check's rules past the space and `supports`: the family's own, then shared memory."""
         reason = self._check(params, gpu, problem)
         if reason:
             return reason
