@@ -60,6 +60,26 @@ class FlashFwdMma(KernelFamily):
         q_words = d // 2 if params["compute"] == "tf32" else d // 4   # Q's fragments: one word per 1 or 2 elements
         return mt * (params["Bc"] // 2 + d // 2 + (q_words if params["q_regs"] else 4)) + 48
 
+    @staticmethod
+    def spill_reach(params: dict, problem: Problem) -> int | None:
+        """The Bc + d past which every point of this warp shape and compute spilled, where this point
+        is past it; else None. register_estimate keeps borderline points; these are beyond the border.
+        From ptxas's reports of the compile sweep's 432 points (sm_80 and sm_90a, stages 1-3, Q in
+        registers or not; PERF_NOTES "ci3"): at 32 query rows a warp, 16-bit tiles spilled wherever
+        Bc + d > 160 and tf32 ones wherever Bc + d > 96; at 16 rows, tf32 ones from Bc + d = 224 on,
+        16-bit ones from 256 on up to d=128 and past 320 beyond (d=256 at Bc 96 and 128). None of
+        those compiled without spills; the borders themselves are kept (some of them spill)."""
+        d = padded_head_dim(problem.head_dim)
+        reach = params["Bc"] + d
+        tf32 = params["compute"] == "tf32"
+        if params["Br"] // params["warps"] > 16:
+            limit = 96 if tf32 else 160
+        elif tf32:
+            limit = 223
+        else:
+            limit = 255 if d <= 128 else 320
+        return limit if reach > limit else None
+
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         br, bc, warps, compute = params["Br"], params["Bc"], params["warps"], params["compute"]
         if problem.dtype == "fp32":
@@ -78,6 +98,10 @@ class FlashFwdMma(KernelFamily):
             return f"needs about {regs} registers per thread (limit {_MAX_REGS}): it would spill"
         if regs * warps * 32 > gpu.regs_per_sm:
             return f"{warps} warps x ~{regs} registers exceed the {gpu.regs_per_sm} registers of an SM"
+        reach = self.spill_reach(params, problem)
+        if reach is not None:
+            return (f"{br // warps} query rows a warp at Bc + d = {bc + padded_head_dim(problem.head_dim)} (past {reach}"
+                    f"{' in tf32' if compute == 'tf32' else ''}) spill: ptxas put 48 B to 7 KB a thread in local memory there")
         if bc % 16:
             return f"Bc={bc} must be a multiple of 16"
         return None

@@ -51,6 +51,26 @@ def test_register_estimate_too_high_is_named():
     assert reason is not None and "registers" in reason and "spill" in reason
 
 
+@pytest.mark.parametrize("d,dtype,budget,past,border", [
+    # 32 query rows a warp (Br 128 over 4 warps): 16-bit past Bc + d = 160, tf32 past 96
+    (64, "bf16", 0.0, dict(Br=128, Bc=128, warps=4), dict(Br=128, Bc=96, warps=4)),
+    (32, "fp32", 2e-3, dict(Br=128, Bc=96, warps=4), dict(Br=128, Bc=64, warps=4)),
+    # 16 rows a warp: tf32 from 224, 16-bit from 256 up to d=128, past 320 at d=256
+    (128, "fp32", 2e-3, dict(Br=128, Bc=96, warps=8), dict(Br=128, Bc=64, warps=8)),
+    (128, "fp16", 0.0, dict(Br=128, Bc=128, warps=8), dict(Br=128, Bc=96, warps=8)),
+    (256, "bf16", 0.0, dict(Br=64, Bc=96, warps=4), dict(Br=64, Bc=64, warps=4)),
+])
+def test_mma_points_past_where_all_spilled_are_refused_and_the_border_kept(d, dtype, budget, past, border):
+    mma = get_family("flash_fwd_mma")
+    problem = Problem(2, 4, 512, 512, d, dtype, False, max_error=budget)
+    compute = "tf32" if dtype == "fp32" else "in"
+    base = dict(stages=2, q_regs=0, compute=compute)
+    reason = mma.check({**base, **past}, H100_SXM, problem)
+    assert reason is not None and "spill" in reason and f"Bc + d = {past['Bc'] + d}" in reason
+    assert mma.check({**base, **border}, H100_SXM, problem) is None
+    assert not any(mma.spill_reach(s, problem) for gpu in (A100_SXM, H100_SXM) for s in mma.seeds(gpu, problem))
+
+
 def test_registers_per_sm_limit_is_named():
     p = pt(Br=128, Bc=64, TM=4, TN=2)  # 32 x 32 = 1024 threads x ~70 registers > 64K
     assert FAM.register_estimate(p, P64) <= 255
