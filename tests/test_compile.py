@@ -40,6 +40,30 @@ def _variants(fam) -> list[Problem]:
     return [replace(v, seqlen_q=min(v.seqlen_q, fam.max_queries)) for v in out] if fam.max_queries else out
 
 
+# The problems whose defaults and seeds the tests below compile (spills, SASS, the seeds' record).
+DEFAULT_PROBLEMS = list(GPT2_FP32) + [Problem(4, 16, 2048, 2048, 128, "fp32", True),
+                                      Problem(4, 16, 2048, 2048, 128, "bf16", False)]
+MMA = get_family("flash_fwd_mma")
+MMA_PROBLEMS = [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128) for dt in ("fp16", "bf16") for c in (False, True)]
+MMA_PROBLEMS += [Problem(4, 16, 2048, 2048, d, "fp32", c, max_error=e) for d in (64, 128) for c in (False, True)
+                 for e in (2e-3, 2e-2)]  # tf32 seeds only, then tf32 and bf16
+SM90 = get_family("flash_fwd_sm90")
+SEED_RESOURCES = script("seed_resources")   # the one home of the sm90 seed problems and of their resource record
+SM90_PROBLEMS = SEED_RESOURCES.problems()
+
+
+def _seeded(fam, gpu) -> dict[str, set[tuple]]:
+    """params_key -> the (head dim, dtype, mask)s whose default or seed that point is in the tests
+    below. The source depends on no other part of the problem, so a sweep point compiled at such a
+    variant is the very cubin those tests ask for, a cache hit for them."""
+    out: dict[str, set[tuple]] = {}
+    for problem in {FAM.name: DEFAULT_PROBLEMS, MMA.name: MMA_PROBLEMS, SM90.name: SM90_PROBLEMS}.get(fam.name, ()):
+        if fam.supports(gpu, problem) is None:
+            for params in [fam.default(gpu, problem)] if fam is FAM else fam.seeds(gpu, problem):
+                out.setdefault(params_key(params), set()).add((problem.head_dim, problem.dtype, problem.mask))
+    return out
+
+
 def _sweep(fam) -> list:
     """One (gpu, params, problem) per point that is valid for some variant on that gpu."""
     cases = []
@@ -49,6 +73,7 @@ def _sweep(fam) -> list:
             continue  # e.g. the Hopper family on an A100
         valid = {v: {params_key(p) for p in fam.valid_points(gpu, v)} for v in variants}
         used = dict.fromkeys(variants, 0)
+        seeded = _seeded(fam, gpu)
         for i, point in enumerate(fam.points()):
             if any(point[name] != fam.space[name][0] for name in fam.launch_params):
                 continue   # the same cubin as the point with the first value there
@@ -58,9 +83,15 @@ def _sweep(fam) -> list:
                 continue
             # round robin, balanced: the least-used variant this point is valid for (rarer d=128
             # points thus go to the d=128 variants), then the one fewest points fit (fp8 at d=256
-            # takes 4 of the points bf16 takes), ties broken by rotating the start
+            # takes 4 of the points bf16 takes), ties broken by rotating the start; a default or seed
+            # of the tests below takes its own problem's variant
             rot = variants[i % len(variants):] + variants[: i % len(variants)]
-            problem = min((v for v in rot if v in ok), key=lambda v: (used[v], len(valid[v])))
+            # (once each variant it may take has its share: test_sweep_covers_the_space's count)
+            pick = [v for v in rot if v in ok]
+            if all(used[v] >= min(2, max(1, len(valid[v]) // 8)) for v in pick):
+                own = [v for v in pick if (v.head_dim, v.dtype, v.mask) in seeded.get(key, ())]
+                pick = own or pick
+            problem = min(pick, key=lambda v: (used[v], len(valid[v])))
             used[problem] += 1
             pid = "-".join(f"{k}{v}" for k, v in point.items())
             vid = f"d{problem.head_dim}-{problem.dtype}-{MASK_KEYS[problem.mask]}"
@@ -119,10 +150,6 @@ def test_every_valid_point_compiles(fam, gpu, params, problem):
         assert parse_ptxas(ck.log).static_smem == from_cubin.static_smem
 
 
-DEFAULT_PROBLEMS = list(GPT2_FP32) + [Problem(4, 16, 2048, 2048, 128, "fp32", True),
-                                      Problem(4, 16, 2048, 2048, 128, "bf16", False)]
-
-
 @pytest.mark.parametrize("gpu", GPUS, ids=lambda g: g.arch)
 @pytest.mark.parametrize("problem", DEFAULT_PROBLEMS, ids=lambda p: p.key)
 def test_default_config_does_not_spill(gpu, problem):
@@ -138,12 +165,6 @@ def test_default_config_does_not_spill(gpu, problem):
     assert from_cubin is not None
     assert (from_cubin.spill_bytes, from_cubin.stack_bytes) == (0, 0)
     assert from_cubin.registers == ck.resources.registers
-
-
-MMA = get_family("flash_fwd_mma")
-MMA_PROBLEMS = [Problem(4, 16, 2048, 2048, d, dt, c) for d in (64, 128) for dt in ("fp16", "bf16") for c in (False, True)]
-MMA_PROBLEMS += [Problem(4, 16, 2048, 2048, d, "fp32", c, max_error=e) for d in (64, 128) for c in (False, True)
-                 for e in (2e-3, 2e-2)]  # tf32 seeds only, then tf32 and bf16
 
 
 @pytest.mark.parametrize("gpu", GPUS, ids=lambda g: g.arch)
@@ -205,11 +226,6 @@ def test_mma_sm90a_sass_uses_tensor_cores():
     assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), "local memory (spills) in SASS"
 
 
-SM90 = get_family("flash_fwd_sm90")
-
-
-SEED_RESOURCES = script("seed_resources")   # the one home of the sm90 seed problems and of their resource record
-SM90_PROBLEMS = SEED_RESOURCES.problems()
 SM90_RECORD = Path(__file__).parent / "fixtures" / "sm90_seed_resources.json"
 
 
