@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import optuna
+import pytest
 
 from tuner.db import queries
 from tuner.db.engine import make_engine, session_factory
@@ -48,6 +49,7 @@ def _replay(tmp: Path) -> str:
     return url
 
 
+@pytest.mark.long
 def test_three_searches_on_one_db(tmp_path):
     replay = _replay(tmp_path)
     db = tmp_path / "shared.db"
