@@ -1,15 +1,9 @@
 """Shared test setup: the `gpu` marker's skip hook (GPU tests skip with a reason where no CUDA GPU
-is visible), one cubin cache for the whole session, the long tests first and the compile sweep's
-cubins filled in the background while they wait."""
+is visible) and one cubin cache for the whole session."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-import subprocess
-import sys
-import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -28,10 +22,6 @@ def _no_gpu_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # xdist hands tests out in this order: the long ones first, so that no worker ends on one while
-    # the other idles, and so that their waits come while the compile sweep still has work for
-    # the background compile below
-    items.sort(key=lambda it: it.get_closest_marker("long") is None)
     gpu_items = [it for it in items if it.get_closest_marker("gpu")]
     if not gpu_items:
         return
@@ -101,49 +91,3 @@ def pg_cluster():
 @pytest.fixture
 def pg_url(pg_cluster) -> str:
     return pg_cluster.create_database()
-
-
-# ---- the compile sweep's cubins, filled while the long tests wait ----
-# Several long tests mostly wait on the processes they start and kill, leaving a core idle. One
-# process (the first xdist worker's) starts tests/cubin_warmer.py at the lowest CPU priority, which
-# compiles the sweep's points from its end into the shared cache; the sweep's tests, which run from
-# its start, then find those cubins there (each still checks its own). Under busy workers it gets
-# next to no CPU. Only for a run of many sweep points: a smaller run compiles its own.
-
-WARM_MIN_POINTS = 200
-
-
-@dataclasses.dataclass
-class _Warmer:
-    process: subprocess.Popen
-    points: Path
-
-
-_warmer: _Warmer | None = None
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    global _warmer
-    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
-        return
-    points = [it.callspec.params for it in session.items
-              if getattr(it, "originalname", "") == "test_every_valid_point_compiles"]
-    if len(points) < WARM_MIN_POINTS:
-        return
-    rows = [[p["fam"].name, p["gpu"].arch, p["params"], dataclasses.asdict(p["problem"])] for p in reversed(points)]
-    fd, path = tempfile.mkstemp(prefix="flashtune-sweep-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(rows, f)
-    script = Path(__file__).with_name("cubin_warmer.py")
-    process = subprocess.Popen([sys.executable, str(script), path, str(os.getpid())],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _warmer = _Warmer(process, Path(path))
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    global _warmer
-    if _warmer is not None:
-        _warmer.process.kill()   # mid-compile at worst: the cache writes each entry whole or not at all
-        _warmer.process.wait()
-        _warmer.points.unlink(missing_ok=True)
-        _warmer = None

@@ -49,7 +49,6 @@ def _stale_lookup(url: str, path: Path) -> None:
     write_lookup(doc, path)
 
 
-@pytest.mark.long
 def test_every_page_renders_by_its_url_in_chromium(tmp_path: Path) -> None:
     assert set(EXPECT) == {p.url_path for p in PAGES}
     url = fleet_db(tmp_path / "results.db")
@@ -75,7 +74,6 @@ def test_every_page_renders_by_its_url_in_chromium(tmp_path: Path) -> None:
                 assert 'value="' + "|".join(STUDY) + '"' in dom or "|".join(STUDY) in dom
 
 
-@pytest.mark.long
 def test_readme_screenshots_of_a_recorded_h100_database(tmp_path: Path) -> None:
     """benchmarks/dashboard_screenshots.py on a migrated copy of the recorded H100 sweep: the
     overview and the study page, as the README shows them."""

@@ -74,7 +74,6 @@ def _facts(url: str) -> dict:
     return facts
 
 
-@pytest.mark.long
 def test_four_workers_twenty_jobs(pg_url, tmp_path):
     problems = recording(tmp_path / "rec.db", 20)
     _submit(pg_url, problems, trials=6)
@@ -125,7 +124,6 @@ def _holds_a_job(url: str, pid: int) -> bool:
         engine.dispose()
 
 
-@pytest.mark.long
 def test_kill_9_at_random_moments_leaves_nothing_stuck(pg_url, tmp_path):
     rec = tmp_path / "rec.db"
     problems = recording(rec, 20)

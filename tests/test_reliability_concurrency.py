@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import optuna
-import pytest
 
 from tuner.db import queries
 from tuner.db.engine import make_engine, session_factory
@@ -49,7 +48,6 @@ def _replay(tmp: Path) -> str:
     return url
 
 
-@pytest.mark.long
 def test_three_searches_on_one_db(tmp_path):
     replay = _replay(tmp_path)
     db = tmp_path / "shared.db"

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import optuna
-import pytest
 
 from tuner.records import STATUSES
 
@@ -63,7 +62,6 @@ def _has(c: sqlite3.Connection, table: str) -> bool:
     return c.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (table,)).fetchone() is not None
 
 
-@pytest.mark.long
 def test_kill_at_random_moments_then_resume(tmp_path):
     shutil.copy(FIXTURE, tmp_path / "replay.db")  # never the committed file in place
     (tmp_path / "replay.db").chmod(0o644)
@@ -144,7 +142,6 @@ def test_a_signal_after_the_command_ended_is_ignored():
     assert r.stdout.splitlines()[-2:] == ["True", "still here"], r.stdout
 
 
-@pytest.mark.long
 def test_kill_9_leaves_no_trial_running_for_good(tmp_path):
     """SIGKILL gives the search no chance to tell its trial FAIL: the trial's heartbeat stops, and
     the next search of the study fails it once the grace period has passed (aged here)."""

@@ -283,7 +283,6 @@ def test_db_answer_reused_by_a_fresh_study(replay_db, tmp_path):
     assert sum(e.source == "database" for e in ev2) >= 1
 
 
-@pytest.mark.long
 def test_wrong_results_never_win(synthetic_db, tmp_path):
     replay_db = synthetic_db
     wrong = {k for k, r in replay_db.answers.items() if r["status"] == "wrong_result"}
@@ -305,7 +304,6 @@ def test_wrong_results_never_win(synthetic_db, tmp_path):
     assert params_key(b.params) not in wrong and b.tflops == result.best.tflops
 
 
-@pytest.mark.long
 def test_grid_visits_every_valid_point(replay_db, tmp_path):
     target = f"sqlite:///{tmp_path / 'results.db'}"
     valid = replay_db.answered_valid
@@ -327,7 +325,6 @@ def test_grid_visits_every_valid_point(replay_db, tmp_path):
     assert again.best.tflops == result.best.tflops
 
 
-@pytest.mark.long
 def test_grid_cut_short_goes_on_where_it_stopped(replay_db, tmp_path):
     target = f"sqlite:///{tmp_path / 'results.db'}"
     valid = replay_db.answered_valid

@@ -104,7 +104,6 @@ def test_replay_fixture_invalid_points_are_constraint_violations(tmp_path):
     assert {t.user_attrs["status"] for t in trials} <= {"ok", "invalid"}
 
 
-@pytest.mark.long
 def test_a_family_far_behind_is_dropped_after_its_starts(tmp_path):
     dropped = []
     runner = TableRunner({SIMT.name: 8.0, MMA.name: 100.0})
