@@ -64,6 +64,11 @@ def _seeded(fam, gpu) -> dict[str, set[tuple]]:
     return out
 
 
+def _share(valid_count: int) -> int:
+    """How many sweep points a variant compiles at least: twice, or once where few points fit it."""
+    return min(2, max(1, valid_count // 8))
+
+
 def _sweep(fam) -> list:
     """One (gpu, params, problem) per point that is valid for some variant on that gpu."""
     cases = []
@@ -86,9 +91,9 @@ def _sweep(fam) -> list:
             # takes 4 of the points bf16 takes), ties broken by rotating the start; a default or seed
             # of the tests below takes its own problem's variant
             rot = variants[i % len(variants):] + variants[: i % len(variants)]
-            # (once each variant it may take has its share: test_sweep_covers_the_space's count)
+            # (once each variant it may take has its _share)
             pick = [v for v in rot if v in ok]
-            if all(used[v] >= min(2, max(1, len(valid[v]) // 8)) for v in pick):
+            if all(used[v] >= _share(len(valid[v])) for v in pick):
                 own = [v for v in pick if (v.head_dim, v.dtype, v.mask) in seeded.get(key, ())]
                 pick = own or pick
             problem = min(pick, key=lambda v: (used[v], len(valid[v])))
@@ -123,8 +128,7 @@ def test_sweep_covers_the_space(fam):
                 assert {getattr(v, what) for v in used} == {getattr(v, what) for v in _variants(fam)}, (fam.name, what)
         else:
             for v in _variants(fam):  # twice each (six times per head dim and dtype), or a fair share (d=256)
-                want_n = min(2, max(1, len(fam.valid_points(gpu, v)) // 8))
-                assert used.count(v) >= want_n, (fam.name, gpu.arch, v.key, used.count(v))
+                assert used.count(v) >= _share(len(fam.valid_points(gpu, v))), (fam.name, gpu.arch, v.key, used.count(v))
         assert len(used) == len(swept)  # each point once per arch
 
 
