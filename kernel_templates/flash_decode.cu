@@ -34,7 +34,7 @@
 // last split's merge waits on the cluster's shared memory rather than on L2 round trips.
 //
 // VARLEN (common.cuh): packed sequences, each with its own queries (up to nq) and keys; the grid
-// is the longest sequence's row blocks, a sequence's extra ones exit at once.
+// has the longest sequence's row blocks for each, a sequence's extra ones exit at once.
 //
 // Set by the family spec as defines: BC WARPS STAGES MT HEAD_DIM D_VALID PANEL_COLS IN_DTYPE IS_CAUSAL MASK_BR PAGED
 // KV_TMA (VARLEN) (MERGE_CLUSTER).
@@ -131,14 +131,20 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int hkv = heads / kv_group;
-  const int b = blockIdx.x / hkv, hk = blockIdx.x % hkv;
+  // x is (sequence, K/V head, row block) with the row blocks fastest: the CTAs that read the same
+  // K/V for different rows are launched together, so all but the first find it in L2. With the row
+  // blocks on y, a batch past one wave read each K/V head once from memory per row block.
+  // nq: the longest sequence's (VARLEN), at least one row block as the host sizes the grid
+  const int row_blocks = max(1, (kv_group * nq + ROWS - 1) / ROWS);
+  const int bh = blockIdx.x / row_blocks;
+  const int b = bh / hkv, hk = bh % hkv;
   const int split = blockIdx.z, splits = gridDim.z;
   // the sequence's queries and keys: the batch's, or (VARLEN) its packed sequence's, whose row
   // blocks past its queries do nothing (every split of them alike: no merge is owed)
   const Sequence seq = FT_SEQUENCE(b);
   const int nq_b = seq.nq;
   const int packed = kv_group * nq_b;               // query rows that share this K/V head
-  const int r0 = blockIdx.y * ROWS;                 // this CTA's first packed row
+  const int r0 = blockIdx.x % row_blocks * ROWS;    // this CTA's first packed row
   if (VARLEN && r0 >= packed) return;
   const int nk_b = VARLEN ? seq.nk : (seqused_k != nullptr ? min(seqused_k[b], nk) : nk);
   const int shift = MASK_BR ? nk_b - nq_b : 0;      // the diagonal: key j <= query + shift
@@ -385,7 +391,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
 
   // ---- this split's rows: O / l and the LSE, final where there is one split ----
   const long long bhq0 = static_cast<long long>(b) * heads * nq;   // (b, 0, 0) in the (B, H, Nq) rows
-  const long long all_rows = static_cast<long long>(gridDim.x / hkv) * heads * nq;
+  const long long all_rows = static_cast<long long>(gridDim.x / row_blocks / hkv) * heads * nq;
   // where a row's O and LSE go: (B, H, Nq), or (VARLEN) its packed row and the (H, total_q) LSE;
   // the splits' workspace keeps the (B, H, Nq) rows of the longest sequence either way
 #if VARLEN
@@ -472,7 +478,7 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
   // ---- the last split of this (sequence, K/V head, row block) to arrive merges all of them ----
   __threadfence();   // this split's partials are visible device-wide before it counts itself in
   __syncthreads();
-  int* arrival = arrivals + blockIdx.x * gridDim.y + blockIdx.y;
+  int* arrival = arrivals + blockIdx.x;
   if (tid == 0) {
     const int before = atomicAdd(arrival, 1);
     last_flag = before == splits - 1;

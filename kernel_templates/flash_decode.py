@@ -276,9 +276,11 @@ class FlashDecode(KernelFamily):
         return self.split_launch(params, problem, self.splits(params, problem, gpu))
 
     def split_launch(self, params: dict, problem: Problem, splits: int) -> Launch:
-        """The launch with the keys split `splits` ways: a CTA per (sequence, K/V head, row block, split)."""
+        """The launch with the keys split `splits` ways: a CTA per (sequence, K/V head, row block) on
+        x, row blocks fastest (the kernel derives their count from the longest sequence's queries),
+        and a split on z."""
         return Launch(
-            grid=(problem.batch * problem.kv_heads, row_blocks(params, problem), splits),
+            grid=(problem.batch * problem.kv_heads * row_blocks(params, problem), 1, splits),
             block=(params["warps"] * 32, 1, 1),
             smem_bytes=self.smem_bytes(params, problem),
         )

@@ -96,7 +96,8 @@ def test_packed_rows_decide_the_row_tiles():
     p = Problem(2, 32, 16, 4096, 128, "bf16", "causal_br", 8)   # 4 x 16 = 64 rows: 2 CTAs of 32
     params = two_tiles
     assert FAM.check(params, H100_SXM, p) is None
-    assert FAM.launch(params, p, H100_SXM).grid[1] == 2
+    # a CTA per (sequence, K/V head, row block) on x, the row blocks of one K/V head side by side
+    assert FAM.launch(params, p, H100_SXM).grid == (2 * 8 * 2, 1, FAM.splits(params, p, H100_SXM))
 
 
 def test_paged_variant_differs_in_its_defines_alone():
