@@ -227,6 +227,32 @@ def test_a_huge_call_prefers_its_own_gpu_s_large_neighbour_to_another_gpu_s_huge
     assert e["params"] == FAST and e["gpu_key"] == H100_SXM.key
 
 
+def test_a_call_that_fills_the_gpu_runs_the_default_before_a_config_tuned_on_few_heads(tmp_path):
+    """A config of the smallest work class (B1 x 12 heads: persistent, keys split) was chosen where
+    query blocks leave SMs idle; a call of a larger class over DEFAULT_KEYS keys runs flash_fwd_sm90's
+    default instead (the served form of it), while the small class itself, short rows of keys, and
+    entries borrowed from the medium class keep the lookup's."""
+    from tuner.dispatch import DEFAULT_KEYS
+
+    sm90 = FAMILIES["flash_fwd_sm90"]
+    few = Problem(1, 12, 1024, 32768, 64, "bf16", "causal_br")
+    tuned = dict(sm90.default(H100_SXM, few), persistent=1, split=40, stages=3, cwg=2)
+    assert tuned != sm90.default(H100_SXM, few) and few.bucket().work == "small"
+    d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 380.0, problem=few, family=sm90.name)]))
+    served = lambda p: d.serving_entry(p, H100_SXM)
+    wide = replace(few, batch=2, heads=25, kv_heads=25, seqlen_q=3665, seqlen_k=23192)
+    assert wide.bucket().work == "medium" and wide.seqlen_k >= DEFAULT_KEYS
+    default = sm90.served_form(sm90.default(H100_SXM, wide), H100_SXM, wide)
+    assert (served(wide)["family"], served(wide)["params"]) == (default[0].name, default[1])
+    assert served(few)["params"] == tuned                                        # its own bucket
+    short = replace(wide, seqlen_q=900, seqlen_k=DEFAULT_KEYS - 1)   # short rows of keys
+    near = d.select(short, H100_SXM)
+    assert near is not None and near["bucket"] == few.bucket().key
+    medium = replace(few, batch=2, heads=16, kv_heads=16)   # tuned one class up: borrowed as before
+    d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 380.0, problem=medium, family=sm90.name)]))
+    assert d.select(replace(medium, batch=16), H100_SXM)["bucket"] == medium.bucket().key
+
+
 def test_select_keeps_error_budgets_apart(tmp_path):
     """A config tuned under a widened budget (fp32 at tf32/bf16 precision) serves only calls that
     allow that error; the default-budget config serves the rest; the lookup file round-trips it."""
