@@ -181,11 +181,16 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
     fa4bench) # the issue-22 figure: the standard grid (d=64/128/256) and the model shapes, served from the
               # shipped lookup of this GPU (FA4_LOOKUP: another), against SDPA flash, SDPA cuDNN and
               # FlashAttention-4 in the same run; FA4_WHAT narrows it ("bf16 fp16 models"); FA4_SHAPES (--shape
-              # arguments, in FA4_DTYPE, default bf16) benches just those, as "shapes" ($OUT/fa4-shapes-<dtype>.json)
+              # arguments, in FA4_DTYPE, default bf16) benches just those, as "shapes" ($OUT/fa4-shapes-<dtype>.json);
+              # FA4_RANDOM=SEED[:COUNT] benches random_shapes.py's draws so
           lookup=${FA4_LOOKUP:-tuner/lookups/$(python3 -c 'from tuner.gpu import detect; print(detect().key.replace("/", "_"))').json}
           shapes() {   # the standard grid of dtype $1, as --shape arguments
             python3 -c "import sys; from tuner.problem import standard_grid as g; print(' '.join(f'--shape {p.batch},{p.heads},{p.seqlen_q},{p.head_dim}' + (',causal' if p.causal else '') for p in g(sys.argv[1])))" "$1"; }
           models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
+          # FA4_RANDOM=SEED[:COUNT]: benchmarks/random_shapes.py's draws (model shapes nobody tuned) as FA4_SHAPES
+          [ -n "$FA4_RANDOM" ] && FA4_SHAPES=$(python3 benchmarks/random_shapes.py --seed "${FA4_RANDOM%%:*}" \
+            --count "$([ "${FA4_RANDOM#*:}" != "$FA4_RANDOM" ] && echo "${FA4_RANDOM#*:}" || echo 32)") \
+            && echo "FA4_RANDOM=$FA4_RANDOM: $FA4_SHAPES" >> "$OUT/fa4.log"
           whats=("bf16:$(shapes bf16)" "fp16:$(shapes fp16)" "models:$models"); [ -n "$FA4_SHAPES" ] && whats=("shapes:$FA4_SHAPES")
           for what in "${whats[@]}"; do
             name=${what%%:*}; args=${what#*:}

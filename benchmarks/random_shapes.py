@@ -5,7 +5,7 @@ the grid's.
 
     python3 benchmarks/random_shapes.py [--count 24] [--seed 0] [--kind prompt,chunk,cross,decode]
     # prints: --shape B,H:KVH,NQ:NK,D,MASK ... (one draw per --shape)
-    FA4_DTYPE=bf16 FA4_SHAPES="$(python3 benchmarks/random_shapes.py --seed 7)" bash benchmarks/gpu_session.sh fa4bench
+    FA4_DTYPE=bf16 FA4_RANDOM=7:32 bash benchmarks/gpu_session.sh fa4bench   # --seed 7 --count 32, with the peers
 
 A draw takes one attention layer of tuner/models.py's table (its heads, K/V heads and head dim),
 three times in four an LLM's, which is sharded over 1-8 GPUs by tensor parallelism where its heads
