@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|varlen|varlen-ship|fa4bench|ab|sweep|profile|profile-fa4|power|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|varlen|varlen-ship|fa4bench|alternatives|ab|sweep|profile|profile-fa4|power|all]...
 # `tests` runs `pytest -m gpu` as eight processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -200,6 +200,10 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
               --peer sdpa_flash --peer sdpa_cudnn --peer fa4 --json "$OUT/fa4-$name$([ "$name" = shapes ] && echo "-$dt").json" 2>&1 \
               | grep -v -E "UserWarning|warnings.warn" | grep -E "^(│|┃|--peer)" | tee -a "$OUT/fa4.log"
           done ;;&
+    alternatives) # what attention serves beside the kernels it could serve instead, FA4 in the same turns (where
+          # brought): ALT_ARGS, benchmarks/served_alternatives.py's arguments (default: --random 1:24)
+          timeout ${ALT_TIMEOUT:-500} python3 benchmarks/served_alternatives.py ${ALT_ARGS:---random 1:24} \
+            --json "$OUT/alternatives.json" 2>&1 | grep -v -i warn | tee -a "$OUT/alternatives.log" ;;&
     sweep) # every valid flash_fwd_sm90 point of SWEEP_SHAPES (bf16), one database: replay fixtures for sampler
           # studies. SWEEP_DB (a sweep.db.gz an earlier call brought back, carried) is continued: a grid
           # search resumes where it stopped. The database goes to $OUT every 45 s (a consistent copy, sqlite3's

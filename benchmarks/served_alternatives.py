@@ -1,0 +1,126 @@
+"""What `tuner.attention` serves a shape beside what it could serve instead, timed in turns with the
+peers: the dispatcher's choice, flash_fwd_sm90's default and flash_fwd_sm90_split's (each in the form
+a call runs it, whether or not a rule would pick it), and the lookup's next tuned candidates in order
+of distance. For weighing a dispatch rule on shapes nobody tuned before changing it (PERF_NOTES
+"r1-r3": configs borrowed from B1 buckets against the default).
+
+    python3 benchmarks/served_alternatives.py [--dtype bf16] [--near 3] [--octaves 3] [--json OUT] SHAPE...
+    python3 benchmarks/served_alternatives.py --random SEED[:COUNT] [--kind prompt,chunk,cross]
+
+SHAPE is `tuner bench --shape`'s (B,H[:KVH],NQ[:NK],D[,MASK]); --random draws them with
+random_shapes.py (decode steps are flash_decode's and not weighed here unless asked for by --kind).
+Every entry is checked against float64 before it is timed (tuner.measure); FA4 is timed where installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # random_shapes, beside this script
+
+PEERS = ("sdpa_cudnn", "sdpa_flash", "fa4")
+
+
+def alternatives(dispatcher, problem, gpu, near: int = 3, octaves: float = 3.0) -> dict[str, tuple[str, dict]]:
+    """name -> (family, params) of each kernel that could serve `problem`, in the form a call runs
+    it, each once: "served" (absent where SDPA serves), "default", "split" (where its occupancy splits
+    the keys), then "near<i>@<octaves>" for the next `near` tuned kernel candidates within `octaves`."""
+    from tuner.dispatch import _served_form, _split_default
+    from tuner.kernel_templates import FAMILIES
+
+    out: dict[str, tuple[str, dict]] = {}
+
+    def add(name: str, entry: dict | None) -> None:
+        if entry is None or entry["family"] not in FAMILIES:
+            return
+        form = _served_form(entry, problem, gpu)
+        key = (form["family"], form["params"])
+        if key not in out.values():
+            out[name] = key
+
+    add("served", dispatcher.serving_entry(problem, gpu))
+    sm90 = FAMILIES.get("flash_fwd_sm90")
+    if sm90 is not None and sm90.supports(gpu, problem) is None:
+        add("default", {"family": sm90.name, "params": sm90.default(gpu, problem)})
+    add("split", _split_default(problem, gpu))
+    taken = 0
+    for dist, entry in dispatcher.candidates(problem, gpu, octaves):
+        if taken == near:
+            break
+        before = len(out)
+        add(f"near{taken + 1}@{dist:g}", entry)
+        taken += len(out) > before
+    return out
+
+
+def shapes_of(args) -> list[str]:
+    if not args.random:
+        return args.shapes
+    import random_shapes
+
+    seed, _, count = args.random.partition(":")
+    rng = random.Random(int(seed))
+    kinds = tuple(args.kind.split(","))
+    return list(dict.fromkeys(random_shapes.draw(rng, kinds) for _ in range(int(count or 24))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shapes", nargs="*")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--near", type=int, default=3)
+    ap.add_argument("--octaves", type=float, default=3.0)
+    ap.add_argument("--random", default="", metavar="SEED[:COUNT]")
+    ap.add_argument("--kind", default="prompt,chunk,cross")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    if not args.shapes and not args.random:
+        ap.error("give shapes, or --random SEED[:COUNT]")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("served_alternatives needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    from concurrent.futures import ThreadPoolExecutor
+
+    import cuda.core  # noqa: F401  (imported here, before the compile threads would each import it)
+
+    from tuner import dispatch
+    from tuner.compile import compile_kernel
+    from tuner.gpu import detect
+    from tuner.kernel_templates import FAMILIES
+    from tuner.measure import measure_prepared, prepare_kernel, prepare_peer
+    from tuner.peers import fa4_missing
+    from tuner.problem import Problem
+    from tuner.timing import Timer
+
+    gpu, d, rows = detect(), dispatch.default(), []
+    peers = [p for p in PEERS if p != "fa4" or fa4_missing() is None]
+    for text in shapes_of(args):
+        p = Problem.parse(text, args.dtype)
+        alts = alternatives(d, p, gpu, args.near, args.octaves)
+        with ThreadPoolExecutor(8) as pool:   # NVRTC runs outside the GIL
+            cubins = dict(zip(alts, pool.map(lambda fp: compile_kernel(FAMILIES[fp[0]], fp[1], p, gpu.arch), alts.values())))
+        prepared = {b: prepare_peer(b, p, 0) for b in peers}
+        for name, (fam, params) in alts.items():
+            prepared[name] = prepare_kernel(FAMILIES[fam], params, p, cubins[name], 0, gpu)
+        timed = measure_prepared(prepared, p, Timer(gpu.l2_bytes, target_seconds=0.2), rounds=4)
+        row = {"shape": text, "dtype": args.dtype, "alternatives": {k: [f, v] for k, (f, v) in alts.items()},
+               "tflops": {k: m.tflops if m.ok else None for k, m in timed.items()}}
+        rows.append(row)
+        print(f"{p.key}: " + "  ".join(f"{k} {v:.1f}" if v else f"{k} -" for k, v in row["tflops"].items()), flush=True)
+        for name, (fam, params) in alts.items():
+            print(f"    {name}: {fam} {json.dumps(params, sort_keys=True)}")
+        if args.json:   # after every shape: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(dict(gpu=gpu.name, rows=rows), indent=1))
+        del prepared
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""benchmarks/served_alternatives.py's offline part: the kernels it would time for a shape, from the
+shipped H200 lookup, each in the form a call runs it and each once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from benchmark_scripts import script
+from dashboard_dbs import H200
+
+from tuner.dispatch import Dispatcher
+from tuner.export import SHIPPED_DIR
+from tuner.kernel_templates import FAMILIES
+from tuner.problem import Problem
+
+alt = script("served_alternatives")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return Dispatcher(SHIPPED_DIR / "NVIDIA-H200_sm_90.json")
+
+
+def test_a_borrowed_call_lists_what_is_served_the_defaults_and_the_nearer_candidates(shipped):
+    p = Problem.parse("8,6:6,1415:1415,64,none", "bf16")   # a medium call, its nearest bucket B1's
+    alts = alt.alternatives(shipped, p, H200, near=3, octaves=3.0)
+    assert "served" in alts and "default" not in alts   # the default serves it: listed once, as served
+    assert [k.split("@")[0] for k in alts if k.startswith("near")] == ["near1", "near2", "near3"]
+    assert len({json.dumps(v, sort_keys=True) for v in alts.values()}) == len(alts)
+    for fam, params in alts.values():
+        assert FAMILIES[fam].check(params, H200, p) is None, (fam, params)
+
+
+def test_a_call_sdpa_serves_still_lists_the_kernels_it_could_run(shipped):
+    p = Problem.parse("2,8:2,743:8133,128,none", "fp16")   # 96 query blocks: under a wave, SDPA serves it
+    assert shipped.serving_entry(p, H200) is None
+    alts = alt.alternatives(shipped, p, H200)
+    assert "served" not in alts and alts["default"][0] == "flash_fwd_sm90"
+
+
+def test_random_shapes_are_drawn_as_random_shapes_py_draws_them():
+    class Args:
+        random, kind, shapes = "4:6", "prompt,chunk", []
+
+    shapes = alt.shapes_of(Args)
+    assert 1 <= len(shapes) <= 6
+    assert all(p.seqlen_q > 16 or p.seqlen_q == p.seqlen_k for p in (Problem.parse(s, "bf16") for s in shapes))
+    assert alt.shapes_of(Args) == shapes
