@@ -227,11 +227,12 @@ def test_a_huge_call_prefers_its_own_gpu_s_large_neighbour_to_another_gpu_s_huge
     assert e["params"] == FAST and e["gpu_key"] == H100_SXM.key
 
 
-def test_a_call_that_fills_the_gpu_runs_the_default_before_a_config_tuned_on_few_heads(tmp_path):
+def test_a_call_that_fills_the_gpu_passes_over_configs_tuned_on_few_heads(tmp_path):
     """A config of the smallest work class (B1 x 12 heads: persistent, keys split) was chosen where
-    query blocks leave SMs idle; a call of a larger class over DEFAULT_KEYS keys runs flash_fwd_sm90's
-    default instead (the served form of it), while the small class itself, short rows of keys, and
-    entries borrowed from the medium class keep the lookup's."""
+    query blocks leave SMs idle; a call of a larger class over DEFAULT_KEYS keys runs the nearest
+    entry of a larger class instead, else flash_fwd_sm90's default (the served form of it), while
+    the small class itself, short rows of keys, and entries borrowed from the medium class keep the
+    lookup's."""
     from tuner.dispatch import DEFAULT_KEYS
 
     sm90 = FAMILIES["flash_fwd_sm90"]
@@ -251,6 +252,15 @@ def test_a_call_that_fills_the_gpu_runs_the_default_before_a_config_tuned_on_few
     medium = replace(few, batch=2, heads=16, kv_heads=16)   # tuned one class up: borrowed as before
     d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 380.0, problem=medium, family=sm90.name)]))
     assert d.select(replace(medium, batch=16), H100_SXM)["bucket"] == medium.bucket().key
+    # with both near: the small class's entry is nearer, the medium one's serves
+    near_few = replace(wide, batch=1, heads=12, kv_heads=12)
+    farther = replace(wide, seqlen_q=1024)
+    other = dict(tuned, stages=2)
+    d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 380.0, problem=near_few, family=sm90.name),
+                                          entry(other, 300.0, problem=farther, family=sm90.name, mid=2)]))
+    order = [(dist, e["bucket"]) for dist, e in d.candidates(wide, H100_SXM)]
+    assert [b for _, b in order] == [near_few.bucket().key, farther.bucket().key] and order[0][0] < order[1][0]
+    assert served(wide) is not None and d.serving_entry(wide, H100_SXM)["params"] == other
 
 
 def test_select_keeps_error_budgets_apart(tmp_path):

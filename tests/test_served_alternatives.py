@@ -25,8 +25,9 @@ def shipped():
 def test_a_borrowed_call_lists_what_is_served_the_defaults_and_the_nearer_candidates(shipped):
     p = Problem.parse("8,6:6,1415:1415,64,none", "bf16")   # a medium call, its nearest bucket B1's
     alts = alt.alternatives(shipped, p, H200, near=3, octaves=3.0)
-    assert "served" in alts and "default" not in alts   # the default serves it: listed once, as served
-    assert [k.split("@")[0] for k in alts if k.startswith("near")] == ["near1", "near2", "near3"]
+    assert list(alts)[:2] == ["served", "default"]   # a medium bucket's entry serves it, the default beside
+    nears = [k.split("@")[0] for k in alts if k.startswith("near")]
+    assert nears == [f"near{i + 1}" for i in range(len(nears))] and 1 <= len(nears) <= 3
     assert len({json.dumps(v, sort_keys=True) for v in alts.values()}) == len(alts)
     for fam, params in alts.values():
         assert FAMILIES[fam].check(params, H200, p) is None, (fam, params)

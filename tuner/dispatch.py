@@ -39,8 +39,8 @@ NEAREST_OCTAVES = 2.0
 # Past that, a prefill call whose work fills the GPU (a query block of FILL_ROWS rows per SM at
 # least) still borrows the nearest tuned bucket, at any distance (Dispatcher.select).
 FILL_ROWS = 128
-# Keys a call has at least where flash_fwd_sm90's default serves it before a config borrowed from the
-# smallest work class (_tuned_on_few_heads): the rows it was measured on in "r2" were 1415-27143 long.
+# Keys a call has at least where a config borrowed from the smallest work class gives way to a larger
+# class's or flash_fwd_sm90's default (_tuned_on_few_heads): "r2"'s rows were 1415-27143 keys long.
 DEFAULT_KEYS = 1024
 # A measured SDPA backend serves by torch's Python path (the backend pinned, SDPA's own checks, an
 # LSE buffer), some 30-40 µs of host time a call where our kernels launch from C++; a call shorter
@@ -201,16 +201,17 @@ class Dispatcher:
         that of the nearest tuned bucket of the same GPU, dtype, head dim, mask and error budget
         (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away; past
         that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`). A
-        call that fills the GPU runs flash_fwd_sm90's default rather than a config borrowed from
-        the smallest work class (`_tuned_on_few_heads`).
+        call that fills the GPU passes over entries borrowed from the smallest work class
+        (`_tuned_on_few_heads`) to the nearest of a larger one, else flash_fwd_sm90's default.
         An entry that gives way at this call (KernelFamily.gives_way) serves its bucket's entry
         of the family it names instead."""
         near = next((e for _, e in self.candidates(problem, gpu)), None)
         if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
             near = next((e for _, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
-        if near is not None and _tuned_on_few_heads(near, problem):
-            near = _prefill_default(problem, gpu) or near
+        if near is not None and fills_gpu(problem, gpu) and _tuned_on_few_heads(near, problem):
+            near = next((e for _, e in self.candidates(problem, gpu) if not _tuned_on_few_heads(e, problem)), None) \
+                or _prefill_default(problem, gpu) or near
         return near and _served_form(self._split_where_idle(self._given_way(near, problem, gpu), problem, gpu), problem, gpu)
 
     def _given_way(self, entry: dict, problem: Problem, gpu) -> dict:
@@ -598,13 +599,14 @@ def _split_default(problem: Problem, gpu) -> dict | None:
 
 def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
     """Whether `entry` is borrowed from a bucket of the smallest work class (batch x heads under 32)
-    by a call of a larger one over DEFAULT_KEYS keys or more. A search there weighs configs for a GPU its query blocks leave
-    partly idle (persistent schedules, pairs, split keys) and keeps what wins at that; on a call
-    that fills the GPU flash_fwd_sm90's default measured 1.08-1.31x those borrowed configs on all
-    four such random shapes of the H200 (d=64 and 256, full and bottom-right causal; PERF_NOTES
-    "r2"), where a config borrowed one class down from medium read 0.98-1.08x of the default.
-    Short rows of keys keep the borrowed config: its tile was fitted to them (cross-attention on 77
-    text tokens tuned Bc 80 where the default has 128), the default to swept rows of 4k-16k."""
+    by a call of a larger one over DEFAULT_KEYS keys or more. A search there weighs configs for a
+    GPU its query blocks leave partly idle (persistent schedules, pairs, split keys) and keeps what
+    wins at that. On calls that fill the GPU (random shapes of the H200, PERF_NOTES "r1-r3") such
+    configs read 0.77-0.92x flash_fwd_sm90's default on all four d=64 and d=256 shapes timed (full
+    and bottom-right causal), while configs borrowed from the medium class read 0.98-1.08x of it
+    (1.06-1.08x for a d=64 N~1.5k call at B8, two octaves away). Short rows of keys keep the
+    borrowed config: its tile was fitted to them (cross-attention on 77 text tokens tuned Bc 80
+    where the default has 128), the default to swept rows of 4k-16k."""
     smallest = WORK_CLASSES[0][0]
     try:
         tuned = Bucket.from_key(entry.get("bucket", ""))
