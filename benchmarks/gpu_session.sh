@@ -188,9 +188,11 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
             python3 -c "import sys; from tuner.problem import standard_grid as g; print(' '.join(f'--shape {p.batch},{p.heads},{p.seqlen_q},{p.head_dim}' + (',causal' if p.causal else '') for p in g(sys.argv[1])))" "$1"; }
           models=$(python3 -c "from tuner.models import MODELS; print(' '.join('--model ' + m for m in MODELS))")
           # FA4_RANDOM=SEED[:COUNT]: benchmarks/random_shapes.py's draws (model shapes nobody tuned) as FA4_SHAPES
-          [ -n "$FA4_RANDOM" ] && FA4_SHAPES=$(python3 benchmarks/random_shapes.py --seed "${FA4_RANDOM%%:*}" \
-            --count "$([ "${FA4_RANDOM#*:}" != "$FA4_RANDOM" ] && echo "${FA4_RANDOM#*:}" || echo 32)") \
-            && echo "FA4_RANDOM=$FA4_RANDOM: $FA4_SHAPES" >> "$OUT/fa4.log"
+          if [ -n "$FA4_RANDOM" ]; then
+            IFS=: read -r seed count <<< "$FA4_RANDOM"
+            FA4_SHAPES=$(python3 benchmarks/random_shapes.py --seed "$seed" --count "${count:-32}") \
+              && echo "FA4_RANDOM=$FA4_RANDOM: $FA4_SHAPES" >> "$OUT/fa4.log"
+          fi
           whats=("bf16:$(shapes bf16)" "fp16:$(shapes fp16)" "models:$models"); [ -n "$FA4_SHAPES" ] && whats=("shapes:$FA4_SHAPES")
           for what in "${whats[@]}"; do
             name=${what%%:*}; args=${what#*:}

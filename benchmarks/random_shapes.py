@@ -28,7 +28,7 @@ FLOP_CAP = 2e12
 KV_BYTES_CAP = 8 << 30
 
 
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
     return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
 
@@ -45,15 +45,15 @@ def draw(rng: random.Random, kinds: tuple[str, ...] = KINDS) -> str:
         heads, kv = heads // g, kv // g
         kind = rng.choice(kinds)
         if kind == "prompt":
-            nq = nk = _log_uniform(rng, 200, 32768)
+            nq = nk = log_uniform(rng, 200, 32768)
             mask = rng.choice(["causal", "causal", "none"])
         elif kind == "chunk":
-            nq = _log_uniform(rng, 128, 4096)
-            nk, mask = nq + _log_uniform(rng, 512, 32768), "causal_br"
+            nq = log_uniform(rng, 128, 4096)
+            nk, mask = nq + log_uniform(rng, 512, 32768), "causal_br"
         elif kind == "cross":
-            nq, nk, mask = _log_uniform(rng, 64, 8192), _log_uniform(rng, 64, 8192), "none"
+            nq, nk, mask = log_uniform(rng, 64, 8192), log_uniform(rng, 64, 8192), "none"
         else:
-            nq, nk, mask = rng.choice([1, 1, 2, 4, 8, 16]), _log_uniform(rng, 1024, 65536), "causal_br"
+            nq, nk, mask = rng.choice([1, 1, 2, 4, 8, 16]), log_uniform(rng, 1024, 65536), "causal_br"
         batches = [1, 2, 4, 8, 16, 32, 64, 128] if nq <= 16 else [1, 1, 2, 4, 8, 16]
     else:   # the model's own lengths (an image, audio)
         nq, nk, mask = layer.seqlen_q, layer.seqlen_k or layer.seqlen_q, layer.mask
@@ -62,6 +62,12 @@ def draw(rng: random.Random, kinds: tuple[str, ...] = KINDS) -> str:
                          or 4 * batch * kv * nk * layer.head_dim > KV_BYTES_CAP):
         batch //= 2
     return f"{batch},{heads}:{kv},{nq}:{nk},{layer.head_dim},{mask}"
+
+
+def draws(seed: int, count: int, kinds: tuple[str, ...] = KINDS) -> list[str]:
+    """`count` draws of seed `seed`, each shape once, in the order drawn."""
+    rng = random.Random(seed)
+    return list(dict.fromkeys(draw(rng, kinds) for _ in range(count)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if not kinds or any(k not in KINDS for k in kinds):
         print(f"--kind takes {', '.join(KINDS)}, not {args.kind!r}", file=sys.stderr)
         return 2
-    rng = random.Random(args.seed)
-    shapes = list(dict.fromkeys(draw(rng, kinds) for _ in range(args.count)))
-    print(" ".join(f"--shape {s}" for s in shapes))
+    print(" ".join(f"--shape {s}" for s in draws(args.seed, args.count, kinds)))
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -63,9 +62,7 @@ def shapes_of(args) -> list[str]:
     import random_shapes
 
     seed, _, count = args.random.partition(":")
-    rng = random.Random(int(seed))
-    kinds = tuple(args.kind.split(","))
-    return list(dict.fromkeys(random_shapes.draw(rng, kinds) for _ in range(int(count or 24))))
+    return random_shapes.draws(int(seed), int(count or 24), tuple(args.kind.split(",")))
 
 
 def main(argv: list[str] | None = None) -> int:

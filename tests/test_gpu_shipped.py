@@ -17,6 +17,7 @@ import random
 import warnings
 
 import pytest
+from benchmark_scripts import script
 from cuda_graphs import capture
 from test_gpu_decode import _cache, _poison_past, check_cached_sequences
 from test_gpu_op import FLOOR, _errors, _inputs
@@ -25,6 +26,7 @@ from test_gpu_varlen import _batch, _check_sequences
 from tuner.problem import Problem
 
 pytestmark = pytest.mark.gpu
+_log_uniform = script("random_shapes").log_uniform   # one home for drawing lengths
 
 CASES = int(os.environ.get("FLASHTUNE_FUZZ_CASES", "24"))
 SEED = int(os.environ.get("FLASHTUNE_FUZZ_SEED", str(random.randrange(2**31))))
@@ -39,10 +41,6 @@ def shipped(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHTUNE_SHIPPED_LOOKUPS", "1")
     yield dispatch.reset(tmp_path / "none.json")
     dispatch.reset()
-
-
-def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
 
 
 def _draw(rng: random.Random) -> Problem:
