@@ -75,7 +75,7 @@ for step in $steps; do
                groups=("tests/test_gpu_op.py tests/test_tma.py tests/test_gpu_varlen.py" "$fam -k sm90" "$fam -k mma" "$fam -k simt"
                        "tests/test_gpu_kernel.py --deselect $fam --deselect $anyd" "$anyd"
                        "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py"
-                       "tests/test_gpu_shipped.py tests/test_gpu_tail.py tests/test_gpu_split_kv.py tests/test_gpu_pairs.py")
+                       "tests/test_gpu_shipped.py tests/test_gpu_tail.py tests/test_gpu_split_kv.py tests/test_gpu_pairs.py tests/test_gpu_packed_gqa.py")
                i=0; for g in "${groups[@]}"; do i=$((i + 1))
                  FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -q -rA \
                    ${PYTEST_K:+-k "$PYTEST_K"} $g > "$OUT/pytest_gpu_$i.log" 2>&1 &

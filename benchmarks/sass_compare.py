@@ -1,7 +1,7 @@
 """flash_fwd_sm90's SASS under two kernel sources, compared instruction by instruction, without a
 GPU: a first look at what a change to the kernel moved, before benchmarks/ab_kernel.py times it.
 
-    python3 benchmarks/sass_compare.py --templates OLD_DIR [-j N] [--show N] [--json FILE]
+    python3 benchmarks/sass_compare.py --templates OLD_DIR [-j N] [--show N] [--json FILE] [--differing EARLIER]
 
 OLD_DIR holds the kernel sources to compare against (e.g. `git archive HEAD kernel_templates |
 tar -x -C /tmp/old` gives /tmp/old/kernel_templates); this checkout's family spec renders both. The
@@ -9,7 +9,8 @@ points are every seed on the compile-test problems (seed_resources.py) and every
 lookups (tuner/lookups/) serve, on its own problem. Per point it prints the instruction counts and
 whether the instruction streams are the same once registers, labels and immediates are renamed
 away (tuner.compile.sass_shape), ptxas's registers and spills on each side, and where the streams
-differ, the opcodes whose counts moved.
+differ, the opcodes whose counts moved. `--differing` takes an earlier run's --json and compares
+only the points that differed there (a change reworked until they are the same again).
 
 Why not ptxas's resources alone: in issue 20's first split every seed kept its registers, spills and
 shared memory, and two configs ran 4-10% slower on the H100, from integer address arithmetic that
@@ -96,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=2)
     ap.add_argument("--show", type=int, default=12, help="at most this many moved opcodes per point")
     ap.add_argument("--json")
+    ap.add_argument("--differing", help="an earlier run's --json: only its points that differed")
     a = ap.parse_args(argv)
     import multiprocessing as mp
 
     work = [(a.templates, *point) for point in points()]
+    if a.differing:
+        earlier = {(r["family"], r["problem"], json.dumps(r["params"], sort_keys=True))
+                   for r in json.loads(Path(a.differing).read_text()) if not r["same"]}
+        work = [w for w in work if (w[1], w[2].key, json.dumps(w[3], sort_keys=True)) in earlier]
     with ProcessPoolExecutor(a.jobs, mp_context=mp.get_context("spawn")) as pool:
         rows = list(pool.map(compare, work))
     for r in rows:

@@ -1,14 +1,15 @@
 """What `tuner.attention` serves a shape beside what it could serve instead, timed in turns with the
 peers: the dispatcher's choice, flash_fwd_sm90's default and flash_fwd_sm90_split's (each in the form
-a call runs it, whether or not a rule would pick it), and the lookup's next tuned candidates in order
-of distance. For weighing a dispatch rule on shapes nobody tuned before changing it (PERF_NOTES
+a call runs it, whether or not a rule would pick it), for a GQA call of few queries flash_fwd_sm90_gqa's
+default (packed rows) and, for a decode step, what served it before packing (flash_decode), and the
+lookup's next tuned candidates in order of distance. For weighing a dispatch rule on shapes nobody tuned before changing it (PERF_NOTES
 "r1-r3": configs borrowed from B1 buckets against the default).
 
     python3 benchmarks/served_alternatives.py [--dtype bf16] [--near 3] [--octaves 3] [--json OUT] SHAPE...
     python3 benchmarks/served_alternatives.py --random SEED[:COUNT] [--kind prompt,chunk,cross]
 
 SHAPE is `tuner bench --shape`'s (B,H[:KVH],NQ[:NK],D[,MASK]); --random draws them with
-random_shapes.py (decode steps are flash_decode's and not weighed here unless asked for by --kind).
+random_shapes.py (decode steps are weighed only where asked for by --kind).
 Every entry is checked against float64 before it is timed (tuner.measure); FA4 is timed where installed.
 """
 
@@ -27,9 +28,12 @@ PEERS = ("sdpa_cudnn", "sdpa_flash", "fa4")
 def alternatives(dispatcher, problem, gpu, near: int = 3, octaves: float = 3.0) -> dict[str, tuple[str, dict]]:
     """name -> (family, params) of each kernel that could serve `problem`, in the form a call runs
     it, each once: "served" (absent where SDPA serves), "default", "split" (where its occupancy splits
-    the keys), then "near<i>@<octaves>" for the next `near` tuned kernel candidates within `octaves`."""
-    from tuner.dispatch import _served_form, _split_default
+    the keys), "packed" and "unpacked" (GQA with few queries: flash_fwd_sm90_gqa's default, and a decode
+    step's entry as it served before packing), then "near<i>@<octaves>" for the next `near` tuned
+    kernel candidates within `octaves`."""
+    from tuner.dispatch import _decode_default, _served_form, _split_default
     from tuner.kernel_templates import FAMILIES
+    from tuner.problem import DECODE_QUERIES
 
     out: dict[str, tuple[str, dict]] = {}
 
@@ -46,6 +50,14 @@ def alternatives(dispatcher, problem, gpu, near: int = 3, octaves: float = 3.0) 
     if sm90 is not None and sm90.supports(gpu, problem) is None:
         add("default", {"family": sm90.name, "params": sm90.default(gpu, problem)})
     add("split", _split_default(problem, gpu))
+    gqa = FAMILIES.get("flash_fwd_sm90_gqa")
+    if gqa is not None and problem.seqlen_q <= DECODE_QUERIES and gqa.supports(gpu, problem) is None:
+        try:
+            add("packed", {"family": gqa.name, "params": gqa.default(gpu, problem)})
+        except ValueError:   # a group that divides none of its tiles
+            pass
+    if problem.decode_step:
+        add("unpacked", dispatcher.select(problem, gpu) or _decode_default(problem, gpu))
     taken = 0
     for dist, entry in dispatcher.candidates(problem, gpu, octaves):
         if taken == near:

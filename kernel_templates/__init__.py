@@ -21,13 +21,14 @@ from .flash_fwd_mma import FAMILY as _MMA
 from .flash_fwd_mma import VARLEN_FAMILY as _MMA_VARLEN
 from .flash_fwd_sm90 import FAMILY as _SM90
 from .flash_fwd_sm90 import VARLEN_FAMILY as _SM90_VARLEN
+from .flash_fwd_sm90_gqa import FAMILY as _SM90_GQA
 from .flash_fwd_sm90_pairs import FAMILY as _SM90_PAIRS
 from .flash_fwd_sm90_split import FAMILY as _SM90_SPLIT
 from .flash_fwd_sm90_tail import FAMILY as _SM90_TAIL
 from .flash_fwd_simt import FAMILY as _SIMT
 
 FAMILIES: dict[str, KernelFamily] = {f.name: f for f in (_SIMT, _MMA, _SM90, _SM90_SPLIT, _SM90_TAIL, _SM90_PAIRS,
-                                                         _DECODE, _DECODE_CLUSTER)}
+                                                         _SM90_GQA, _DECODE, _DECODE_CLUSTER)}
 # Each family's variant on packed sequences (tuner/varlen.py), made from its tuned configs unless a
 # search tuned it by name (never under `auto`). In order of preference for a default: decode for
 # short queries, then prefill.

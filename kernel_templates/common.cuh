@@ -139,6 +139,20 @@ FT_DEVICE float inv_row_sum(float l) { return l > 0.f ? __fdividef(1.f, l) : 0.f
 // 0 <= row < nq in one unsigned compare: flash_fwd_sm90's causal blocks may start before row 0
 FT_DEVICE bool in_rows(int row, int nq) { return static_cast<unsigned>(row) < static_cast<unsigned>(nq); }
 
+// Where row r of a work tile's rows goes: O's row at r * sn and the LSE's at r (one head's queries),
+// or (PackedRows, packed GQA) query r / group of the tile's head r % group.
+struct StridedRows {
+  long long sn;
+  FT_DEVICE long long o(int r) const { return r * sn; }
+  FT_DEVICE int lse(int r) const { return r; }
+};
+struct PackedRows {
+  long long sn, sh;   // O's query and head strides
+  int group, nq;      // the query heads interleaved; the queries (a head's LSE rows)
+  FT_DEVICE long long o(int r) const { return (r % group) * sh + (r / group) * sn; }
+  FT_DEVICE int lse(int r) const { return (r % group) * nq + r / group; }
+};
+
 // 2^x on the SFU (ex2.approx, ~2 ulp, -inf -> 0): the softmax needs nothing more exact.
 FT_DEVICE float fast_exp2(float x) {
   float y;

@@ -64,6 +64,13 @@
 // phase cannot complete while the post's arrival is pending). A stage is refilled once both CTAs'
 // consumers have freed it: each consumer thread frees it in its own CTA, and each consumer warp's
 // lane 0 in the other CTA too (MULTICAST_FREES more arrivals there).
+// PACK_GQA (a grid, 16-bit, O by ordinary stores; split keys or not): a work tile's rows are the
+// queries of all the query heads that share one K/V head, interleaved as FlashAttention-3 packs
+// them: row r is query r / g of head hk * g + r % g (g = kv_group), so a decode or speculative step
+// of a few queries fills the tile's rows and each K/V head is read once for all g heads. Q comes by
+// a 5-d map (columns, g heads, BR / g queries, K/V head, batch) whose box lands the rows in that order;
+// a row's causal diagonal rises once every g rows (last_key); O and the LSE go out row by row through
+// PackedRows (common.cuh). The tiles run over batch x K/V heads, g x Nq rows each; g divides BR.
 // P_SMEM (three consumers on a 64-byte-panel tile, d = 72-96: FlashAttention-4's 192-row tiles
 // there): P goes through shared memory, not registers. Each consumer writes its P (64 rows x BC keys,
 // 16-bit, K-major in 128-byte panels of 64 keys) by stmatrix once its last P V has landed, and P V
@@ -72,7 +79,7 @@
 //
 // Set by the family spec: BC HEAD_DIM D_VALID PROD_COLS (flash_fwd_sm90.prod_cols) PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV, TAIL_SPLIT,
-// CLUSTER (1 where unset);
+// CLUSTER (1 where unset), PACK_GQA (0 where unset);
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, PROD_COLS} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
@@ -85,6 +92,9 @@
 
 #ifndef CLUSTER
 #define CLUSTER 1
+#endif
+#ifndef PACK_GQA
+#define PACK_GQA 0
 #endif
 
 constexpr bool FP8 = IN_DTYPE == FT_E4M3;
@@ -119,7 +129,7 @@ constexpr bool WARP_PRODUCER = PERSISTENT && (PRODUCER_REGS == 32 || VARLEN);   
 constexpr bool OWN_TILES = !CHAIN && CWG >= 2 && (IS_CAUSAL || CWG == 3);
 // Causal blocks aligned to the end (tile_scheduler.cuh), but not where O goes out by TMA, whose
 // store box cannot start before row 0 (sm90_epilogue.cuh)
-constexpr bool FROM_END = IS_CAUSAL && !TMA_STORE;
+constexpr bool FROM_END = IS_CAUSAL && !TMA_STORE && !PACK_GQA;   // (packed rows start at row 0)
 // The overlapped schedule runs the K/V tiles that need no mask in a loop of their own (Consumer::
 // overlapped_tile), except at d=256 causal persistent or with split keys, where O's 128 registers a
 // thread and the persistent loop's state (or the split's bounds) left no room for the second loop's
@@ -152,12 +162,15 @@ static_assert(!TAIL_SPLIT || (PERSISTENT && !IS_CAUSAL && !VARLEN && !CHAIN && !
               "a cut tail: persistent, unmasked, unchained, 16-bit inputs");
 static_assert(!MULTICAST || (CLUSTER == 2 && PERSISTENT && !IS_CAUSAL && !VARLEN && !CHAIN && !FP8 && !SPLIT_KV),
               "K/V multicast: pairs of persistent CTAs on the same K/V tiles (unmasked, unchained, 16-bit)");
+static_assert(!PACK_GQA || (!PERSISTENT && !VARLEN && !TMA_STORE && !CHAIN && !FP8 && !TAIL_SPLIT && !MULTICAST),
+              "packed GQA rows: a grid of 16-bit tiles, O by ordinary stores (split keys or not)");
 constexpr bool KEY_RANGES = SPLIT_KV || TAIL_SPLIT;   // a work tile may run a range of its K/V tiles
 #if SPLIT_KV
 constexpr int MERGE_BAR = 1 + CWG;   // the consumers' named barrier for the merge (ping-pong's are 1..CWG)
 #endif
 
-using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN, TAIL_SPLIT, MULTICAST>;
+using Scheduler = TileScheduler<BR, BC, IS_CAUSAL, FROM_END, IS_CAUSAL && MASK_BR, PERSISTENT, VARLEN, TAIL_SPLIT, MULTICAST,
+                                PACK_GQA>;
 using KvState = PipelineState<STAGES>;   // a role's place in the K/V (and V^T) rings
 using QState = PipelineState<QBUF>;      // in Q's buffers: the count of work tiles
 
@@ -283,9 +296,11 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     if (leader) {
       bar.q.expect(q, Q_BYTES);
 #pragma unroll
-      for (int panel = 0; panel < PANELS; ++panel)
-        tma_load_4d(sm.q + q.index() * BR * HEAD_DIM + panel * BR * PANEL_COLS, tq, bar.q.full_bar(q), panel * PANEL_COLS,
-                    seq.q0 + w.q0, w.h, VARLEN ? 0 : w.b);
+      for (int panel = 0; panel < PANELS; ++panel) {
+        T* dst = sm.q + q.index() * BR * HEAD_DIM + panel * BR * PANEL_COLS;
+        if constexpr (PACK_GQA) tma_load_5d(dst, tq, bar.q.full_bar(q), panel * PANEL_COLS, 0, w.q0 / sched.group, w.hk, w.b);
+        else tma_load_4d(dst, tq, bar.q.full_bar(q), panel * PANEL_COLS, seq.q0 + w.q0, w.h, VARLEN ? 0 : w.b);
+      }
     }
     // Not unrolled: the producer keeps 24-40 registers, and the compiler's own unroll factor followed
     // the cost of this body (two configs spilled 108 B when it grew, others halved their unroll).
@@ -386,11 +401,20 @@ FT_DEVICE void store_p(unsigned buf, const float (&s)[NTILES][4], int lane, int 
   }
 }
 
+// The last key row `row` of a work tile may see under the causal mask (before row 0: a negative
+// one); PACK_GQA: a row is query row / group (seq.nq counts the rows, group x the queries).
+FT_DEVICE int last_key(int row, const Sequence& seq, int group) {
+  if constexpr (PACK_GQA) return row / group + (MASK_BR ? seq.nk - seq.nq / group : 0);
+  return row + (MASK_BR ? seq.nk - seq.nq : 0);
+}
+
 // OWN_TILES: how many of work tile w's K/V tiles the rows [r0, r1) of consumer cw need
-FT_DEVICE int own_tiles(const RunTile& w, const Sequence& seq, int cw) {
+FT_DEVICE int own_tiles(const RunTile& w, const Sequence& seq, int cw, int group) {
   const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, seq.nq);
   if (!OWN_TILES) return w.ntiles;
   if (r1 <= 0 || r0 >= seq.nq) return 0;
+  if constexpr (PACK_GQA && IS_CAUSAL)   // up to the last row's diagonal (from the split's first tile), one tile at least
+    return max(1, min(w.ntiles, last_key(r1 - 1, seq, group) / BC + 1 - kv_tile(w, 0)));
   if constexpr (SPLIT_KV && IS_CAUSAL)   // up to the last row's diagonal, from the split's first tile
     return max(1, min(w.ntiles, (r1 - 1 + (MASK_BR ? seq.nk - seq.nq : 0)) / BC + 1 - kv_tile(w, 0)));
   if constexpr (IS_CAUSAL && MASK_BR) return max(1, min(w.ntiles, (r1 - 1 + seq.nk - seq.nq) / BC + 1));   // no key seen: one masked tile
@@ -453,6 +477,15 @@ struct Consumer {
   // -inf on the keys of K/V tile t that rows of this warp may not see: past N, or past the diagonal
   FT_DEVICE void mask(int t) {
     const int k0 = kv_tile(w, t) * BC;
+    if constexpr (PACK_GQA) {   // each row half's own diagonal (the warp's first row's is the lowest)
+      const int end = kv_end(w, tile.seq), r = w.q0 + wrow0 + lane / 4;
+      if (k0 + BC > end || (IS_CAUSAL && k0 + BC - 1 > last_key(w.q0 + wrow0, tile.seq, sched.group))) {
+        const int last[2] = {IS_CAUSAL ? last_key(r, tile.seq, sched.group) : end - 1,
+                             IS_CAUSAL ? last_key(r + 8, tile.seq, sched.group) : end - 1};
+        mask_slab_to<NTILES>(acc.s, lane, last, k0, end);
+      }
+      return;
+    }
     const int diag0 = w.q0 + wrow0 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0);   // the warp's first row's last key (the batch's: params, no register held)
     if (k0 + BC > kv_end(w, tile.seq) || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, k0, kv_end(w, tile.seq));
   }
@@ -476,17 +509,21 @@ struct Consumer {
     softmax_advance(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
     make_p();
   }
+  // PACK_GQA: where the tile's rows go in O and the LSE
+  FT_DEVICE PackedRows packed_rows() const { return PackedRows{out.sn, out.sh, sched.group, out.nq}; }
+
   FT_DEVICE void epilogue() {
 #if VARLEN
     float* lse_bh = out.lse + static_cast<long long>(w.h) * out.lse_rows + tile.seq.q0;
 #else
-    float* lse_bh = out.lse + static_cast<long long>(w.b * out.heads + w.h) * out.nq;
+    float* lse_bh = out.lse + static_cast<long long>(w.b * out.heads + (PACK_GQA ? w.h * sched.group : w.h)) * out.nq;
 #endif
 #if SPLIT_KV
-    if (gridDim.z > 1) {   // this split's share: O / l in fp32 and the LSE, to the workspace
-      const long long rows = (static_cast<long long>(blockIdx.z) * out.split.bhs + w.b * out.heads + w.h) * out.nq;
+    if (gridDim.z > 1) {   // this split's share: O / l in fp32 and the LSE, to the workspace (the tiles' rows)
+      const long long rows = (static_cast<long long>(blockIdx.z) * out.split.bhs + w.b * (PACK_GQA ? out.heads / sched.group : out.heads) +
+                              w.h) * (PACK_GQA ? tile.seq.nq : out.nq);
       store_slab<FT_F32, DTILES, D_VALID>(out.split.o + rows * D_VALID, D_VALID, out.split.lse + rows, acc.o, acc.m,
-                                          acc.l, lane, w.q0 + wrow0, out.nq, scale_log2);
+                                          acc.l, lane, w.q0 + wrow0, PACK_GQA ? tile.seq.nq : out.nq, scale_log2);
       return;
     }
 #elif TAIL_SPLIT
@@ -498,6 +535,9 @@ struct Consumer {
     if constexpr (TMA_STORE) {
       store_slab_tma<OUT_DTYPE, DTILES>(o_slab, out.tmap, lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, out.nq, w.h, w.b,
                                         scale_log2);
+    } else if constexpr (PACK_GQA) {
+      store_rows<OUT_DTYPE, DTILES, D_VALID>(out.o + w.b * out.sb + w.h * sched.group * out.sh, packed_rows(), lse_bh, acc.o,
+                                             acc.m, acc.l, lane, w.q0 + wrow0, tile.seq.nq, scale_log2);
     } else {
       store_slab<OUT_DTYPE, DTILES, D_VALID>(out.o + (VARLEN ? tile.seq.q0 * out.sn : w.b * out.sb) + w.h * out.sh, out.sn,
                                              lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, tile.seq.nq, scale_log2);
@@ -550,7 +590,8 @@ struct Consumer {
   // keys, all at or before its first row's diagonal.
   FT_DEVICE int clean_tiles() const {
     int n = kv_end(w, tile.seq) / BC;
-    if constexpr (IS_CAUSAL) n = min(n, max(0, w.q0 + cw * 64 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0) + 1) / BC);
+    if constexpr (PACK_GQA && IS_CAUSAL) n = min(n, max(0, last_key(w.q0 + cw * 64, tile.seq, sched.group) + 1) / BC);
+    else if constexpr (IS_CAUSAL) n = min(n, max(0, w.q0 + cw * 64 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0) + 1) / BC);
     return n - kv_tile(w, 0);   // run-relative (a split's first tile is kv_tile(w, 0))
   }
 
@@ -657,6 +698,13 @@ struct Consumer {
     if (!last_split(out.split, sched.qblk + sched.n_qblk * sched.bh, gridDim.z, MERGE_BAR, CWG * 128, ctid == 0,
                     bar.last_split))
       return;
+    if constexpr (PACK_GQA) {   // the workspace holds the tiles' rows; O and the LSE the heads' queries
+      const int h0 = w.h * sched.group;
+      merge_rows<D_VALID, OUT_DTYPE>(out.split, gridDim.z, w.b * (out.heads / sched.group) + w.h, tile.seq.nq, w.q0, BR,
+                                     out.o + w.b * out.sb + h0 * out.sh, packed_rows(),
+                                     out.lse + static_cast<long long>(w.b * out.heads + h0) * out.nq, ctid / 32, CWG * 4, lane);
+      return;
+    }
     const int bh = w.b * out.heads + w.h;
     merge_splits<D_VALID, OUT_DTYPE>(out.split, gridDim.z, bh, out.nq, w.q0, BR, out.o + w.b * out.sb + w.h * out.sh, out.sn,
                                       out.lse + static_cast<long long>(bh) * out.nq, ctid / 32, CWG * 4, lane);
@@ -674,7 +722,7 @@ struct Consumer {
         acc.reset();
         bar.q.wait(q);
       }
-      own = own_tiles(w, tile.seq, cw);
+      own = own_tiles(w, tile.seq, cw, sched.group);
       if (OWN_TILES && own == 0) {
         pass(0);
         advance(it, sched.take(bar.tiles, it + 1));
@@ -728,6 +776,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
   // together, one sequence's K/V in L2). Head after head over every sequence's blocks left the last
   // head's long sequences' heavy blocks to the end: 1.12-1.18 of the ideal time at d=64 and d=256 in
   // a list-scheduling model, 1.02-1.04 this way (benchmarks/PERF_NOTES.md, "v5, v6").
+  // PACK_GQA: the tiles' rows are a K/V head's g query heads x its queries, their heads the K/V heads
+  const int group = PACK_GQA ? kv_group : 1;
+  const int tile_heads = heads / group;
 #if VARLEN
   int2 blk = make_int2(0, 0);
   if constexpr (!PERSISTENT) blk = varlen_block<BR>(cu_q, nseq, blockIdx.x + blockIdx.y * gridDim.x, heads);
@@ -743,17 +794,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
   // causal work in sections of `sec` heads where batch x heads (the grid's y) is at most the SM
   // count, worked out once here: on the grid the block the hardware hands out in this place of its
   // order (x fastest) is the scheduler's in that place (causal_tile); else (query block, batch-head)
-  const int bhs = batch * heads;
+  const int bhs = batch * tile_heads, rows = nq * group;
   const bool sections = IS_CAUSAL && causal_sections(bhs);
   // PERSISTENT: the work tiles are n_qblk x batch-heads (MULTICAST: pairs of query blocks)
-  const int n_qblk = (nq + CLUSTER * BR - 1) / (CLUSTER * BR);
-  const int sec = sections ? section_heads(bhs, kv_group, nk, D_VALID * static_cast<int>(sizeof(T))) : 0;
+  const int n_qblk = (rows + CLUSTER * BR - 1) / (CLUSTER * BR);
+  const int sec = sections ? section_heads(bhs, kv_group / group, nk, D_VALID * static_cast<int>(sizeof(T))) : 0;
   const int last = sections ? last_section(bhs, sec) : 0;
   const int2 grid_at = IS_CAUSAL && !PERSISTENT && sections
                            ? causal_tile(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, bhs, sec, last)
                            : make_int2(blockIdx.x, blockIdx.y);
   const int qblk = grid_at.x, bh = grid_at.y;
-  const Sequence seq{nq, nk, 0, 0};
+  const Sequence seq{rows, nk, 0, 0};
   const int total = PERSISTENT ? n_qblk * bhs : 1;
   const int *offsets_q = nullptr, *offsets_k = nullptr, packed = 0;
 #endif
@@ -762,8 +813,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
 #else
   const int from = total, segs = 0;
 #endif
-  const Scheduler sched{qblk, bh, n_qblk, total, heads, kv_group, seq, bhs, sec, last, sections, offsets_q, offsets_k, packed,
-                        from, segs};
+  const Scheduler sched{qblk, bh, n_qblk, total, tile_heads, kv_group / group, seq, bhs, sec, last, sections, offsets_q,
+                        offsets_k, packed, from, segs, group};
 
   if (tid == 0) {
     bar.q.init(1, CWG * 128);
@@ -795,7 +846,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
 #endif
                      &tmap_o
 #if SPLIT_KV || TAIL_SPLIT
-                     , SplitWorkspace{part_o, part_lse, split_counter, batch * heads}
+                     , SplitWorkspace{part_o, part_lse, split_counter, batch * tile_heads}
 #endif
     };
     if (TMA_STORE && lane == 0) tmap_prefetch(tmap_o);   // this warp's slabs go out through O's map

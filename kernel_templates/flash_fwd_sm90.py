@@ -300,10 +300,14 @@ class _Sm90Args(AttentionArgs):
         shared = super().bind(q, k, v, o, scale)
         if shared is None:
             return None
-        q_rows, kv_rows = self._rows
-        slots = (MapSlot(q, q_rows, map_panel(q)), MapSlot(k, kv_rows, map_panel(k)), MapSlot(v, kv_rows, map_panel(v)),
+        kv_rows = self._rows[1]
+        slots = (self.q_slot(q, k), MapSlot(k, kv_rows, map_panel(k)), MapSlot(v, kv_rows, map_panel(v)),
                  MapSlot(o, O_BOX_ROWS, map_panel(o)) if self._tma_store else None)
         return shared, slots, q.shape[0]
+
+    def q_slot(self, q, k) -> MapSlot:
+        """Q's maps: boxes of a query block's rows of one head."""
+        return MapSlot(q, self._rows[0], map_panel(q))
 
     def values(self, bound, pointers, q):
         shared, (qm, km, vm, om), batch = bound

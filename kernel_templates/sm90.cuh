@@ -83,6 +83,12 @@ FT_DEVICE void tma_load_4d(void* dst, const void* tmap, unsigned long long* bar,
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
       ::"r"(smem_u32(dst)), "l"(tmap), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// A 5-d box (flash_fwd_sm90's packed GQA Q: columns, a K/V head's query heads, queries, K/V head, batch).
+FT_DEVICE void tma_load_5d(void* dst, const void* tmap, unsigned long long* bar, int c0, int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n"
+      ::"r"(smem_u32(dst)), "l"(tmap), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4) : "memory");
+}
 // The same box into this shared-memory offset of every CTA of the cluster in `ctas` (a bit per CTA
 // rank), each CTA's mbarrier at `bar`'s offset counting the bytes it receives.
 FT_DEVICE void tma_load_4d_multicast(void* dst, const void* tmap, unsigned long long* bar, int c0, int c1, int c2, int c3,

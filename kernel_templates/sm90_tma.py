@@ -47,10 +47,13 @@ def _data_type(dtype):
     return getattr(driver.CUtensorMapDataType, f"CU_TENSOR_MAP_DATA_TYPE_{kinds[dtype]}")
 
 
-def _geometry(t, box_rows: int, box_cols: int) -> tuple:
+def _geometry(t, box_rows: int, box_cols: int, group: int = 1) -> tuple:
     """What a map of a (B, H, N, D) view depends on besides its address, checked: dims (D, N, H, B)
     innermost first, byte strides, the box of [box_rows x box_cols] elements, swizzled as wide as a
-    box row (128, 64 or 32 bytes: `panel_cols`); rows past N and columns past D read as zeros."""
+    box row (128, 64 or 32 bytes: `panel_cols`); rows past N and columns past D read as zeros.
+    `group` > 1 (flash_fwd_sm90's packed GQA Q): dims (D, group, N, H / group, B), the `group` heads
+    that share a K/V head inside each query, so that a box of (box_cols, group, box_rows / group)
+    lands row r as query r / group of head r % group."""
     from cuda.bindings import driver
 
     kind = _data_type(t.dtype)
@@ -66,6 +69,11 @@ def _geometry(t, box_rows: int, box_cols: int) -> tuple:
     strides = (t.stride(2) * esize, t.stride(1) * esize, t.stride(0) * esize)
     if any(s % 16 for s in strides):
         raise TmaError(f"TMA needs 16-byte aligned data and strides, got strides {strides}")
+    if group > 1:
+        if h % group or box_rows % group:
+            raise TmaError(f"packed rows: {group} heads a group must divide the {h} heads and a box's {box_rows} rows")
+        sn, sh, sb = strides
+        return kind, (d, group, n, h // group, b), (sh, sn, sh * group, sb), (box_cols, group, box_rows // group), swizzle
     return kind, (d, n, h, b), strides, (box_cols, box_rows), swizzle
 
 
@@ -82,10 +90,10 @@ def _encode_at(geometry: tuple, address: int) -> bytes:
     fast = _fast_encoder()
     if fast is not None:
         return fast(int(kind), address, dims, strides, box, int(swizzle))
-    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    u64, u32, rank = driver.cuuint64_t, driver.cuuint32_t, len(dims)
     err, tmap = driver.cuTensorMapEncodeTiled(
-        kind, 4, address, [u64(x) for x in dims], [u64(x) for x in strides],
-        [u32(x) for x in (*box, 1, 1)], [u32(1)] * 4,
+        kind, rank, address, [u64(x) for x in dims], [u64(x) for x in strides],
+        [u32(x) for x in _box(box, rank)], [u32(1)] * rank,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         swizzle,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -94,6 +102,11 @@ def _encode_at(geometry: tuple, address: int) -> bytes:
     if err != driver.CUresult.CUDA_SUCCESS:
         raise TmaError(f"cuTensorMapEncodeTiled failed: {err.name} (dims {dims}, strides {strides})")
     return b"".join(int(w).to_bytes(8, "little") for w in tmap.opaque)
+
+
+def _box(box: tuple, rank: int) -> tuple:
+    """A map's box over all `rank` dims: the outer dims' one element each."""
+    return (*box, *(1,) * (rank - len(box)))
 
 
 def _encode(t, box_rows: int, box_cols: int) -> bytes:
@@ -118,24 +131,29 @@ class _CtypesEncoder:
                              c.c_void_p, c.c_int, c.c_int, c.c_int, c.c_int]
         self._local = threading.local()
 
-    def _buffers(self):
+    def _buffers(self, rank: int):
         import ctypes
 
-        b = getattr(self._local, "b", None)
-        if b is None:
-            b = self._local.b = (ctypes.create_string_buffer(TMAP_BYTES + 64), (ctypes.c_uint64 * 4)(),
-                                 (ctypes.c_uint64 * 3)(), (ctypes.c_uint32 * 4)(), (ctypes.c_uint32 * 4)(1, 1, 1, 1))
+        buffers = getattr(self._local, "b", None)
+        if buffers is None:
+            buffers = self._local.b = {}
+        b = buffers.get(rank)
+        if b is None:   # per rank: 4 for (B, H, N, D) views, 5 for packed GQA rows
+            b = buffers[rank] = (ctypes.create_string_buffer(TMAP_BYTES + 64), (ctypes.c_uint64 * rank)(),
+                                 (ctypes.c_uint64 * (rank - 1))(), (ctypes.c_uint32 * rank)(),
+                                 (ctypes.c_uint32 * rank)(*(1,) * rank))
         return b
 
     def __call__(self, kind: int, address: int, dims, strides, box, swizzle: int) -> bytes:
         import ctypes
 
-        out, gdim, gstride, boxdim, estride = self._buffers()
+        rank = len(dims)
+        out, gdim, gstride, boxdim, estride = self._buffers(rank)
         gdim[:] = dims
         gstride[:] = strides
-        boxdim[:] = (box[0], box[1], 1, 1)
+        boxdim[:] = _box(box, rank)
         start = ctypes.addressof(out) + (-ctypes.addressof(out) % 64)   # a CUtensorMap is 64-byte aligned
-        err = self._fn(start, kind, 4, address, gdim, gstride, boxdim, estride, 0, swizzle, _L2_256B, 0)
+        err = self._fn(start, kind, rank, address, gdim, gstride, boxdim, estride, 0, swizzle, _L2_256B, 0)
         if err:
             raise TmaError(f"cuTensorMapEncodeTiled failed: CUresult {err} (dims {dims}, strides {strides})")
         return ctypes.string_at(start, TMAP_BYTES)
@@ -251,11 +269,11 @@ _templates: OrderedDict[tuple, _Template] = OrderedDict()
 _TEMPLATES = 1024
 
 
-def _template(t, rows: int, cols: int) -> _Template:
-    key = (t.shape, t.stride(), t.dtype, rows, cols)   # one tensor, two kernels' boxes (prefill's, decode's)
+def _template(t, rows: int, cols: int, group: int = 1) -> _Template:
+    key = (t.shape, t.stride(), t.dtype, rows, cols, group)   # one tensor, several kernels' boxes (prefill's, decode's)
     tpl = _templates.get(key)
     if tpl is None:
-        geometry = _geometry(t, rows, cols)
+        geometry = _geometry(t, rows, cols, group)
         address = t.data_ptr()
         _check_address(address)
         base = _encode_at(geometry, address)
@@ -273,12 +291,12 @@ class MapSlot:
     into that field (integer arithmetic and one bytes join, the same cost for a new address as for
     a seen one); without, the driver's encoding of each new address, cached on it. Boxes of `rows`
     x `cols` (default box_cols: one panel of the head dim's tile_cols; a kernel with a tile of its
-    own passes its panel)."""
+    own passes its panel); `group` > 1: packed GQA rows (_geometry)."""
 
     __slots__ = ("_geometry", "_patched", "_head", "_word", "_tail", "_origin", "_shift", "_position")
 
-    def __init__(self, t, rows: int, cols: int | None = None) -> None:
-        tpl = _template(t, rows, box_cols(t) if cols is None else cols)
+    def __init__(self, t, rows: int, cols: int | None = None, group: int = 1) -> None:
+        tpl = _template(t, rows, box_cols(t) if cols is None else cols, group)
         self._geometry, f = tpl.geometry, tpl.field
         self._patched = f is not None
         if f is not None:   # AddressField.moved, with what it needs of the template kept at hand

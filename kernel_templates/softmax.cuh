@@ -34,6 +34,19 @@ FT_DEVICE void mask_slab(float (&s)[NTILES][4], int lane, int row0, int col0, in
       if (nt * 8 + (e & 1) > lim[e / 2]) s[nt][e] = FT_NEG_INF;
 }
 
+// mask_slab for rows whose last visible keys are given, `last[hh]` for the thread's row of half hh
+// (past nk masked too): packed GQA rows, whose diagonal rises once every `group` rows (PackedRows).
+template <int NTILES>
+FT_DEVICE void mask_slab_to(float (&s)[NTILES][4], int lane, const int (&last)[2], int col0, int nk) {
+  const int c0 = col0 + frag_col(lane, 0, 0);
+  const int lim[2] = {min(nk, last[0] + 1) - 1 - c0, min(nk, last[1] + 1) - 1 - c0};
+#pragma unroll
+  for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (nt * 8 + (e & 1) > lim[e / 2]) s[nt][e] = FT_NEG_INF;
+}
+
 // t[0] <- max(t), pairs STRIDE apart at each level (a template, so every index is a constant).
 template <int N, int STRIDE = 1> FT_DEVICE void max_tree(float (&t)[N]) {
   if constexpr (STRIDE < N) {
@@ -141,12 +154,13 @@ FT_DEVICE void p_fragment_tf32(unsigned (&a)[4], const float (&st)[4], int lane)
 
 // LSE = ln(sum exp(s * scale)) of the quad's two rows (row0 + lane / 4, + 8), from the running
 // max `m` and the row sums `row_l` (already reduced over the quad).
+template <class Rows = StridedRows>
 FT_DEVICE void store_lse(float* lse_row, const float (&m)[2], const float (&row_l)[2], int lane, int row0, int nq,
-                         float scale_log2) {
+                         float scale_log2, const Rows& rows = Rows{}) {
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int row = row0 + lane / 4 + hh * 8;
-    if (lane % 4 == 0 && in_rows(row, nq)) lse_row[row] = (m[hh] * scale_log2 + __log2f(row_l[hh])) * FT_LN2;
+    if (lane % 4 == 0 && in_rows(row, nq)) lse_row[rows.lse(row)] = (m[hh] * scale_log2 + __log2f(row_l[hh])) * FT_LN2;
   }
 }
 
@@ -155,8 +169,9 @@ FT_DEVICE void store_lse(float* lse_row, const float (&m)[2], const float (&row_
 // whole 32-byte sectors: with one 4-byte store per fragment pair, half of each sector was written
 // per request (H100, flash_fwd_sm90: +3-7% at N=1024). Only the first COLS columns are stored (a
 // tile wider than the head dim: flash_fwd_sm90's columns past it are zeros of nobody's O).
-template <int DT, int DTILES, int COLS = DTILES * 8>
-FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* lse_row, const float (&o)[DTILES][4],
+// store_rows: the rows placed by `rows` (StridedRows, PackedRows); store_slab: a head's rows o_sn apart.
+template <int DT, int DTILES, int COLS = DTILES * 8, class Rows>
+FT_DEVICE void store_rows(typename Elem<DT>::type* op, const Rows& rows, float* lse_row, const float (&o)[DTILES][4],
                           const float (&m)[2], const float (&l)[2], int lane, int row0, int nq, float scale_log2) {
   static_assert(COLS % 8 == 0 && COLS <= DTILES * 8, "whole n8 groups of the tile");
   float row_l[2];
@@ -188,18 +203,23 @@ FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* ls
           }
         }
         if (in_rows(row, nq) && (COLS == DTILES * 8 || (4 * k + q) * 8 < COLS))
-          *reinterpret_cast<uint4*>(op + row * o_sn + (4 * k + q) * 8) = make_uint4(u[0], u[1], u[2], u[3]);
+          *reinterpret_cast<uint4*>(op + rows.o(row) + (4 * k + q) * 8) = make_uint4(u[0], u[1], u[2], u[3]);
       }
     }
     constexpr int FIRST = DT != FT_F32 && DTILES >= 4 ? DTILES / 4 * 4 : 0;   // groups not stored above
     if (FIRST * 8 < COLS && in_rows(row, nq)) {
 #pragma unroll
       for (int dt = FIRST; dt < COLS / 8; ++dt) {
-        auto* dst = op + row * o_sn + dt * 8 + 2 * (lane % 4);
+        auto* dst = op + rows.o(row) + dt * 8 + 2 * (lane % 4);
         if constexpr (DT == FT_F32) *reinterpret_cast<float2*>(dst) = make_float2(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
         else *reinterpret_cast<unsigned*>(dst) = pack2<DT>(o[dt][2 * hh] * inv, o[dt][2 * hh + 1] * inv);
       }
     }
   }
-  store_lse(lse_row, m, row_l, lane, row0, nq, scale_log2);
+  store_lse(lse_row, m, row_l, lane, row0, nq, scale_log2, rows);
+}
+template <int DT, int DTILES, int COLS = DTILES * 8>
+FT_DEVICE void store_slab(typename Elem<DT>::type* op, long long o_sn, float* lse_row, const float (&o)[DTILES][4],
+                          const float (&m)[2], const float (&l)[2], int lane, int row0, int nq, float scale_log2) {
+  store_rows<DT, DTILES, COLS>(op, StridedRows{o_sn}, lse_row, o, m, l, lane, row0, nq, scale_log2);
 }

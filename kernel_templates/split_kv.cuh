@@ -82,9 +82,10 @@ FT_DEVICE bool last_split(const SplitWorkspace& ws, int tile, int splits, int ba
 // split s's LSE (splits <= 32). At d = 64, 128, 256 each lane takes DIM / 32 adjacent columns (one
 // vector load per split); otherwise (d = 96, 80, 192, ...) column pairs 64 apart, the last strip's
 // lanes past DIM idle. `warp`, `warps`: this thread's warp among the `warps` that merge.
-template <int DIM, int ODT>
-FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq, int r0, int rows,
-                            typename Elem<ODT>::type* o_bh, long long o_sn, float* lse_bh, int warp, int warps, int lane) {
+// `place` puts each row in O and the LSE (common.cuh: StridedRows, o_sn apart; PackedRows).
+template <int DIM, int ODT, class Rows>
+FT_DEVICE void merge_rows(const SplitWorkspace& ws, int splits, int bh, int nq, int r0, int rows,
+                          typename Elem<ODT>::type* o_bh, const Rows& place, float* lse_bh, int warp, int warps, int lane) {
   constexpr bool WIDE = DIM == 64 || DIM == 128 || DIM == 256;   // 2, 4 or 8 columns a lane (d=192: strips)
   constexpr int VEC = WIDE ? DIM / 32 : 2;               // adjacent columns per lane and strip: 2, 4 or 8
   constexpr int STRIPS = WIDE ? 1 : (DIM + 63) / 64;     // strips of 32 x VEC columns
@@ -135,7 +136,7 @@ FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq
 #pragma unroll
     for (int st = 0; st < STRIPS; ++st) {
       if (!WIDE && st * 64 + lane * 2 >= DIM) continue;
-      typename Elem<ODT>::type* dst = o_bh + row * o_sn + st * 64 + lane * VEC;
+      typename Elem<ODT>::type* dst = o_bh + place.o(row) + st * 64 + lane * VEC;
       unsigned packed[VEC / 2];
 #pragma unroll
       for (int j = 0; j < VEC / 2; ++j) packed[j] = pack2<ODT>(acc[st][2 * j], acc[st][2 * j + 1]);
@@ -143,8 +144,13 @@ FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq
       else if constexpr (VEC == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
       else *reinterpret_cast<unsigned*>(dst) = packed[0];
     }
-    if (lane == 0) lse_bh[row] = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
+    if (lane == 0) lse_bh[place.lse(row)] = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
   }
+}
+template <int DIM, int ODT>
+FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq, int r0, int rows,
+                            typename Elem<ODT>::type* o_bh, long long o_sn, float* lse_bh, int warp, int warps, int lane) {
+  merge_rows<DIM, ODT>(ws, splits, bh, nq, r0, rows, o_bh, StridedRows{o_sn}, lse_bh, warp, warps, lane);
 }
 
 // TAIL_SPLIT (tile_scheduler.cuh, a cut tail): the two halves of a cut work tile meet warp by warp.

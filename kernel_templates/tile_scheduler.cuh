@@ -31,8 +31,12 @@ struct WorkTile {
 // BOTTOM_RIGHT: the causal diagonal ends at the last key (a KV cache: query row r is token
 // nk - nq + r, so it sees keys up to r + nk - nq); with nq > nk its first rows see no key, and a block of only such rows still runs
 // one K/V tile, all masked, so that its O (0) and LSE (-inf) are written like any other's.
-template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT = false>
-FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, int nk) {
+// PACK (packed GQA, flash_fwd_sm90's PACK_GQA): the rows are a K/V head's `group` query heads
+// interleaved, row r query r / group of head r % group, so nq counts group x the queries, `heads`
+// the K/V heads, and a row's diagonal rises once every `group` rows (not with FROM_END: q0 >= 0).
+template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT = false, bool PACK = false>
+FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, int nk, int group = 1) {
+  static_assert(!(PACK && FROM_END), "packed rows start at row 0");
   WorkTile w;
   if (!CAUSAL) w.q0 = qidx * ROWS;
   else if (FROM_END) w.q0 = nq - (qidx + 1) * ROWS;   // may be < 0 (see above)
@@ -40,7 +44,8 @@ FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, 
   w.b = bh / heads;
   w.h = bh % heads;
   w.hk = w.h / kv_group;
-  const int kv_end = CAUSAL ? min(nk, w.q0 + ROWS + (BOTTOM_RIGHT ? nk - nq : 0)) : nk;
+  int kv_end = CAUSAL ? min(nk, w.q0 + ROWS + (BOTTOM_RIGHT ? nk - nq : 0)) : nk;
+  if constexpr (PACK && CAUSAL) kv_end = min(nk, (w.q0 + ROWS - 1) / group + 1 + (BOTTOM_RIGHT ? nk - nq / group : 0));
   w.ntiles = (kv_end + COLS - 1) / COLS;
   if constexpr (BOTTOM_RIGHT) w.ntiles = max(1, w.ntiles);
   return w;
@@ -199,9 +204,11 @@ struct DrawnTile {
 // PAIRS (DYNAMIC, unmasked): the tiles are pairs of query blocks (`n_qblk` pairs a batch-head), drawn by
 // pair_tile, and each CTA of a cluster runs its own block of the pair; with TAIL the pairs are cut,
 // one segment a cluster.
+// HEAD_ROWS (flash_fwd_sm90's PACK_GQA): a tile's rows are a K/V head's query heads (work_tile's PACK).
 template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool PACKED, bool TAIL = false,
-          bool PAIRS = false>
+          bool PAIRS = false, bool HEAD_ROWS = false>
 struct TileScheduler {
+  static_assert(!HEAD_ROWS || (!DYNAMIC && !PACKED), "packed GQA rows: one work tile a CTA, a dense batch");
   static_assert(!TAIL || (DYNAMIC && !PACKED && !CAUSAL), "a cut tail: persistent, equal (unmasked) work tiles");
   static_assert(!PAIRS || (DYNAMIC && !PACKED && !CAUSAL), "pairs of CTAs: persistent, equal (unmasked) work tiles");
   int qblk, bh;              // the grid's tile (not DYNAMIC)
@@ -214,6 +221,7 @@ struct TileScheduler {
   const int *cu_q, *cu_k;    // PACKED: the sequences' offsets (common.cuh)
   int nseq;
   int from, segs;            // TAIL: the first cut tile (total: none) and the segments (the CTAs; 0: none)
+  int group = 1;             // HEAD_ROWS: the query heads a tile's rows interleave (work_tile's PACK)
 
   FT_DEVICE bool done(const DrawnTile& d) const {
     if constexpr (PACKED && DYNAMIC) return d.tile < 0;
@@ -230,7 +238,8 @@ struct TileScheduler {
            : PAIRS           ? make_int2(2 * (d.tile % n_qblk) + static_cast<int>(blockIdx.x & 1), d.tile / n_qblk)
                              : make_int2(d.tile % n_qblk, d.tile / n_qblk);
     }
-    WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT>(at.x, at.y, heads, kv_group, d.seq.nq, d.seq.nk);
+    WorkTile w = work_tile<ROWS, COLS, CAUSAL, FROM_END, BOTTOM_RIGHT, HEAD_ROWS>(at.x, at.y, heads, kv_group, d.seq.nq, d.seq.nk,
+                                                                                   group);
     if constexpr (PACKED) w.ntiles = max(1, w.ntiles);
     return w;
   }

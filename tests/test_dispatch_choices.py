@@ -155,7 +155,7 @@ def test_a_prefill_that_fills_the_gpu_borrows_a_tuned_bucket_at_any_distance(tmp
         e = d.select(far, H100_SXM)
         assert e is not None and e["params"] == sm90_params, far.key
     few_blocks = replace(BF16, heads=8, kv_heads=8, seqlen_q=1024, seqlen_k=1024)     # 8 x 8 = 64 blocks on 132 SMs
-    decode = replace(BF16, batch=64, seqlen_q=16, seqlen_k=65536, mask="causal_br")
+    decode = replace(BF16, batch=64, seqlen_q=8, seqlen_k=65536, mask="causal_br")   # 32 packed rows: flash_decode
     for p in (few_blocks, decode):
         assert d.select(p, H100_SXM) is None, p.key
     assert d.serving_entry(decode, H100_SXM)["family"] == "flash_decode"

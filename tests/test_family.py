@@ -270,7 +270,7 @@ def test_mask_defines_and_what_they_change_in_the_source(fam):
     """IS_CAUSAL is set for either diagonal, MASK_BR for the bottom-right one only, and the two
     renderings of a point differ in that one define line (the diagonal's shift is computed in the
     kernel from its runtime nq and nk). An unmasked-only family (flash_fwd_sm90_tail, _pairs) builds none."""
-    tl = Problem(1, 4, min(128, fam.max_queries or 128), 512, 64, "bf16", "causal")
+    tl = Problem(1, 4, min(128, fam.max_queries or 128), 512, 64, "bf16", "causal", 2)   # GQA: flash_fwd_sm90_gqa's calls too
     params = fam.default(H100_SXM, tl)
     full, br = replace(tl, mask="none"), replace(tl, mask="causal_br")
     want = {"none": (0, 0), "causal": (1, 0), "causal_br": (1, 1)}

@@ -48,3 +48,14 @@ def test_random_shapes_are_drawn_as_random_shapes_py_draws_them():
     assert 1 <= len(shapes) <= 6
     assert all(p.seqlen_q > 16 or p.seqlen_q == p.seqlen_k for p in (Problem.parse(s, "bf16") for s in shapes))
     assert alt.shapes_of(Args) == shapes
+
+
+def test_a_speculative_gqa_step_lists_the_packed_kernel_and_what_served_before_it(shipped):
+    p = Problem.parse("32,64:8,16:8192,128,causal_br", "bf16")   # 128 packed rows a K/V head
+    alts = alt.alternatives(shipped, p, H200)
+    assert alts["served"][0] == "flash_fwd_sm90_gqa" and "packed" not in alts   # the same config, listed once
+    assert alts["unpacked"][0].startswith("flash_decode")
+    small = Problem.parse("32,32:8,2:8192,128,causal_br", "bf16")   # 8 rows: flash_decode serves, packed beside
+    alts = alt.alternatives(shipped, small, H200)
+    assert alts["served"][0].startswith("flash_decode") and alts["packed"][0] == "flash_fwd_sm90_gqa"
+    assert "unpacked" not in alts   # the served entry itself

@@ -50,6 +50,10 @@ DEFAULT_KEYS = 1024
 # 3.34 against 3.43 pinned and flash_decode's 3.50; from 160 µs served and pinned agreed within 1%
 # (benchmarks/PERF_NOTES.md, d10).
 PEER_MIN_MS = 0.05
+# Packed rows (query heads of a K/V head x queries) from which a GQA decode step's flash_decode entry
+# runs as flash_fwd_sm90_gqa (_packed_gqa): one consumer's 64 rows of a wgmma tile, where flash_decode
+# runs four m16 row blocks of mma.sync that each stream the K/V again.
+PACK_ROWS = 64
 
 
 @dataclass
@@ -248,9 +252,11 @@ class Dispatcher:
         """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,
         flash_decode's default, for a prefill call that leaves SMs idle, flash_fwd_sm90_split's
         where it splits the keys, for one that fills the GPU (a head dim nobody tuned),
-        flash_fwd_sm90's; None where none serves it (SDPA then does)."""
-        return self.select(problem, gpu) or _served_form(_decode_default(problem, gpu) or _split_default(problem, gpu)
-                                                         or _prefill_default(problem, gpu), problem, gpu)
+        flash_fwd_sm90's; None where none serves it (SDPA then does). A GQA decode step of many
+        packed rows runs flash_fwd_sm90_gqa where flash_decode would (_packed_gqa)."""
+        entry = self.select(problem, gpu) or _served_form(_decode_default(problem, gpu) or _split_default(problem, gpu)
+                                                          or _prefill_default(problem, gpu), problem, gpu)
+        return _packed_gqa(entry, problem, gpu)
 
     def candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
@@ -595,6 +601,27 @@ def _split_default(problem: Problem, gpu) -> dict | None:
         return None
     params = fam.default(gpu, problem)
     return {"family": fam.name, "params": params} if fam.splits(params, problem, gpu) > 1 else None
+
+
+def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
+    """`entry`, or where it is flash_decode's (tuned or default) serving a GQA decode step whose
+    query heads x queries make PACK_ROWS packed rows or more, flash_fwd_sm90_gqa's default: the
+    Hopper kernel with those rows in one wgmma tile, each K/V tile loaded once for them. At 16
+    queries x 8 heads flash_decode read 0.29x FlashAttention-4, whose kernel packs them so
+    (PERF_NOTES "r1-r3", "g1"). Where that family cannot run the call (not Hopper, 8-bit, a group
+    that does not divide its tile), `entry` as it is."""
+    from .kernel_templates import FAMILIES, configs_family
+
+    fam = FAMILIES.get("flash_fwd_sm90_gqa")
+    if (fam is None or entry is None or configs_family(entry["family"]) != "flash_decode" or not problem.decode_step
+            or problem.heads == problem.kv_heads or problem.heads // problem.kv_heads * problem.seqlen_q < PACK_ROWS
+            or fam.supports(gpu, problem)):
+        return entry
+    try:
+        params = fam.default(gpu, problem)
+    except ValueError:   # no valid config: the group divides none of its tiles
+        return entry
+    return {"family": fam.name, "params": params}
 
 
 def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:

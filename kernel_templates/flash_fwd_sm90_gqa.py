@@ -1,0 +1,117 @@
+"""flash_fwd_sm90_gqa: flash_fwd_sm90 with the query heads of each K/V head packed into its tiles' rows.
+
+A decode or speculative step of a GQA model has a few queries per head, and g query heads share
+each K/V head. flash_decode packs them into m16 row blocks of mma.sync: at 16 queries x 8 heads
+(128 rows) its eight row blocks each stream the same K/V and the call read 0.29x FlashAttention-4,
+which packs them into one wgmma tile (H200, benchmarks/PERF_NOTES.md "r1-r3"). Here a work tile's
+rows are query r / g of head hk * g + r % g (the kernel's PACK_GQA), so the Hopper kernel runs
+g x Nq rows of one K/V head against each K/V tile it loads, with the keys split across CTAs where
+the (batch x K/V heads) tiles leave SMs idle, as flash_fwd_sm90_split does.
+
+Its calls: GQA (heads > K/V heads) in 16-bit, g dividing the tile's 64 x cwg rows, and a dense
+batch. The dispatcher serves a decode call's flash_decode entry in this form where its packed rows
+fill a consumer's 64 (dispatch._packed_gqa); a search of every family tunes it on decode steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tuner.family import ceil_div
+from tuner.gpu import GpuSpec
+from tuner.kernel_templates.flash_fwd_sm90 import map_panel
+from tuner.kernel_templates.flash_fwd_sm90_split import SplitFlashFwdSm90, _SplitArgs, auto_splits
+from tuner.kernel_templates.sm90_tma import MapSlot
+from tuner.launch import Launch
+from tuner.problem import DECODE_QUERIES, Problem
+
+
+def group_of(problem: Problem) -> int:
+    """The query heads that share a K/V head: the rows a query of one K/V head packs into."""
+    return problem.heads // problem.kv_heads
+
+
+def packed_problem(problem: Problem) -> Problem:
+    """`problem` as the packed kernel's tiles see it (for counting tiles, not for its mask): one
+    head per K/V head, g x Nq rows each."""
+    return replace(problem, heads=problem.kv_heads, seqlen_q=group_of(problem) * problem.seqlen_q)
+
+
+class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
+    name = "flash_fwd_sm90_gqa"
+    kernel_name = "flash_fwd_sm90"
+    gives_way_to = None
+    space = {
+        "Bc": (64, 80, 128, 176),
+        "stages": (2, 3),
+        "cwg": (1, 2, 3),
+        "split": (0, 24, 40),
+        "overlap": (1,),
+        "pingpong": (0, 1),
+        "persistent": (0,),
+        "tma_store": (0,),
+        "chain": (0,),
+        "splits": (0, 2, 4, 8, 16),
+    }
+
+    def supports(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        if problem.heads == problem.kv_heads:
+            return f"{self.name} packs the query heads of a K/V head; {problem.key} has one query head per K/V head"
+        return super().supports(gpu, problem)
+
+    def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
+        if problem.seqlen_q > DECODE_QUERIES:
+            return (f"{self.name} packs the few queries of a decode step; {problem.key}'s {problem.seqlen_q} "
+                    "queries fill the plain kernel's tiles")
+        return None
+
+    def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
+        rows, g = 64 * params["cwg"], group_of(problem)
+        if rows % g:
+            return f"a tile of {rows} rows takes whole groups of query heads: {g} query heads a K/V head do not divide it"
+        if params["cwg"] > 1 and not params["split"]:
+            return "two or three consumers take the producer's registers (split 24 or 40); without, ptxas spills"
+        if problem.head_dim > 128 and problem.causal and params["Bc"] > 64:
+            return "at d=256 the packed rows' diagonals leave causal Bc > 64 short of registers (ptxas spills)"
+        return super()._check(params, gpu, problem)
+
+    def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
+        # flash_fwd_sm90_split's tiles, and one consumer of 64 rows for calls that pack no more
+        d = problem.head_dim
+        if d <= 64:
+            cands = [(128, 2, 2, 40, 1), (128, 2, 3, 24, 1), (128, 2, 1, 0, 0)]
+        elif d <= 128:
+            cands = [(128, 2, 2, 40, 1), (176, 2, 2, 24, 1), (128, 2, 1, 0, 0), (128, 3, 1, 0, 0)]
+        else:
+            cands = [(80, 2, 2, 24, 1), (64, 2, 2, 24, 1), (64, 2, 1, 0, 0)]
+        keys = ("Bc", "stages", "cwg", "split", "pingpong")
+        seeds = [dict(zip(keys, c), overlap=1, persistent=0, tma_store=0, chain=0, splits=0) for c in cands]
+        if group_of(problem) * problem.seqlen_q <= 64:   # one consumer's rows hold the call's
+            seeds.sort(key=lambda s: s["cwg"] != 1)
+        return seeds
+
+    def defines(self, params: dict, problem: Problem) -> dict[str, int]:
+        return {**super().defines(params, problem), "PACK_GQA": 1}
+
+    def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
+        return params["splits"] or auto_splits(params, packed_problem(problem), gpu)
+
+    def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
+        rows = 64 * params["cwg"]
+        return Launch(grid=(ceil_div(group_of(problem) * problem.seqlen_q, rows), problem.batch * problem.kv_heads,
+                            self.splits(params, problem, gpu)),
+                      block=(128 * (params["cwg"] + 1), 1, 1), smem_bytes=self.smem_bytes(params, problem))
+
+    def arg_maker(self, params: dict):
+        return _PackedArgs(self, params)
+
+
+class _PackedArgs(_SplitArgs):
+    """flash_fwd_sm90_split's arguments with Q's map the 5-d one of packed rows (sm90_tma: boxes of
+    the g query heads x BR / g queries of one K/V head)."""
+
+    def q_slot(self, q, k) -> MapSlot:
+        return MapSlot(q, self._rows[0], map_panel(q), group=q.shape[1] // k.shape[1])
+
+
+FAMILY = PackedGqaFlashFwdSm90()

@@ -1,0 +1,105 @@
+"""On the GPU: flash_fwd_sm90_gqa (the query heads of a K/V head packed into the Hopper kernel's tile
+rows) against float64 on fresh random GQA shapes, few queries against ragged keys, every mask,
+split keys or not; a graph replay; and `attention` serving it for a GQA decode step."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from cuda_graphs import assert_replays_match_reference, capture
+from test_gpu_kernel import _assert_within_budget, _run, _run_inputs
+
+from tuner.problem import Problem
+
+pytestmark = pytest.mark.gpu
+
+
+def _packed_problem(rng: random.Random, mask: str, d: int) -> Problem:
+    """A decode or speculative step (1-64 queries) of 2-16 query heads a K/V head against keys not a
+    multiple of any tile; with the top-left diagonal the queries are no more than the keys. Now and
+    then keys fewer than the queries (bottom-right: rows that see no key, O 0 and LSE -inf)."""
+    g = rng.choice([2, 4, 8, 8, 16])
+    kvh = rng.choice([1, 2, 3])
+    nq = rng.choice([1, 2, 5, 16, 23, 64])
+    nk = rng.choice([77, 1000, 4097, 9001])
+    if mask == "causal_br" and rng.random() < 0.2:
+        nk = rng.randint(1, nq)
+    return Problem(rng.randint(1, 4), kvh * g, nq, max(nk, nq) if mask == "causal" else nk, d, rng.choice(["fp16", "bf16"]),
+                   mask, kvh)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+def test_packed_rows_match_reference(mask, d):
+    """The default (splits from the occupancy) and random valid configs at one split and at each
+    explicit split count the keys allow, both layouts, launched twice on fresh NaN-poisoned outputs."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+
+    fam, gpu, rng = get_family("flash_fwd_sm90_gqa"), detect(), random.Random()
+    problem = _packed_problem(rng, mask, d)
+    valid = fam.valid_points(gpu, problem)
+    assert valid, f"no valid config for {problem.key}"
+    configs = [fam.default(gpu, problem)]
+    for splits in fam.space["splits"]:
+        with_count = [p for p in valid if p["splits"] == splits]
+        configs += rng.sample(with_count, min(1, len(with_count)))
+    for params in configs:
+        for layout in ("bhnd", "bnhd"):
+            err = _run(fam, params, problem, rng.randrange(2**31), layout)
+            _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
+
+
+def test_packed_launch_replays_in_a_cuda_graph():
+    """A captured packed launch with split keys, replayed on new inputs (its counters reset within
+    each replay)."""
+    import torch
+
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import poisoned_outputs
+
+    fam, gpu = get_family("flash_fwd_sm90_gqa"), detect()
+    problem = Problem(2, 16, 5, 3001, 128, "bf16", "causal_br", 2)
+    params = dict(fam.default(gpu, problem), splits=4)
+    assert fam.launch(params, problem, gpu).grid == (1, 4, 4)
+    q = torch.randn(2, 16, 5, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 3001, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = poisoned_outputs(problem, q)
+    graph, _ = capture(lambda: _run_inputs(fam, params, problem, q, k, v, sync=False, out=out))
+    assert_replays_match_reference(graph, (q, k, v), out, problem)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_attention_serves_a_speculative_gqa_step_packed(layout):
+    """`attention` on a speculative step of a GQA-8 model (16 queries x 8 query heads a K/V head,
+    128 packed rows, against a ragged cache) runs flash_fwd_sm90_gqa, not flash_decode, in the
+    model's layout, and agrees with float64; 2 queries (16 rows) stay with flash_decode."""
+    import torch
+
+    from tuner import dispatch
+    from tuner.reference import attention_fp64, compare
+
+    d = dispatch.reset()
+    try:
+        for nq, family in ((16, "flash_fwd_sm90_gqa"), (2, None)):
+            shape = (4, 32, nq, 128) if layout == "bhnd" else (4, nq, 32, 128)
+            q = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+            kv_shape = (4, 4, 5003, 128) if layout == "bhnd" else (4, 5003, 4, 128)
+            k, v = (torch.randn(*kv_shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            if layout == "bnhd":
+                q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            o, lse = d(q, k, v, "causal_br", return_lse=True)
+            served = d.plan(q, k, v, "causal_br").family
+            if family:
+                assert served == family
+            else:
+                assert served != "flash_fwd_sm90_gqa"
+            assert o.stride() == dispatch.out_layout(q)[1]
+            ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(128))
+            problem = dispatch.problem_of(q, k, v, "causal_br")
+            assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+    finally:
+        dispatch.reset()

@@ -1,0 +1,131 @@
+"""flash_fwd_sm90_gqa without a GPU: which calls it runs, its launch over K/V heads of packed rows,
+Q's 5-d tensor-map geometry, the dispatcher's rule that serves it, and its seeds' resources."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tuner.dispatch import PACK_ROWS, Dispatcher, _packed_gqa
+from tuner.export import SHIPPED_DIR
+from tuner.gpu import A100_SXM, H100_SXM
+from tuner.kernel_templates import get_family
+from tuner.kernel_templates.flash_fwd_sm90_gqa import group_of, packed_problem
+from tuner.problem import Problem
+
+GQA = get_family("flash_fwd_sm90_gqa")
+SPEC = Problem(32, 64, 16, 8192, 128, "bf16", "causal_br", 8)   # a speculative step of a GQA-8 model: 128 rows
+
+
+def test_runs_gqa_in_16_bits_on_hopper_only():
+    assert GQA.supports(H100_SXM, SPEC) is None
+    assert "one query head per K/V head" in GQA.supports(H100_SXM, Problem(4, 8, 16, 8192, 128, "bf16", "none", 8))
+    assert GQA.supports(A100_SXM, SPEC) is not None
+    assert GQA.supports(H100_SXM, Problem(4, 64, 16, 8192, 128, "fp8", "none", 8)) is not None
+
+
+def test_a_tile_takes_whole_groups_of_query_heads():
+    qwen = Problem(8, 28, 16, 8192, 128, "bf16", "causal_br", 4)   # 7 query heads a K/V head
+    assert GQA.valid_points(H100_SXM, qwen) == []
+    with pytest.raises(ValueError):
+        GQA.default(H100_SXM, qwen)
+    six = Problem(8, 48, 16, 8192, 128, "bf16", "none", 8)   # 6 divide 192 rows, not 64 or 128
+    assert {p["cwg"] for p in GQA.valid_points(H100_SXM, six)} == {3}
+
+
+def test_searched_on_decode_steps_only():
+    assert GQA.tune_skip(H100_SXM, SPEC) is None
+    assert GQA.tune_skip(H100_SXM, Problem(1, 32, 2048, 2048, 128, "bf16", "causal", 8)) is not None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_grid_runs_packed_rows_of_each_k_v_head(seed):
+    rng = random.Random(seed)
+    g, kvh, nq = rng.choice([2, 4, 8, 16]), rng.randint(1, 8), rng.choice([1, 3, 16, 40, 64])
+    p = Problem(rng.randint(1, 64), g * kvh, nq, rng.randint(100, 70000), rng.choice([64, 128, 256]), "bf16", "causal_br", kvh)
+    params = GQA.default(H100_SXM, p)
+    rows = 64 * params["cwg"]
+    x, y, z = GQA.launch(params, p, H100_SXM).grid
+    assert (x, y) == (-(-g * nq // rows), p.batch * kvh)
+    assert z == GQA.splits(params, p, H100_SXM) and 1 <= z <= 16
+    assert packed_problem(p).query_blocks(rows) == x * y
+    if g * nq <= 64:   # one consumer holds the call's rows
+        assert params["cwg"] == 1
+
+
+def test_one_cubin_per_tile_the_split_count_a_launch_parameter():
+    a = GQA.default(H100_SXM, SPEC)
+    lines = GQA.define_lines(a, SPEC)
+    assert "#define PACK_GQA 1" in lines and "#define SPLIT_KV 1" in lines
+    assert GQA.define_lines(dict(a, splits=4), SPEC) == lines
+    assert GQA.param_kinds(a) == get_family("flash_fwd_sm90_split").param_kinds(a)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_q_map_lands_row_r_as_query_r_over_g_of_head_r_mod_g(layout):
+    """The 5-d geometry's dims and byte strides address element (query r // g, head hk * g + r % g)
+    for the box's row r, in either storage; heads or box rows the group does not divide are refused."""
+    from tuner.kernel_templates.sm90_tma import TmaError, _geometry
+
+    b, h, n, d, g = 2, 16, 37, 128, 8
+    t = torch.empty(b, h, n, d, dtype=torch.bfloat16) if layout == "bhnd" else \
+        torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)
+    _, dims, strides, box, _ = _geometry(t, 64, 64, group=g)
+    assert dims == (d, g, n, h // g, b) and box == (64, g, 64 // g)
+    for _ in range(50):
+        bi, hk, r = random.randrange(b), random.randrange(h // g), random.randrange(g * n)
+        coords = (r % g, r // g, hk, bi)   # the box's row r, from its (head in group, query) origin
+        offset = sum(c * s for c, s in zip(coords, strides)) // t.element_size()
+        expect = bi * t.stride(0) + (hk * g + r % g) * t.stride(1) + (r // g) * t.stride(2)
+        assert offset == expect
+    with pytest.raises(TmaError):
+        _geometry(t, 64, 64, group=3)   # 3 divide neither 16 heads nor 64 rows
+    with pytest.raises(TmaError):
+        _geometry(torch.empty(b, 24, n, d, dtype=torch.bfloat16), 64, 64, group=3)   # 3 | 24 heads, not 64 rows
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return Dispatcher(SHIPPED_DIR / "NVIDIA-H100-80GB-HBM3_sm_90.json")
+
+
+@pytest.mark.parametrize("nq,g,packed", [(16, 8, True), (8, 8, True), (16, 4, True), (32, 2, True), (4, 8, False),
+                                         (8, 4, False), (1, 16, False)])
+def test_a_decode_step_packs_from_a_consumer_s_rows(shipped, nq, g, packed):
+    p = Problem(8, 8 * g, nq, 8192, 128, "bf16", "causal_br", 8)
+    entry = shipped.serving_entry(p, H100_SXM)
+    assert (entry["family"] == GQA.name) == packed == (g * nq >= PACK_ROWS)
+    if packed:
+        assert GQA.check(entry["params"], H100_SXM, p) is None
+
+
+def test_packing_leaves_other_calls_and_entries_alone(shipped):
+    decode = {"family": "flash_decode", "params": {}}
+    mha = Problem(8, 8, 16, 8192, 128, "bf16", "causal_br", 8)
+    prefill = Problem(8, 64, 512, 8192, 128, "bf16", "causal_br", 8)
+    qwen = Problem(8, 28, 16, 8192, 128, "bf16", "causal_br", 4)
+    for p in (mha, prefill, qwen):
+        assert _packed_gqa(decode, p, H100_SXM) is decode, p.key
+    assert _packed_gqa(decode, SPEC, A100_SXM) is decode
+    peer = {"family": "sdpa_cudnn", "params": {}}
+    assert _packed_gqa(peer, SPEC, H100_SXM) is peer and _packed_gqa(None, SPEC, H100_SXM) is None
+    assert _packed_gqa(decode, SPEC, H100_SXM)["family"] == GQA.name
+    assert group_of(SPEC) * SPEC.seqlen_q == 128
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+def test_seeds_compile_for_sm90a_without_spills(d, mask):
+    """Every seed that passes check, with no spill, no stack and no warning: the packed rows' own
+    diagonals cost the consumers registers (d=256 causal Bc=80 spilled, and is refused)."""
+    from tuner.compile import compile_kernel
+
+    problem = Problem(2, 32, 16, 8192, d, "bf16", mask, 4)
+    seeds = [p for p in GQA.seeds(H100_SXM, problem) if GQA.check(p, H100_SXM, problem) is None]
+    assert seeds and seeds[0] == GQA.default(H100_SXM, problem)
+    for params in seeds:
+        ck = compile_kernel(GQA, params, problem, H100_SXM.arch)
+        assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (params, ck.resources)
+        assert "warning" not in ck.log and "C75" not in ck.log, ck.log
