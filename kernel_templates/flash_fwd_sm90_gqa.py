@@ -9,8 +9,9 @@ g x Nq rows of one K/V head against each K/V tile it loads, with the keys split 
 the (batch x K/V heads) tiles leave SMs idle, as flash_fwd_sm90_split does.
 
 Its calls: GQA (heads > K/V heads) in 16-bit, g dividing the tile's 64 x cwg rows, and a dense
-batch. The dispatcher serves a decode call's flash_decode entry in this form where its packed rows
-fill a consumer's 64 (dispatch._packed_gqa); a search of every family tunes it on decode steps.
+batch. The dispatcher serves a decode step's kernel entry (flash_decode's, or the plain Hopper
+kernel's) in this form where its packed rows fill a consumer's 64 (dispatch._packed_gqa); a search
+of every family tunes it on decode steps.
 """
 
 from __future__ import annotations
@@ -76,14 +77,17 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         return super()._check(params, gpu, problem)
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
-        # flash_fwd_sm90_split's tiles, and one consumer of 64 rows for calls that pack no more
+        # flash_fwd_sm90_split's tiles, and one consumer of 64 rows for calls that pack no more. A
+        # 16-trial search on the H200 (PERF_NOTES "g1") put Bc 80 first at d=128 (128 packed rows:
+        # 495.8 TFLOP/s against Bc 128's 467.1) and one consumer of Bc 64 at d=256 (437.0 against
+        # two consumers' 399.3: twice the CTAs, each K/V tile read from L2 by both).
         d = problem.head_dim
         if d <= 64:
             cands = [(128, 2, 2, 40, 1), (128, 2, 3, 24, 1), (128, 2, 1, 0, 0)]
         elif d <= 128:
-            cands = [(128, 2, 2, 40, 1), (176, 2, 2, 24, 1), (128, 2, 1, 0, 0), (128, 3, 1, 0, 0)]
+            cands = [(80, 2, 2, 40, 1), (128, 2, 2, 40, 1), (176, 2, 2, 24, 1), (128, 2, 1, 0, 0), (64, 2, 3, 24, 1)]
         else:
-            cands = [(80, 2, 2, 24, 1), (64, 2, 2, 24, 1), (64, 2, 1, 0, 0)]
+            cands = [(64, 2, 1, 0, 0), (80, 2, 2, 24, 1), (64, 2, 2, 24, 1)]
         keys = ("Bc", "stages", "cwg", "split", "pingpong")
         seeds = [dict(zip(keys, c), overlap=1, persistent=0, tma_store=0, chain=0, splits=0) for c in cands]
         if group_of(problem) * problem.seqlen_q <= 64:   # one consumer's rows hold the call's

@@ -91,7 +91,7 @@ def shipped():
     return Dispatcher(SHIPPED_DIR / "NVIDIA-H100-80GB-HBM3_sm_90.json")
 
 
-@pytest.mark.parametrize("nq,g,packed", [(16, 8, True), (8, 8, True), (16, 4, True), (32, 2, True), (4, 8, False),
+@pytest.mark.parametrize("nq,g,packed", [(16, 8, True), (8, 8, True), (16, 4, True), (32, 2, True), (64, 2, True), (4, 8, False),
                                          (8, 4, False), (1, 16, False)])
 def test_a_decode_step_packs_from_a_consumer_s_rows(shipped, nq, g, packed):
     p = Problem(8, 8 * g, nq, 8192, 128, "bf16", "causal_br", 8)
@@ -112,6 +112,10 @@ def test_packing_leaves_other_calls_and_entries_alone(shipped):
     peer = {"family": "sdpa_cudnn", "params": {}}
     assert _packed_gqa(peer, SPEC, H100_SXM) is peer and _packed_gqa(None, SPEC, H100_SXM) is None
     assert _packed_gqa(decode, SPEC, H100_SXM)["family"] == GQA.name
+    for borrowed in ("flash_fwd_sm90", "flash_fwd_sm90_tail", "flash_fwd_sm90_split"):   # a prefill config on a decode step
+        assert _packed_gqa({"family": borrowed, "params": {}}, SPEC, H100_SXM)["family"] == GQA.name
+    assert _packed_gqa({"family": "flash_fwd_mma", "params": {}}, SPEC, H100_SXM)["family"] == "flash_fwd_mma"
+
     assert group_of(SPEC) * SPEC.seqlen_q == 128
 
 

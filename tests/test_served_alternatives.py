@@ -59,3 +59,14 @@ def test_a_speculative_gqa_step_lists_the_packed_kernel_and_what_served_before_i
     alts = alt.alternatives(shipped, small, H200)
     assert alts["served"][0].startswith("flash_decode") and alts["packed"][0] == "flash_fwd_sm90_gqa"
     assert "unpacked" not in alts   # the served entry itself
+    chunk = Problem.parse("8,32:8,64:8192,128,causal_br", "bf16")   # a prefill bucket's config, 256 packed rows
+    alts = alt.alternatives(shipped, chunk, H200)
+    assert alts["served"][0] == "flash_fwd_sm90_gqa"   # what served before (the default's config here) beside it
+    assert select_form(shipped, chunk) in alts.values() and select_form(shipped, chunk)[0] == "flash_fwd_sm90"
+
+
+def select_form(dispatcher, p):
+    from tuner.dispatch import _served_form
+
+    entry = _served_form(dispatcher.select(p, H200), p, H200)
+    return entry["family"], entry["params"]

@@ -50,8 +50,8 @@ DEFAULT_KEYS = 1024
 # 3.34 against 3.43 pinned and flash_decode's 3.50; from 160 µs served and pinned agreed within 1%
 # (benchmarks/PERF_NOTES.md, d10).
 PEER_MIN_MS = 0.05
-# Packed rows (query heads of a K/V head x queries) from which a GQA decode step's flash_decode entry
-# runs as flash_fwd_sm90_gqa (_packed_gqa): one consumer's 64 rows of a wgmma tile, where flash_decode
+# Packed rows (query heads of a K/V head x queries) from which a GQA decode step's kernel entry runs
+# as flash_fwd_sm90_gqa (_packed_gqa): one consumer's 64 rows of a wgmma tile, where flash_decode
 # runs four m16 row blocks of mma.sync that each stream the K/V again.
 PACK_ROWS = 64
 
@@ -604,18 +604,21 @@ def _split_default(problem: Problem, gpu) -> dict | None:
 
 
 def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
-    """`entry`, or where it is flash_decode's (tuned or default) serving a GQA decode step whose
-    query heads x queries make PACK_ROWS packed rows or more, flash_fwd_sm90_gqa's default: the
-    Hopper kernel with those rows in one wgmma tile, each K/V tile loaded once for them. At 16
-    queries x 8 heads flash_decode read 0.29x FlashAttention-4, whose kernel packs them so
-    (PERF_NOTES "r1-r3", "g1"). Where that family cannot run the call (not Hopper, 8-bit, a group
-    that does not divide its tile), `entry` as it is."""
+    """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
+    split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
+    rows or more, flash_fwd_sm90_gqa's default: the Hopper kernel with those rows in its wgmma tile,
+    each K/V tile loaded once for them. On the H200 (PERF_NOTES "g1", bf16, 13 shapes against the
+    entries they had): 16 queries x 8 heads 2.9x flash_decode (0.90x FlashAttention-4, 1.49x at B8),
+    64 queries x 4 heads 1.31x flash_fwd_sm90's borrowed prefill config; at 32 rows level with
+    flash_decode (0.98-1.05x), which keeps them. A measured SDPA backend keeps its bucket; where
+    flash_fwd_sm90_gqa cannot run the call (not Hopper, 8-bit, a group that divides none of its
+    tiles), `entry` as it is."""
     from .kernel_templates import FAMILIES, configs_family
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
-    if (fam is None or entry is None or configs_family(entry["family"]) != "flash_decode" or not problem.decode_step
-            or problem.heads == problem.kv_heads or problem.heads // problem.kv_heads * problem.seqlen_q < PACK_ROWS
-            or fam.supports(gpu, problem)):
+    if (fam is None or entry is None or not problem.decode_step or problem.heads == problem.kv_heads
+            or configs_family(entry["family"]) not in ("flash_decode", "flash_fwd_sm90", "flash_fwd_sm90_split")
+            or problem.heads // problem.kv_heads * problem.seqlen_q < PACK_ROWS or fam.supports(gpu, problem)):
         return entry
     try:
         params = fam.default(gpu, problem)
