@@ -70,7 +70,9 @@
 // of a few queries fills the tile's rows and each K/V head is read once for all g heads. Q comes by
 // a 5-d map (columns, g heads, BR / g queries, K/V head, batch) whose box lands the rows in that order;
 // a row's causal diagonal rises once every g rows (last_key); O and the LSE go out row by row through
-// PackedRows (common.cuh). The tiles run over batch x K/V heads, g x Nq rows each; g divides BR.
+// PackedRows (common.cuh). The tiles run over batch x K/V heads, g x Nq rows each, a block of them
+// whole groups: BR / g x g rows (7 heads a group: 63 of 64), the tile's last rows idle (never loaded,
+// computed on whatever the buffer holds, never stored).
 // P_SMEM (three consumers on a 64-byte-panel tile, d = 72-96: FlashAttention-4's 192-row tiles
 // there): P goes through shared memory, not registers. Each consumer writes its P (64 rows x BC keys,
 // 16-bit, K-major in 128-byte panels of 64 keys) by stmatrix once its last P V has landed, and P V
@@ -294,7 +296,7 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     const QState q{it};
     bar.q.acquire(q);
     if (leader) {
-      bar.q.expect(q, Q_BYTES);
+      bar.q.expect(q, PACK_GQA ? packed_rows<BR>(sched.group) * HEAD_DIM * static_cast<unsigned>(sizeof(T)) : Q_BYTES);
 #pragma unroll
       for (int panel = 0; panel < PANELS; ++panel) {
         T* dst = sm.q + q.index() * BR * HEAD_DIM + panel * BR * PANEL_COLS;
@@ -410,9 +412,9 @@ FT_DEVICE int last_key(int row, const Sequence& seq, int group) {
 
 // OWN_TILES: how many of work tile w's K/V tiles the rows [r0, r1) of consumer cw need
 FT_DEVICE int own_tiles(const RunTile& w, const Sequence& seq, int cw, int group) {
-  const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, seq.nq);
+  const int r0 = w.q0 + cw * 64, r1 = min(r0 + 64, PACK_GQA ? min(seq.nq, w.q0 + packed_rows<BR>(group)) : seq.nq);
   if (!OWN_TILES) return w.ntiles;
-  if (r1 <= 0 || r0 >= seq.nq) return 0;
+  if (r1 <= 0 || r0 >= (PACK_GQA ? r1 : seq.nq)) return 0;
   if constexpr (PACK_GQA && IS_CAUSAL)   // up to the last row's diagonal (from the split's first tile), one tile at least
     return max(1, min(w.ntiles, last_key(r1 - 1, seq, group) / BC + 1 - kv_tile(w, 0)));
   if constexpr (SPLIT_KV && IS_CAUSAL)   // up to the last row's diagonal, from the split's first tile
@@ -509,8 +511,9 @@ struct Consumer {
     softmax_advance(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
     make_p();
   }
-  // PACK_GQA: where the tile's rows go in O and the LSE
-  FT_DEVICE PackedRows packed_rows() const { return PackedRows{out.sn, out.sh, sched.group, out.nq}; }
+  // PACK_GQA: where the tile's rows go in O and the LSE, and where its rows end (packed_rows: whole groups)
+  FT_DEVICE PackedRows packed_places() const { return PackedRows{out.sn, out.sh, sched.group, out.nq}; }
+  FT_DEVICE int packed_end() const { return min(tile.seq.nq, w.q0 + packed_rows<BR>(sched.group)); }
 
   FT_DEVICE void epilogue() {
 #if VARLEN
@@ -523,7 +526,7 @@ struct Consumer {
       const long long rows = (static_cast<long long>(blockIdx.z) * out.split.bhs + w.b * (PACK_GQA ? out.heads / sched.group : out.heads) +
                               w.h) * (PACK_GQA ? tile.seq.nq : out.nq);
       store_slab<FT_F32, DTILES, D_VALID>(out.split.o + rows * D_VALID, D_VALID, out.split.lse + rows, acc.o, acc.m,
-                                          acc.l, lane, w.q0 + wrow0, PACK_GQA ? tile.seq.nq : out.nq, scale_log2);
+                                          acc.l, lane, w.q0 + wrow0, PACK_GQA ? packed_end() : out.nq, scale_log2);
       return;
     }
 #elif TAIL_SPLIT
@@ -536,8 +539,8 @@ struct Consumer {
       store_slab_tma<OUT_DTYPE, DTILES>(o_slab, out.tmap, lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, out.nq, w.h, w.b,
                                         scale_log2);
     } else if constexpr (PACK_GQA) {
-      store_rows<OUT_DTYPE, DTILES, D_VALID>(out.o + w.b * out.sb + w.h * sched.group * out.sh, packed_rows(), lse_bh, acc.o,
-                                             acc.m, acc.l, lane, w.q0 + wrow0, tile.seq.nq, scale_log2);
+      store_rows<OUT_DTYPE, DTILES, D_VALID>(out.o + w.b * out.sb + w.h * sched.group * out.sh, packed_places(), lse_bh, acc.o,
+                                             acc.m, acc.l, lane, w.q0 + wrow0, packed_end(), scale_log2);
     } else {
       store_slab<OUT_DTYPE, DTILES, D_VALID>(out.o + (VARLEN ? tile.seq.q0 * out.sn : w.b * out.sb) + w.h * out.sh, out.sn,
                                              lse_bh, acc.o, acc.m, acc.l, lane, w.q0 + wrow0, tile.seq.nq, scale_log2);
@@ -700,8 +703,8 @@ struct Consumer {
       return;
     if constexpr (PACK_GQA) {   // the workspace holds the tiles' rows; O and the LSE the heads' queries
       const int h0 = w.h * sched.group;
-      merge_rows<D_VALID, OUT_DTYPE>(out.split, gridDim.z, w.b * (out.heads / sched.group) + w.h, tile.seq.nq, w.q0, BR,
-                                     out.o + w.b * out.sb + h0 * out.sh, packed_rows(),
+      merge_rows<D_VALID, OUT_DTYPE>(out.split, gridDim.z, w.b * (out.heads / sched.group) + w.h, tile.seq.nq, w.q0,
+                                     packed_end() - w.q0, out.o + w.b * out.sb + h0 * out.sh, packed_places(),
                                      out.lse + static_cast<long long>(w.b * out.heads + h0) * out.nq, ctid / 32, CWG * 4, lane);
       return;
     }
@@ -797,7 +800,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
   const int bhs = batch * tile_heads, rows = nq * group;
   const bool sections = IS_CAUSAL && causal_sections(bhs);
   // PERSISTENT: the work tiles are n_qblk x batch-heads (MULTICAST: pairs of query blocks)
-  const int n_qblk = (rows + CLUSTER * BR - 1) / (CLUSTER * BR);
+  const int block_rows = PACK_GQA ? packed_rows<BR>(group) : CLUSTER * BR;
+  const int n_qblk = (rows + block_rows - 1) / block_rows;
   const int sec = sections ? section_heads(bhs, kv_group / group, nk, D_VALID * static_cast<int>(sizeof(T))) : 0;
   const int last = sections ? last_section(bhs, sec) : 0;
   const int2 grid_at = IS_CAUSAL && !PERSISTENT && sections

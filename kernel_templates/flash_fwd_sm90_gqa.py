@@ -8,8 +8,8 @@ rows are query r / g of head hk * g + r % g (the kernel's PACK_GQA), so the Hopp
 g x Nq rows of one K/V head against each K/V tile it loads, with the keys split across CTAs where
 the (batch x K/V heads) tiles leave SMs idle, as flash_fwd_sm90_split does.
 
-Its calls: GQA (heads > K/V heads) in 16-bit, g dividing the tile's 64 x cwg rows, and a dense
-batch. The dispatcher serves a decode step's kernel entry (flash_decode's, or the plain Hopper
+Its calls: GQA (heads > K/V heads) in 16-bit, a dense batch; a block holds whole groups of query
+heads (64 x cwg // g x g rows: 63 of 64 at 7 heads a group). The dispatcher serves a decode step's kernel entry (flash_decode's, or the plain Hopper
 kernel's) in this form where its packed rows fill a consumer's 64 (dispatch._packed_gqa); a search
 of every family tunes it on decode steps.
 """
@@ -32,10 +32,17 @@ def group_of(problem: Problem) -> int:
     return problem.heads // problem.kv_heads
 
 
-def packed_problem(problem: Problem) -> Problem:
-    """`problem` as the packed kernel's tiles see it (for counting tiles, not for its mask): one
-    head per K/V head, g x Nq rows each."""
-    return replace(problem, heads=problem.kv_heads, seqlen_q=group_of(problem) * problem.seqlen_q)
+def block_rows(params: dict, problem: Problem) -> int:
+    """The packed rows a block of 64 x cwg holds: whole groups of query heads (7 a group: 63 of 64)."""
+    rows, g = 64 * params["cwg"], group_of(problem)
+    return rows // g * g
+
+
+def packed_problem(params: dict, problem: Problem) -> Problem:
+    """`problem` as the packed kernel's grid sees it (for counting its blocks, not for its mask): one
+    head per K/V head, as many 64 x cwg-row query blocks as the g x Nq packed rows fill."""
+    blocks = ceil_div(group_of(problem) * problem.seqlen_q, block_rows(params, problem))
+    return replace(problem, heads=problem.kv_heads, seqlen_q=blocks * 64 * params["cwg"])
 
 
 class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
@@ -68,29 +75,30 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         rows, g = 64 * params["cwg"], group_of(problem)
-        if rows % g:
-            return f"a tile of {rows} rows takes whole groups of query heads: {g} query heads a K/V head do not divide it"
+        if rows < g:
+            return f"a tile of {rows} rows holds whole groups of query heads: not one of {g}"
         if params["cwg"] > 1 and not params["split"]:
             return "two or three consumers take the producer's registers (split 24 or 40); without, ptxas spills"
-        if problem.head_dim > 128 and problem.causal and params["Bc"] > 64:
-            return "at d=256 the packed rows' diagonals leave causal Bc > 64 short of registers (ptxas spills)"
+        if problem.head_dim > 128 and params["Bc"] > 64:
+            return "past d=128 the packed rows' bounds and diagonals leave Bc > 64 short of registers (ptxas spills)"
         return super()._check(params, gpu, problem)
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
         # flash_fwd_sm90_split's tiles, and one consumer of 64 rows for calls that pack no more. A
-        # 16-trial search on the H200 (PERF_NOTES "g1") put Bc 80 first at d=128 (128 packed rows:
-        # 495.8 TFLOP/s against Bc 128's 467.1) and one consumer of Bc 64 at d=256 (437.0 against
-        # two consumers' 399.3: twice the CTAs, each K/V tile read from L2 by both).
+        # 16-trial search on the H200 (PERF_NOTES "g1") put one consumer of Bc 64 first at d=256 (437.0
+        # TFLOP/s against two consumers' 399.3 at 128 packed rows: twice the CTAs, each K/V tile read
+        # from L2 by both; 457.6 timed in turns with FA4's 401.7). Its Bc 80 at d=128 (495.8 against
+        # 467.1 alone) read 0.89-0.93x Bc 128 in turns on two shapes (435.2, 558.1 against 467.1, 629.4).
         d = problem.head_dim
         if d <= 64:
             cands = [(128, 2, 2, 40, 1), (128, 2, 3, 24, 1), (128, 2, 1, 0, 0)]
         elif d <= 128:
-            cands = [(80, 2, 2, 40, 1), (128, 2, 2, 40, 1), (176, 2, 2, 24, 1), (128, 2, 1, 0, 0), (64, 2, 3, 24, 1)]
+            cands = [(128, 2, 2, 40, 1), (80, 2, 2, 40, 1), (176, 2, 2, 24, 1), (128, 2, 1, 0, 0), (64, 2, 3, 24, 1)]
         else:
             cands = [(64, 2, 1, 0, 0), (80, 2, 2, 24, 1), (64, 2, 2, 24, 1)]
         keys = ("Bc", "stages", "cwg", "split", "pingpong")
         seeds = [dict(zip(keys, c), overlap=1, persistent=0, tma_store=0, chain=0, splits=0) for c in cands]
-        if group_of(problem) * problem.seqlen_q <= 64:   # one consumer's rows hold the call's
+        if group_of(problem) * problem.seqlen_q <= block_rows(dict(cwg=1), problem):   # one consumer holds the call's rows
             seeds.sort(key=lambda s: s["cwg"] != 1)
         return seeds
 
@@ -98,12 +106,11 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         return {**super().defines(params, problem), "PACK_GQA": 1}
 
     def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
-        return params["splits"] or auto_splits(params, packed_problem(problem), gpu)
+        return params["splits"] or auto_splits(params, packed_problem(params, problem), gpu)
 
     def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
-        rows = 64 * params["cwg"]
-        return Launch(grid=(ceil_div(group_of(problem) * problem.seqlen_q, rows), problem.batch * problem.kv_heads,
-                            self.splits(params, problem, gpu)),
+        blocks = ceil_div(group_of(problem) * problem.seqlen_q, block_rows(params, problem))
+        return Launch(grid=(blocks, problem.batch * problem.kv_heads, self.splits(params, problem, gpu)),
                       block=(128 * (params["cwg"] + 1), 1, 1), smem_bytes=self.smem_bytes(params, problem))
 
     def arg_maker(self, params: dict):

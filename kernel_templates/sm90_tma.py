@@ -52,8 +52,9 @@ def _geometry(t, box_rows: int, box_cols: int, group: int = 1) -> tuple:
     innermost first, byte strides, the box of [box_rows x box_cols] elements, swizzled as wide as a
     box row (128, 64 or 32 bytes: `panel_cols`); rows past N and columns past D read as zeros.
     `group` > 1 (flash_fwd_sm90's packed GQA Q): dims (D, group, N, H / group, B), the `group` heads
-    that share a K/V head inside each query, so that a box of (box_cols, group, box_rows / group)
-    lands row r as query r / group of head r % group."""
+    that share a K/V head inside each query, so that a box of (box_cols, group, box_rows // group)
+    lands row r as query r / group of head r % group (whole groups: the box's last rows may stay
+    unfilled)."""
     from cuda.bindings import driver
 
     kind = _data_type(t.dtype)
@@ -70,8 +71,8 @@ def _geometry(t, box_rows: int, box_cols: int, group: int = 1) -> tuple:
     if any(s % 16 for s in strides):
         raise TmaError(f"TMA needs 16-byte aligned data and strides, got strides {strides}")
     if group > 1:
-        if h % group or box_rows % group:
-            raise TmaError(f"packed rows: {group} heads a group must divide the {h} heads and a box's {box_rows} rows")
+        if h % group or box_rows < group:
+            raise TmaError(f"packed rows: {group} heads a group must divide the {h} heads and fit a box's {box_rows} rows")
         sn, sh, sb = strides
         return kind, (d, group, n, h // group, b), (sh, sn, sh * group, sb), (box_cols, group, box_rows // group), swizzle
     return kind, (d, n, h, b), strides, (box_cols, box_rows), swizzle

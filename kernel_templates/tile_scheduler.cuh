@@ -27,6 +27,9 @@ struct WorkTile {
   int q0, b, h, hk, ntiles;   // first query row, batch, head, K/V head, K/V tiles to run
 };
 
+// The rows a block of ROWS holds of packed GQA rows (work_tile's PACK): whole groups of `group`.
+template <int ROWS> FT_DEVICE int packed_rows(int group) { return ROWS / group * group; }
+
 // ROWS x COLS: the query block and the K/V tile (the kernels' BR and BC, which are macros).
 // BOTTOM_RIGHT: the causal diagonal ends at the last key (a KV cache: query row r is token
 // nk - nq + r, so it sees keys up to r + nk - nq); with nq > nk its first rows see no key, and a block of only such rows still runs
@@ -34,18 +37,23 @@ struct WorkTile {
 // PACK (packed GQA, flash_fwd_sm90's PACK_GQA): the rows are a K/V head's `group` query heads
 // interleaved, row r query r / group of head r % group, so nq counts group x the queries, `heads`
 // the K/V heads, and a row's diagonal rises once every `group` rows (not with FROM_END: q0 >= 0).
+// A block holds whole groups: ROWS / group x group rows (packed_rows), the rest of its tile idle.
 template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT = false, bool PACK = false>
 FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, int nk, int group = 1) {
   static_assert(!(PACK && FROM_END), "packed rows start at row 0");
   WorkTile w;
-  if (!CAUSAL) w.q0 = qidx * ROWS;
+  if constexpr (PACK) {
+    const int rows = packed_rows<ROWS>(group);
+    w.q0 = (CAUSAL ? (nq + rows - 1) / rows - 1 - qidx : qidx) * rows;
+  } else if (!CAUSAL) w.q0 = qidx * ROWS;
   else if (FROM_END) w.q0 = nq - (qidx + 1) * ROWS;   // may be < 0 (see above)
   else w.q0 = ((nq + ROWS - 1) / ROWS - 1 - qidx) * ROWS;
   w.b = bh / heads;
   w.h = bh % heads;
   w.hk = w.h / kv_group;
   int kv_end = CAUSAL ? min(nk, w.q0 + ROWS + (BOTTOM_RIGHT ? nk - nq : 0)) : nk;
-  if constexpr (PACK && CAUSAL) kv_end = min(nk, (w.q0 + ROWS - 1) / group + 1 + (BOTTOM_RIGHT ? nk - nq / group : 0));
+  if constexpr (PACK && CAUSAL)
+    kv_end = min(nk, (w.q0 + packed_rows<ROWS>(group) - 1) / group + 1 + (BOTTOM_RIGHT ? nk - nq / group : 0));
   w.ntiles = (kv_end + COLS - 1) / COLS;
   if constexpr (BOTTOM_RIGHT) w.ntiles = max(1, w.ntiles);
   return w;

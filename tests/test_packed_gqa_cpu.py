@@ -12,7 +12,7 @@ from tuner.dispatch import PACK_ROWS, Dispatcher, _packed_gqa
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
-from tuner.kernel_templates.flash_fwd_sm90_gqa import group_of, packed_problem
+from tuner.kernel_templates.flash_fwd_sm90_gqa import block_rows, group_of, packed_problem
 from tuner.problem import Problem
 
 GQA = get_family("flash_fwd_sm90_gqa")
@@ -26,13 +26,14 @@ def test_runs_gqa_in_16_bits_on_hopper_only():
     assert GQA.supports(H100_SXM, Problem(4, 64, 16, 8192, 128, "fp8", "none", 8)) is not None
 
 
-def test_a_tile_takes_whole_groups_of_query_heads():
-    qwen = Problem(8, 28, 16, 8192, 128, "bf16", "causal_br", 4)   # 7 query heads a K/V head
-    assert GQA.valid_points(H100_SXM, qwen) == []
-    with pytest.raises(ValueError):
-        GQA.default(H100_SXM, qwen)
-    six = Problem(8, 48, 16, 8192, 128, "bf16", "none", 8)   # 6 divide 192 rows, not 64 or 128
-    assert {p["cwg"] for p in GQA.valid_points(H100_SXM, six)} == {3}
+def test_a_block_holds_whole_groups_of_query_heads():
+    qwen = Problem(8, 28, 16, 8192, 128, "bf16", "causal_br", 4)   # 7 query heads a K/V head: 112 packed rows
+    for params in GQA.valid_points(H100_SXM, qwen)[::7]:
+        rows = block_rows(params, qwen)
+        assert rows == 64 * params["cwg"] // 7 * 7 and rows % 7 == 0 and 64 * params["cwg"] - rows < 7
+        assert GQA.launch(params, qwen, H100_SXM).grid[:2] == (-(-112 // rows), 8 * 4)
+    wide = Problem(1, 96, 4, 8192, 128, "bf16", "none", 1)   # 96 heads on one K/V head: no group in 64 rows
+    assert {p["cwg"] for p in GQA.valid_points(H100_SXM, wide)} == {2, 3}
 
 
 def test_searched_on_decode_steps_only():
@@ -43,15 +44,15 @@ def test_searched_on_decode_steps_only():
 @pytest.mark.parametrize("seed", range(20))
 def test_the_grid_runs_packed_rows_of_each_k_v_head(seed):
     rng = random.Random(seed)
-    g, kvh, nq = rng.choice([2, 4, 8, 16]), rng.randint(1, 8), rng.choice([1, 3, 16, 40, 64])
+    g, kvh, nq = rng.choice([2, 3, 4, 5, 7, 8, 12, 16]), rng.randint(1, 8), rng.choice([1, 3, 16, 40, 64])
     p = Problem(rng.randint(1, 64), g * kvh, nq, rng.randint(100, 70000), rng.choice([64, 128, 256]), "bf16", "causal_br", kvh)
     params = GQA.default(H100_SXM, p)
-    rows = 64 * params["cwg"]
+    rows = block_rows(params, p)
     x, y, z = GQA.launch(params, p, H100_SXM).grid
     assert (x, y) == (-(-g * nq // rows), p.batch * kvh)
     assert z == GQA.splits(params, p, H100_SXM) and 1 <= z <= 16
-    assert packed_problem(p).query_blocks(rows) == x * y
-    if g * nq <= 64:   # one consumer holds the call's rows
+    assert packed_problem(params, p).query_blocks(64 * params["cwg"]) == x * y
+    if g * nq <= 64 // g * g:   # one consumer holds the call's rows
         assert params["cwg"] == 1
 
 
@@ -81,9 +82,11 @@ def test_q_map_lands_row_r_as_query_r_over_g_of_head_r_mod_g(layout):
         expect = bi * t.stride(0) + (hk * g + r % g) * t.stride(1) + (r // g) * t.stride(2)
         assert offset == expect
     with pytest.raises(TmaError):
-        _geometry(t, 64, 64, group=3)   # 3 divide neither 16 heads nor 64 rows
+        _geometry(t, 64, 64, group=3)   # 3 do not divide 16 heads
+    t24 = torch.empty(b, 24, n, d, dtype=torch.bfloat16)
+    assert _geometry(t24, 64, 64, group=3)[3] == (64, 3, 21)   # whole groups: 63 of a box's 64 rows
     with pytest.raises(TmaError):
-        _geometry(torch.empty(b, 24, n, d, dtype=torch.bfloat16), 64, 64, group=3)   # 3 | 24 heads, not 64 rows
+        _geometry(t24, 2, 64, group=3)   # no whole group in 2 rows
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +94,8 @@ def shipped():
     return Dispatcher(SHIPPED_DIR / "NVIDIA-H100-80GB-HBM3_sm_90.json")
 
 
-@pytest.mark.parametrize("nq,g,packed", [(16, 8, True), (8, 8, True), (16, 4, True), (32, 2, True), (64, 2, True), (4, 8, False),
-                                         (8, 4, False), (1, 16, False)])
+@pytest.mark.parametrize("nq,g,packed", [(16, 8, True), (8, 8, True), (16, 4, True), (32, 2, True), (64, 2, True), (16, 7, True),
+                                         (4, 8, False), (8, 4, False), (1, 16, False), (8, 7, False)])
 def test_a_decode_step_packs_from_a_consumer_s_rows(shipped, nq, g, packed):
     p = Problem(8, 8 * g, nq, 8192, 128, "bf16", "causal_br", 8)
     entry = shipped.serving_entry(p, H100_SXM)
@@ -105,9 +108,10 @@ def test_packing_leaves_other_calls_and_entries_alone(shipped):
     decode = {"family": "flash_decode", "params": {}}
     mha = Problem(8, 8, 16, 8192, 128, "bf16", "causal_br", 8)
     prefill = Problem(8, 64, 512, 8192, 128, "bf16", "causal_br", 8)
-    qwen = Problem(8, 28, 16, 8192, 128, "bf16", "causal_br", 4)
-    for p in (mha, prefill, qwen):
+    for p in (mha, prefill):
         assert _packed_gqa(decode, p, H100_SXM) is decode, p.key
+    qwen = Problem(8, 28, 16, 8192, 128, "bf16", "causal_br", 4)   # 7 heads a group: blocks of 63 or 126 rows
+    assert _packed_gqa(decode, qwen, H100_SXM)["family"] == GQA.name
     assert _packed_gqa(decode, SPEC, A100_SXM) is decode
     peer = {"family": "sdpa_cudnn", "params": {}}
     assert _packed_gqa(peer, SPEC, H100_SXM) is peer and _packed_gqa(None, SPEC, H100_SXM) is None
@@ -123,7 +127,7 @@ def test_packing_leaves_other_calls_and_entries_alone(shipped):
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
 def test_seeds_compile_for_sm90a_without_spills(d, mask):
     """Every seed that passes check, with no spill, no stack and no warning: the packed rows' own
-    diagonals cost the consumers registers (d=256 causal Bc=80 spilled, and is refused)."""
+    diagonals cost the consumers registers (d=256 Bc=80 spilled, and is refused)."""
     from tuner.compile import compile_kernel
 
     problem = Problem(2, 32, 16, 8192, d, "bf16", mask, 4)
