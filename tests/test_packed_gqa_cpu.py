@@ -95,7 +95,8 @@ def shipped():
 
 
 @pytest.mark.parametrize("nq,g,packed", [(16, 8, True), (8, 8, True), (16, 4, True), (32, 2, True), (64, 2, True), (16, 7, True),
-                                         (4, 8, False), (8, 4, False), (1, 16, False), (8, 7, False)])
+                                         (8, 7, True), (12, 4, True), (4, 8, False), (8, 4, False), (1, 16, False),
+                                         (5, 8, False), (23, 2, False)])
 def test_a_decode_step_packs_from_a_consumer_s_rows(shipped, nq, g, packed):
     p = Problem(8, 8 * g, nq, 8192, 128, "bf16", "causal_br", 8)
     entry = shipped.serving_entry(p, H100_SXM)

@@ -51,9 +51,10 @@ DEFAULT_KEYS = 1024
 # (benchmarks/PERF_NOTES.md, d10).
 PEER_MIN_MS = 0.05
 # Packed rows (query heads of a K/V head x queries) from which a GQA decode step's kernel entry runs
-# as flash_fwd_sm90_gqa (_packed_gqa): one consumer's 64 rows of a wgmma tile, where flash_decode
-# runs four m16 row blocks of mma.sync that each stream the K/V again.
-PACK_ROWS = 64
+# as flash_fwd_sm90_gqa (_packed_gqa), in a consumer's 64-row wgmma tile, where flash_decode runs m16
+# row blocks of mma.sync that each stream the K/V again. On the H200 32 rows read level (0.98-1.03x
+# flash_decode), 56 rows 1.56x (8 queries x 7 heads), 64 and more 1.6-2.9x (PERF_NOTES "g1").
+PACK_ROWS = 48
 
 
 @dataclass
@@ -607,10 +608,10 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
     split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
     rows or more, flash_fwd_sm90_gqa's default: the Hopper kernel with those rows in its wgmma tile,
-    each K/V tile loaded once for them. On the H200 (PERF_NOTES "g1", bf16, 13 shapes against the
-    entries they had): 16 queries x 8 heads 2.9x flash_decode (0.90x FlashAttention-4, 1.49x at B8),
-    64 queries x 4 heads 1.31x flash_fwd_sm90's borrowed prefill config; at 32 rows level with
-    flash_decode (0.98-1.05x), which keeps them. A measured SDPA backend keeps its bucket; where
+    each K/V tile loaded once for them. On the H200 (PERF_NOTES "g1", bf16, against the entries
+    they had): 16 queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64
+    queries x 4 heads 1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads
+    1.84-2.35x; at 32 rows level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA backend keeps its bucket; where
     flash_fwd_sm90_gqa cannot run the call (not Hopper, 8-bit, a group that divides none of its
     tiles), `entry` as it is."""
     from .kernel_templates import FAMILIES, configs_family
