@@ -79,8 +79,9 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
             return f"a tile of {rows} rows holds whole groups of query heads: not one of {g}"
         if params["cwg"] > 1 and not params["split"]:
             return "two or three consumers take the producer's registers (split 24 or 40); without, ptxas spills"
-        if problem.head_dim > 128 and params["Bc"] > 64:
-            return "past d=128 the packed rows' bounds and diagonals leave Bc > 64 short of registers (ptxas spills)"
+        if problem.head_dim > 128 and (params["Bc"] > 64 or params["split"] > 24):
+            return ("past d=128 the packed rows' bounds and diagonals leave Bc > 64, or consumers under split 40, "
+                    "short of registers (ptxas spills)")
         return super()._check(params, gpu, problem)
 
     def seeds(self, gpu: GpuSpec, problem: Problem) -> list[dict]:
