@@ -12,7 +12,7 @@ Its calls: GQA (heads > K/V heads) in 16-bit, a dense batch; a block holds whole
 heads (64 x cwg // g x g rows: 63 of 64 at 7 heads a group). The dispatcher serves a decode step's
 kernel entry (flash_decode's, or the plain Hopper kernel's) in this form where its packed rows are
 PACK_ROWS (48) or more (dispatch._packed_gqa); a search of every family tunes it on decode steps.
-On the H200 that read 1.6-3.0x what served before, 0.89x-3.8x FA4 (PERF_NOTES "g1-g3").
+On the H200 that read 1.3-8.6x what served before, 0.89-3.8x FA4 (PERF_NOTES "g1-g3").
 """
 
 from __future__ import annotations
