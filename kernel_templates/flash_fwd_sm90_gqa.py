@@ -39,11 +39,15 @@ def block_rows(params: dict, problem: Problem) -> int:
     return rows // g * g
 
 
+def packed_blocks(params: dict, problem: Problem) -> int:
+    """Query blocks a K/V head's g x Nq packed rows fill: the grid's x."""
+    return ceil_div(group_of(problem) * problem.seqlen_q, block_rows(params, problem))
+
+
 def packed_problem(params: dict, problem: Problem) -> Problem:
     """`problem` as the packed kernel's grid sees it (for counting its blocks, not for its mask): one
     head per K/V head, as many 64 x cwg-row query blocks as the g x Nq packed rows fill."""
-    blocks = ceil_div(group_of(problem) * problem.seqlen_q, block_rows(params, problem))
-    return replace(problem, heads=problem.kv_heads, seqlen_q=blocks * 64 * params["cwg"])
+    return replace(problem, heads=problem.kv_heads, seqlen_q=packed_blocks(params, problem) * 64 * params["cwg"])
 
 
 class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
@@ -111,8 +115,8 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         return params["splits"] or auto_splits(params, packed_problem(params, problem), gpu)
 
     def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
-        blocks = ceil_div(group_of(problem) * problem.seqlen_q, block_rows(params, problem))
-        return Launch(grid=(blocks, problem.batch * problem.kv_heads, self.splits(params, problem, gpu)),
+        return Launch(grid=(packed_blocks(params, problem), problem.batch * problem.kv_heads,
+                            self.splits(params, problem, gpu)),
                       block=(128 * (params["cwg"] + 1), 1, 1), smem_bytes=self.smem_bytes(params, problem))
 
     def arg_maker(self, params: dict):

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from test_split_kv_cpu import assert_seeds_compile_clean
 
 from tuner.dispatch import PACK_ROWS, Dispatcher, _packed_gqa
 from tuner.export import SHIPPED_DIR
@@ -120,7 +121,6 @@ def test_packing_leaves_other_calls_and_entries_alone(shipped):
     for borrowed in ("flash_fwd_sm90", "flash_fwd_sm90_tail", "flash_fwd_sm90_split"):   # a prefill config on a decode step
         assert _packed_gqa({"family": borrowed, "params": {}}, SPEC, H100_SXM)["family"] == GQA.name
     assert _packed_gqa({"family": "flash_fwd_mma", "params": {}}, SPEC, H100_SXM)["family"] == "flash_fwd_mma"
-
     assert group_of(SPEC) * SPEC.seqlen_q == 128
 
 
@@ -129,12 +129,4 @@ def test_packing_leaves_other_calls_and_entries_alone(shipped):
 def test_seeds_compile_for_sm90a_without_spills(d, mask):
     """Every seed that passes check, with no spill, no stack and no warning: the packed rows' own
     diagonals cost the consumers registers (d=256 Bc=80 spilled, and is refused)."""
-    from tuner.compile import compile_kernel
-
-    problem = Problem(2, 32, 16, 8192, d, "bf16", mask, 4)
-    seeds = [p for p in GQA.seeds(H100_SXM, problem) if GQA.check(p, H100_SXM, problem) is None]
-    assert seeds and seeds[0] == GQA.default(H100_SXM, problem)
-    for params in seeds:
-        ck = compile_kernel(GQA, params, problem, H100_SXM.arch)
-        assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (params, ck.resources)
-        assert "warning" not in ck.log and "C75" not in ck.log, ck.log
+    assert_seeds_compile_clean(GQA, Problem(2, 32, 16, 8192, d, "bf16", mask, 4))

@@ -116,12 +116,17 @@ def test_split_count_shares_the_cubin_and_the_kernel_takes_the_workspace():
 def test_seeds_compile_for_sm90a_without_spills(d, mask):
     """Every seed that passes check, with no spill, no stack and no warning: the split's bounds and
     merge cost the consumers registers (d=256 Bc=80 under split 40 spilled, and is refused)."""
+    assert_seeds_compile_clean(SPLIT, Problem(1, 8, 512, 8192, d, "bf16", mask, 1))
+
+
+def assert_seeds_compile_clean(fam, problem: Problem) -> None:
+    """`fam`'s seeds that pass check on `problem` (the first its default) compile for sm_90a with no
+    spill, no stack and no warning, nor serialized wgmma."""
     from tuner.compile import compile_kernel
 
-    problem = Problem(1, 8, 512, 8192, d, "bf16", mask, 1)
-    seeds = [p for p in SPLIT.seeds(H100_SXM, problem) if SPLIT.check(p, H100_SXM, problem) is None]
-    assert seeds and seeds[0] == SPLIT.default(H100_SXM, problem)
+    seeds = [p for p in fam.seeds(H100_SXM, problem) if fam.check(p, H100_SXM, problem) is None]
+    assert seeds and seeds[0] == fam.default(H100_SXM, problem)
     for params in seeds:
-        ck = compile_kernel(SPLIT, params, problem, H100_SXM.arch)
+        ck = compile_kernel(fam, params, problem, H100_SXM.arch)
         assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (params, ck.resources)
-        assert "warning" not in ck.log and "C75" not in ck.log, ck.log   # nor serialized wgmma
+        assert "warning" not in ck.log and "C75" not in ck.log, ck.log

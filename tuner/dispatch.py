@@ -53,7 +53,7 @@ PEER_MIN_MS = 0.05
 # Packed rows (query heads of a K/V head x queries) from which a GQA decode step's kernel entry runs
 # as flash_fwd_sm90_gqa (_packed_gqa), in a consumer's 64-row wgmma tile, where flash_decode runs m16
 # row blocks of mma.sync that each stream the K/V again. On the H200 32 rows read level (0.98-1.03x
-# flash_decode), 56 rows 1.56x (8 queries x 7 heads), 64 and more 1.6-2.9x (PERF_NOTES "g1").
+# flash_decode), 56 rows 1.56x (8 queries x 7 heads), 64 and more 1.3-3.0x (PERF_NOTES "g1-g3").
 PACK_ROWS = 48
 
 
@@ -608,22 +608,23 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
     split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
     rows or more, flash_fwd_sm90_gqa's default: the Hopper kernel with those rows in its wgmma tile,
-    each K/V tile loaded once for them. On the H200 (PERF_NOTES "g1", bf16, against the entries
+    each K/V tile loaded once for them. On the H200 (PERF_NOTES "g1-g3", bf16, against the entries
     they had): 16 queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64
     queries x 4 heads 1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads
-    1.84-2.35x; at 32 rows level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA backend keeps its bucket; where
-    flash_fwd_sm90_gqa cannot run the call (not Hopper, 8-bit, a group that divides none of its
-    tiles), `entry` as it is."""
+    1.84-2.35x; at 32 rows level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA
+    backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
+    head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is."""
     from .kernel_templates import FAMILIES, configs_family
+    from .kernel_templates.flash_fwd_sm90_gqa import group_of
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
-    if (fam is None or entry is None or not problem.decode_step or problem.heads == problem.kv_heads
+    if (fam is None or entry is None or not problem.decode_step
             or configs_family(entry["family"]) not in ("flash_decode", "flash_fwd_sm90", "flash_fwd_sm90_split")
-            or problem.heads // problem.kv_heads * problem.seqlen_q < PACK_ROWS or fam.supports(gpu, problem)):
+            or group_of(problem) * problem.seqlen_q < PACK_ROWS or fam.supports(gpu, problem)):
         return entry
     try:
         params = fam.default(gpu, problem)
-    except ValueError:   # no valid config: the group divides none of its tiles
+    except ValueError:   # no valid config: a group wider than every tile
         return entry
     return {"family": fam.name, "params": params}
 
