@@ -7,6 +7,11 @@ lookup's next tuned candidates in order of distance. For weighing a dispatch rul
 
     python3 benchmarks/served_alternatives.py [--dtype bf16] [--near 3] [--octaves 3] [--json OUT] SHAPE...
     python3 benchmarks/served_alternatives.py --random SEED[:COUNT] [--kind prompt,chunk,cross]
+    python3 benchmarks/served_alternatives.py --measured 6 SHAPE...   # after a `tuner search` of SHAPE
+
+--measured N adds the N fastest configs the results database (TUNER_DB) holds for the shape itself
+("db1".."dbN"), so that a search's winners, each timed alone as it was tried, are weighed in turns
+before one is shipped (PERF_NOTES "g1": a search's winner read 0.89-0.93x the default in turns).
 
 SHAPE is `tuner bench --shape`'s (B,H[:KVH],NQ[:NK],D[,MASK]); --random draws them with
 random_shapes.py (decode steps are weighed only where asked for by --kind).
@@ -68,6 +73,34 @@ def alternatives(dispatcher, problem, gpu, near: int = 3, octaves: float = 3.0) 
     return out
 
 
+def measured(problem, gpu, count: int) -> dict[str, tuple[str, dict]]:
+    """"db1".."db<count>": the fastest distinct kernel configs (family, params) TUNER_DB holds for
+    `problem` on `gpu`, each as measured alone by a search; none where there is no database."""
+    from tuner.db import queries
+    from tuner.db.engine import DatabaseError, open_readonly, session_factory
+    from tuner.kernel_templates import FAMILIES
+
+    try:
+        engine = open_readonly()
+    except DatabaseError as e:
+        print(f"--measured: {e}", file=sys.stderr)
+        return {}
+    with session_factory(engine)() as s:
+        rows = queries.measurements(s, gpu.key, problem_key=problem.key)
+    engine.dispose()
+    out: dict[str, tuple[str, dict]] = {}
+    seen: set[tuple[str, str]] = set()
+    for r in sorted(rows, key=lambda r: -(r["tflops"] or 0.0)):
+        key = (r["family"], r["params_key"])
+        if r["status"] != "ok" or not r["tflops"] or r["family"] not in FAMILIES or key in seen:
+            continue
+        seen.add(key)
+        out[f"db{len(out) + 1}"] = (r["family"], r["params"])
+        if len(out) == count:
+            break
+    return out
+
+
 def shapes_of(args) -> list[str]:
     if not args.random:
         return args.shapes
@@ -85,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--octaves", type=float, default=3.0)
     ap.add_argument("--random", default="", metavar="SEED[:COUNT]")
     ap.add_argument("--kind", default="prompt,chunk,cross")
+    ap.add_argument("--measured", type=int, default=0, metavar="N",
+                    help="also the N fastest configs TUNER_DB holds for each shape")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if not args.shapes and not args.random:
@@ -112,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     for text in shapes_of(args):
         p = Problem.parse(text, args.dtype)
         alts = alternatives(d, p, gpu, args.near, args.octaves)
+        for name, fp in measured(p, gpu, args.measured).items() if args.measured else ():
+            if fp not in alts.values():
+                alts[name] = fp
         with ThreadPoolExecutor(8) as pool:   # NVRTC runs outside the GIL
             cubins = dict(zip(alts, pool.map(lambda fp: compile_kernel(FAMILIES[fp[0]], fp[1], p, gpu.arch), alts.values())))
         prepared = {b: prepare_peer(b, p, 0) for b in peers}

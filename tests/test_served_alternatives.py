@@ -70,3 +70,27 @@ def select_form(dispatcher, p):
 
     entry = _served_form(dispatcher.select(p, H200), p, H200)
     return entry["family"], entry["params"]
+
+
+def test_measured_lists_a_databases_fastest_distinct_kernel_configs_of_the_shape(tmp_path, monkeypatch):
+    from tuner.db import make_engine, queries, session_factory
+    from tuner.records import Measurement
+
+    p = Problem.parse("32,64:8,16:8192,128,causal_br", "bf16")
+    other = Problem.parse("16,32:8,16:16384,128,causal_br", "bf16")
+    fam = FAMILIES["flash_fwd_sm90_gqa"]
+    a, b, c = ({**fam.default(H200, p), "Bc": bc} for bc in (64, 80, 128))
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    with session_factory(make_engine(url))() as s, s.begin():
+        for prob, family, params, status, tf in [
+            (p, fam.name, a, "ok", 400.0), (p, fam.name, a, "ok", 420.0),   # one config twice: listed once
+            (p, fam.name, b, "ok", 480.0), (p, fam.name, c, "wrong_result", 900.0),   # a failure: never
+            (p, "sdpa_cudnn", {}, "ok", 500.0),                                      # a peer: timed anyway
+            (other, fam.name, c, "ok", 700.0),                                        # another shape
+        ]:
+            queries.record_measurement(s, H200, prob, family, params, Measurement(status, 1.0, 1.0, 1.0, tf))
+    monkeypatch.setenv("TUNER_DB", url)
+    assert alt.measured(p, H200, 5) == {"db1": (fam.name, b), "db2": (fam.name, a)}
+    assert alt.measured(p, H200, 1) == {"db1": (fam.name, b)}
+    monkeypatch.setenv("TUNER_DB", f"sqlite:///{tmp_path / 'absent.db'}")
+    assert alt.measured(p, H200, 3) == {}   # no database: nothing added, one line said
