@@ -8,6 +8,7 @@ lookup's next tuned candidates in order of distance. For weighing a dispatch rul
     python3 benchmarks/served_alternatives.py [--dtype bf16] [--near 3] [--octaves 3] [--json OUT] SHAPE...
     python3 benchmarks/served_alternatives.py --random SEED[:COUNT] [--kind prompt,chunk,cross]
     python3 benchmarks/served_alternatives.py --measured 6 SHAPE...   # after a `tuner search` of SHAPE
+    python3 benchmarks/served_alternatives.py --config 'bc80=flash_fwd_sm90_gqa:{"Bc": 80}' SHAPE...
 
 --measured N adds the N fastest configs the results database (TUNER_DB) holds for the shape itself
 ("db1".."dbN"), so that a search's winners, each timed alone as it was tried, are weighed in turns
@@ -101,6 +102,28 @@ def measured(problem, gpu, count: int) -> dict[str, tuple[str, dict]]:
     return out
 
 
+def configured(problem, gpu, specs: list[str]) -> dict[str, tuple[str, dict]]:
+    """--config NAME=FAMILY:JSON: the family's default for `problem` with JSON's params over it, under
+    NAME; one that the family refuses for the shape is left out, with its reason printed."""
+    from tuner.kernel_templates import FAMILIES
+
+    out: dict[str, tuple[str, dict]] = {}
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        family, _, overrides = rest.partition(":")
+        fam = FAMILIES.get(family)
+        if not name or fam is None:
+            raise SystemExit(f"--config {spec!r}: give NAME=FAMILY:JSON with a family of {sorted(FAMILIES)}")
+        why = fam.supports(gpu, problem)
+        params = None if why else {**fam.default(gpu, problem), **json.loads(overrides or "{}")}
+        why = why or fam.check(params, gpu, problem)
+        if why:
+            print(f"    {name}: left out for {problem.key}: {why}")
+            continue
+        out[name] = (fam.name, params)
+    return out
+
+
 def shapes_of(args) -> list[str]:
     if not args.random:
         return args.shapes
@@ -120,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kind", default="prompt,chunk,cross")
     ap.add_argument("--measured", type=int, default=0, metavar="N",
                     help="also the N fastest configs TUNER_DB holds for each shape")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=FAMILY:JSON",
+                    help="also FAMILY's default with JSON's params over it (repeatable)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if not args.shapes and not args.random:
@@ -147,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     for text in shapes_of(args):
         p = Problem.parse(text, args.dtype)
         alts = alternatives(d, p, gpu, args.near, args.octaves)
-        for name, fp in measured(p, gpu, args.measured).items() if args.measured else ():
+        more = {**(measured(p, gpu, args.measured) if args.measured else {}), **configured(p, gpu, args.config)}
+        for name, fp in more.items():
             if fp not in alts.values():
                 alts[name] = fp
         with ThreadPoolExecutor(8) as pool:   # NVRTC runs outside the GIL

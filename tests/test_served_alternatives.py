@@ -94,3 +94,16 @@ def test_measured_lists_a_databases_fastest_distinct_kernel_configs_of_the_shape
     assert alt.measured(p, H200, 1) == {"db1": (fam.name, b)}
     monkeypatch.setenv("TUNER_DB", f"sqlite:///{tmp_path / 'absent.db'}")
     assert alt.measured(p, H200, 3) == {}   # no database: nothing added, one line said
+
+
+def test_a_configured_candidate_is_the_familys_default_with_the_given_params_over_it(capsys):
+    p = Problem.parse("16,40:8,16:8192,128,causal_br", "bf16")
+    fam = FAMILIES["flash_fwd_sm90_gqa"]
+    got = alt.configured(p, H200, ['bc80=flash_fwd_sm90_gqa:{"Bc": 80, "split": 24}',
+                                   'wide=flash_fwd_sm90_gqa:{"Bc": 176, "cwg": 3}',   # refused: printed, left out
+                                   'plain=flash_decode:'])
+    assert got["bc80"] == (fam.name, {**fam.default(H200, p), "Bc": 80, "split": 24})
+    assert "wide" not in got and "wide: left out" in capsys.readouterr().out
+    assert got["plain"] == ("flash_decode", FAMILIES["flash_decode"].default(H200, p))
+    with pytest.raises(SystemExit):
+        alt.configured(p, H200, ["nofamily"])
