@@ -44,6 +44,14 @@ def packed_blocks(params: dict, problem: Problem) -> int:
     return ceil_div(group_of(problem) * problem.seqlen_q, block_rows(params, problem))
 
 
+def block_fill(problem: Problem) -> float:
+    """How full the call's g x Nq packed rows leave the blocks of two consumers (128 rows each) they
+    take: 0.625 for 80 rows, 0.5 for 64, 0.875 for 112 (one block of 7-head groups), 1.0 for 256."""
+    two = dict(cwg=2)
+    rows = group_of(problem) * problem.seqlen_q
+    return rows / (ceil_div(rows, block_rows(two, problem)) * 128)
+
+
 def packed_problem(params: dict, problem: Problem) -> Problem:
     """`problem` as the packed kernel's grid sees it (for counting its blocks, not for its mask): one
     head per K/V head, as many 64 x cwg-row query blocks as the g x Nq packed rows fill."""
@@ -93,18 +101,26 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         # flash_fwd_sm90_split's tiles, and one consumer of 64 rows for calls that pack no more. A
         # 16-trial search on the H200 (PERF_NOTES "g1") put one consumer of Bc 64 first at d=256 (437.0
         # TFLOP/s against two consumers' 399.3 at 128 packed rows: twice the CTAs, each K/V tile read
-        # from L2 by both; 457.6 timed in turns with FA4's 401.7). Its Bc 80 at d=128 (495.8 against
-        # 467.1 alone) read 0.89-0.93x Bc 128 in turns on two shapes (435.2, 558.1 against 467.1, 629.4).
+        # from L2 by both; 457.6 timed in turns with FA4's 401.7). Past d=64 the first seed follows
+        # how full the packed rows leave two consumers' blocks (block_fill, PERF_NOTES "g4").
         d = problem.head_dim
         if d <= 64:
             cands = [(128, 2, 2, 40, 1), (128, 2, 3, 24, 1), (128, 2, 1, 0, 0)]
         elif d <= 128:
-            cands = [(128, 2, 2, 40, 1), (80, 2, 2, 40, 1), (176, 2, 2, 24, 1), (128, 2, 1, 0, 0), (64, 2, 3, 24, 1)]
+            cands = [(128, 2, 2, 40, 1), (80, 2, 2, 24, 1), (64, 2, 2, 24, 1), (80, 2, 2, 40, 1), (176, 2, 2, 24, 1),
+                     (128, 2, 1, 0, 0), (64, 2, 3, 24, 1)]
         else:
             cands = [(64, 2, 1, 0, 0), (80, 2, 2, 24, 1), (64, 2, 2, 24, 1)]
         keys = ("Bc", "stages", "cwg", "split", "pingpong")
         seeds = [dict(zip(keys, c), overlap=1, persistent=0, tma_store=0, chain=0, splits=0) for c in cands]
-        if group_of(problem) * problem.seqlen_q <= block_rows(dict(cwg=1), problem):   # one consumer holds the call's rows
+        if 64 < d <= 128:
+            # Timed in turns on the H200 (d=128, 11 decode steps, 48-256 packed rows): K/V tiles as
+            # narrow as the blocks are empty. Half full or less (48, 64 rows): Bc 64 with a second
+            # consumer idle read 1.01-1.10x one consumer's Bc 128; up to three quarters (80, 96):
+            # Bc 80 1.06x Bc 128; fuller (112, 128, 256): Bc 128 1.00-1.11x the narrower tiles.
+            first = 64 if block_fill(problem) <= 0.5 else 80 if block_fill(problem) <= 0.75 else 128
+            seeds.sort(key=lambda s: (s["Bc"], s["split"]) != (first, 24 if first < 128 else 40))
+        elif group_of(problem) * problem.seqlen_q <= block_rows(dict(cwg=1), problem):   # one consumer holds the call's rows
             seeds.sort(key=lambda s: s["cwg"] != 1)
         return seeds
 

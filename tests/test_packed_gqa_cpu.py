@@ -13,7 +13,7 @@ from tuner.dispatch import PACK_ROWS, Dispatcher, _packed_gqa
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
-from tuner.kernel_templates.flash_fwd_sm90_gqa import block_rows, group_of, packed_problem
+from tuner.kernel_templates.flash_fwd_sm90_gqa import block_fill, block_rows, group_of, packed_problem
 from tuner.problem import Problem
 
 GQA = get_family("flash_fwd_sm90_gqa")
@@ -53,8 +53,27 @@ def test_the_grid_runs_packed_rows_of_each_k_v_head(seed):
     assert (x, y) == (-(-g * nq // rows), p.batch * kvh)
     assert z == GQA.splits(params, p, H100_SXM) and 1 <= z <= 16
     assert packed_problem(params, p).query_blocks(64 * params["cwg"]) == x * y
-    if g * nq <= 64 // g * g:   # one consumer holds the call's rows
+    if g * nq <= 64 // g * g and not 64 < p.head_dim <= 128:   # one consumer holds the call's rows
         assert params["cwg"] == 1
+    if 64 < p.head_dim <= 128:   # K/V tiles as narrow as two consumers' blocks are empty
+        assert params["Bc"] == (64 if block_fill(p) <= 0.5 else 80 if block_fill(p) <= 0.75 else 128)
+
+
+@pytest.mark.parametrize("shape,fill,bc", [
+    ("16,32:8,16:16384,128,causal_br", 0.5, 64),      # 64 rows: one consumer's worth
+    ("32,32:8,12:8192,128,causal_br", 0.375, 64),
+    ("16,40:8,16:8192,128,causal_br", 0.625, 80),     # 80 rows
+    ("16,48:8,16:8192,128,causal_br", 0.75, 80),
+    ("16,28:4,16:8192,128,causal_br", 0.875, 128),    # 112 rows of 7-head groups
+    ("8,32:8,64:8192,128,causal_br", 1.0, 128),       # two full blocks
+    ("4,40:8,32:16384,96,causal_br", 160 / 256, 80),  # 125 + 35 rows: two blocks
+])
+def test_the_first_seed_narrows_k_v_tiles_as_the_blocks_empty(shape, fill, bc):
+    p = Problem.parse(shape, "bf16")
+    assert block_fill(p) == pytest.approx(fill)
+    first = GQA.default(H100_SXM, p)
+    assert (first["Bc"], first["cwg"], first["split"]) == (bc, 2, 24 if bc < 128 else 40)
+    assert GQA.seeds(H100_SXM, p)[0] == first
 
 
 def test_one_cubin_per_tile_the_split_count_a_launch_parameter():
@@ -130,3 +149,20 @@ def test_seeds_compile_for_sm90a_without_spills(d, mask):
     """Every seed that passes check, with no spill, no stack and no warning: the packed rows' own
     diagonals cost the consumers registers (d=256 Bc=80 spilled, and is refused)."""
     assert_seeds_compile_clean(GQA, Problem(2, 32, 16, 8192, d, "bf16", mask, 4))
+
+
+def test_a_packed_entry_tuned_on_many_rows_gives_way_to_flash_decode_on_few():
+    tuned = Problem(16, 40, 16, 8192, 128, "bf16", "causal_br", 8)   # 80 rows
+    entry = {"family": GQA.name, "params": GQA.default(H100_SXM, tuned), "bucket": tuned.bucket().key,
+             "problem": tuned.to_dict()}
+    few = Problem(16, 16, 16, 8192, 128, "bf16", "causal_br", 8)     # 32 rows, the same bucket (groups mix)
+    assert few.bucket() == tuned.bucket()
+    got = _packed_gqa(entry, few, H100_SXM)
+    assert got["family"] == "flash_decode" and got["params"] == get_family("flash_decode").default(H100_SXM, few)
+    own = {**entry, "problem": few.to_dict()}   # tuned on such steps: kept
+    assert _packed_gqa(own, few, H100_SXM) is own
+    nameless = {k: v for k, v in entry.items() if k != "problem"}
+    assert _packed_gqa(nameless, few, H100_SXM) is nameless   # what it was tuned on unknown: as it is
+    assert _packed_gqa(entry, tuned, H100_SXM) is entry   # enough rows: served as tuned
+    prefill = Problem(16, 40, 512, 8192, 128, "bf16", "causal_br", 8)
+    assert _packed_gqa(entry, prefill, H100_SXM) is entry   # not a decode step
