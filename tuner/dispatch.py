@@ -613,20 +613,37 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     queries x 4 heads 1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads
     1.84-2.35x; at 32 rows level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA
     backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
-    head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is."""
+    head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
+    flash_fwd_sm90_gqa entry tuned on PACK_ROWS rows or more (a user's search of a decode bucket may
+    have kept one) serves a step of fewer with flash_decode's default."""
     from .kernel_templates import FAMILIES, configs_family
     from .kernel_templates.flash_fwd_sm90_gqa import group_of
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
-    if (fam is None or entry is None or not problem.decode_step
-            or configs_family(entry["family"]) not in ("flash_decode", "flash_fwd_sm90", "flash_fwd_sm90_split")
-            or group_of(problem) * problem.seqlen_q < PACK_ROWS or fam.supports(gpu, problem)):
+    if fam is None or entry is None or not problem.decode_step:
+        return entry
+    few = group_of(problem) * problem.seqlen_q < PACK_ROWS
+    if entry["family"] == fam.name and few and _tuned_rows(entry) >= PACK_ROWS:
+        # tuned on more packed rows (a bucket mixes groups): under PACK_ROWS flash_decode reads level or ahead
+        return _decode_default(problem, gpu) or entry
+    if (configs_family(entry["family"]) not in ("flash_decode", "flash_fwd_sm90", "flash_fwd_sm90_split")
+            or few or fam.supports(gpu, problem)):
         return entry
     try:
         params = fam.default(gpu, problem)
     except ValueError:   # no valid config: a group wider than every tile
         return entry
     return {"family": fam.name, "params": params}
+
+
+def _tuned_rows(entry: dict) -> int:
+    """The packed rows (query heads a K/V head x queries) of the problem `entry` was tuned on; 0
+    where it names none."""
+    try:
+        p = Problem.from_dict(entry["problem"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+    return p.heads // p.kv_heads * p.seqlen_q
 
 
 def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
