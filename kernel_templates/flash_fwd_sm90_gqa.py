@@ -114,11 +114,15 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         keys = ("Bc", "stages", "cwg", "split", "pingpong")
         seeds = [dict(zip(keys, c), overlap=1, persistent=0, tma_store=0, chain=0, splits=0) for c in cands]
         if 64 < d <= 128:
-            # Timed in turns on the H200 (d=128, 11 decode steps, 48-256 packed rows): K/V tiles as
-            # narrow as the blocks are empty. Half full or less (48, 64 rows): Bc 64 with a second
-            # consumer idle read 1.01-1.10x one consumer's Bc 128; up to three quarters (80, 96):
-            # Bc 80 1.06x Bc 128; fuller (112, 128, 256): Bc 128 1.00-1.11x the narrower tiles.
-            first = 64 if block_fill(problem) <= 0.5 else 80 if block_fill(problem) <= 0.75 else 128
+            # Timed in turns on the H200 (d=128, 19 decode steps of 48-256 packed rows, PERF_NOTES
+            # "g4"): K/V tiles as narrow as the blocks are empty. Half full or less (48, 64 rows): Bc 64
+            # with the second consumer idle, 1.01-1.10x one consumer's Bc 128 on all 7 steps. Up to
+            # three quarters (80, 96 rows): Bc 80, 1.06-1.07x Bc 128 where one block a K/V head makes
+            # at most a wave of CTAs (6 steps; level at 32 CTAs), 0.95x at two waves or two blocks.
+            # Fuller (112, 128, 256): Bc 128, 1.00-1.11x the narrower tiles.
+            fill, one_wave = block_fill(problem), problem.batch * problem.kv_heads <= gpu.sm_count
+            one_block = group_of(problem) * problem.seqlen_q <= block_rows(dict(cwg=2), problem)
+            first = 64 if fill <= 0.5 else 80 if fill <= 0.75 and one_wave and one_block else 128
             seeds.sort(key=lambda s: (s["Bc"], s["split"]) != (first, 24 if first < 128 else 40))
         elif group_of(problem) * problem.seqlen_q <= block_rows(dict(cwg=1), problem):   # one consumer holds the call's rows
             seeds.sort(key=lambda s: s["cwg"] != 1)
