@@ -96,6 +96,27 @@ def _ours(q, k, v, causal, scale):
     return tuner.attention(q, k, v, is_causal=causal, scale=scale)
 
 
+def compiled_as_close_as_sdpa(problem: Problem, dispatcher, family: str):
+    """torch.compile(fullgraph=True) of `attention` on fresh (B, N, H, D) inputs of `problem`, which
+    `dispatcher` must plan on `family`; O and dq, dk, dv (the backward from the kernel's LSE) against
+    float64 autograd, each within twice SDPA's error on the same values or bf16's floor. Returns the
+    inputs, for the caller's own checks of how the call ran."""
+    import torch
+
+    import tuner
+
+    compiled = torch.compile(lambda q, k, v, causal, scale: tuner.attention(q, k, v, is_causal=causal, scale=scale),
+                             fullgraph=True)
+    seed = random.randrange(2**31)
+    q, k, v = _inputs(problem, "bnhd", seed)
+    ours = _errors(compiled, q, k, v, False, None)
+    assert dispatcher.plan(q, k, v, False).family == family
+    theirs = _errors(_sdpa, *_inputs(problem, "bnhd", seed), False, None)
+    for name, a, b in zip(("O", "dq", "dk", "dv"), ours, theirs):
+        assert a <= max(FLOOR[problem.dtype], 2 * b), f"{name} error {a:.3g} (SDPA's {b:.3g})"
+    return q, k, v
+
+
 def _sdpa(q, k, v, causal, scale):
     import torch.nn.functional as F
 

@@ -110,23 +110,11 @@ def test_compiled_forward_and_backward_through_a_packed_step():
     """torch.compile(fullgraph=True) of `attention` on a GQA step the dispatcher packs (16 queries x 8
     query heads a K/V head, 5003 keys, the model's (B, N, H, D) views), then the backward from the
     packed kernel's LSE: O and dq, dk, dv against float64 autograd, as close as SDPA's."""
-    import torch
-    from test_gpu_op import FLOOR, _errors, _inputs, _sdpa
+    from test_gpu_op import compiled_as_close_as_sdpa
 
-    import tuner
     from tuner import dispatch
 
-    problem = Problem(2, 32, 16, 5003, 128, "bf16", "none", 4)
-    d = dispatch.reset()
     try:
-        compiled = torch.compile(lambda q, k, v, causal, scale: tuner.attention(q, k, v, is_causal=causal, scale=scale),
-                                 fullgraph=True)
-        seed = random.randrange(2**31)
-        q, k, v = _inputs(problem, "bnhd", seed)
-        ours = _errors(compiled, q, k, v, False, None)
-        assert d.plan(q, k, v, False).family == "flash_fwd_sm90_gqa"
-        theirs = _errors(_sdpa, *_inputs(problem, "bnhd", seed), False, None)
-        for name, a, b in zip(("O", "dq", "dk", "dv"), ours, theirs):
-            assert a <= max(FLOOR["bf16"], 2 * b), f"{name} error {a:.3g} (SDPA's {b:.3g})"
+        compiled_as_close_as_sdpa(Problem(2, 32, 16, 5003, 128, "bf16", "none", 4), dispatch.reset(), "flash_fwd_sm90_gqa")
     finally:
         dispatch.reset()
