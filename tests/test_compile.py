@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -469,3 +470,40 @@ def test_a_quick_build_is_filed_apart_from_the_production_build(tmp_path, monkey
     assert compile_kernel(FAM, params, problem, A100_SXM.arch).key == prod.key   # each then a hit for its own kind
     assert compile_kernel(FAM, params, problem, A100_SXM.arch, quick=True).cached
     assert _is_elf(quick.cubin) and quick.cubin != prod.cubin
+
+
+def test_a_production_build_after_quick_builds_is_the_one_a_fresh_process_makes(tmp_path, monkeypatch):
+    """NVRTC 13.0 carries -Ofast-compile into later builds of its process (another cubin for the
+    same source): quick builds run in a process of their own, so this one's production builds are
+    the ones a process that never made a quick build makes (the seeds' SASS record depends on it)."""
+    import subprocess
+    import sys
+
+    from tuner import compile as comp
+
+    problem = SM90_PROBLEMS[0]
+    seeds = SM90.seeds(H100_SXM, problem)
+    monkeypatch.setenv("TUNER_CACHE_DIR", str(tmp_path / "quick"))
+    for params in seeds[:2]:
+        compile_kernel(SM90, params, problem, H100_SXM.arch, quick=True)
+    monkeypatch.setenv("TUNER_CACHE_DIR", str(tmp_path / "after"))
+    after = compile_kernel(SM90, seeds[0], problem, H100_SXM.arch).cubin
+    fresh = subprocess.run(
+        [sys.executable, "-c", "import sys; from tuner.compile import compile_kernel; from tuner.gpu import H100_SXM; "
+         "from tuner.kernel_templates import get_family; from tuner.problem import Problem; import json; "
+         "p = Problem(**json.loads(sys.argv[1])); f = get_family('flash_fwd_sm90'); "
+         "sys.stdout.buffer.write(compile_kernel(f, json.loads(sys.argv[2]), p, H100_SXM.arch).cubin)",
+         json.dumps(problem.to_dict()), json.dumps(seeds[0])],
+        capture_output=True, check=True, env={**os.environ, "TUNER_CACHE_DIR": str(tmp_path / "fresh")}).stdout
+    assert after == fresh
+    assert comp._quick_process is False   # this process made none itself
+    with pytest.raises(CompileError, match="no production build"):
+        comp._quick_builder().submit(_production_in_quick_process, problem, seeds[0]).result()
+
+
+def _production_in_quick_process(problem, params):
+    """In the quick-build process: a production build is refused."""
+    from tuner import compile as comp
+
+    comp._quick_process = True
+    return compile_kernel(SM90, params, problem, H100_SXM.arch)

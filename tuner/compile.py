@@ -25,13 +25,21 @@ PTXAS = "-v"
 # mma.sync one in 0.36 instead of 0.73. For the compile sweep (tests/test_compile.py), whose
 # question is whether every valid point builds; registers and spills, which decide configs, come
 # from production builds only. Its cubins are filed under their own cache keys: never served.
+# NVRTC 13.0 keeps the option's effect in its process: after one quick build, a production build of
+# the same source gives another cubin (another SASS), and a later --Ofast-compile=0 a third. So quick
+# builds run in a process of their own (_quick_builder), which makes nothing else.
 QUICK = "max"
+_quick_process = False   # True in that process
+_quick_pool = None
 
 
 class CompileError(RuntimeError):
     def __init__(self, message: str, log: str = "") -> None:
         super().__init__(message)
         self.log = log
+
+    def __reduce__(self):   # raised in the quick-build process, it crosses back whole
+        return CompileError, (str(self), self.log)
 
 
 @cache
@@ -168,7 +176,10 @@ def cache_key(source: str, arch: str, quick: bool = False) -> str:
 
 def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: str, *, quick: bool = False) -> CompiledKernel:
     """Compile one point of a family for `arch` (e.g. sm_90a), or answer from the disk cache.
-    `quick`: a build that only shows the point compiles (QUICK), never one to launch."""
+    `quick`: a build that only shows the point compiles (QUICK), never one to launch; made in the
+    quick-build process."""
+    if _quick_process and not quick:
+        raise CompileError("the quick-build process makes no production build (NVRTC would carry -Ofast-compile into it)")
     source = family.render(params, problem)
     key = cache_key(source, arch, quick)
     smem = family.smem_bytes(params, problem)
@@ -176,6 +187,8 @@ def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: s
     if hit is not None:
         hit.resources.dynamic_smem = smem
         return hit
+    if quick and not _quick_process:
+        return _quick_builder().submit(_quick_build, family, params, problem, arch).result()
     from cuda.core import Program, ProgramOptions
 
     options = ProgramOptions(name=f"{family.name}.cu", arch=arch, std=STD, ptxas_options=PTXAS,
@@ -207,6 +220,24 @@ def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: s
     )
     _write_cache(ck)
     return ck
+
+
+def _quick_builder():
+    """The one process (spawned on first use, kept) that this process's quick builds run in."""
+    global _quick_pool
+    if _quick_pool is None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        _quick_pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    return _quick_pool
+
+
+def _quick_build(family: KernelFamily, params: dict, problem: Problem, arch: str) -> CompiledKernel:
+    """compile_kernel(quick=True), run in the quick-build process (and marking it as one)."""
+    global _quick_process
+    _quick_process = True
+    return compile_kernel(family, params, problem, arch, quick=True)
 
 
 def compile_job(args: tuple[str, dict, Problem, str]) -> tuple[str, str]:
