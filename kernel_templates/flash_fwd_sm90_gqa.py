@@ -117,9 +117,10 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
             # Timed in turns on the H200 (d=128, 19 decode steps of 48-256 packed rows, PERF_NOTES
             # "g4"): K/V tiles as narrow as the blocks are empty. Half full or less (48, 64 rows): Bc 64
             # with the second consumer idle, 1.01-1.10x one consumer's Bc 128 on all 7 steps. Up to
-            # three quarters (80, 96 rows): Bc 80, 1.06-1.07x Bc 128 where one block a K/V head makes
-            # at most a wave of CTAs (6 steps; level at 32 CTAs), 0.95x at two waves or two blocks.
-            # Fuller (112, 128, 256): Bc 128, 1.00-1.11x the narrower tiles.
+            # three quarters (80, 96 rows): Bc 80, 1.02-1.06x Bc 128 where one block a K/V head makes
+            # at most a wave of CTAs (7 of 8 steps, level at 32 CTAs); past a wave a toss-up (one step
+            # read 0.95x and 1.04x in two calls), 0.95x on two blocks. Fuller (112, 128, 256 rows):
+            # Bc 128, 1.05-1.11x Bc 80.
             fill, one_wave = block_fill(problem), problem.batch * problem.kv_heads <= gpu.sm_count
             one_block = group_of(problem) * problem.seqlen_q <= block_rows(dict(cwg=2), problem)
             first = 64 if fill <= 0.5 else 80 if fill <= 0.75 and one_wave and one_block else 128
