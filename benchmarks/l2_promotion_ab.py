@@ -14,9 +14,10 @@ cubins, so a variant here differs from the served call in that one field. SHAPE 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # served_alternatives, beside this script
 
 PROMOTIONS = {"none": 0, "64B": 1, "128B": 2, "256B": 3}   # CUtensorMapL2promotion
 PEERS = ("sdpa_cudnn", "fa4")
@@ -38,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.compile import compile_kernel
     from tuner.gpu import detect
     from tuner.kernel_templates import FAMILIES, sm90_tma
-    from tuner.measure import measure_prepared, prepare_kernel, prepare_peer
+    from tuner.measure import prepare_kernel, prepare_peer
     from tuner.peers import fa4_missing
     from tuner.problem import Problem
-    from tuner.timing import Timer
+    from served_alternatives import report, time_in_turns
 
     gpu, d, rows = detect(), dispatch.default(), []
     peers = [p for p in PEERS if p != "fa4" or fa4_missing() is None]
@@ -62,14 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                 prepared[name] = prepare_kernel(fam, params, p, ck, 0, gpu)
         finally:
             sm90_tma._L2_256B = shipped
-        timed = measure_prepared(prepared, p, Timer(gpu.l2_bytes, target_seconds=0.2), rounds=args.rounds)
         row = {"shape": text, "dtype": args.dtype, "family": fam.name, "params": params,
-               "tflops": {k: m.tflops if m.ok else None for k, m in timed.items()}}
-        rows.append(row)
-        print(f"{p.key} ({fam.name}): " + "  ".join(f"{k} {v:.1f}" if v else f"{k} -" for k, v in row["tflops"].items()),
-              flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps(dict(gpu=gpu.name, rows=rows), indent=1))
+               "tflops": time_in_turns(prepared, p, gpu, args.rounds)}
+        report(rows, row, f"{p.key} ({fam.name})", gpu, args.json)
         del prepared
         torch.cuda.empty_cache()
     return 0

@@ -124,6 +124,25 @@ def configured(problem, gpu, specs: list[str]) -> dict[str, tuple[str, dict]]:
     return out
 
 
+def time_in_turns(prepared: dict, problem, gpu, rounds: int = 4) -> dict[str, float | None]:
+    """TFLOP/s of each prepared candidate and peer, timed in turns on the same inputs with L2
+    flushed (None: it failed its float64 check or its launch)."""
+    from tuner.measure import measure_prepared
+    from tuner.timing import Timer
+
+    timed = measure_prepared(prepared, problem, Timer(gpu.l2_bytes, target_seconds=0.2), rounds=rounds)
+    return {k: m.tflops if m.ok else None for k, m in timed.items()}
+
+
+def report(rows: list[dict], row: dict, label: str, gpu, json_path: str) -> None:
+    """`row` added to `rows` and printed as `label`: name TFLOP/s ...; with `json_path`, all the rows
+    written there after every shape, so a run cut short keeps what it measured."""
+    rows.append(row)
+    print(f"{label}: " + "  ".join(f"{k} {v:.1f}" if v else f"{k} -" for k, v in row["tflops"].items()), flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(gpu=gpu.name, rows=rows), indent=1))
+
+
 def shapes_of(args) -> list[str]:
     if not args.random:
         return args.shapes
@@ -162,10 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.compile import compile_kernel
     from tuner.gpu import detect
     from tuner.kernel_templates import FAMILIES
-    from tuner.measure import measure_prepared, prepare_kernel, prepare_peer
+    from tuner.measure import prepare_kernel, prepare_peer
     from tuner.peers import fa4_missing
     from tuner.problem import Problem
-    from tuner.timing import Timer
 
     gpu, d, rows = detect(), dispatch.default(), []
     peers = [p for p in PEERS if p != "fa4" or fa4_missing() is None]
@@ -181,15 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         prepared = {b: prepare_peer(b, p, 0) for b in peers}
         for name, (fam, params) in alts.items():
             prepared[name] = prepare_kernel(FAMILIES[fam], params, p, cubins[name], 0, gpu)
-        timed = measure_prepared(prepared, p, Timer(gpu.l2_bytes, target_seconds=0.2), rounds=4)
         row = {"shape": text, "dtype": args.dtype, "alternatives": {k: [f, v] for k, (f, v) in alts.items()},
-               "tflops": {k: m.tflops if m.ok else None for k, m in timed.items()}}
-        rows.append(row)
-        print(f"{p.key}: " + "  ".join(f"{k} {v:.1f}" if v else f"{k} -" for k, v in row["tflops"].items()), flush=True)
+               "tflops": time_in_turns(prepared, p, gpu)}
+        report(rows, row, p.key, gpu, args.json)
         for name, (fam, params) in alts.items():
             print(f"    {name}: {fam} {json.dumps(params, sort_keys=True)}")
-        if args.json:   # after every shape: a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps(dict(gpu=gpu.name, rows=rows), indent=1))
         del prepared
         torch.cuda.empty_cache()
     return 0

@@ -33,6 +33,11 @@ def group_of(problem: Problem) -> int:
     return problem.heads // problem.kv_heads
 
 
+def packed_rows(problem: Problem) -> int:
+    """The rows a K/V head's query heads make with their queries packed: g x Nq."""
+    return group_of(problem) * problem.seqlen_q
+
+
 def block_rows(params: dict, problem: Problem) -> int:
     """The packed rows a block of 64 x cwg holds: whole groups of query heads (7 a group: 63 of 64)."""
     rows, g = 64 * params["cwg"], group_of(problem)
@@ -41,14 +46,14 @@ def block_rows(params: dict, problem: Problem) -> int:
 
 def packed_blocks(params: dict, problem: Problem) -> int:
     """Query blocks a K/V head's g x Nq packed rows fill: the grid's x."""
-    return ceil_div(group_of(problem) * problem.seqlen_q, block_rows(params, problem))
+    return ceil_div(packed_rows(problem), block_rows(params, problem))
 
 
 def block_fill(problem: Problem) -> float:
     """How full the call's g x Nq packed rows leave the blocks of two consumers (128 rows each) they
     take: 0.625 for 80 rows, 0.5 for 64, 0.875 for 112 (one block of 7-head groups), 1.0 for 256."""
     two = dict(cwg=2)
-    rows = group_of(problem) * problem.seqlen_q
+    rows = packed_rows(problem)
     return rows / (ceil_div(rows, block_rows(two, problem)) * 128)
 
 
@@ -122,10 +127,10 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
             # read 0.95x and 1.04x in two calls), 0.95x on two blocks. Fuller (112, 128, 256 rows):
             # Bc 128, 1.05-1.11x Bc 80.
             fill, one_wave = block_fill(problem), problem.batch * problem.kv_heads <= gpu.sm_count
-            one_block = group_of(problem) * problem.seqlen_q <= block_rows(dict(cwg=2), problem)
+            one_block = packed_rows(problem) <= block_rows(dict(cwg=2), problem)
             first = 64 if fill <= 0.5 else 80 if fill <= 0.75 and one_wave and one_block else 128
             seeds.sort(key=lambda s: (s["Bc"], s["split"]) != (first, 24 if first < 128 else 40))
-        elif group_of(problem) * problem.seqlen_q <= block_rows(dict(cwg=1), problem):   # one consumer holds the call's rows
+        elif packed_rows(problem) <= block_rows(dict(cwg=1), problem):   # one consumer holds the call's rows
             seeds.sort(key=lambda s: s["cwg"] != 1)
         return seeds
 

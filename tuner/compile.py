@@ -229,14 +229,17 @@ def _quick_builder():
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        _quick_pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        _quick_pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_be_quick_process)
     return _quick_pool
 
 
-def _quick_build(family: KernelFamily, params: dict, problem: Problem, arch: str) -> CompiledKernel:
-    """compile_kernel(quick=True), run in the quick-build process (and marking it as one)."""
+def _be_quick_process() -> None:
     global _quick_process
     _quick_process = True
+
+
+def _quick_build(family: KernelFamily, params: dict, problem: Problem, arch: str) -> CompiledKernel:
+    """compile_kernel(quick=True), run in the quick-build process."""
     return compile_kernel(family, params, problem, arch, quick=True)
 
 

@@ -617,12 +617,12 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     flash_fwd_sm90_gqa entry tuned on PACK_ROWS rows or more (a user's search of a decode bucket may
     have kept one) serves a step of fewer with flash_decode's default."""
     from .kernel_templates import FAMILIES, configs_family
-    from .kernel_templates.flash_fwd_sm90_gqa import group_of
+    from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
     if fam is None or entry is None or not problem.decode_step:
         return entry
-    few = group_of(problem) * problem.seqlen_q < PACK_ROWS
+    few = packed_rows(problem) < PACK_ROWS
     if entry["family"] == fam.name and few and _tuned_rows(entry) >= PACK_ROWS:
         # tuned on more packed rows (a bucket mixes groups): under PACK_ROWS flash_decode reads level or ahead
         return _decode_default(problem, gpu) or entry
@@ -637,13 +637,13 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
 
 
 def _tuned_rows(entry: dict) -> int:
-    """The packed rows (query heads a K/V head x queries) of the problem `entry` was tuned on; 0
-    where it names none."""
+    """The packed rows (g x Nq) of the problem `entry` was tuned on; 0 where it names none."""
+    from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
+
     try:
-        p = Problem.from_dict(entry["problem"])
+        return packed_rows(Problem.from_dict(entry["problem"]))
     except (KeyError, TypeError, ValueError):
         return 0
-    return p.heads // p.kv_heads * p.seqlen_q
 
 
 def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
