@@ -111,6 +111,33 @@ def test_a_decode_peer_s_time_scales_with_the_bytes_a_call_streams(tmp_path):
     assert short_peer(measured, replace(prefill, seqlen_q=1024, seqlen_k=1024)) and not short_peer(measured, prefill)
 
 
+
+def test_a_peer_that_won_on_few_query_blocks_goes_after_the_kernels_on_more(tmp_path):
+    """An 8-head shard's chunk (32 blocks of 128 rows on 132 SMs) measured SDPA flash ahead of the
+    split kernel; 28 heads of a chunk in the same bucket (84 blocks) are served by the kernel, as
+    are more blocks still; the measured call itself, and a call of as few blocks, keep the peer. A
+    peer measured on blocks that filled the GPU keeps its place at any count (PERF_NOTES "n1")."""
+    from tuner.dispatch import PEER_MIN_MS, idle_peer
+
+    shard = Problem(1, 8, 512, 4096, 128, "bf16", "causal_br", kv_heads=1)
+    ms = 4 * PEER_MIN_MS   # long enough that short_peer leaves it in place
+    split = dict(SPLIT.default(H100_SXM, shard), splits=4)
+    path = lookup(tmp_path / "best.json", [entry(shard, "sdpa_flash", {}, shard.flops() / ms / 1e9),
+                                           entry(shard, SPLIT.name, split, shard.flops() / (1.04 * ms) / 1e9)])
+    entries = {e["family"]: e for e in read_lookup(path)["entries"]}
+    more = Problem(1, 28, 350, 3000, 128, "bf16", "causal_br", kv_heads=4)
+    assert more.bucket() == shard.bucket() and shard.query_blocks(128) == 32 and more.query_blocks(128) == 84
+    assert idle_peer(entries["sdpa_flash"], H100_SXM, more) and not idle_peer(entries["sdpa_flash"], H100_SXM, shard)
+    assert not idle_peer(entries[SPLIT.name], H100_SXM, more)   # only peers go after
+    d = Dispatcher(path)
+    assert d.select(shard, H100_SXM)["family"] == "sdpa_flash"
+    assert d.select(replace(shard, seqlen_k=3000), H100_SXM)["family"] == "sdpa_flash"   # as few blocks
+    assert d.select(more, H100_SXM)["family"] == SPLIT.name
+    wide = Problem(8, 32, 512, 4096, 128, "bf16", "causal_br", kv_heads=8)   # 1024 blocks: filled when measured
+    filled = build_lookup([entry(wide, "sdpa_flash", {}, wide.flops() / ms / 1e9)])["entries"][0]
+    assert not idle_peer(filled, H100_SXM, replace(wide, batch=16))
+    assert not idle_peer(entries["sdpa_flash"], H100_SXM, replace(more, seqlen_q=1, seqlen_k=4096))   # a decode step
+
 def test_a_peer_plan_runs_sdpa_without_the_fallback_warning(tmp_path, monkeypatch):
     d = Dispatcher(lookup(tmp_path / "best.json", [entry(BF16, "sdpa_flash", {}, 450.0)]))
     monkeypatch.setitem(d._gpus, 0, H100_SXM)
@@ -118,7 +145,7 @@ def test_a_peer_plan_runs_sdpa_without_the_fallback_warning(tmp_path, monkeypatc
     assert plan.launcher is None and plan.peer == "sdpa_flash" and plan.family == "sdpa_flash" and not plan.reason
     nothing = Dispatcher(tmp_path / "absent.json")
     monkeypatch.setitem(nothing._gpus, 0, H100_SXM)
-    plan = nothing._plan(replace(BF16, heads=4, kv_heads=1, seqlen_q=512, seqlen_k=512), 0)   # SMs idle, no split
+    plan = nothing._plan(replace(BF16, dtype="fp32", max_error=2e-3), 0)   # nothing tuned, no Hopper kernel's dtype
     assert plan.peer is None and "no tuned config" in plan.reason
 
 
@@ -339,8 +366,9 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
     """Nothing tuned near a few heads of a 3k prompt (bottom-right, as a KV cache's prefill puts
     it): flash_fwd_sm90_split's default splits its 50 blocks' keys, where SDPA ran it on 50 SMs
     (114 TFLOP/s against SDPA flash's 45 on the H200, PERF_NOTES "p5"); `tuner bench --lookup`
-    times that. Too few keys to split, or fp32: SDPA, as before; blocks that fill the GPU:
-    flash_fwd_sm90's default (test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default)."""
+    times that. Too few keys to split: flash_fwd_sm90's default unsplit, as for blocks that fill the
+    GPU (test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default; PERF_NOTES "n1": it
+    read 1.14-2.8x SDPA's best on such calls); fp32, which no Hopper kernel takes: SDPA."""
     from tuner.cli import _served
 
     path = lookup(tmp_path / "far.json", [entry(replace(BF16, head_dim=64), SM90.name,
@@ -351,8 +379,9 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
     assert d.select(shard, H100_SXM) is None and e["family"] == SPLIT.name
     assert e["params"] == SPLIT.default(H100_SXM, shard) and SPLIT.splits(e["params"], shard, H100_SXM) > 1
     assert _served(path, [shard], H100_SXM)[shard.key].family == SPLIT.name
-    for p in (replace(shard, seqlen_q=300, seqlen_k=300), replace(shard, dtype="fp32")):
-        assert d.serving_entry(p, H100_SXM) is None, p.key
+    short = replace(shard, seqlen_q=300, seqlen_k=300)
+    assert d.serving_entry(short, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, short)}
+    assert d.serving_entry(replace(shard, dtype="fp32"), H100_SXM) is None
     full = replace(shard, batch=8, heads=32, kv_heads=8)
     assert d.serving_entry(full, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, full)}
 
@@ -362,8 +391,9 @@ def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path
     """Lookups borrow only within a head dim and dtype (tuner.nearest), and the shipped ones tune fp16
     at 64, 128 and 256 only: an fp16 prefill at Phi-3's 96 (Stable Diffusion's 80, 192, ...) that
     fills the GPU runs flash_fwd_sm90's default, its tile padded to the head dim; a decode step runs
-    flash_decode's, padded too; one that does not fill the GPU, a GPU without wgmma, or a head dim no
-    kernel takes (84: not a multiple of 8) runs SDPA, and the plan's reason says which."""
+    flash_decode's, padded too; so does one of blocks that leave SMs idle, with keys too few to
+    split; a GPU without wgmma, or a head dim no kernel takes (84: not a multiple of 8) runs SDPA,
+    and the plan's reason says which."""
     from tuner.cli import _served
 
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
@@ -375,7 +405,8 @@ def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path
     assert _served(str(tmp_path / "absent.json"), [prefill], H100_SXM)[prefill.key].family == SM90.name
     few = replace(prefill, heads=8, seqlen_q=512, seqlen_k=512)   # 32 blocks: SMs idle, 512 keys too few to split
     decode = replace(prefill, seqlen_q=1, seqlen_k=8192)
-    for p, gpu in ((few, H100_SXM), (prefill, A100_SXM), (replace(prefill, head_dim=84), H100_SXM)):
+    assert d_.serving_entry(few, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, few)}
+    for p, gpu in ((prefill, A100_SXM), (replace(prefill, head_dim=84), H100_SXM)):
         assert d_.serving_entry(p, gpu) is None, (p.key, gpu.name)
     step = d_.serving_entry(decode, H100_SXM)   # in its cluster form where its keys split 2-8 ways
     assert configs_family(step["family"]) == "flash_decode"
@@ -509,10 +540,12 @@ def test_bench_times_what_a_lookup_serves_a_peer_among_the_peers(tmp_path, sm90_
     near = replace(BF16, seqlen_q=4096, seqlen_k=4096)
     path = lookup(tmp_path / "best.json", [entry(near, SM90.name, sm90_params, 400.0), entry(FP32, "sdpa_efficient", {}, 9.0)])
     far = replace(BF16, head_dim=64)   # no bucket of its head dim: the Hopper default, as the dispatcher runs it
-    small = replace(far, heads=4, kv_heads=1, seqlen_q=512, seqlen_k=512)   # nor one that fills the GPU: SDPA
-    served = _served(path, [BF16, FP32, far, small], H100_SXM)
+    small = replace(far, heads=4, kv_heads=1, seqlen_q=512, seqlen_k=512)   # SMs idle, too few keys to split: the default
+    fp32 = replace(FP32, head_dim=128)   # no bucket of its head dim, no Hopper kernel of its dtype: SDPA
+    served = _served(path, [BF16, FP32, far, small, fp32], H100_SXM)
     assert served[BF16.key].family == SM90.name and served[BF16.key].params == sm90_params   # from the nearer bucket
-    assert served[FP32.key].family == "sdpa_efficient" and small.key not in served
+    assert served[FP32.key].family == "sdpa_efficient" and fp32.key not in served
+    assert served[small.key].family == SM90.name and served[small.key].params == SM90.default(H100_SXM, small)
     assert served[far.key].family == SM90.name and served[far.key].params == SM90.default(H100_SXM, far)
     # a split count tuned at B1 is timed as the dispatcher runs it at B3: from the occupancy
     shard = Problem(1, 8, 512, 32768, 128, "bf16", "causal_br", 1)

@@ -220,12 +220,13 @@ def test_kernel_ready_counts_fp8_elements_as_bytes():
 
 
 def test_fallback_upcasts_fp8_and_returns_bf16(tmp_path, fp8_case, monkeypatch):
-    """No tuned config: torch's attention on bf16 copies (it takes no fp8), O in bf16, one warning;
-    with an LSE where the backward would need one. Planned and run on the CPU here (the
-    dispatcher's own entry refuses CPU tensors before this point)."""
+    """No kernel of ours for it (fp8 on an A100; on Hopper flash_fwd_sm90's default would serve):
+    torch's attention on bf16 copies (it takes no fp8), O in bf16, one warning; with an LSE where
+    the backward would need one. Planned and run on the CPU here (the dispatcher's own entry
+    refuses CPU tensors before this point)."""
     q, k, v, scale, (ref_o, ref_lse) = fp8_case
     d = Dispatcher(tmp_path / "absent.json")
-    d._gpus[0] = H100_SXM
+    d._gpus[0] = A100_SXM
     plan = d._plan(FP8, 0)
     assert plan.launcher is None and plan.out is torch.bfloat16 and "fp8/d64/causal" in plan.reason
     monkeypatch.setenv("TUNER_BACKWARD", "math")   # the one of torch's kernels that runs on the CPU

@@ -34,10 +34,18 @@ def test_a_borrowed_call_lists_what_is_served_the_defaults_and_the_nearer_candid
 
 
 def test_a_call_sdpa_serves_still_lists_the_kernels_it_could_run(shipped):
-    p = Problem.parse("2,8:2,743:8133,128,none", "fp16")   # 96 query blocks: under a wave, SDPA serves it
-    assert shipped.serving_entry(p, H200) is None
+    p = Problem.parse("128,16,256,72,none", "bf16")   # its bucket's cuDNN entry measured fastest
+    assert shipped.serving_entry(p, H200)["family"] == "sdpa_cudnn"
     alts = alt.alternatives(shipped, p, H200)
     assert "served" not in alts and alts["default"][0] == "flash_fwd_sm90"
+
+
+def test_a_call_of_fewer_blocks_than_sms_nothing_near_serves_runs_the_default(shipped):
+    p = Problem.parse("2,8:2,743:8133,128,none", "fp16")   # 96 query blocks, keys too few to split
+    served = shipped.serving_entry(p, H200)
+    assert served["family"] == "flash_fwd_sm90" and "bucket" not in served
+    alts = alt.alternatives(shipped, p, H200)
+    assert alts["served"] == ("flash_fwd_sm90", served["params"]) and "default" not in alts   # the same config, once
 
 
 def test_random_shapes_are_drawn_as_random_shapes_py_draws_them():
@@ -107,3 +115,4 @@ def test_a_configured_candidate_is_the_familys_default_with_the_given_params_ove
     assert got["plain"] == ("flash_decode", FAMILIES["flash_decode"].default(H200, p))
     with pytest.raises(SystemExit):
         alt.configured(p, H200, ["nofamily"])
+

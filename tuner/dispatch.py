@@ -252,8 +252,8 @@ class Dispatcher:
     def serving_entry(self, problem: Problem, gpu) -> dict | None:
         """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,
         flash_decode's default, for a prefill call that leaves SMs idle, flash_fwd_sm90_split's
-        where it splits the keys, for one that fills the GPU (a head dim nobody tuned),
-        flash_fwd_sm90's; None where none serves it (SDPA then does). A GQA decode step of many
+        where it splits the keys, else flash_fwd_sm90's; None where no kernel of ours runs it (a
+        dtype, head dim or GPU they do not take: SDPA then does). A GQA decode step of many
         packed rows runs flash_fwd_sm90_gqa where flash_decode would (_packed_gqa)."""
         entry = self.select(problem, gpu) or _served_form(_decode_default(problem, gpu) or _split_default(problem, gpu)
                                                           or _prefill_default(problem, gpu), problem, gpu)
@@ -263,10 +263,11 @@ class Dispatcher:
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
         bucket's first (distance 0), fastest first; then those of tuned buckets up to `octaves`
         away, nearer first. Among the entries of one distance, a measured peer too short for its
-        host time at this call (`short_peer`) comes after the kernels."""
+        host time at this call (`short_peer`), or measured on fewer query blocks than SMs and serving
+        more (`idle_peer`), comes after the kernels."""
         for dist, group in itertools.groupby(self._entries_near(problem, gpu, octaves), key=lambda de: de[0]):
             runnable = [e for _, e in group if self._runs(e, problem, gpu)]
-            for e in sorted(runnable, key=lambda e: short_peer(e, problem)):   # stable: fastest first otherwise
+            for e in sorted(runnable, key=lambda e: short_peer(e, problem) or idle_peer(e, gpu, problem)):   # stable otherwise
                 yield dist, e
 
     def packed_candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
@@ -531,9 +532,9 @@ def fills_gpu(problem: Problem, gpu) -> bool:
     """Whether `problem` may borrow a tuned bucket of any distance: a prefill call (more queries
     than decode takes: decode has flash_decode's default) with a query block of FILL_ROWS rows per
     SM at least. A tuned config's work per CTA holds across lengths and batches (long prompts past
-    the tuned 16k, chunks after 64k keys: 1.9-2.5x SDPA where measured, PERF_NOTES "p1", "p2"); with
-    fewer blocks than SMs a kernel that does not split the keys idles most of the GPU, and SDPA
-    (whose flash kernel reads such shapes faster, p1's 8-head shard) serves instead."""
+    the tuned 16k, chunks after 64k keys: 1.9-2.5x SDPA where measured, PERF_NOTES "p1", "p2"); a
+    config tuned where the blocks filled the GPU is no guide where they leave SMs idle, and such a
+    call that nothing near serves runs a default (_split_default, _prefill_default)."""
     return problem.seqlen_q > DECODE_QUERIES and problem.query_blocks(FILL_ROWS) >= gpu.sm_count
 
 
@@ -576,6 +577,24 @@ def short_peer(entry: dict, problem: Problem) -> bool:
     return ms * work(problem) / work(Problem.from_dict(measured)) < PEER_MIN_MS
 
 
+def idle_peer(entry: dict, gpu, problem: Problem) -> bool:
+    """Whether `entry` is a measured SDPA backend that won its bucket on a prefill call whose query
+    blocks left SMs idle, serving a call of more blocks. Where a kernel of ours runs few blocks, as
+    many SMs work as there are blocks and SDPA's kernels can match it (an 8-head shard's 512 x 4096
+    chunk, 32 blocks: SDPA flash 196 TFLOP/s against our split's 188 on the H200); with more blocks
+    ours gain and SDPA's do not keep up: 28 heads of a 350 x 3000 chunk (84 blocks), which that entry
+    served at 118, read 342 with flash_fwd_sm90's default and 245 with the bucket's split entry in
+    the same turns (benchmarks/PERF_NOTES.md, "n1")."""
+    from .peers import DISPATCHED_PEERS
+
+    measured = entry.get("problem")
+    if entry["family"] not in DISPATCHED_PEERS or not isinstance(measured, dict) or problem.seqlen_q <= DECODE_QUERIES:
+        return False
+    tuned = Problem.from_dict(measured)
+    blocks = tuned.query_blocks(FILL_ROWS)
+    return tuned.seqlen_q > DECODE_QUERIES and blocks < gpu.sm_count and problem.query_blocks(FILL_ROWS) > blocks
+
+
 def _decode_default(problem: Problem, gpu) -> dict | None:
     """flash_decode's default config for a decode call nothing tuned serves (no entry of its bucket
     or a nearby one): untuned, it still reads each K/V head once for its query heads and splits the
@@ -593,8 +612,7 @@ def _split_default(problem: Problem, gpu) -> dict | None:
     """flash_fwd_sm90_split's default config for a prefill call nothing tuned serves whose query
     blocks leave SMs idle (a few heads of a short prompt, a chunk of a tensor-parallel shard: no
     bucket within reach, and too few blocks to borrow one at any distance), where its occupancy
-    splits the keys. SDPA's kernels run such calls on the few SMs their blocks take; with one
-    split, the kernel would too, and SDPA's flash kernel measured faster there (PERF_NOTES "p1")."""
+    splits the keys. Where it would run one split, flash_fwd_sm90's default serves (_prefill_default)."""
     from .kernel_templates import FAMILIES
 
     fam = FAMILIES.get("flash_fwd_sm90_split")
@@ -665,15 +683,21 @@ def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
 
 
 def _prefill_default(problem: Problem, gpu) -> dict | None:
-    """flash_fwd_sm90's default config for a prefill call that fills the GPU and that no tuned bucket
-    serves even at any distance: lookups borrow only within a head dim, dtype, mask and error budget
-    (tuner.nearest), so this is a head dim nobody tuned (Phi-3's 96, Stable Diffusion's 80 and 160,
-    192) or such a mask or dtype. The default (the family's first valid seed) came within 1% of the
-    best of every swept space (PERF_NOTES "The Hopper space swept"); SDPA would run FA2's kernel."""
+    """flash_fwd_sm90's default config for a prefill call that no tuned bucket serves: one that fills
+    the GPU with no bucket of its head dim, dtype, mask and error budget at any distance (tuner.nearest
+    borrows only within them: a head dim nobody tuned, Phi-3's 96, Stable Diffusion's 80 and 160), or
+    one of fewer query blocks than SMs with no bucket near whose keys split no gain
+    (_split_default). The default (the family's first valid seed) came within 1% of the best of every
+    swept space (PERF_NOTES "The Hopper space swept"). SDPA served the second kind until PERF_NOTES
+    "n1": on the H200, on eight such calls of 48-128 blocks of 128 rows, it read 1.14-2.8x SDPA's best
+    backend and 1.02-2.5x the best of SDPA and FlashAttention-4 in the same turns (B2-H8/kv2 743 x 8133
+    queries x keys: 546 TFLOP/s against cuDNN's 432; 32 heads of a 216 x 811 chunk: 251 against SDPA
+    flash's 132), where p1's rule had been fitted to one 8-head shard (32 blocks, which its bucket's
+    split entry serves, 0.97x SDPA flash)."""
     from .kernel_templates import FAMILIES
 
     fam = FAMILIES.get("flash_fwd_sm90")
-    if fam is None or not fills_gpu(problem, gpu) or fam.supports(gpu, problem):
+    if fam is None or problem.seqlen_q <= DECODE_QUERIES or fam.supports(gpu, problem):
         return None
     return {"family": fam.name, "params": fam.default(gpu, problem)}
 
