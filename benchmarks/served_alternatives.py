@@ -37,7 +37,7 @@ def alternatives(dispatcher, problem, gpu, near: int = 3, octaves: float = 3.0) 
     the keys), "packed" and "unpacked" (GQA with few queries: flash_fwd_sm90_gqa's default, and a decode
     step's entry as it served before packing), then "near<i>@<octaves>" for the next `near` tuned
     kernel candidates within `octaves`."""
-    from tuner.dispatch import _decode_default, _served_form, _split_default
+    from tuner.dispatch import _decode_default, _served_form, _split_default, served_params
     from tuner.kernel_templates import FAMILIES
     from tuner.problem import DECODE_QUERIES
 
@@ -47,7 +47,9 @@ def alternatives(dispatcher, problem, gpu, near: int = 3, octaves: float = 3.0) 
         if entry is None or entry["family"] not in FAMILIES:
             return
         form = _served_form(entry, problem, gpu)
-        key = (form["family"], form["params"])
+        # a tuned entry's params as a call runs them: its family's adapt from the shape it was tuned
+        # on (a split count fitted to the tuned grid is served from the occupancy), as the plan does
+        key = (form["family"], served_params(form, problem) if form is entry else form["params"])
         if key not in out.values():
             out[name] = key
 

@@ -116,3 +116,15 @@ def test_a_configured_candidate_is_the_familys_default_with_the_given_params_ove
     with pytest.raises(SystemExit):
         alt.configured(p, H200, ["nofamily"])
 
+
+def test_a_tuned_split_count_is_listed_as_the_call_runs_it(shipped):
+    """The shipped entry tuned on an 8-head shard (32 blocks) splits 4 ways; served to 28 heads of a
+    chunk (84 blocks) it splits from the occupancy (KernelFamily.adapt), and "served" is that form,
+    the one a plan runs, not the stored count."""
+    from tuner.dispatch import served_params
+
+    p = Problem.parse("1,28:4,350:3000,128,causal_br", "bf16")
+    entry = shipped.serving_entry(p, H200)
+    assert entry["family"] == "flash_fwd_sm90_split" and entry["params"]["splits"] == 4
+    alts = alt.alternatives(shipped, p, H200)
+    assert alts["served"] == (entry["family"], served_params(entry, p)) and alts["served"][1]["splits"] == 0
