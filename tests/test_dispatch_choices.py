@@ -138,6 +138,34 @@ def test_a_peer_that_won_on_few_query_blocks_goes_after_the_kernels_on_more(tmp_
     assert not idle_peer(filled, H100_SXM, replace(wide, batch=16))
     assert not idle_peer(entries["sdpa_flash"], H100_SXM, replace(more, seqlen_q=1, seqlen_k=4096))   # a decode step
 
+
+def test_a_borrowed_peer_that_led_its_bucket_s_kernels_narrowly_goes_after_them(tmp_path):
+    """A call two octaves from the nearest tuned bucket borrows it: there cuDNN led the kernel entry
+    by 6% (459 against 432, as the H200's d=64 n4096/small bucket measured), which is no guide to the
+    call's shape, so the kernel serves (on the H200 494.7 TFLOP/s against cuDNN's 394.5 on
+    B4-H6-N7847, PERF_NOTES "n1"); a peer that led by PEER_MARGIN or more keeps its place, and so
+    does a narrow one in the call's own bucket (distance 0) and at a decode step."""
+    from tuner.dispatch import PEER_MARGIN, narrow_peer
+
+    tuned = Problem(2, 10, 4096, 4096, 64, "bf16", "none")
+    params = SM90.default(H100_SXM, tuned)
+    call = Problem(4, 6, 7847, 7847, 64, "bf16", "none")
+    assert call.bucket() != tuned.bucket()
+
+    def served(peer_tflops: float, problem: Problem = call) -> str:
+        path = lookup(tmp_path / f"{peer_tflops}.json", [entry(tuned, "sdpa_cudnn", {}, peer_tflops),
+                                                          entry(tuned, SM90.name, params, 432.0)])
+        return Dispatcher(path).select(problem, H100_SXM)["family"]
+
+    assert served(459.0) == SM90.name
+    assert served(432.0 * PEER_MARGIN + 1) == "sdpa_cudnn"
+    assert served(459.0, tuned) == "sdpa_cudnn"   # its own bucket: the measurement stands
+    entries = read_lookup(lookup(tmp_path / "n.json", [entry(tuned, "sdpa_cudnn", {}, 459.0),
+                                                       entry(tuned, SM90.name, params, 432.0)]))["entries"]
+    peer = next(e for e in entries if e["family"] == "sdpa_cudnn")
+    assert narrow_peer(peer, entries, call) and not narrow_peer(peer, entries, replace(call, seqlen_q=1))
+    assert not narrow_peer(peer, [peer], call)   # no kernel of its bucket to weigh it against
+
 def test_a_peer_plan_runs_sdpa_without_the_fallback_warning(tmp_path, monkeypatch):
     d = Dispatcher(lookup(tmp_path / "best.json", [entry(BF16, "sdpa_flash", {}, 450.0)]))
     monkeypatch.setitem(d._gpus, 0, H100_SXM)

@@ -50,6 +50,9 @@ DEFAULT_KEYS = 1024
 # 3.34 against 3.43 pinned and flash_decode's 3.50; from 160 µs served and pinned agreed within 1%
 # (benchmarks/PERF_NOTES.md, d10).
 PEER_MIN_MS = 0.05
+# A measured SDPA entry borrowed from a neighbouring bucket serves a prefill call before that bucket's
+# kernels only where it led them by this much at its own shape (narrow_peer).
+PEER_MARGIN = 1.10
 # Packed rows (query heads of a K/V head x queries) from which a GQA decode step's kernel entry runs
 # as flash_fwd_sm90_gqa (_packed_gqa), in a consumer's 64-row wgmma tile, where flash_decode runs m16
 # row blocks of mma.sync that each stream the K/V again. On the H200 32 rows read level (0.98-1.03x
@@ -263,11 +266,14 @@ class Dispatcher:
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
         bucket's first (distance 0), fastest first; then those of tuned buckets up to `octaves`
         away, nearer first. Among the entries of one distance, a measured peer too short for its
-        host time at this call (`short_peer`), or measured on fewer query blocks than SMs and serving
-        more (`idle_peer`), comes after the kernels."""
+        host time at this call (`short_peer`), measured on fewer query blocks than SMs and serving
+        more (`idle_peer`), or borrowed from another bucket where it led that bucket's kernels by
+        less than PEER_MARGIN (`narrow_peer`), comes after the kernels."""
         for dist, group in itertools.groupby(self._entries_near(problem, gpu, octaves), key=lambda de: de[0]):
             runnable = [e for _, e in group if self._runs(e, problem, gpu)]
-            for e in sorted(runnable, key=lambda e: short_peer(e, problem) or idle_peer(e, gpu, problem)):   # stable otherwise
+            after = [short_peer(e, problem) or idle_peer(e, gpu, problem) or (dist > 0 and narrow_peer(e, runnable, problem))
+                     for e in runnable]
+            for _, e in sorted(zip(after, runnable), key=lambda ae: ae[0]):   # stable: fastest first otherwise
                 yield dist, e
 
     def packed_candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
@@ -575,6 +581,22 @@ def short_peer(entry: dict, problem: Problem) -> bool:
         return False
     work = Problem.bytes_moved if problem.decode_step else Problem.flops
     return ms * work(problem) / work(Problem.from_dict(measured)) < PEER_MIN_MS
+
+
+def narrow_peer(entry: dict, entries: list[dict], problem: Problem) -> bool:
+    """Whether `entry` is a measured SDPA backend that led the best kernel entry of its bucket (and
+    GPU), among `entries`, by less than PEER_MARGIN where both were measured, at a prefill call of
+    another bucket. Our kernels' configs carry across a bucket's neighbours by their work per CTA
+    (KernelFamily.adapt); SDPA's lead at one shape is no guide to another: the d=64 n4096/small
+    bucket's cuDNN entry, 6% ahead of its kernel entry at B2-H10-N4096, served B4-H6-N7847 at 399
+    TFLOP/s where FA4 read 520 (benchmarks/PERF_NOTES.md, "n1")."""
+    from .peers import DISPATCHED_PEERS
+
+    if entry["family"] not in DISPATCHED_PEERS or problem.seqlen_q <= DECODE_QUERIES:
+        return False
+    kernels = [e["tflops"] for e in entries if e["family"] not in DISPATCHED_PEERS
+               and e.get("bucket") == entry.get("bucket") and e.get("gpu_key") == entry.get("gpu_key")]
+    return bool(kernels) and max(kernels) * PEER_MARGIN > entry["tflops"]
 
 
 def idle_peer(entry: dict, gpu, problem: Problem) -> bool:
