@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import time
 
 import pytest
 
@@ -126,3 +127,33 @@ def test_processes_filling_one_cache(cache):
         assert json.loads(meta.read_text())["cubin_sha"] == short_hash(cubin.read_bytes().hex(), 32)
     assert not list(cache.rglob("*.tmp"))  # no temp file left behind
     assert len(list(cache.rglob("*.cubin"))) == len(POINTS) and len(list(cache.rglob("*.json"))) == len(POINTS)
+
+
+def _compile_after_a_miss(name: str, x: int, missed) -> bool:
+    """In another process: see the cache miss, say so, then compile; whether it read the build."""
+    fam = BY_NAME[name]
+    assert tc._read_cache(tc.cache_key(fam.render({"x": x}, P), ARCH, False), fam, ARCH) is None
+    missed.set()
+    return tc.compile_kernel(fam, {"x": x}, P, ARCH).cached
+
+
+def test_a_process_reads_the_build_another_process_is_making(cache):
+    """Two processes set out to build one kernel (each rank of a job on its first call): the one
+    that comes second waits for the first's build and reads it rather than running NVRTC again
+    (files.one_maker). Unlocked, it would build its own in the half second it is given here."""
+    from tuner.files import one_maker
+
+    fam, params = BY_NAME["test_wrong"], {"x": 1}
+    source = fam.render(params, P)
+    key = tc.cache_key(source, ARCH, False)
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager, ctx.Pool(1) as pool:
+        missed = manager.Event()
+        with one_maker(tc._paths(key)[0].with_suffix(".lock")):   # this process is building it
+            later = pool.apply_async(_compile_after_a_miss, ("test_wrong", 1, missed))
+            assert missed.wait(120)
+            time.sleep(0.5)
+            mine = tc._build(fam, params, P, ARCH, source, key, fam.smem_bytes(params, P), False)
+        assert later.get(120) is True
+    assert not mine.cached and _compile("test_wrong", 1).cubin == mine.cubin
+    assert len(list(cache.rglob("*.cubin"))) == 1

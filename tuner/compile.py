@@ -13,7 +13,7 @@ from functools import cache
 from pathlib import Path
 
 from .family import KernelFamily
-from .files import atomic_write
+from .files import atomic_write, one_maker
 from .problem import Problem
 from .records import CompiledKernel, Resources, short_hash
 
@@ -184,11 +184,20 @@ def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: s
     key = cache_key(source, arch, quick)
     smem = family.smem_bytes(params, problem)
     hit = _read_cache(key, family, arch)
-    if hit is not None:
-        hit.resources.dynamic_smem = smem
-        return hit
-    if quick and not _quick_process:
+    if hit is None and quick and not _quick_process:
         return _quick_builder().submit(_quick_build, family, params, problem, arch).result()
+    if hit is None:
+        with one_maker(_paths(key)[0].with_suffix(".lock")):   # another process building it: wait for it
+            hit = _read_cache(key, family, arch)
+            if hit is None:
+                return _build(family, params, problem, arch, source, key, smem, quick)
+    hit.resources.dynamic_smem = smem
+    return hit
+
+
+def _build(family: KernelFamily, params: dict, problem: Problem, arch: str, source: str, key: str, smem: int,
+           quick: bool) -> CompiledKernel:
+    """NVRTC's build of `source` (compile_kernel's miss), written to the cache."""
     from cuda.core import Program, ProgramOptions
 
     options = ProgramOptions(name=f"{family.name}.cu", arch=arch, std=STD, ptxas_options=PTXAS,

@@ -27,6 +27,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from .files import one_maker
+
 SOURCE = Path(__file__).parent / "csrc" / "fast_call.cpp"
 ENV = "FLASHTUNE_NATIVE"   # "0": never build or load it
 
@@ -124,7 +126,14 @@ def built() -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    # built beside its final name and moved there whole: processes building at once all succeed
+    with one_maker(out.with_suffix(".lock")):   # one compiler run for every process starting at once
+        if not out.exists():
+            _compile_to(out, name)
+    return out
+
+
+def _compile_to(out: Path, name: str) -> None:
+    # built beside its final name and moved there whole: a reader never loads half a library
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
@@ -137,7 +146,6 @@ def built() -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return out
 
 
 def _load(path: Path):
