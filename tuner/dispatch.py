@@ -605,8 +605,8 @@ def idle_peer(entry: dict, gpu, problem: Problem) -> bool:
     many SMs work as there are blocks and SDPA's kernels can match it (an 8-head shard's 512 x 4096
     chunk, 32 blocks: SDPA flash 196 TFLOP/s against our split's 188 on the H200); with more blocks
     ours gain and SDPA's do not keep up: 28 heads of a 350 x 3000 chunk (84 blocks), which that entry
-    served at 118, read 342 with flash_fwd_sm90's default and 245 with the bucket's split entry in
-    the same turns (benchmarks/PERF_NOTES.md, "n1")."""
+    served at 185, read 341 with the bucket's split entry (its keys split from the occupancy: one way)
+    and 340 with flash_fwd_sm90's default in the same turns (benchmarks/PERF_NOTES.md, "n1")."""
     from .peers import DISPATCHED_PEERS
 
     measured = entry.get("problem")
