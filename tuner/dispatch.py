@@ -271,9 +271,10 @@ class Dispatcher:
         less than PEER_MARGIN (`narrow_peer`), comes after the kernels."""
         for dist, group in itertools.groupby(self._entries_near(problem, gpu, octaves), key=lambda de: de[0]):
             runnable = [e for _, e in group if self._runs(e, problem, gpu)]
-            after = [short_peer(e, problem) or idle_peer(e, gpu, problem) or (dist > 0 and narrow_peer(e, runnable, problem))
-                     for e in runnable]
-            for _, e in sorted(zip(after, runnable), key=lambda ae: ae[0]):   # stable: fastest first otherwise
+            def after(e: dict) -> bool:
+                return short_peer(e, problem) or idle_peer(e, gpu, problem) or (dist > 0 and narrow_peer(e, runnable, problem))
+
+            for e in sorted(runnable, key=after):   # stable: fastest first otherwise
                 yield dist, e
 
     def packed_candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
