@@ -249,7 +249,8 @@ def test_a_call_that_fills_the_gpu_passes_over_configs_tuned_on_few_heads(tmp_pa
     short = replace(wide, seqlen_q=900, seqlen_k=DEFAULT_KEYS - 1)   # short rows of keys
     near = d.select(short, H100_SXM)
     assert near is not None and near["bucket"] == few.bucket().key
-    medium = replace(few, batch=2, heads=16, kv_heads=16)   # tuned one class up: borrowed as before
+    # tuned one class up, on two waves of blocks or more (_tuned_on_few_blocks): borrowed as before
+    medium = replace(few, batch=2, heads=16, kv_heads=16, seqlen_q=2048)
     d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 380.0, problem=medium, family=sm90.name)]))
     assert d.select(replace(medium, batch=16), H100_SXM)["bucket"] == medium.bucket().key
     # with both near: the small class's entry is nearer, the medium one's serves
@@ -261,6 +262,42 @@ def test_a_call_that_fills_the_gpu_passes_over_configs_tuned_on_few_heads(tmp_pa
     order = [(dist, e["bucket"]) for dist, e in d.candidates(wide, H100_SXM)]
     assert [b for _, b in order] == [near_few.bucket().key, farther.bucket().key] and order[0][0] < order[1][0]
     assert served(wide) is not None and d.serving_entry(wide, H100_SXM)["params"] == other
+
+
+def test_a_call_of_many_waves_passes_over_configs_tuned_on_few_blocks(tmp_path):
+    """A borrowed config tuned where its query blocks made under FEW_WAVES waves (240 blocks of 128
+    rows on 132 SMs: a persistent schedule with a TMA store) gives way to the next entry tuned on more
+    blocks, where the call has MISFIT_BLOCKS times as many, else to flash_fwd_sm90's default; within
+    that factor, under DEFAULT_KEYS keys, and in its own bucket the entry serves."""
+    from tuner.dispatch import DEFAULT_KEYS, FEW_WAVES, FILL_ROWS, MISFIT_BLOCKS
+
+    sm90 = FAMILIES["flash_fwd_sm90"]
+    few = Problem(1, 20, 1500, 1500, 64, "bf16", "none")
+    blocks = few.query_blocks(FILL_ROWS)
+    assert blocks < FEW_WAVES * H100_SXM.sm_count
+    tuned = dict(sm90.default(H100_SXM, few), persistent=1, tma_store=1, split=40, cwg=2)
+    assert tuned != sm90.default(H100_SXM, few)
+    d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 300.0, problem=few, family=sm90.name)]))
+    many = replace(few, heads=25, kv_heads=25, seqlen_q=6805, seqlen_k=1639)   # 1350 blocks: 5.6x
+    assert many.query_blocks(FILL_ROWS) >= MISFIT_BLOCKS * blocks and many.bucket() != few.bucket()
+    assert many.bucket().work == few.bucket().work   # not _tuned_on_few_heads' case
+    default = sm90.served_form(sm90.default(H100_SXM, many), H100_SXM, many)
+    e = d.serving_entry(many, H100_SXM)
+    assert (e["family"], e["params"]) == (default[0].name, default[1]) and "bucket" not in e
+    within = replace(few, heads=25, kv_heads=25, seqlen_q=2007, seqlen_k=5137)   # 400 blocks: 1.7x
+    assert d.select(within, H100_SXM)["bucket"] == few.bucket().key
+    short = replace(many, seqlen_k=DEFAULT_KEYS - 1)
+    assert d.select(short, H100_SXM)["bucket"] == few.bucket().key
+    same = replace(few, heads=31, kv_heads=31, seqlen_q=2048, seqlen_k=2048)   # its own bucket
+    assert same.bucket() == few.bucket() and d.select(same, H100_SXM)["params"] == tuned
+    # an entry tuned on more blocks, farther away, serves before the default
+    wide = replace(few, heads=16, kv_heads=16, seqlen_q=4096, seqlen_k=4096)   # 512 blocks
+    other = dict(tuned, persistent=0, tma_store=0)
+    d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 300.0, problem=few, family=sm90.name),
+                                          entry(other, 430.0, problem=wide, family=sm90.name, mid=2)]))
+    order = [e["bucket"] for _, e in d.candidates(many, H100_SXM)]
+    assert order[0] == few.bucket().key and wide.bucket().key in order
+    assert d.select(many, H100_SXM)["bucket"] == wide.bucket().key
 
 
 def test_select_keeps_error_budgets_apart(tmp_path):

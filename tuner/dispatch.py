@@ -42,6 +42,10 @@ FILL_ROWS = 128
 # Keys a call has at least where a config borrowed from the smallest work class gives way to a larger
 # class's or flash_fwd_sm90's default (_tuned_on_few_heads): "r2"'s rows were 1415-27143 keys long.
 DEFAULT_KEYS = 1024
+# A call that fills the GPU passes over a borrowed entry tuned on fewer than FEW_WAVES waves of query
+# blocks where it has MISFIT_BLOCKS times as many (_tuned_on_few_blocks).
+FEW_WAVES = 2
+MISFIT_BLOCKS = 4
 # A measured SDPA backend serves by torch's Python path (the backend pinned, SDPA's own checks, an
 # LSE buffer), some 30-40 µs of host time a call where our kernels launch from C++; a call shorter
 # than that leaves the GPU idle behind it. So a peer whose entry, scaled to the call's work, runs
@@ -209,17 +213,18 @@ class Dispatcher:
         that of the nearest tuned bucket of the same GPU, dtype, head dim, mask and error budget
         (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away; past
         that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`). A
-        call that fills the GPU passes over entries borrowed from the smallest work class
-        (`_tuned_on_few_heads`) to the nearest of a larger one, else flash_fwd_sm90's default.
+        call that fills the GPU passes over borrowed entries that were tuned where query blocks left
+        SMs idle (`_misfit`) to the nearest that was not, else flash_fwd_sm90's default.
         An entry that gives way at this call (KernelFamily.gives_way) serves its bucket's entry
         of the family it names instead."""
-        near = next((e for _, e in self.candidates(problem, gpu)), None)
+        near = next(self.candidates(problem, gpu), None)
         if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
-            near = next((e for _, e in self.candidates(problem, gpu, math.inf)
+            near = next(((dist, e) for dist, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
-        if near is not None and fills_gpu(problem, gpu) and _tuned_on_few_heads(near, problem):
-            near = next((e for _, e in self.candidates(problem, gpu) if not _tuned_on_few_heads(e, problem)), None) \
-                or _prefill_default(problem, gpu) or near
+        if near is not None and fills_gpu(problem, gpu) and _misfit(*near, problem, gpu):
+            fit = next((e for dist, e in self.candidates(problem, gpu) if not _misfit(dist, e, problem, gpu)), None)
+            near = (0, fit or _prefill_default(problem, gpu) or near[1])
+        near = near and near[1]
         return near and _served_form(self._split_where_idle(self._given_way(near, problem, gpu), problem, gpu), problem, gpu)
 
     def _given_way(self, entry: dict, problem: Problem, gpu) -> dict:
@@ -685,6 +690,30 @@ def _tuned_rows(entry: dict) -> int:
         return packed_rows(Problem.from_dict(entry["problem"]))
     except (KeyError, TypeError, ValueError):
         return 0
+
+
+def _misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
+    """Whether `entry`, `dist` octaves away, is borrowed from a shape whose query blocks left SMs idle
+    by a call that fills the GPU over DEFAULT_KEYS keys: one of the smallest work class
+    (`_tuned_on_few_heads`), or of FEW_WAVES waves of blocks or fewer where the call has
+    MISFIT_BLOCKS times as many (`_tuned_on_few_blocks`). Its own bucket's entries always serve."""
+    return dist > 0 and (_tuned_on_few_heads(entry, problem) or _tuned_on_few_blocks(entry, problem, gpu))
+
+
+def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
+    """Whether `entry` was tuned on fewer than FEW_WAVES waves of FILL_ROWS-row query blocks and
+    serves a call of MISFIT_BLOCKS times as many, over DEFAULT_KEYS keys. A search on one or two
+    waves weighs the last wave's idle SMs (persistent schedules, a TMA store, split keys), which a
+    call of many waves does not have: on the H200 (PERF_NOTES "n2") B1-H25 6805 x 1639 keys at d=64
+    (1350 blocks) ran its neighbour's config tuned on 240 blocks at 373 TFLOP/s, the next bucket's
+    (640 blocks) at 479; causal 3588 x 11838 (725 blocks) the n1024 bucket's, tuned on 96, at 400,
+    flash_fwd_sm90's default at 506. Within 4x the borrowed config holds (B1-H25 2007 x 5137, 400
+    blocks: the 240-block entry read 399, the 96-block one 345)."""
+    measured = entry.get("problem")
+    if not isinstance(measured, dict) or problem.seqlen_k < DEFAULT_KEYS:
+        return False
+    blocks = Problem.from_dict(measured).query_blocks(FILL_ROWS)
+    return blocks < FEW_WAVES * gpu.sm_count and problem.query_blocks(FILL_ROWS) >= MISFIT_BLOCKS * blocks
 
 
 def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
