@@ -106,6 +106,29 @@ def test_attention_serves_a_speculative_gqa_step_packed(layout):
         dispatch.reset()
 
 
+def test_attention_packs_a_wide_head_step_from_fewer_rows():
+    """At d=256 (Gemma's 16 query heads on 8 K/V heads) a step of 8 queries (16 packed rows, under
+    PACK_ROWS) runs flash_fwd_sm90_gqa (dispatch.PACK_ROWS_WIDE), one of 4 queries (8 rows) does not;
+    both agree with float64 on an odd-length cache."""
+    import torch
+
+    from tuner import dispatch
+    from tuner.reference import attention_fp64, compare
+
+    d = dispatch.reset()
+    try:
+        for nq, packed in ((8, True), (4, False)):
+            q = torch.randn(2, 16, nq, 256, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(2, 8, 3001, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            o, lse = d(q, k, v, "causal_br", return_lse=True)
+            assert (d.plan(q, k, v, "causal_br").family == "flash_fwd_sm90_gqa") == packed, nq
+            ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(256))
+            problem = dispatch.problem_of(q, k, v, "causal_br")
+            assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+    finally:
+        dispatch.reset()
+
+
 def test_compiled_forward_and_backward_through_a_packed_step():
     """torch.compile(fullgraph=True) of `attention` on a GQA step the dispatcher packs (16 queries x 8
     query heads a K/V head, 5003 keys, the model's (B, N, H, D) views), then the backward from the

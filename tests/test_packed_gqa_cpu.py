@@ -4,12 +4,13 @@ Q's 5-d tensor-map geometry, the dispatcher's rule that serves it, and its seeds
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 from test_split_kv_cpu import assert_seeds_compile_clean
 
-from tuner.dispatch import PACK_ROWS, Dispatcher, _packed_gqa
+from tuner.dispatch import PACK_ROWS, PACK_ROWS_WIDE, Dispatcher, _packed_gqa
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
@@ -126,6 +127,17 @@ def test_a_decode_step_packs_from_a_consumer_s_rows(shipped, nq, g, packed):
     assert (entry["family"] == GQA.name) == packed == (g * nq >= PACK_ROWS)
     if packed:
         assert GQA.check(entry["params"], H100_SXM, p) is None
+
+
+@pytest.mark.parametrize("nq,g,packed", [(8, 2, True), (16, 2, True), (4, 4, True), (2, 4, False), (1, 8, False), (7, 2, False)])
+def test_a_wide_head_step_packs_from_fewer_rows(shipped, nq, g, packed):
+    """Past d=128 a step packs from PACK_ROWS_WIDE rows (flash_decode's 256-wide m16 rows fall behind
+    the packed kernel's one consumer), where d=128 keeps flash_decode under PACK_ROWS."""
+    p = Problem(4, 8 * g, nq, 16384, 256, "bf16", "causal_br", 8)
+    entry = shipped.serving_entry(p, H100_SXM)
+    assert (entry["family"] == GQA.name) == packed == (g * nq >= PACK_ROWS_WIDE)
+    narrow = shipped.serving_entry(replace(p, head_dim=128), H100_SXM)
+    assert (narrow["family"] == GQA.name) == (g * nq >= PACK_ROWS)
 
 
 def test_packing_leaves_other_calls_and_entries_alone(shipped):

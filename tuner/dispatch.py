@@ -62,6 +62,11 @@ PEER_MARGIN = 1.10
 # row blocks of mma.sync that each stream the K/V again. On the H200 32 rows read level (0.98-1.03x
 # flash_decode), 56 rows 1.56x (8 queries x 7 heads), 64 and more 1.3-3.0x (PERF_NOTES "g1-g3").
 PACK_ROWS = 48
+# Past d=128 from fewer: flash_decode's m16 row blocks each hold a 256-wide accumulator row and stream
+# the K/V again, where the packed kernel's one consumer takes 64 rows a K/V tile. On the H200 (bf16,
+# PERF_NOTES "n2") at d=256 16 rows read 1.13x flash_decode, 24-40 rows 1.6-2.25x on four steps of
+# 8k-32k keys; one step of 4 queries x 8 heads on 4096 keys (a 10 µs call) 0.93x.
+PACK_ROWS_WIDE = 16
 
 
 @dataclass
@@ -653,14 +658,14 @@ def _split_default(problem: Problem, gpu) -> dict | None:
 def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
     split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
-    rows or more, flash_fwd_sm90_gqa's default: the Hopper kernel with those rows in its wgmma tile,
-    each K/V tile loaded once for them. On the H200 (PERF_NOTES "g1-g3", bf16, against the entries
+    rows or more (PACK_ROWS_WIDE past d=128: `pack_rows`), flash_fwd_sm90_gqa's default: the Hopper
+    kernel with those rows in its wgmma tile, each K/V tile loaded once for them. On the H200 (PERF_NOTES "g1-g3", bf16, against the entries
     they had): 16 queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64
     queries x 4 heads 1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads
     1.84-2.35x; at 32 rows level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA
     backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
     head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
-    flash_fwd_sm90_gqa entry tuned on PACK_ROWS rows or more (a user's search of a decode bucket may
+    flash_fwd_sm90_gqa entry tuned on `pack_rows` or more (a user's search of a decode bucket may
     have kept one) serves a step of fewer with flash_decode's default."""
     from .kernel_templates import FAMILIES, configs_family
     from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
@@ -668,9 +673,10 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
     if fam is None or entry is None or not problem.decode_step:
         return entry
-    few = packed_rows(problem) < PACK_ROWS
-    if entry["family"] == fam.name and few and _tuned_rows(entry) >= PACK_ROWS:
-        # tuned on more packed rows (a bucket mixes groups): under PACK_ROWS flash_decode reads level or ahead
+    least = pack_rows(problem)
+    few = packed_rows(problem) < least
+    if entry["family"] == fam.name and few and _tuned_rows(entry) >= least:
+        # tuned on more packed rows (a bucket mixes groups): under `pack_rows` flash_decode reads level or ahead
         return _decode_default(problem, gpu) or entry
     if (configs_family(entry["family"]) not in ("flash_decode", "flash_fwd_sm90", "flash_fwd_sm90_split")
             or few or fam.supports(gpu, problem)):
@@ -680,6 +686,12 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     except ValueError:   # no valid config: a group wider than every tile
         return entry
     return {"family": fam.name, "params": params}
+
+
+def pack_rows(problem: Problem) -> int:
+    """The packed rows (query heads of a K/V head x queries) from which a GQA decode step of
+    `problem`'s head dim runs packed (_packed_gqa): PACK_ROWS, past d=128 PACK_ROWS_WIDE."""
+    return PACK_ROWS_WIDE if problem.head_dim > 128 else PACK_ROWS
 
 
 def _tuned_rows(entry: dict) -> int:
