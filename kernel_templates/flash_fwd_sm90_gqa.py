@@ -11,8 +11,9 @@ the (batch x K/V heads) tiles leave SMs idle, as flash_fwd_sm90_split does.
 Its calls: GQA (heads > K/V heads) in 16-bit, a dense batch; a block holds whole groups of query
 heads (64 x cwg // g x g rows: 63 of 64 at 7 heads a group). The dispatcher serves a decode step's
 kernel entry (flash_decode's, or the plain Hopper kernel's) in this form where its packed rows are
-PACK_ROWS (48) or more (dispatch._packed_gqa); a search of every family tunes it on decode steps.
-On the H200 that read 1.3-8.6x what served before, 0.89-3.8x FA4 (PERF_NOTES "g1-g3").
+PACK_ROWS (48) or more, past d=128 PACK_ROWS_WIDE (16) (dispatch.pack_rows); a search of every
+family tunes it on decode steps. On the H200 that read 1.3-8.6x what served before, 0.89-3.8x FA4
+(PERF_NOTES "g1-g3"); at d=256 from 16 rows 0.93-2.28x, 1.10x or more on 6 of 8 steps ("n2").
 """
 
 from __future__ import annotations

@@ -64,8 +64,9 @@ PEER_MARGIN = 1.10
 PACK_ROWS = 48
 # Past d=128 from fewer: flash_decode's m16 row blocks each hold a 256-wide accumulator row and stream
 # the K/V again, where the packed kernel's one consumer takes 64 rows a K/V tile. On the H200 (bf16,
-# PERF_NOTES "n2") at d=256 16 rows read 1.13x flash_decode, 24-40 rows 1.6-2.25x on four steps of
-# 8k-32k keys; one step of 4 queries x 8 heads on 4096 keys (a 10 µs call) 0.93x.
+# d=256, 8k-32k keys, PERF_NOTES "n2") 16 rows read 1.10-1.48x what served before on three steps and
+# 0.98x on one (2 queries x 8 heads), 24-40 rows 1.59-2.28x on four; 4 queries x 8 heads on 4096 keys
+# (a call of some 10 µs) 0.93x.
 PACK_ROWS_WIDE = 16
 
 
