@@ -230,8 +230,10 @@ class Dispatcher:
         if near is not None and fills_gpu(problem, gpu) and _misfit(*near, problem, gpu):
             fit = next((e for dist, e in self.candidates(problem, gpu) if not _misfit(dist, e, problem, gpu)), None)
             near = (0, fit or _prefill_default(problem, gpu) or near[1])
-        near = near and near[1]
-        return near and _served_form(self._split_where_idle(self._given_way(near, problem, gpu), problem, gpu), problem, gpu)
+        if near is None:
+            return None
+        entry = self._split_where_idle(self._given_way(near[1], problem, gpu), problem, gpu)
+        return _served_form(entry, problem, gpu)
 
     def _given_way(self, entry: dict, problem: Problem, gpu) -> dict:
         """`entry`, or the runnable entry of its bucket of the family it gives way to at this call:
@@ -708,7 +710,7 @@ def _tuned_rows(entry: dict) -> int:
 def _misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
     """Whether `entry`, `dist` octaves away, is borrowed from a shape whose query blocks left SMs idle
     by a call that fills the GPU over DEFAULT_KEYS keys: one of the smallest work class
-    (`_tuned_on_few_heads`), or of FEW_WAVES waves of blocks or fewer where the call has
+    (`_tuned_on_few_heads`), or of under FEW_WAVES waves of blocks where the call has
     MISFIT_BLOCKS times as many (`_tuned_on_few_blocks`). Its own bucket's entries always serve."""
     return dist > 0 and (_tuned_on_few_heads(entry, problem) or _tuned_on_few_blocks(entry, problem, gpu))
 
