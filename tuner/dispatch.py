@@ -590,11 +590,11 @@ def short_peer(entry: dict, problem: Problem) -> bool:
     heads read a quarter of what 32 on 32 do for the same FLOPs), the FLOPs otherwise."""
     from .peers import DISPATCHED_PEERS
 
-    ms, measured = entry.get("median_ms"), entry.get("problem")
-    if entry["family"] not in DISPATCHED_PEERS or not ms or not isinstance(measured, dict):
+    ms, measured = entry.get("median_ms"), _tuned_problem(entry)
+    if entry["family"] not in DISPATCHED_PEERS or not ms or measured is None:
         return False
     work = Problem.bytes_moved if problem.decode_step else Problem.flops
-    return ms * work(problem) / work(Problem.from_dict(measured)) < PEER_MIN_MS
+    return ms * work(problem) / work(measured) < PEER_MIN_MS
 
 
 def narrow_peer(entry: dict, entries: list[dict], problem: Problem) -> bool:
@@ -623,10 +623,9 @@ def idle_peer(entry: dict, gpu, problem: Problem) -> bool:
     and 340 with flash_fwd_sm90's default in the same turns (benchmarks/PERF_NOTES.md, "n1")."""
     from .peers import DISPATCHED_PEERS
 
-    measured = entry.get("problem")
-    if entry["family"] not in DISPATCHED_PEERS or not isinstance(measured, dict) or problem.seqlen_q <= DECODE_QUERIES:
+    tuned = _tuned_problem(entry)
+    if entry["family"] not in DISPATCHED_PEERS or tuned is None or problem.seqlen_q <= DECODE_QUERIES:
         return False
-    tuned = Problem.from_dict(measured)
     blocks = tuned.query_blocks(FILL_ROWS)
     return tuned.seqlen_q > DECODE_QUERIES and blocks < gpu.sm_count and problem.query_blocks(FILL_ROWS) > blocks
 
@@ -662,8 +661,8 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
     split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
     rows or more (PACK_ROWS_WIDE past d=128: `pack_rows`), flash_fwd_sm90_gqa's default: the Hopper
-    kernel with those rows in its wgmma tile, each K/V tile loaded once for them. On the H200 (PERF_NOTES "g1-g3", bf16, against the entries
-    they had): 16 queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64
+    kernel with those rows in its wgmma tile, each K/V tile loaded once for them. On the H200
+    (PERF_NOTES "g1-g3", bf16, against the entries they had): 16 queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64
     queries x 4 heads 1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads
     1.84-2.35x; at 32 rows level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA
     backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
@@ -697,6 +696,13 @@ def pack_rows(problem: Problem) -> int:
     return PACK_ROWS_WIDE if problem.head_dim > 128 else PACK_ROWS
 
 
+def _tuned_problem(entry: dict) -> Problem | None:
+    """The problem a lookup entry was tuned (a kernel) or measured (an SDPA backend) on; None where
+    it names none."""
+    measured = entry.get("problem")
+    return Problem.from_dict(measured) if isinstance(measured, dict) else None
+
+
 def _tuned_rows(entry: dict) -> int:
     """The packed rows (g x Nq) of the problem `entry` was tuned on; 0 where it names none."""
     from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
@@ -724,10 +730,10 @@ def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
     (640 blocks) at 479; causal 3588 x 11838 (725 blocks) the n1024 bucket's, tuned on 96, at 400,
     flash_fwd_sm90's default at 506. Within 4x the borrowed config holds (B1-H25 2007 x 5137, 400
     blocks: the 240-block entry read 399, the 96-block one 345)."""
-    measured = entry.get("problem")
-    if not isinstance(measured, dict) or problem.seqlen_k < DEFAULT_KEYS:
+    tuned = _tuned_problem(entry)
+    if tuned is None or problem.seqlen_k < DEFAULT_KEYS:
         return False
-    blocks = Problem.from_dict(measured).query_blocks(FILL_ROWS)
+    blocks = tuned.query_blocks(FILL_ROWS)
     return blocks < FEW_WAVES * gpu.sm_count and problem.query_blocks(FILL_ROWS) >= MISFIT_BLOCKS * blocks
 
 
