@@ -38,7 +38,10 @@ SPLIT_GAIN = 1.10
 # last wave, a few dependent trips to L2 a row (~16 us on the H100), in query rows x keys of a
 # d=128 main loop. A long launch hides it; a short one-wave launch of 2k-6k keys pays it whole
 # (PERF_NOTES "p6"). It decides where a plain config may run split (split_form): there the
-# alternative is the same config unsplit, which has no tail to pay.
+# alternative is the same config unsplit, which has no tail to pay. PARTIAL_KEYS and MERGE_KEYS were
+# fitted to the row-by-row merge; PERF_NOTES "j1" keeps a warp's rows in flight at once (1.10-1.42x
+# at the occupancy's count, more at 8-16 splits) and has not refitted them: the occupancy's count
+# still read within 0.90-1.0x of the best of 2-16 on five shapes timed.
 MERGE_KEYS = 1100
 
 
