@@ -2,6 +2,7 @@
 the same inputs (each checked against float64 first), as TFLOP/s before and after.
 
     python3 benchmarks/ab_kernel.py --templates OLD_DIR [--dtype bf16] [--lookup] [--json OUT]
+    python3 benchmarks/ab_kernel.py --templates OLD_DIR --family flash_fwd_sm90_split --at 1,8,256:6113,96 --set splits=2,4,8
 
 OLD_DIR holds the kernel sources before the change (`git archive <commit> kernel_templates | tar
 -x -C DIR` gives DIR/kernel_templates); this checkout's sources are "after". With `--after-family
@@ -63,6 +64,30 @@ def configs(gpu, dtype: str | None, lookup: bool, family: str = "flash_fwd_sm90"
     return out
 
 
+def timed_points(fam, gpu, at: list[str], sets: list[str], shapes: list[str], dtype: str | None,
+                 lookup: bool) -> list[tuple]:
+    """(problem, params) to time: `fam`'s default on each shape of `at` (`tuner bench --shape`'s form),
+    else its committed configs (`configs`); only problems whose key contains one of `shapes` where
+    given; each "KEY=V1,V2" of `sets` over every point, a point per value. Points the family refuses
+    are left out, each said why."""
+    from tuner.problem import Problem
+
+    if at:
+        points = [(p, fam.default(gpu, p)) for p in (Problem.parse(s, dtype or "bf16") for s in at)]
+    else:
+        points = configs(gpu, dtype, lookup, fam.name)
+    points = [(p, c) for p, c in points if not shapes or any(s in p.key for s in shapes)]
+    for key, values in (kv.split("=", 1) for kv in sets):
+        points = [(p, c | {key: int(v)}) for p, c in points for v in values.split(",")]
+    kept = {}
+    for p, c in points:
+        if (why := fam.check(c, gpu, p)) is not None:
+            print(f"left out: {p.key} {c}: {why}")
+        else:
+            kept.setdefault((p.key, json.dumps(c, sort_keys=True)), (p, c))
+    return list(kept.values())
+
+
 def _compile(args) -> None:
     import seed_resources
 
@@ -106,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", default="flash_fwd_sm90",
                     help="another family (flash_fwd_sm90_split): its shipped lookup entries, on their own problems")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a parameter of every config (repeatable; e.g. Bc=128 to time a peer's tile)")
+                    help="override a parameter of every config (repeatable; e.g. Bc=128 to time a peer's tile; "
+                         "splits=2,4,8: a point per value)")
+    ap.add_argument("--at", action="append", default=[], metavar="SHAPE",
+                    help="the family's default on SHAPE (B,H[:KVH],NQ[:NK],D[,MASK]) instead of the committed configs")
     ap.add_argument("--after-family", metavar="NAME",
                     help="time the after side as each config is served where that is in this family "
                          "(flash_fwd_sm90_tail: a cut tail, KernelFamily.served_form; the others left out), "
@@ -115,13 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2, help="compiler processes")
     a = ap.parse_args(argv)
     gpu = detect()
-    points = [(p, c) for p, c in configs(gpu, a.dtype, a.lookup, a.family)
-              if not a.shape or any(s in p.key for s in a.shape)]
-    if a.set:
-        override = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.set)}
-        points = list({(p.key, json.dumps(c | override, sort_keys=True)): (p, c | override) for p, c in points}.values())
-    sides = {"before": a.templates, "after": None} | dict(v.split("=", 1) for v in a.variant)
     fam = get_family(a.family)
+    points = timed_points(fam, gpu, a.at, a.set, a.shape, a.dtype, a.lookup)
+    sides = {"before": a.templates, "after": None} | dict(v.split("=", 1) for v in a.variant)
     after_fam, afters = fam, [params for _, params in points]   # the after side's family and params, point by point
     if a.after_family:   # the configs a call serves in another family's form (a cut tail); the others left out
         after_fam = get_family(a.after_family)

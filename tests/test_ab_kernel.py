@@ -1,0 +1,28 @@
+"""benchmarks/ab_kernel.py's choice of points to time (offline: no GPU)."""
+
+from __future__ import annotations
+
+from benchmark_scripts import script
+
+from tuner.gpu import H100_SXM
+from tuner.kernel_templates import get_family
+
+
+def test_values_of_a_set_make_a_point_each_and_a_refused_one_is_left_out_with_its_reason(capsys):
+    ab = script("ab_kernel")
+    fam = get_family("flash_fwd_sm90_split")
+    points = ab.timed_points(fam, H100_SXM, ["1,4,129:1683,96", "2,8,256:4000,64"], ["splits=2,8,16"], [], None, False)
+    got = [(p.key, c["splits"]) for p, c in points]
+    # 1683 keys are 10 K/V tiles of the d=96 default's Bc 176: 16 splits exceed them; 4000 keys take 16
+    assert got == [("B1-H4-N129x1683-D96-bf16-full", 2), ("B1-H4-N129x1683-D96-bf16-full", 8),
+                   ("B2-H8-N256x4000-D64-bf16-full", 2), ("B2-H8-N256x4000-D64-bf16-full", 8),
+                   ("B2-H8-N256x4000-D64-bf16-full", 16)]
+    assert all(c == dict(fam.default(H100_SXM, p), splits=c["splits"]) for p, c in points)
+    assert "splits=16 exceeds the 10 K/V tiles" in capsys.readouterr().out
+
+
+def test_shape_filter_narrows_the_points():
+    ab = script("ab_kernel")
+    fam = get_family("flash_fwd_sm90_split")
+    points = ab.timed_points(fam, H100_SXM, ["1,4,129:1683,96", "2,8,256:4000,64"], [], ["D64"], None, False)
+    assert [p.key for p, _ in points] == ["B2-H8-N256x4000-D64-bf16-full"]
