@@ -73,7 +73,12 @@ def timed_points(fam, gpu, at: list[str], sets: list[str], shapes: list[str], dt
     from tuner.problem import Problem
 
     if at:
-        points = [(p, fam.default(gpu, p)) for p in (Problem.parse(s, dtype or "bf16") for s in at)]
+        points = []
+        for p in (Problem.parse(s, dtype or "bf16") for s in at):
+            if (why := fam.supports(gpu, p)) is not None:
+                print(f"left out: {p.key}: {why}")
+            else:
+                points.append((p, fam.default(gpu, p)))
     else:
         points = configs(gpu, dtype, lookup, fam.name)
     points = [(p, c) for p, c in points if not shapes or any(s in p.key for s in shapes)]
@@ -145,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = detect()
     fam = get_family(a.family)
     points = timed_points(fam, gpu, a.at, a.set, a.shape, a.dtype, a.lookup)
+    if not points:
+        raise SystemExit(f"ab_kernel: no point of {fam.name} to time (any left out are said above)")
     sides = {"before": a.templates, "after": None} | dict(v.split("=", 1) for v in a.variant)
     after_fam, afters = fam, [params for _, params in points]   # the after side's family and params, point by point
     if a.after_family:   # the configs a call serves in another family's form (a cut tail); the others left out

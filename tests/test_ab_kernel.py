@@ -6,6 +6,7 @@ from benchmark_scripts import script
 
 from tuner.gpu import H100_SXM
 from tuner.kernel_templates import get_family
+from tuner.problem import Problem
 
 
 def test_values_of_a_set_make_a_point_each_and_a_refused_one_is_left_out_with_its_reason(capsys):
@@ -26,3 +27,12 @@ def test_shape_filter_narrows_the_points():
     fam = get_family("flash_fwd_sm90_split")
     points = ab.timed_points(fam, H100_SXM, ["1,4,129:1683,96", "2,8,256:4000,64"], [], ["D64"], None, False)
     assert [p.key for p, _ in points] == ["B2-H8-N256x4000-D64-bf16-full"]
+
+
+def test_a_shape_the_family_does_not_take_is_left_out_with_its_reason(capsys):
+    ab = script("ab_kernel")
+    fam = get_family("flash_fwd_sm90_gqa")   # packs query heads: none to pack at 8 heads on 8
+    step = Problem.parse("1,8:2,16:4096,128", "bf16")
+    points = ab.timed_points(fam, H100_SXM, ["1,8,256:6113,96", "1,8:2,16:4096,128"], [], [], None, False)
+    assert points == [(step, fam.default(H100_SXM, step))]
+    assert "one query head per K/V head" in capsys.readouterr().out
