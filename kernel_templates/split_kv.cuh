@@ -80,6 +80,19 @@ FT_DEVICE bool last_split(const SplitWorkspace& ws, int tile, int splits, int ba
   return last;
 }
 
+// Split `lane`'s share of a row, from its LSE `mine` (lane s holds split s's; -inf past the splits
+// and for a split that saw no key of the row); `mx` and `sum` get what the row's LSE over every
+// split is made of (merged_lse).
+FT_DEVICE float split_share(float mine, float& mx, float& sum) {
+  mx = group_max<32>(mine);
+  const float e = mx == FT_NEG_INF || mine == FT_NEG_INF ? 0.f : __expf(mine - mx);
+  sum = group_sum<32>(e);
+  return sum > 0.f ? e / sum : 0.f;
+}
+
+// The row's LSE over every split from split_share's `mx` and `sum`: -inf where no split saw a key.
+FT_DEVICE float merged_lse(float mx, float sum) { return mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum); }
+
 // merge_rows a row at a time, two dependent trips to L2 a row (its LSEs, then its partials): past
 // d=128, where a row's columns fill a lane's registers (two rows a warp at once spilled at d=256).
 template <int DIM, int ODT, class Rows>
@@ -95,15 +108,8 @@ FT_DEVICE void merge_row_by_row(const SplitWorkspace& ws, int splits, int bh, in
     const int row = r0 + r;
     if (!in_rows(row, nq)) continue;
     const long long at = static_cast<long long>(bh) * nq + row;
-    const float mine = lane < splits ? __ldcg(ws.lse + lane * per_split + at) : FT_NEG_INF;
-    float mx = mine;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    const float e = mx == FT_NEG_INF || mine == FT_NEG_INF ? 0.f : __expf(mine - mx);
-    float sum = e;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    const float weight = sum > 0.f ? e / sum : 0.f;   // split `lane`'s share of the row
+    float mx, sum;
+    const float weight = split_share(lane < splits ? __ldcg(ws.lse + lane * per_split + at) : FT_NEG_INF, mx, sum);
     float acc[STRIPS][VEC];
 #pragma unroll
     for (int st = 0; st < STRIPS; ++st)
@@ -144,7 +150,7 @@ FT_DEVICE void merge_row_by_row(const SplitWorkspace& ws, int splits, int bh, in
       else if constexpr (VEC == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
       else *reinterpret_cast<unsigned*>(dst) = packed[0];
     }
-    if (lane == 0) lse_bh[place.lse(row)] = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
+    if (lane == 0) lse_bh[place.lse(row)] = merged_lse(mx, sum);
   }
 }
 
@@ -210,17 +216,10 @@ FT_DEVICE void merge_rows(const SplitWorkspace& ws, int splits, int bh, int nq, 
       weight[i] = row[i] >= 0 && lane < splits ? __ldcg(ws.lse + lane * per_split + bh_rows + row[i]) : FT_NEG_INF;
     }
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      const float mine = weight[i];
-      float mx = mine;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      const float e = mx == FT_NEG_INF || mine == FT_NEG_INF ? 0.f : __expf(mine - mx);
-      float sum = e;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      weight[i] = sum > 0.f ? e / sum : 0.f;   // split `lane`'s share of the row
-      lse[i] = mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum);
+    for (int i = 0; i < BATCH; ++i) {   // the split's LSE in, its share out
+      float mx, sum;
+      weight[i] = split_share(weight[i], mx, sum);
+      lse[i] = merged_lse(mx, sum);
     }
     float acc[BATCH][STRIPS][VEC];
 #pragma unroll
