@@ -397,3 +397,32 @@ def test_lookup_is_read_once(tmp_path):
     write_lookup(build_lookup([entry(SLOW, 50.0)]), path)  # a later export is not picked up...
     assert d.select(TUNED, H100_SXM)["params"] == FAST
     assert Dispatcher(path).select(TUNED, H100_SXM)["params"] == SLOW  # ...until a new dispatcher
+
+
+def test_a_call_of_long_key_rows_passes_over_configs_tuned_on_short_ones(tmp_path):
+    """A borrowed config tuned on rows of DEFAULT_KEYS keys or fewer (a persistent schedule with a
+    TMA store, chosen where a short main loop leaves them exposed) gives way to flash_fwd_sm90's
+    default where the call has MISFIT_KEYS times as many keys; under that factor, and in its own
+    bucket, the entry serves."""
+    from tuner.dispatch import DEFAULT_KEYS, MISFIT_KEYS
+
+    sm90 = FAMILIES["flash_fwd_sm90"]
+    short = Problem(16, 16, 1024, 1024, 128, "bf16", "none")
+    tuned = dict(sm90.default(H100_SXM, short), persistent=1, tma_store=1, split=40, Bc=128)
+    assert tuned != sm90.default(H100_SXM, short) and short.seqlen_k <= DEFAULT_KEYS
+    d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 640.0, problem=short, family=sm90.name)]))
+    long_rows = Problem(16, 32, 315, 4896, 128, "bf16", "none", 8)   # 4.8x the keys
+    assert long_rows.seqlen_k >= MISFIT_KEYS * short.seqlen_k and long_rows.bucket() != short.bucket()
+    default = sm90.served_form(sm90.default(H100_SXM, long_rows), H100_SXM, long_rows)
+    e = d.serving_entry(long_rows, H100_SXM)
+    assert (e["family"], e["params"]) == (default[0].name, default[1]) and "bucket" not in e
+    within = replace(long_rows, seqlen_k=MISFIT_KEYS * short.seqlen_k - 1)
+    assert d.select(within, H100_SXM)["bucket"] == short.bucket().key
+    own = replace(short, seqlen_k=DEFAULT_KEYS)   # its own bucket
+    assert own.bucket() == short.bucket() and d.select(own, H100_SXM)["params"] == tuned
+    # under DEFAULT_KEYS the call's rows are short too: an entry tuned on 200 keys serves 5x them
+    few_keys = replace(short, seqlen_k=200)
+    d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 640.0, problem=few_keys, family=sm90.name)]))
+    call = replace(long_rows, seqlen_k=DEFAULT_KEYS - 1)
+    assert call.seqlen_k >= MISFIT_KEYS * few_keys.seqlen_k
+    assert d.select(call, H100_SXM)["bucket"] == few_keys.bucket().key

@@ -46,6 +46,9 @@ DEFAULT_KEYS = 1024
 # blocks where it has MISFIT_BLOCKS times as many (_tuned_on_few_blocks).
 FEW_WAVES = 2
 MISFIT_BLOCKS = 4
+# A call that fills the GPU passes over a borrowed entry tuned on rows of DEFAULT_KEYS keys or fewer
+# where it has MISFIT_KEYS times as many (_tuned_on_short_keys).
+MISFIT_KEYS = 4
 # A measured SDPA backend serves by torch's Python path (the backend pinned, SDPA's own checks, an
 # LSE buffer), some 30-40 µs of host time a call where our kernels launch from C++; a call shorter
 # than that leaves the GPU idle behind it. So a peer whose entry, scaled to the call's work, runs
@@ -714,11 +717,13 @@ def _tuned_rows(entry: dict) -> int:
 
 
 def _misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
-    """Whether `entry`, `dist` octaves away, is borrowed from a shape whose query blocks left SMs idle
-    by a call that fills the GPU over DEFAULT_KEYS keys: one of the smallest work class
-    (`_tuned_on_few_heads`), or of under FEW_WAVES waves of blocks where the call has
-    MISFIT_BLOCKS times as many (`_tuned_on_few_blocks`). Its own bucket's entries always serve."""
-    return dist > 0 and (_tuned_on_few_heads(entry, problem) or _tuned_on_few_blocks(entry, problem, gpu))
+    """Whether `entry`, `dist` octaves away, is borrowed from a shape unlike a call that fills the GPU
+    over DEFAULT_KEYS keys: one whose query blocks left SMs idle, of the smallest work class
+    (`_tuned_on_few_heads`) or of under FEW_WAVES waves of blocks where the call has MISFIT_BLOCKS
+    times as many (`_tuned_on_few_blocks`), or one of short rows of keys where the call has
+    MISFIT_KEYS times as many (`_tuned_on_short_keys`). Its own bucket's entries always serve."""
+    return dist > 0 and (_tuned_on_few_heads(entry, problem) or _tuned_on_few_blocks(entry, problem, gpu)
+                         or _tuned_on_short_keys(entry, problem))
 
 
 def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
@@ -735,6 +740,19 @@ def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
         return False
     blocks = tuned.query_blocks(FILL_ROWS)
     return blocks < FEW_WAVES * gpu.sm_count and problem.query_blocks(FILL_ROWS) >= MISFIT_BLOCKS * blocks
+
+
+def _tuned_on_short_keys(entry: dict, problem: Problem) -> bool:
+    """Whether `entry` was tuned on rows of DEFAULT_KEYS keys or fewer and serves a call of
+    MISFIT_KEYS times as many and DEFAULT_KEYS at least (under that the call's rows are short too:
+    an entry tuned on cross-attention's 77 keys keeps serving calls of 300-400). A search on short rows weighs what a short main loop leaves exposed
+    (a persistent schedule, a TMA store, pairs of tiles), which a long one hides: on the H200
+    (PERF_NOTES "j1") the n1024/large bucket's pairs config, tuned on 1024 x 1024 self-attention,
+    served B16-H32/kv8 315 x 4896 keys at 456 TFLOP/s where flash_fwd_sm90's default read 642,
+    B4-H64/kv8 137 x 4483 at 362 against 375, B8-H32/kv8 197 x 7623 at 574 against 604."""
+    tuned = _tuned_problem(entry)
+    return (tuned is not None and tuned.seqlen_k <= DEFAULT_KEYS <= problem.seqlen_k
+            and problem.seqlen_k >= MISFIT_KEYS * tuned.seqlen_k)
 
 
 def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
