@@ -94,7 +94,8 @@ FT_DEVICE float split_share(float mine, float& mx, float& sum) {
 FT_DEVICE float merged_lse(float mx, float sum) { return mx == FT_NEG_INF ? FT_NEG_INF : mx + __logf(sum); }
 
 // merge_rows a row at a time, two dependent trips to L2 a row (its LSEs, then its partials): past
-// d=128, where a row's columns fill a lane's registers (two rows a warp at once spilled at d=256).
+// d=128 where a batch would not fit a lane's registers (head dims off the 64-column panels past
+// d=128; the plain split kernel at d=256, merge_splits).
 template <int DIM, int ODT, class Rows>
 FT_DEVICE void merge_row_by_row(const SplitWorkspace& ws, int splits, int bh, int nq, int r0, int rows,
                                 typename Elem<ODT>::type* o_bh, const Rows& place, float* lse_bh, int warp, int warps,
@@ -156,12 +157,12 @@ FT_DEVICE void merge_row_by_row(const SplitWorkspace& ws, int splits, int bh, in
 
 // Merge the splits' partials of rows [r0, r0 + rows) (clipped to [0, nq)) of batch-head (b, h) into
 // O (TO, rows `o_sn` apart from `o_bh`) and the LSE (`lse_bh`): a warp per row, lane s reading
-// split s's LSE (splits <= 32). At d = 64, 128, 256 each lane takes DIM / 32 adjacent columns (one
-// vector load per split); otherwise (d = 96, 80, 192, ...) column pairs 64 apart, the last strip's
-// lanes past DIM idle. `warp`, `warps`: this thread's warp among the `warps` that merge.
-// `place` puts each row in O and the LSE (common.cuh: StridedRows, o_sn apart; PackedRows).
-// A warp merges BATCH of its rows at once, their loads in flight together: the LSEs of all in one
-// trip to L2, then two splits' partials of all a trip. Row after row (two dependent trips a row, 16
+// split s's LSE (splits <= 32). At d = 64, 128 each lane takes DIM / 32 adjacent columns (one
+// vector load per split), at d = 256 four in each of two passes of 128 columns; otherwise (d = 96,
+// 80, 192, ...) column pairs 64 apart, the last strip's lanes past DIM idle. `warp`, `warps`: this
+// thread's warp among the `warps` that merge. `place` puts each row in O and the LSE (common.cuh:
+// StridedRows, o_sn apart; PackedRows). A warp merges BATCH of its rows at once, their loads in
+// flight together: the LSEs of all in one trip to L2, then two splits' partials of all a trip. Row after row (two dependent trips a row, 16
 // rows a warp of a 128-row tile) the merge behind a tile's last split took longer than the main
 // loop of a short call: on the H200 this form read 1.10-1.42x the row-by-row one where the split
 // count came from the occupancy, up to 2.1x at 16 splits (PERF_NOTES "j1").
@@ -169,11 +170,12 @@ template <int DIM, int ODT, class Rows>
 FT_DEVICE void merge_rows(const SplitWorkspace& ws, int splits, int bh, int nq, int r0, int rows,
                           typename Elem<ODT>::type* o_bh, const Rows& place, float* lse_bh, int warp, int warps, int lane) {
   constexpr bool WIDE = DIM == 64 || DIM == 128 || DIM == 256;   // 2, 4 or 8 columns a lane (d=192: strips)
-  constexpr int VEC = WIDE ? DIM / 32 : 2;               // adjacent columns per lane and strip: 2, 4 or 8
+  constexpr int PASSES = DIM == 256 ? 2 : 1;             // d=256: two passes of 128 columns (registers)
+  constexpr int VEC = WIDE ? DIM / 32 / PASSES : 2;      // adjacent columns per lane, strip and pass: 2 or 4
   constexpr int STRIPS = WIDE ? 1 : (DIM + 63) / 64;     // strips of 32 x VEC columns
-  constexpr int PER_ROW = STRIPS * VEC;                  // a lane's columns of one row
-  constexpr int HELD = MERGE_HELD / PER_ROW;             // MERGE_HELD accumulators a lane at most
-  constexpr int BATCH = DIM > 128 || HELD < 1 ? 1 : HELD > 8 ? 8 : HELD;
+  constexpr int PER_ROW = STRIPS * VEC;                  // a lane's columns of one row in a pass
+  constexpr int HELD = MERGE_HELD / PASSES / PER_ROW;    // MERGE_HELD accumulators a lane at most (half at d=256)
+  constexpr int BATCH = (DIM > 128 && PASSES == 1) || HELD < 1 ? 1 : HELD > 8 ? 8 : HELD;
   constexpr int SPLITS_AT_ONCE = 2;                      // loads in flight: two splits of BATCH rows each
   static_assert(DIM % 8 == 0, "whole column pairs");
   if constexpr (BATCH == 1) {
@@ -185,11 +187,11 @@ FT_DEVICE void merge_rows(const SplitWorkspace& ws, int splits, int bh, int nq, 
   // a lane's columns of row `at` of split `s` into t, unconditionally, so that every load of a batch
   // can be in flight at once: the caller passes a row and split that exist and weighs out the rest
   // (a lane whose columns of a strip lie past DIM reads the row's first two, and stores nothing)
-  auto load = [&](int s, long long at, float (&t)[STRIPS][VEC]) {
+  auto load = [&](int s, long long at, int pass, float (&t)[STRIPS][VEC]) {
     const float* src = ws.o + (s * per_split + at) * DIM;
 #pragma unroll
     for (int st = 0; st < STRIPS; ++st) {
-      const int col = WIDE || st * 64 + lane * 2 < DIM ? st * 64 + lane * VEC : 0;
+      const int col = WIDE || st * 64 + lane * 2 < DIM ? pass * 32 * VEC + st * 64 + lane * VEC : 0;
 #pragma unroll
       for (int j = 0; j < VEC; j += VEC == 2 ? 2 : 4) {
         if constexpr (VEC == 2) {
@@ -221,57 +223,65 @@ FT_DEVICE void merge_rows(const SplitWorkspace& ws, int splits, int bh, int nq, 
       weight[i] = split_share(weight[i], mx, sum);
       lse[i] = merged_lse(mx, sum);
     }
-    float acc[BATCH][STRIPS][VEC];
+    for (int pass = 0; pass < PASSES; ++pass) {
+      float acc[BATCH][STRIPS][VEC];
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i)
+      for (int i = 0; i < BATCH; ++i)
 #pragma unroll
-      for (int st = 0; st < STRIPS; ++st)
+        for (int st = 0; st < STRIPS; ++st)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[i][st][j] = 0.f;
-    for (int s = 0; s < splits; s += SPLITS_AT_ONCE) {   // SPLITS_AT_ONCE splits' loads of every row, then their sums
-      float w[SPLITS_AT_ONCE][BATCH], t[SPLITS_AT_ONCE][BATCH][STRIPS][VEC];
+          for (int j = 0; j < VEC; ++j) acc[i][st][j] = 0.f;
+      for (int s = 0; s < splits; s += SPLITS_AT_ONCE) {   // SPLITS_AT_ONCE splits' loads of every row, then their sums
+        float w[SPLITS_AT_ONCE][BATCH], t[SPLITS_AT_ONCE][BATCH][STRIPS][VEC];
 #pragma unroll
-      for (int u = 0; u < SPLITS_AT_ONCE; ++u)
+        for (int u = 0; u < SPLITS_AT_ONCE; ++u)
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i) {
-          // past the splits (lane `splits` on: weight 0) or the rows (a tile's first rows may lie before
-          // the call's: r0 < 0 where the tiles end at the last query), split s and a row of the call
-          // are read and weighed out
-          w[u][i] = __shfl_sync(0xffffffffu, weight[i], s + u);
-          load(s + u < splits ? s + u : s, bh_rows + (row[i] >= 0 ? row[i] : min(max(r0, 0), nq - 1)), t[u][i]);
-        }
+          for (int i = 0; i < BATCH; ++i) {
+            // past the splits (lane `splits` on: weight 0) or the rows (a tile's first rows may lie before
+            // the call's: r0 < 0 where the tiles end at the last query), split s and a row of the call
+            // are read and weighed out
+            w[u][i] = __shfl_sync(0xffffffffu, weight[i], s + u);
+            load(s + u < splits ? s + u : s, bh_rows + (row[i] >= 0 ? row[i] : min(max(r0, 0), nq - 1)), pass, t[u][i]);
+          }
 #pragma unroll
-      for (int u = 0; u < SPLITS_AT_ONCE; ++u)
+        for (int u = 0; u < SPLITS_AT_ONCE; ++u)
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i)
+          for (int i = 0; i < BATCH; ++i)
 #pragma unroll
-          for (int st = 0; st < STRIPS; ++st)
+            for (int st = 0; st < STRIPS; ++st)
 #pragma unroll
-            for (int j = 0; j < VEC; ++j)   // weight 0: a split that saw no key of the row (its O may be 0 / 0)
-              acc[i][st][j] = w[u][i] != 0.f ? acc[i][st][j] + w[u][i] * t[u][i][st][j] : acc[i][st][j];
-    }
-#pragma unroll
-    for (int i = 0; i < BATCH; ++i) {
-      if (row[i] < 0) continue;
-#pragma unroll
-      for (int st = 0; st < STRIPS; ++st) {
-        if (!WIDE && st * 64 + lane * 2 >= DIM) continue;
-        typename Elem<ODT>::type* dst = o_bh + place.o(row[i]) + st * 64 + lane * VEC;
-        unsigned packed[VEC / 2];
-#pragma unroll
-        for (int j = 0; j < VEC / 2; ++j) packed[j] = pack2<ODT>(acc[i][st][2 * j], acc[i][st][2 * j + 1]);
-        if constexpr (VEC == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        else if constexpr (VEC == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
-        else *reinterpret_cast<unsigned*>(dst) = packed[0];
+              for (int j = 0; j < VEC; ++j)   // weight 0: a split that saw no key of the row (its O may be 0 / 0)
+                acc[i][st][j] = w[u][i] != 0.f ? acc[i][st][j] + w[u][i] * t[u][i][st][j] : acc[i][st][j];
       }
-      if (lane == 0) lse_bh[place.lse(row[i])] = lse[i];
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        if (row[i] < 0) continue;
+#pragma unroll
+        for (int st = 0; st < STRIPS; ++st) {
+          if (!WIDE && st * 64 + lane * 2 >= DIM) continue;
+          typename Elem<ODT>::type* dst = o_bh + place.o(row[i]) + pass * 32 * VEC + st * 64 + lane * VEC;
+          unsigned packed[VEC / 2];
+#pragma unroll
+          for (int j = 0; j < VEC / 2; ++j) packed[j] = pack2<ODT>(acc[i][st][2 * j], acc[i][st][2 * j + 1]);
+          if constexpr (VEC == 8) *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+          else if constexpr (VEC == 4) *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+          else *reinterpret_cast<unsigned*>(dst) = packed[0];
+        }
+        if (pass == PASSES - 1 && lane == 0) lse_bh[place.lse(row[i])] = lse[i];
+      }
     }
   }
 }
+// merge_rows for the plain split kernel (O's rows o_sn apart). Past d=128 a row at a time: there the
+// kernel has no registers to spare (two passes of a batch made ptxas spill the CTA's block indices,
+// live across the main loop, at every d=256 seed); the packed kernel's one consumer has them.
 template <int DIM, int ODT>
 FT_DEVICE void merge_splits(const SplitWorkspace& ws, int splits, int bh, int nq, int r0, int rows,
                             typename Elem<ODT>::type* o_bh, long long o_sn, float* lse_bh, int warp, int warps, int lane) {
-  merge_rows<DIM, ODT>(ws, splits, bh, nq, r0, rows, o_bh, StridedRows{o_sn}, lse_bh, warp, warps, lane);
+  if constexpr (DIM > 128)
+    merge_row_by_row<DIM, ODT>(ws, splits, bh, nq, r0, rows, o_bh, StridedRows{o_sn}, lse_bh, warp, warps, lane);
+  else
+    merge_rows<DIM, ODT>(ws, splits, bh, nq, r0, rows, o_bh, StridedRows{o_sn}, lse_bh, warp, warps, lane);
 }
 
 // TAIL_SPLIT (tile_scheduler.cuh, a cut tail): the two halves of a cut work tile meet warp by warp.
