@@ -9,6 +9,10 @@ lookup's next tuned candidates in order of distance. For weighing a dispatch rul
     python3 benchmarks/served_alternatives.py --random SEED[:COUNT] [--kind prompt,chunk,cross]
     python3 benchmarks/served_alternatives.py --measured 6 SHAPE...   # after a `tuner search` of SHAPE
     python3 benchmarks/served_alternatives.py --config 'bc80=flash_fwd_sm90_gqa:{"Bc": 80}' SHAPE...
+    python3 benchmarks/served_alternatives.py --served-as pairs=flash_fwd_sm90_pairs SHAPE...
+
+--served-as NAME=FAMILY times the served config's params in FAMILY's form too (where FAMILY takes
+them): what a served-form rule (pairs_form, tail_form, split_form) chose against, on the same config.
 
 --measured N adds the N fastest configs the results database (TUNER_DB) holds for the shape itself
 ("db1".."dbN"), so that a search's winners, each timed alone as it was tried, are weighed in turns
@@ -126,6 +130,25 @@ def configured(problem, gpu, specs: list[str]) -> dict[str, tuple[str, dict]]:
     return out
 
 
+def served_as(served: tuple[str, dict] | None, problem, gpu, specs: list[str]) -> dict[str, tuple[str, dict]]:
+    """--served-as NAME=FAMILY: the served config's params in FAMILY, under NAME; left out, its reason
+    printed, where nothing of ours serves or FAMILY refuses them for the shape."""
+    from tuner.kernel_templates import FAMILIES
+
+    out: dict[str, tuple[str, dict]] = {}
+    for spec in specs:
+        name, _, family = spec.partition("=")
+        fam = FAMILIES.get(family)
+        if not name or fam is None:
+            raise SystemExit(f"--served-as {spec!r}: give NAME=FAMILY with a family of {sorted(FAMILIES)}")
+        why = "no kernel of ours serves it" if served is None else fam.supports(gpu, problem) or fam.check(served[1], gpu, problem)
+        if why:
+            print(f"    {name}: left out for {problem.key}: {why}")
+            continue
+        out[name] = (fam.name, dict(served[1]))
+    return out
+
+
 def time_in_turns(prepared: dict, problem, gpu, rounds: int = 4) -> dict[str, float | None]:
     """TFLOP/s of each prepared candidate and peer, timed in turns on the same inputs with L2
     flushed (None: it failed its float64 check or its launch)."""
@@ -166,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also the N fastest configs TUNER_DB holds for each shape")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FAMILY:JSON",
                     help="also FAMILY's default with JSON's params over it (repeatable)")
+    ap.add_argument("--served-as", action="append", default=[], metavar="NAME=FAMILY",
+                    help="also the served config's params in FAMILY's form (e.g. pairs=flash_fwd_sm90_pairs)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if not args.shapes and not args.random:
@@ -192,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     for text in shapes_of(args):
         p = Problem.parse(text, args.dtype)
         alts = alternatives(d, p, gpu, args.near, args.octaves)
-        more = {**(measured(p, gpu, args.measured) if args.measured else {}), **configured(p, gpu, args.config)}
+        more = {**(measured(p, gpu, args.measured) if args.measured else {}), **configured(p, gpu, args.config),
+                **served_as(alts.get("served"), p, gpu, args.served_as)}
         for name, fp in more.items():
             if fp not in alts.values():
                 alts[name] = fp

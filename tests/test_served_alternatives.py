@@ -117,6 +117,23 @@ def test_a_configured_candidate_is_the_familys_default_with_the_given_params_ove
         alt.configured(p, H200, ["nofamily"])
 
 
+def test_served_as_times_the_served_params_in_another_familys_form(shipped, capsys):
+    """A d=80 call of one query block a head runs the persistent default plain (pairs_form: a lone
+    block would idle its pair's second CTA); --served-as times that config in pairs beside it, and
+    leaves out a family that refuses it (pairs run unmasked calls only) or a call nothing of ours serves."""
+    p = Problem.parse("16,32,68:6188,80,none", "bf16")
+    served = alt.alternatives(shipped, p, H200)["served"]
+    got = alt.served_as(served, p, H200, ["pairs=flash_fwd_sm90_pairs", "tail=flash_fwd_sm90_tail"])
+    assert got["pairs"] == ("flash_fwd_sm90_pairs", served[1]) and got["tail"][0] == "flash_fwd_sm90_tail"
+    causal = Problem.parse("16,32,68:6188,80,causal_br", "bf16")
+    assert alt.served_as(served, causal, H200, ["pairs=flash_fwd_sm90_pairs"]) == {}
+    assert alt.served_as(None, p, H200, ["pairs=flash_fwd_sm90_pairs"]) == {}
+    out = capsys.readouterr().out
+    assert "runs the masks none" in out and "no kernel of ours serves" in out
+    with pytest.raises(SystemExit):
+        alt.served_as(served, p, H200, ["pairs=nofamily"])
+
+
 def test_a_tuned_split_count_is_listed_as_the_call_runs_it(shipped):
     """The shipped entry tuned on an 8-head shard (32 blocks) splits 4 ways; served to 28 heads of a
     chunk (84 blocks) it splits from the occupancy (KernelFamily.adapt), and "served" is that form,
