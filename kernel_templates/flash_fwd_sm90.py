@@ -32,7 +32,7 @@ from __future__ import annotations
 from tuner.family import ELEM_CODE, KernelFamily, VarlenVariant, ceil_div, padded_head_dim
 from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
-from tuner.problem import DTYPE_BYTES, Problem
+from tuner.problem import DTYPE_BYTES, Problem, visible_pairs
 from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
 from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields, tile_cols, tile_panel
 from tuner.kernel_templates.wgmma_gen import wrappers
@@ -87,6 +87,33 @@ def p_in_smem(params: dict, problem: Problem) -> bool:
     tile (d = 72-96, 160), where P's Bc / 4 registers are what they lack at Bc = 128. FlashAttention-4
     runs 192-row tiles there with P V's A from shared memory ("RS is catastrophic with 192x tiles")."""
     return params["cwg"] == 3 and half_panels(problem) and problem.dtype != "fp8"
+
+
+# Three consumers (192-row tiles) against two at d = 72-80 (the 128-column tile of tile_width), per
+# query row and key: 0.89-0.93x the time on H200 calls whose waves of CTAs come out even (PERF_NOTES
+# "k1"); two keep serving rows shorter than THREE_CONSUMER_KEYS keys (0.84x at 875 causal keys) and
+# calls whose 192-row tiles make more waves (0.74x at B4-H16 488 x 3058: two waves of 192 rows for two
+# of 128). At d=96 (a 96-column tile) three read 0.75x on 27k-33k keys: not there.
+THREE_CONSUMER_COST = 0.93
+THREE_CONSUMER_KEYS = 2048
+
+
+def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
+    """Whether the untuned default takes three consumers: at d = 72-80 on rows of THREE_CONSUMER_KEYS
+    keys or more (on average over the mask), where waves of CTAs x rows a CTA computes (consumers
+    past the last query row skip the work) x THREE_CONSUMER_COST come out below two consumers'."""
+    esize = DTYPE_BYTES[problem.dtype]
+    if tile_width(problem.head_dim, esize) == tile_cols(problem.head_dim, esize):
+        return False
+    mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q
+    if mean_keys < THREE_CONSUMER_KEYS:
+        return False
+
+    def cost(cwg: int) -> float:
+        rows = min(64 * cwg, ceil_div(problem.seqlen_q, 64) * 64)
+        return ceil_div(problem.query_blocks(64 * cwg), gpu.sm_count) * rows
+
+    return cost(3) * THREE_CONSUMER_COST < cost(2)
 
 
 def entry_regs(threads: int) -> int:
@@ -196,6 +223,8 @@ class FlashFwdSm90(KernelFamily):
         elif d <= 128 and half_panels(problem):   # d = 72-96: Bc 128 won its searches (w1, w2)
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]
+            if three_consumers_pay(gpu, problem):   # long rows at d = 72-80: Phi-2's 8k winner's form first (k1)
+                cands.insert(0, (128, 2, 3, 40, 1, 1, 1, 0))
         elif d <= 128:
             cands = [(176, 2, 2, 24, 1, 1, 0, 0), (176, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 0),
                      (128, 2, 2, 40, 1, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1, 0), (128, 2, 2, 24, 1, 0, 0, 0),

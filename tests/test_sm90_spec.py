@@ -9,6 +9,7 @@ import pytest
 from tuner.family import ceil_div
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
+from tuner.problem import Problem
 
 H100_PCIE = replace(H100_SXM, name="NVIDIA H100 PCIe", sm_count=114)
 
@@ -17,8 +18,6 @@ BASE = dict(Bc=128, stages=2, cwg=2, split=24, overlap=1, pingpong=1, persistent
 
 
 def problem(d: int = 128, causal: bool = False, n: int = 4096, dtype: str = "bf16"):
-    from tuner.problem import Problem
-
     return Problem(4, 16, n, n, d, dtype, causal)
 
 
@@ -118,3 +117,25 @@ def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
     for gpu in (H100_SXM, H100_PCIE):   # one CTA per SM of the GPU it runs on: 132, or 114
         persistent = SM90.launch(pt(cwg=cwg, persistent=1), p, gpu)
         assert persistent.grid == (min(tiles * p.batch * p.heads, gpu.sm_count), 1, 1)
+
+
+@pytest.mark.parametrize("shape,cwg", [
+    ("2,32,715:5389,80,causal_br", 3),   # 3 waves of 128 rows against 2 of 192: three consumers (1.07x, k1)
+    ("4,32,147:3350,80,none", 3),        # two 128-row blocks a head against one of 192 (1.33x)
+    ("4,16,488:3058,80,none", 2),        # two waves either way, of 192 rows for 128 (three: 0.74x)
+    ("1,8,875,80,causal", 2),            # short causal rows (three: 0.84x)
+    ("2,8,1817:32607,96,causal_br", 2),  # d=96's 96-column tile: three read 0.75x
+    ("1,32,8192,80,causal", 3),          # Phi-2's 8k prefill, as its search found
+    ("2,16,4096,72,none", 2),            # 8 waves of 128 rows against 6 of 192
+])
+def test_the_untuned_default_takes_three_consumers_on_long_rows_at_d72_80(shape, cwg):
+    """flash_fwd_sm90's default at d = 72-80 (the 128-column tile): three consumers on rows of 2048
+    keys or more where waves x rows a CTA computes x THREE_CONSUMER_COST come out lower, else two;
+    it is the first seed, so a search starts from it too."""
+    from tuner.kernel_templates.flash_fwd_sm90 import three_consumers_pay
+
+    problem = Problem.parse(shape, "bf16")
+    assert three_consumers_pay(H100_SXM, problem) == (cwg == 3)
+    default = SM90.default(H100_SXM, problem)
+    assert default["cwg"] == cwg and default == SM90.seeds(H100_SXM, problem)[0]
+    assert SM90.check(default, H100_SXM, problem) is None
