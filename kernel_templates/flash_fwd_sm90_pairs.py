@@ -16,8 +16,8 @@ resident at once (one CTA an SM, the grid at most the SMs: a cut tile's second h
 first).
 
 Not searched on its own: a persistent unmasked flash_fwd_sm90 config runs in this form where
-`pairs_form`'s rule says it pays (head dims over 96, whose tiles are 128 columns wide and up; 4096
-keys or more), both where the dispatcher serves it and where a search times it (FlashFwdSm90.served_form).
+`pairs_form`'s rule says it pays (tiles 128 columns wide and up; 4096 keys or more; few query
+blocks past a head's rows), both where the dispatcher serves it and where a search times it (FlashFwdSm90.served_form).
 """
 
 from __future__ import annotations
@@ -34,8 +34,15 @@ CLUSTER = 2
 # against its pairs form in turns): at d=128 with 4096 keys or more, 1.02-1.05x (bf16 N=16k 1.03x,
 # its clock 1424 -> 1496 MHz at the 700 W cap); at N=1024 0.98x, and at d=64 0.93-1.00x, where the
 # L2 reads they halve are a smaller share of the work and the cluster's lockstep costs more.
+# Tiles of 128 columns and up: d = 72-80 run them too (flash_fwd_sm90.tile_width); on the H200 their
+# pairs read 0.96-0.99x their plain form with three consumers, 0.93-1.05x with two (PERF_NOTES "k1").
 PAIRS_MIN_KEYS = 4096
 PAIRS_MIN_TILE_DIM = 128
+# A head's last pair whose second query block lies past its rows leaves that CTA's turn idle: 1 in
+# blocks + 1 of the launch's CTA turns for an odd count of blocks. Pairs gain 2-5%, so an idle share
+# over 1/PAIRS_MAX_IDLE costs more than they bring (B16-H32 68 x 6188, one block a head: 0.59x the
+# plain form, PERF_NOTES "k1").
+PAIRS_MAX_IDLE = 32
 
 
 def pair_tiles(params: dict, problem: Problem) -> int:
@@ -63,12 +70,16 @@ class PairsFlashFwdSm90(TailFlashFwdSm90):
 
     def pairs_form(self, plain: dict, gpu: GpuSpec, problem: Problem) -> dict | None:
         """flash_fwd_sm90's config `plain` as it serves `problem`, in this family: where it runs so
-        (persistent, unchained, unmasked 16-bit, the registers a cut tail needs) and the rule above
-        says it pays; else None. Every SM must pair up into a cluster of the launch, all resident at
-        once (a cut tile's second half waits for its first): the driver's count of clusters of two
-        (clusters_at_once) covers the SMs on the H100 measured (66 for 132, PERF_NOTES "s3"); a GPU
-        whose GPCs leave an SM unpaired runs the plain form, which uses every SM."""
+        (persistent, unchained, unmasked 16-bit, the registers a cut tail needs) and the rules above
+        say it pays (the tile's width, the keys, the CTAs a head's odd query block leaves idle); else
+        None. Every SM must pair up into a cluster of the launch, all resident at once (a cut tile's
+        second half waits for its first): the driver's count of clusters of two (clusters_at_once)
+        covers the SMs on the H100 measured (66 for 132, PERF_NOTES "s3"); a GPU whose GPCs leave an
+        SM unpaired runs the plain form, which uses every SM."""
+        blocks = ceil_div(problem.seqlen_q, 64 * plain["cwg"])
+        idle = CLUSTER * ceil_div(blocks, CLUSTER) - blocks   # CTAs past a head's rows in its last pair
         if (tile_dim(problem) < PAIRS_MIN_TILE_DIM or problem.seqlen_k < PAIRS_MIN_KEYS
+                or idle * PAIRS_MAX_IDLE > CLUSTER * ceil_div(blocks, CLUSTER)
                 or CLUSTER * clusters_at_once(gpu, CLUSTER) < gpu.sm_count
                 or self.check(plain, gpu, problem) is not None):
             return None

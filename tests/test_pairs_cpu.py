@@ -25,8 +25,8 @@ PERSISTENT = {"Bc": 176, "chain": 0, "cwg": 2, "overlap": 1, "persistent": 1, "p
 
 
 def test_pairs_serve_long_unmasked_calls_at_wide_head_dims_only():
-    """The rule: d >= 128 (the tile's width) with PAIRS_MIN_KEYS keys or more, a persistent unchained
-    config the cut tail's registers allow, 16-bit, unmasked; anything else keeps its single-CTA form."""
+    """The rule: tiles 128 columns wide and up (d over 64) with PAIRS_MIN_KEYS keys or more, a persistent unchained config the cut
+    tail's registers allow, 16-bit, unmasked; anything else keeps its single-CTA form."""
     assert SM90.served_form(PERSISTENT, H100_SXM, D128_16K) == (PAIRS, PERSISTENT)
     assert SM90.served_form(PERSISTENT, H100_SXM, Problem(4, 16, 4096, 4096, 128, "fp16")) == (PAIRS, PERSISTENT)
     short = Problem(16, 16, 1024, PAIRS_MIN_KEYS - 1, 128, "bf16")
@@ -38,10 +38,28 @@ def test_pairs_serve_long_unmasked_calls_at_wide_head_dims_only():
     for params, problem in [(dict(PERSISTENT, persistent=0, split=24), D128_16K), (dict(PERSISTENT, chain=1), D128_16K),
                             (PERSISTENT, replace(D128_16K, mask="causal")), (PERSISTENT, replace(D128_16K, dtype="fp8"))]:
         assert PAIRS.pairs_form(params, H100_SXM, problem) is None, (params, problem)
+    d80 = Problem(1, 16, 16384, 16384, 80, "bf16")   # a 128-column tile, 80 columns of products
+    assert PAIRS.pairs_form(PERSISTENT, H100_SXM, d80) == PERSISTENT
+    d96 = Problem(1, 16, 16384, 16384, 96, "bf16")   # a 96-column tile
+    assert PAIRS.pairs_form(PERSISTENT, H100_SXM, d96) is None
     odd = replace(H100_SXM, sm_count=131)   # SMs that do not pair up into clusters
     assert PAIRS.pairs_form(PERSISTENT, odd, D128_16K) is None
     assert PAIRS.tune_skip(H100_SXM, D128_16K) is not None   # derived from flash_fwd_sm90's configs, not searched
     assert SM90.tune_skip(H100_SXM, D128_16K) is None
+
+
+@pytest.mark.parametrize("queries,paired", [(68, False), (128, False), (129, True), (3 * 128, False),
+                                            (29 * 128, False), (31 * 128 - 5, True), (64 * 128 + 1, True)])
+def test_pairs_leave_few_ctas_idle_past_a_heads_last_block(queries, paired):
+    """A head of an odd count of query blocks pairs its last block with one past its rows, an idle CTA
+    turn in blocks + 1: pairs serve where that is 1/PAIRS_MAX_IDLE of the turns or less (an even count,
+    or 31 blocks and more), else the single-CTA form (one block a head: half the CTAs idle)."""
+    from tuner.kernel_templates.flash_fwd_sm90_pairs import PAIRS_MAX_IDLE
+
+    problem = Problem(8, 16, queries, 8192, 128, "bf16")
+    blocks = ceil_div(queries, 128)
+    assert paired == (blocks % 2 == 0 or blocks + 1 >= PAIRS_MAX_IDLE)
+    assert (PAIRS.pairs_form(PERSISTENT, H100_SXM, problem) is not None) == paired
 
 
 def test_pairs_run_only_where_the_driver_pairs_every_sm(monkeypatch):
