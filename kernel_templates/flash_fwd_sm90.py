@@ -91,7 +91,7 @@ def p_in_smem(params: dict, problem: Problem) -> bool:
 
 # Three consumers (192-row tiles) against two at d = 72-80 (the 128-column tile of tile_width), per
 # query row and key: 0.89-0.93x the time on H200 calls whose waves of CTAs come out even (PERF_NOTES
-# "k1"); two keep serving rows shorter than THREE_CONSUMER_KEYS keys (0.84x at 875 causal keys) and
+# "j2"); two keep serving rows shorter than THREE_CONSUMER_KEYS keys (0.84x at 875 causal keys) and
 # calls whose 192-row tiles make more waves (0.74x at B4-H16 488 x 3058: two waves of 192 rows for two
 # of 128). At d=96 (a 96-column tile) three read 0.75x on 27k-33k keys: not there.
 THREE_CONSUMER_COST = 0.93
@@ -223,7 +223,7 @@ class FlashFwdSm90(KernelFamily):
         elif d <= 128 and half_panels(problem):   # d = 72-96: Bc 128 won its searches (w1, w2)
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]
-            if three_consumers_pay(gpu, problem):   # long rows at d = 72-80: Phi-2's 8k winner's form first (k1)
+            if three_consumers_pay(gpu, problem):   # long rows at d = 72-80: Phi-2's 8k winner's form first (j2)
                 cands.insert(0, (128, 2, 3, 40, 1, 1, 1, 0))
         elif d <= 128:
             cands = [(176, 2, 2, 24, 1, 1, 0, 0), (176, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 0),

@@ -35,13 +35,13 @@ CLUSTER = 2
 # its clock 1424 -> 1496 MHz at the 700 W cap); at N=1024 0.98x, and at d=64 0.93-1.00x, where the
 # L2 reads they halve are a smaller share of the work and the cluster's lockstep costs more.
 # Tiles of 128 columns and up: d = 72-80 run them too (flash_fwd_sm90.tile_width); on the H200 their
-# pairs read 0.96-0.99x their plain form with three consumers, 0.93-1.05x with two (PERF_NOTES "k1").
+# pairs read 1.00-1.06x their plain form with three consumers, 0.95-1.07x with two (PERF_NOTES "j2").
 PAIRS_MIN_KEYS = 4096
 PAIRS_MIN_TILE_DIM = 128
 # A head's last pair whose second query block lies past its rows leaves that CTA's turn idle: 1 in
 # blocks + 1 of the launch's CTA turns for an odd count of blocks. Pairs gain 2-5%, so an idle share
 # over 1/PAIRS_MAX_IDLE costs more than they bring (B16-H32 68 x 6188, one block a head: 0.59x the
-# plain form, PERF_NOTES "k1").
+# plain form, PERF_NOTES "j2").
 PAIRS_MAX_IDLE = 32
 
 

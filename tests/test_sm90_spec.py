@@ -120,7 +120,7 @@ def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
 
 
 @pytest.mark.parametrize("shape,cwg", [
-    ("2,32,715:5389,80,causal_br", 3),   # 3 waves of 128 rows against 2 of 192: three consumers (1.07x, k1)
+    ("2,32,715:5389,80,causal_br", 3),   # 3 waves of 128 rows against 2 of 192: three consumers (1.07x, j2)
     ("4,32,147:3350,80,none", 3),        # two 128-row blocks a head against one of 192 (1.33x)
     ("4,16,488:3058,80,none", 2),        # two waves either way, of 192 rows for 128 (three: 0.74x)
     ("1,8,875,80,causal", 2),            # short causal rows (three: 0.84x)
