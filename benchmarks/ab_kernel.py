@@ -3,6 +3,7 @@ the same inputs (each checked against float64 first), as TFLOP/s before and afte
 
     python3 benchmarks/ab_kernel.py --templates OLD_DIR [--dtype bf16] [--lookup] [--json OUT]
     python3 benchmarks/ab_kernel.py --templates OLD_DIR --family flash_fwd_sm90_split --at 1,8,256:6113,96 --set splits=2,4,8
+    python3 benchmarks/ab_kernel.py --templates kernel_templates --family flash_fwd_sm90_split --at SHAPE --set splits=2,4 --unsplit
 
 OLD_DIR holds the kernel sources before the change (`git archive <commit> kernel_templates | tar
 -x -C DIR` gives DIR/kernel_templates); this checkout's sources are "after". With `--after-family
@@ -93,6 +94,19 @@ def timed_points(fam, gpu, at: list[str], sets: list[str], shapes: list[str], dt
     return list(kept.values())
 
 
+def unsplit_form(fam, gpu, problem, params: dict) -> tuple | None:
+    """`params` in the family `fam` gives way to (flash_fwd_sm90_split's: flash_fwd_sm90), the
+    parameters that family has: the point run as one split, for weighing a split count against none;
+    None where `fam` gives way to none or that family refuses the point."""
+    from tuner.kernel_templates import get_family
+
+    if fam.gives_way_to is None:
+        return None
+    plain = get_family(fam.gives_way_to)
+    ps = {k: v for k, v in params.items() if k in plain.space}
+    return None if plain.check(ps, gpu, problem) is not None else (plain, ps)
+
+
 def _compile(args) -> None:
     import seed_resources
 
@@ -144,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the after side as each config is served where that is in this family "
                          "(flash_fwd_sm90_tail: a cut tail, KernelFamily.served_form; the others left out), "
                          "both sides from this checkout")
+    ap.add_argument("--unsplit", action="store_true",
+                    help="also each point in the family it gives way to, from this checkout (a split "
+                         "config unsplit: flash_fwd_sm90), as the column 'unsplit'")
     ap.add_argument("--json")
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2, help="compiler processes")
     a = ap.parse_args(argv)
@@ -161,23 +178,28 @@ def main(argv: list[str] | None = None) -> int:
         sides = {"before": a.templates, "after": None}
         precompile(list(zip([p for p, _ in points], afters)), [None], a.jobs, a.after_family)
     precompile(points, [v for k, v in sides.items() if k != "after" or not a.after_family], a.jobs, a.family)
+    unsplit = [unsplit_form(fam, gpu, p, c) if a.unsplit else None for p, c in points]
+    for plain in {f.name for f, _ in filter(None, unsplit)}:
+        precompile([(p, u[1]) for (p, _), u in zip(points, unsplit) if u and u[0].name == plain], [None], a.jobs, plain)
     timer = Timer(gpu.l2_bytes, target_seconds=a.seconds, max_reps=2000)
     rows = []
     print(f"{gpu.name}: {fam.name} before ({a.templates}) and after (this checkout), in turns, TFLOP/s of the median")
-    for (problem, params), after in zip(points, afters):
+    for (problem, params), after, plain in zip(points, afters, unsplit):
         prepared = {}
         for side, folder in sides.items():
             seed_resources.use_templates(folder)
             f, ps = (after_fam, after) if side == "after" else (fam, params)
             prepared[side] = prepare_kernel(f, ps, problem, compile_kernel(f, ps, problem, gpu.arch), 0, gpu)
         seed_resources.use_templates(None)
+        if plain is not None:
+            prepared["unsplit"] = prepare_kernel(*plain, problem, compile_kernel(*plain, problem, gpu.arch), 0, gpu)
         out = measure_prepared(prepared, problem, timer, rounds=a.rounds)
         if not all(m.ok for m in out.values()):
             print(f"{problem.key} {params}: " + "; ".join(f"{k} {m.status} {m.message}" for k, m in out.items()))
             rows.append(dict(problem=problem.key, params=params, failed={k: m.status for k, m in out.items()}))
             continue
         before, after = out["before"].tflops, out["after"].tflops
-        others = {side: out[side].tflops for side in sides if side not in ("before", "after")}
+        others = {side: out[side].tflops for side in out if side not in ("before", "after")}
         rows.append(dict(problem=problem.key, params=params, before=before, after=after, ratio=after / before, **others))
         cfg = ",".join(f"{k}={v}" for k, v in sorted(params.items()))
         extra = "".join(f"  {side} {t:.1f} ({t / before:.3f}x)" for side, t in others.items())

@@ -36,3 +36,15 @@ def test_a_shape_the_family_does_not_take_is_left_out_with_its_reason(capsys):
     points = ab.timed_points(fam, H100_SXM, ["1,8,256:6113,96", "1,8:2,16:4096,128"], [], [], None, False)
     assert points == [(step, fam.default(H100_SXM, step))]
     assert "one query head per K/V head" in capsys.readouterr().out
+
+
+def test_a_split_point_unsplit_is_its_config_in_flash_fwd_sm90_and_other_families_have_none():
+    ab = script("ab_kernel")
+    split, gqa = get_family("flash_fwd_sm90_split"), get_family("flash_fwd_sm90_gqa")
+    p = Problem.parse("1,8,256:6113,96", "bf16")
+    (_, params), = ab.timed_points(split, H100_SXM, ["1,8,256:6113,96"], ["splits=4"], [], None, False)
+    fam, plain = ab.unsplit_form(split, H100_SXM, p, params)
+    assert fam.name == "flash_fwd_sm90" and plain == {k: v for k, v in params.items() if k != "splits"}
+    assert fam.check(plain, H100_SXM, p) is None
+    step = Problem.parse("1,8:2,16:4096,128", "bf16")
+    assert ab.unsplit_form(gqa, H100_SXM, step, gqa.default(H100_SXM, step)) is None
