@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         precompile(list(zip([p for p, _ in points], afters)), [None], a.jobs, a.after_family)
     precompile(points, [v for k, v in sides.items() if k != "after" or not a.after_family], a.jobs, a.family)
     unsplit = [unsplit_form(fam, gpu, p, c) if a.unsplit else None for p, c in points]
-    for plain in {f.name for f, _ in filter(None, unsplit)}:
-        precompile([(p, u[1]) for (p, _), u in zip(points, unsplit) if u and u[0].name == plain], [None], a.jobs, plain)
+    if any(unsplit):   # all in the one family `fam` gives way to
+        precompile([(p, u[1]) for (p, _), u in zip(points, unsplit) if u], [None], a.jobs, fam.gives_way_to)
     timer = Timer(gpu.l2_bytes, target_seconds=a.seconds, max_reps=2000)
     rows = []
     print(f"{gpu.name}: {fam.name} before ({a.templates}) and after (this checkout), in turns, TFLOP/s of the median")

@@ -102,8 +102,7 @@ def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
     """Whether the untuned default takes three consumers: at d = 72-80 on rows of THREE_CONSUMER_KEYS
     keys or more (on average over the mask), where waves of CTAs x rows a CTA computes (consumers
     past the last query row skip the work) x THREE_CONSUMER_COST come out below two consumers'."""
-    esize = DTYPE_BYTES[problem.dtype]
-    if tile_width(problem.head_dim, esize) == tile_cols(problem.head_dim, esize):
+    if tile_dim(problem) == tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]):
         return False
     mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q
     if mean_keys < THREE_CONSUMER_KEYS:

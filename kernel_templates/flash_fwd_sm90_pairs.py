@@ -77,9 +77,9 @@ class PairsFlashFwdSm90(TailFlashFwdSm90):
         covers the SMs on the H100 measured (66 for 132, PERF_NOTES "s3"); a GPU whose GPCs leave an
         SM unpaired runs the plain form, which uses every SM."""
         blocks = ceil_div(problem.seqlen_q, 64 * plain["cwg"])
-        idle = CLUSTER * ceil_div(blocks, CLUSTER) - blocks   # CTAs past a head's rows in its last pair
+        turns = CLUSTER * ceil_div(blocks, CLUSTER)   # a head's CTA turns in pairs, the idle ones past its rows
         if (tile_dim(problem) < PAIRS_MIN_TILE_DIM or problem.seqlen_k < PAIRS_MIN_KEYS
-                or idle * PAIRS_MAX_IDLE > CLUSTER * ceil_div(blocks, CLUSTER)
+                or (turns - blocks) * PAIRS_MAX_IDLE > turns
                 or CLUSTER * clusters_at_once(gpu, CLUSTER) < gpu.sm_count
                 or self.check(plain, gpu, problem) is not None):
             return None

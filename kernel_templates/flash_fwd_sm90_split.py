@@ -40,8 +40,8 @@ SPLIT_GAIN = 1.10
 # (PERF_NOTES "p6"). It decides where a plain config may run split (split_form): there the
 # alternative is the same config unsplit, which has no tail to pay. PARTIAL_KEYS and MERGE_KEYS were
 # fitted to the row-by-row merge; PERF_NOTES "j1" keeps a warp's rows in flight at once (1.10-1.42x
-# at the occupancy's count, more at 8-16 splits) and has not refitted them: the occupancy's count
-# still read within 0.90-1.0x of the best of 2-16 on five shapes timed.
+# at the occupancy's count, more at 8-16 splits) and has not refitted them: of 2-16 splits, the
+# occupancy's count read the fastest on 8 shapes and 0.91-0.96x of it on 3 ("j2"; one split untimed).
 MERGE_KEYS = 1100
 
 

@@ -162,8 +162,8 @@ FT_DEVICE void merge_row_by_row(const SplitWorkspace& ws, int splits, int bh, in
 // 80, 192, ...) column pairs 64 apart, the last strip's lanes past DIM idle. `warp`, `warps`: this
 // thread's warp among the `warps` that merge. `place` puts each row in O and the LSE (common.cuh:
 // StridedRows, o_sn apart; PackedRows). A warp merges BATCH of its rows at once, their loads in
-// flight together: the LSEs of all in one trip to L2, then two splits' partials of all a trip. Row after row (two dependent trips a row, 16
-// rows a warp of a 128-row tile) the merge behind a tile's last split took longer than the main
+// flight together: the LSEs of all in one trip to L2, then two splits' partials of all a trip. Row
+// after row (two dependent trips a row, 16 rows a warp of a 128-row tile) the merge behind a tile's last split took longer than the main
 // loop of a short call: on the H200 this form read 1.10-1.42x the row-by-row one where the split
 // count came from the occupancy, up to 2.1x at 16 splits (PERF_NOTES "j1").
 template <int DIM, int ODT, class Rows>

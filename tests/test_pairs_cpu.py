@@ -25,8 +25,9 @@ PERSISTENT = {"Bc": 176, "chain": 0, "cwg": 2, "overlap": 1, "persistent": 1, "p
 
 
 def test_pairs_serve_long_unmasked_calls_at_wide_head_dims_only():
-    """The rule: tiles 128 columns wide and up (d over 64) with PAIRS_MIN_KEYS keys or more, a persistent unchained config the cut
-    tail's registers allow, 16-bit, unmasked; anything else keeps its single-CTA form."""
+    """The rule: tiles 128 columns wide and up (d = 72-80 and over 96) with PAIRS_MIN_KEYS keys or
+    more, a persistent unchained config the cut tail's registers allow, 16-bit, unmasked; anything
+    else keeps its single-CTA form."""
     assert SM90.served_form(PERSISTENT, H100_SXM, D128_16K) == (PAIRS, PERSISTENT)
     assert SM90.served_form(PERSISTENT, H100_SXM, Problem(4, 16, 4096, 4096, 128, "fp16")) == (PAIRS, PERSISTENT)
     short = Problem(16, 16, 1024, PAIRS_MIN_KEYS - 1, 128, "bf16")

@@ -745,11 +745,12 @@ def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
 def _tuned_on_short_keys(entry: dict, problem: Problem) -> bool:
     """Whether `entry` was tuned on rows of DEFAULT_KEYS keys or fewer and serves a call of
     MISFIT_KEYS times as many and DEFAULT_KEYS at least (under that the call's rows are short too:
-    an entry tuned on cross-attention's 77 keys keeps serving calls of 300-400). A search on short rows weighs what a short main loop leaves exposed
-    (a persistent schedule, a TMA store, pairs of tiles), which a long one hides: on the H200
-    (PERF_NOTES "j1") the n1024/large bucket's pairs config, tuned on 1024 x 1024 self-attention,
-    served B16-H32/kv8 315 x 4896 keys at 456 TFLOP/s where flash_fwd_sm90's default read 642,
-    B4-H64/kv8 137 x 4483 at 362 against 375, B8-H32/kv8 197 x 7623 at 574 against 604."""
+    an entry tuned on cross-attention's 77 keys keeps serving calls of 300-400). A search on short
+    rows weighs what a short main loop leaves exposed (a persistent schedule, a TMA store, pairs of
+    tiles), which a long one hides: on the H200 the n1024/large bucket's pairs config, tuned on
+    1024 x 1024 self-attention, served B16-H32/kv8 315 x 4896 keys at 458 TFLOP/s where
+    flash_fwd_sm90's default read 643, B8-H32/kv4 79 x 6436 at 230 against 472; on 12 random calls
+    the default read 1.0-2.05x on 10, 0.97-0.99x on 2 (PERF_NOTES "j1", "j2")."""
     tuned = _tuned_problem(entry)
     return (tuned is not None and tuned.seqlen_k <= DEFAULT_KEYS <= problem.seqlen_k
             and problem.seqlen_k >= MISFIT_KEYS * tuned.seqlen_k)
