@@ -28,21 +28,26 @@ from tuner.problem import Problem
 MAX_SPLITS = 16   # at most 32: the merge reads one split's LSE per lane
 MAX_WAVES = 4     # the most waves of CTAs (one per SM) the occupancy's count may make
 # What one split's partial costs a query row (its O and LSE written, then read by the merge), in
-# keys of the main loop: fitted to shapes timed at 1 and 4 splits (PERF_NOTES "p4": 96 work tiles
-# on 132 SMs gain 1.13x from 4 splits at 32k keys, nothing at 16k, and lose 0.85x at 8k).
-PARTIAL_KEYS = 235
+# keys of the main loop, and the merge's tail once a launch: each block's last split merges the
+# partials behind the launch's last wave, a few dependent trips to L2 a row, which a long launch
+# hides and a short one pays whole. Both in query rows x keys of the main loop (the tail's trips
+# carry d columns as the main loop's keys do: one figure for every head dim). Fitted on the H200
+# (PERF_NOTES "l1", the merge of "j1" that keeps a warp's rows in flight) to 18 calls timed at 1, 2,
+# 4, 8 and 16 splits in the same turns: the occupancy's count reads the fastest of them on all 18
+# (or an untimed count between the fastest and a close neighbour), where the constants fitted to the
+# row-by-row merge (235 a partial; the tail, 1100 x 128/d, weighed by split_form alone) missed on 4
+# (0.86-0.94x the fastest). 50 of the 112 random calls (seeds 1-80) whose choice it changes were
+# timed in turns against what served them before: about 1.05x geomean, 0.83-1.44x, under 0.98x on
+# 9 (a call of 144 tiles runs 2 splits at 0.83-0.87x one, where flash_fwd_sm90's default reads more).
+PARTIAL_KEYS = 50
+MERGE_KEYS = 1100
 # A split count must beat one split's estimate by this much: below it the estimate has been wrong
 # both ways (a 9% predicted gain at 448 tiles measured 1.6%).
 SPLIT_GAIN = 1.10
-# The merge's tail, once a launch: each block's last split merges the partials behind the launch's
-# last wave, a few dependent trips to L2 a row (~16 us on the H100), in query rows x keys of a
-# d=128 main loop. A long launch hides it; a short one-wave launch of 2k-6k keys pays it whole
-# (PERF_NOTES "p6"). It decides where a plain config may run split (split_form): there the
-# alternative is the same config unsplit, which has no tail to pay. PARTIAL_KEYS and MERGE_KEYS were
-# fitted to the row-by-row merge; PERF_NOTES "j1" keeps a warp's rows in flight at once (1.10-1.42x
-# at the occupancy's count, more at 8-16 splits) and has not refitted them: of 2-16 splits, the
-# occupancy's count read the fastest on 8 shapes and 0.91-0.96x of it on 3 ("j2"; one split untimed).
-MERGE_KEYS = 1100
+# From this many waves of one split's CTAs a call runs one split: splitting can only even out a
+# last wave the others dwarf ("l1": 448 tiles of 25.6k keys, 3.4 waves, 589 TFLOP/s at 2 splits
+# and 652 at one; at 2.3 waves two splits still read 1.04-1.10x one on two calls, 0.92x on a third).
+ONE_SPLIT_WAVES = 3
 
 
 def work_tiles(params: dict, problem: Problem) -> int:
@@ -52,15 +57,21 @@ def work_tiles(params: dict, problem: Problem) -> int:
 
 def estimate(rows: int, tiles: int, splits: int, problem: Problem, gpu: GpuSpec) -> float:
     """A launch's time, in query rows x keys of one SM's main loop: its waves of CTAs (one per SM)
-    x a CTA's rows x its keys, with each split's partial and its share of the merge."""
-    keys = problem.seqlen_k / splits + (PARTIAL_KEYS * (splits + 1) if splits > 1 else 0)
-    return ceil_div(tiles * splits, gpu.sm_count) * rows * keys
+    x a CTA's rows x its keys, with each split's partial and its share of the merge; split, the
+    merge's tail after the last wave."""
+    if splits == 1:
+        return ceil_div(tiles, gpu.sm_count) * rows * problem.seqlen_k
+    keys = problem.seqlen_k / splits + PARTIAL_KEYS * (splits + 1)
+    return (ceil_div(tiles * splits, gpu.sm_count) * keys + MERGE_KEYS) * rows
 
 
 def auto_splits(params: dict, problem: Problem, gpu: GpuSpec) -> int:
     """The fewest splits whose estimated time is within SPLIT_GAIN of the best count's, one split
-    unless splitting gains SPLIT_GAIN; each split keeps two K/V tiles at least."""
+    unless splitting gains SPLIT_GAIN or where one split makes ONE_SPLIT_WAVES waves; each split
+    keeps two K/V tiles at least."""
     tiles, rows = work_tiles(params, problem), 64 * params["cwg"]
+    if tiles >= ONE_SPLIT_WAVES * gpu.sm_count:
+        return 1
     most = max(1, min(MAX_SPLITS, ceil_div(problem.seqlen_k, params["Bc"]) // 2,
                       ceil_div(MAX_WAVES * gpu.sm_count, tiles)))
     times = {s: estimate(rows, tiles, s, problem, gpu) for s in range(1, most + 1)}
@@ -111,16 +122,14 @@ class SplitFlashFwdSm90(FlashFwdSm90):
     def split_form(self, plain: dict, gpu: GpuSpec, problem: Problem) -> dict | None:
         """flash_fwd_sm90's config `plain` (as it serves `problem`) in this family, its tile and its
         consumers kept, the keys split from the occupancy: where the call's few query blocks leave
-        SMs idle and splitting gains by the estimate (auto_splits > 1), the merge's tail counted.
-        None where it would run one split, or where the tile has no valid split form (d=256's
-        Bc > 64 at split=40)."""
+        SMs idle and splitting gains by the estimate (auto_splits > 1, the merge's tail counted).
+        None where it would run one split, where its tiles fill the SMs (the plain config may be
+        persistent, or pairs: on six such calls of 192-468 tiles split read 0.88-0.95x, "l1"), or
+        where the tile has no valid split form (d=256's Bc > 64 at split=40)."""
         fixed = {k: v[0] for k, v in self.space.items() if len(v) == 1}
         params = {**{k: plain[k] for k in ("Bc", "stages", "cwg", "split")}, **fixed, "splits": 0}
-        if self.check(params, gpu, problem) is not None or (splits := self.splits(params, problem, gpu)) < 2:
-            return None
-        rows, tiles = 64 * params["cwg"], work_tiles(params, problem)
-        tail = rows * MERGE_KEYS * 128 / problem.head_dim
-        if (estimate(rows, tiles, splits, problem, gpu) + tail) * SPLIT_GAIN > estimate(rows, tiles, 1, problem, gpu):
+        if (self.check(params, gpu, problem) is not None or work_tiles(params, problem) >= gpu.sm_count
+                or self.splits(params, problem, gpu) < 2):
             return None
         return params
 
