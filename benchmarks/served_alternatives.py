@@ -10,9 +10,16 @@ lookup's next tuned candidates in order of distance. For weighing a dispatch rul
     python3 benchmarks/served_alternatives.py --measured 6 SHAPE...   # after a `tuner search` of SHAPE
     python3 benchmarks/served_alternatives.py --config 'bc80=flash_fwd_sm90_gqa:{"Bc": 80}' SHAPE...
     python3 benchmarks/served_alternatives.py --served-as pairs=flash_fwd_sm90_pairs SHAPE...
+    PYTHONPATH=<another checkout's install> python3 benchmarks/served_alternatives.py --save-served before.json SHAPE...
+    python3 benchmarks/served_alternatives.py --entries before=before.json SHAPE...
 
 --served-as NAME=FAMILY times the served config's params in FAMILY's form too (where FAMILY takes
 them): what a served-form rule (pairs_form, tail_form, split_form) chose against, on the same config.
+
+--save-served FILE writes what serves each shape (family and params, a split count from the occupancy
+fixed to the count it resolves to) and times nothing; --entries NAME=FILE times FILE's config of each
+shape under NAME. Together they weigh a dispatch rule's change in turns: the served column is this
+checkout's, NAME another's, run as that checkout served it (PERF_NOTES "l1": the split estimate refit).
 
 --measured N adds the N fastest configs the results database (TUNER_DB) holds for the shape itself
 ("db1".."dbN"), so that a search's winners, each timed alone as it was tried, are weighed in turns
@@ -149,6 +156,31 @@ def served_as(served: tuple[str, dict] | None, problem, gpu, specs: list[str]) -
     return out
 
 
+def fixed_counts(family: str, params: dict, problem, gpu) -> dict:
+    """`params` with a split count left to the occupancy (0) fixed to the count it resolves to for
+    `problem`, so that another checkout's estimate does not re-derive it."""
+    from tuner.kernel_templates import FAMILIES
+
+    fam = FAMILIES[family]
+    if params.get("splits") == 0 and hasattr(fam, "splits"):
+        return {**params, "splits": fam.splits(params, problem, gpu)}
+    return params
+
+
+def from_files(problem, specs: list[str]) -> dict[str, tuple[str, dict]]:
+    """--entries NAME=FILE: FILE's (family, params) for `problem` (a --save-served file, keyed by
+    problem key), under NAME; none where FILE has no kernel of ours for it."""
+    out: dict[str, tuple[str, dict]] = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not name or not path:
+            raise SystemExit(f"--entries {spec!r}: give NAME=FILE (a --save-served file)")
+        entry = json.loads(Path(path).read_text()).get(problem.key)
+        if entry:
+            out[name] = (entry[0], entry[1])
+    return out
+
+
 def time_in_turns(prepared: dict, problem, gpu, rounds: int = 4) -> dict[str, float | None]:
     """TFLOP/s of each prepared candidate and peer, timed in turns on the same inputs with L2
     flushed (None: it failed its float64 check or its launch)."""
@@ -191,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also FAMILY's default with JSON's params over it (repeatable)")
     ap.add_argument("--served-as", action="append", default=[], metavar="NAME=FAMILY",
                     help="also the served config's params in FAMILY's form (e.g. pairs=flash_fwd_sm90_pairs)")
+    ap.add_argument("--entries", action="append", default=[], metavar="NAME=FILE",
+                    help="also FILE's config of each shape (a --save-served file, e.g. another checkout's)")
+    ap.add_argument("--save-served", default="", metavar="FILE",
+                    help="write what serves each shape (split counts fixed) to FILE and time nothing")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if not args.shapes and not args.random:
@@ -213,17 +249,28 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.problem import Problem
 
     gpu, d, rows = detect(), dispatch.default(), []
+    if args.save_served:
+        served = {}
+        for text in shapes_of(args):
+            p = Problem.parse(text, args.dtype)
+            fp = alternatives(d, p, gpu, near=0).get("served")
+            served[p.key] = fp and [fp[0], fixed_counts(*fp, p, gpu)]
+        Path(args.save_served).write_text(json.dumps(served, indent=1))
+        print(f"what serves {len(served)} shapes: {args.save_served}")
+        return 0
     peers = [p for p in PEERS if p != "fa4" or fa4_missing() is None]
     for text in shapes_of(args):
         p = Problem.parse(text, args.dtype)
         alts = alternatives(d, p, gpu, args.near, args.octaves)
         more = {**(measured(p, gpu, args.measured) if args.measured else {}), **configured(p, gpu, args.config),
-                **served_as(alts.get("served"), p, gpu, args.served_as)}
+                **served_as(alts.get("served"), p, gpu, args.served_as), **from_files(p, args.entries)}
         for name, fp in more.items():
             if fp not in alts.values():
                 alts[name] = fp
         with ThreadPoolExecutor(8) as pool:   # NVRTC runs outside the GIL
-            cubins = dict(zip(alts, pool.map(lambda fp: compile_kernel(FAMILIES[fp[0]], fp[1], p, gpu.arch), alts.values())))
+            # a split count fixed outside the family's space (--entries) shares the cubin of its occupancy's
+            cubins = dict(zip(alts, pool.map(lambda fp: compile_kernel(FAMILIES[fp[0]], FAMILIES[fp[0]].compiled(fp[1]),
+                                                                       p, gpu.arch), alts.values())))
         prepared = {b: prepare_peer(b, p, 0) for b in peers}
         for name, (fam, params) in alts.items():
             prepared[name] = prepare_kernel(FAMILIES[fam], params, p, cubins[name], 0, gpu)

@@ -145,3 +145,27 @@ def test_a_tuned_split_count_is_listed_as_the_call_runs_it(shipped):
     assert entry["family"] == "flash_fwd_sm90_split" and entry["params"]["splits"] == 4
     alts = alt.alternatives(shipped, p, H200)
     assert alts["served"] == (entry["family"], served_params(entry, p)) and alts["served"][1]["splits"] == 0
+
+
+def test_a_saved_entry_fixes_its_split_count_and_compiles_as_its_occupancy(shipped, tmp_path):
+    """--save-served fixes a split count left to the occupancy (another checkout's estimate would
+    re-derive it), --entries reads it back by problem key; a count outside the space (3) compiles
+    as the occupancy's cubin, which launches any count."""
+    p = Problem.parse("1,3,131:6689,64,causal_br", "bf16")   # a few blocks' keys split
+    fam, params = alt.alternatives(shipped, p, H200, near=0)["served"]
+    assert fam == "flash_fwd_sm90_split" and params["splits"] == 0
+    fixed = alt.fixed_counts(fam, params, p, H200)
+    split = FAMILIES[fam]
+    assert fixed["splits"] == split.splits(params, p, H200) > 1
+    assert fixed == alt.fixed_counts(fam, fixed, p, H200)   # a fixed count stays
+    saved = tmp_path / "before.json"
+    saved.write_text(json.dumps({p.key: [fam, dict(fixed, splits=3)]}))
+    entries = alt.from_files(p, [f"before={saved}"])
+    assert entries == {"before": (fam, dict(fixed, splits=3))}
+    assert alt.from_files(Problem.parse("1,3,131:6000,64,causal_br", "bf16"), [f"before={saved}"]) == {}
+    assert split.check(entries["before"][1], H200, p) is not None   # 3 is not a point of the space
+    compiled = split.compiled(entries["before"][1])
+    assert compiled["splits"] == 0 and split.check(compiled, H200, p) is None
+    assert split.launch(entries["before"][1], p, H200).grid[2] == 3
+    with pytest.raises(SystemExit, match="NAME=FILE"):
+        alt.from_files(p, ["before"])

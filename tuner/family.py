@@ -154,6 +154,11 @@ class KernelFamily(ABC):
         the diagonal shifted by nk - nq, computed in the kernel from its runtime nq and nk)."""
         return {"IS_CAUSAL": int(problem.causal), "MASK_BR": int(problem.bottom_right)}
 
+    def compiled(self, params: dict) -> dict:
+        """`params` as its cubin is built: each launch parameter at the space's first value, so that
+        a count outside the space (an occupancy's 3 splits, fixed) compiles what it launches."""
+        return {**params, **{k: self.space[k][0] for k in self.launch_params}}
+
     def space_error(self, params: object) -> str | None:
         """Why `params` is not a point of the space (names, and each value by type), or None."""
         if not isinstance(params, dict) or set(params) != set(self.space):
