@@ -32,7 +32,7 @@ MAX_WAVES = 4     # the most waves of CTAs (one per SM) the occupancy's count ma
 # partials behind the launch's last wave, a few dependent trips to L2 a row, which a long launch
 # hides and a short one pays whole. Both in query rows x keys of the main loop (the tail's trips
 # carry d columns as the main loop's keys do: one figure for every head dim). Fitted on the H200
-# (PERF_NOTES "l1", the merge of "j1" that keeps a warp's rows in flight) to 18 calls timed at 1, 2,
+# (PERF_NOTES "j3", the merge of "j1" that keeps a warp's rows in flight) to 18 calls timed at 1, 2,
 # 4, 8 and 16 splits in the same turns: the occupancy's count reads the fastest of them on all 18
 # (or an untimed count between the fastest and a close neighbour), where the constants fitted to the
 # row-by-row merge (235 a partial; the tail, 1100 x 128/d, weighed by split_form alone) missed on 4
@@ -45,7 +45,7 @@ MERGE_KEYS = 1100
 # both ways (a 9% predicted gain at 448 tiles measured 1.6%).
 SPLIT_GAIN = 1.10
 # From this many waves of one split's CTAs a call runs one split: splitting can only even out a
-# last wave the others dwarf ("l1": 448 tiles of 25.6k keys, 3.4 waves, 589 TFLOP/s at 2 splits
+# last wave the others dwarf ("j3": 448 tiles of 25.6k keys, 3.4 waves, 589 TFLOP/s at 2 splits
 # and 652 at one; at 2.3 waves two splits still read 1.04-1.10x one on two calls, 0.92x on a third).
 ONE_SPLIT_WAVES = 3
 
@@ -124,7 +124,7 @@ class SplitFlashFwdSm90(FlashFwdSm90):
         consumers kept, the keys split from the occupancy: where the call's few query blocks leave
         SMs idle and splitting gains by the estimate (auto_splits > 1, the merge's tail counted).
         None where it would run one split, where its tiles fill the SMs (the plain config may be
-        persistent, or pairs: on six such calls of 192-468 tiles split read 0.88-0.95x, "l1"), or
+        persistent, or pairs: on six such calls of 192-468 tiles split read 0.88-0.98x, "j3"), or
         where the tile has no valid split form (d=256's Bc > 64 at split=40)."""
         fixed = {k: v[0] for k, v in self.space.items() if len(v) == 1}
         params = {**{k: plain[k] for k in ("Bc", "stages", "cwg", "split")}, **fixed, "splits": 0}

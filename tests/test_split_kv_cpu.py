@@ -84,9 +84,9 @@ def test_auto_splits_pick_the_count_measured_fastest(shape, bc, cwg, stages, spl
     assert auto_splits(params, problem, H100_SXM) == splits
 
 
-# The H200 (PERF_NOTES "l1", the merge that keeps a warp's rows in flight): TFLOP/s of each call at
+# The H200 (PERF_NOTES "j3", the merge that keeps a warp's rows in flight): TFLOP/s of each call at
 # 1, 2, 4, 8 and 16 splits (one split: the same config in flash_fwd_sm90), timed in the same turns
-# (benchmarks/results/NVIDIA-H200_sm_90-split-unsplit-l1b.json); stages 2 throughout.
+# (benchmarks/results/NVIDIA-H200_sm_90-split-unsplit-j3b.json); stages 2 throughout.
 MEASURED_H200 = [
     ("B1-H16-N16384-D128-bf16-full", 176, 2, {1: 653.3, 2: 613.5, 4: 575.8, 8: 508.3, 16: 431.6}),
     ("B1-H4-N129x1683-D96-bf16-full", 176, 2, {1: 14.5, 2: 12.4, 4: 12.8, 8: 12.0}),
