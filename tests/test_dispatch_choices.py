@@ -415,6 +415,22 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
     assert d.serving_entry(full, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, full)}
 
 
+
+def test_an_untuned_prefill_of_two_waves_of_default_tiles_runs_the_default_unsplit(tmp_path):
+    """Nothing tuned at d=96: B8-H4 1078 x 8849 keys makes 288 tiles of 128 rows, over two waves of
+    132 SMs, and runs flash_fwd_sm90's default (persistent) unsplit: 476 TFLOP/s against the split
+    default's 446 on the H200 (PERF_NOTES "j3"); B1-H16 1260 x 27529, 160 tiles (1.2 waves), keeps
+    the split (540 against 391)."""
+    from tuner.dispatch import DEFAULT_WAVES
+
+    d = Dispatcher(lookup(tmp_path / "none.json", []))
+    two = Problem(8, 4, 1078, 8849, 96, "bf16", "causal_br", 4)
+    assert two.query_blocks(64 * SM90.default(H100_SXM, two)["cwg"]) >= DEFAULT_WAVES * H100_SXM.sm_count
+    assert d.serving_entry(two, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, two)}
+    one = Problem(1, 16, 1260, 27529, 96, "bf16", "causal_br", 16)
+    e = d.serving_entry(one, H100_SXM)
+    assert e["family"] == SPLIT.name and SPLIT.splits(e["params"], one, H100_SXM) > 1
+
 @pytest.mark.parametrize("d", [80, 96, 192, 248])
 def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path, monkeypatch, d):
     """Lookups borrow only within a head dim and dtype (tuner.nearest), and the shipped ones tune fp16

@@ -49,6 +49,12 @@ MISFIT_BLOCKS = 4
 # A call that fills the GPU passes over a borrowed entry tuned on rows of DEFAULT_KEYS keys or fewer
 # where it has MISFIT_KEYS times as many (_tuned_on_short_keys).
 MISFIT_KEYS = 4
+# A call nothing tuned serves runs flash_fwd_sm90's default, not the split default, where the
+# default's tiles make this many waves: its persistent schedule evens out the last wave, which
+# splitting the keys would otherwise buy (B8-H4 1078 x 8849 keys at d=96, 288 tiles: 476 TFLOP/s
+# against 446 split; at 160 tiles, 1.2 waves, B1-H16 1260 x 27529 read 540 split, 391 unsplit;
+# PERF_NOTES "j3").
+DEFAULT_WAVES = 2
 # A measured SDPA backend serves by torch's Python path (the backend pinned, SDPA's own checks, an
 # LSE buffer), some 30-40 µs of host time a call where our kernels launch from C++; a call shorter
 # than that leaves the GPU idle behind it. So a peer whose entry, scaled to the call's work, runs
@@ -650,13 +656,16 @@ def _split_default(problem: Problem, gpu) -> dict | None:
     """flash_fwd_sm90_split's default config for a prefill call nothing tuned serves whose query
     blocks leave SMs idle (a few heads of a short prompt, a chunk of a tensor-parallel shard: no
     bucket within reach, and too few blocks to borrow one at any distance), where its occupancy
-    splits the keys. Where it would run one split, flash_fwd_sm90's default serves (_prefill_default)."""
+    splits the keys. Where it would run one split, or where flash_fwd_sm90's default (persistent)
+    makes DEFAULT_WAVES waves of its tiles, that default serves (_prefill_default)."""
     from .kernel_templates import FAMILIES
 
     fam = FAMILIES.get("flash_fwd_sm90_split")
     if fam is None or problem.seqlen_q <= DECODE_QUERIES or fam.supports(gpu, problem):
         return None
-    params = fam.default(gpu, problem)
+    params, plain = fam.default(gpu, problem), _prefill_default(problem, gpu)
+    if plain and problem.query_blocks(64 * plain["params"]["cwg"]) >= DEFAULT_WAVES * gpu.sm_count:
+        return None
     return {"family": fam.name, "params": params} if fam.splits(params, problem, gpu) > 1 else None
 
 
