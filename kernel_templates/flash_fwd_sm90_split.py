@@ -36,9 +36,10 @@ MAX_WAVES = 4     # the most waves of CTAs (one per SM) the occupancy's count ma
 # 4, 8 and 16 splits in the same turns: the occupancy's count reads the fastest of them on all 18
 # (or an untimed count between the fastest and a close neighbour), where the constants fitted to the
 # row-by-row merge (235 a partial; the tail, 1100 x 128/d, weighed by split_form alone) missed on 4
-# (0.86-0.94x the fastest). 47 of the 111 random calls (seeds 1-80) whose choice it changes were
-# timed in turns against what served them before: 1.07x geomean, 31 faster, 10 at 0.83-0.97x (two
-# calls of 144 tiles split two ways at 0.83-0.87x one, where flash_fwd_sm90's default reads more).
+# (three at 0.86-0.94x the fastest, one on an untimed count). 47 of the 111 random calls (seeds
+# 1-80) whose choice it changes were timed in turns against what served them before: 1.07x
+# geomean, 31 faster, 10 at 0.83-0.97x (two calls of 144 tiles split two ways at 0.83-0.87x one,
+# where flash_fwd_sm90's default reads more).
 PARTIAL_KEYS = 50
 MERGE_KEYS = 1100
 # A split count must beat one split's estimate by this much: below it the estimate has been wrong
