@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import cache
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # random_shapes, beside this script
@@ -175,10 +176,16 @@ def from_files(problem, specs: list[str]) -> dict[str, tuple[str, dict]]:
         name, _, path = spec.partition("=")
         if not name or not path:
             raise SystemExit(f"--entries {spec!r}: give NAME=FILE (a --save-served file)")
-        entry = json.loads(Path(path).read_text()).get(problem.key)
+        entry = _served_file(path).get(problem.key)
         if entry:
             out[name] = (entry[0], entry[1])
     return out
+
+
+@cache
+def _served_file(path: str) -> dict:
+    """A --save-served file, read once for all the shapes."""
+    return json.loads(Path(path).read_text())
 
 
 def time_in_turns(prepared: dict, problem, gpu, rounds: int = 4) -> dict[str, float | None]:

@@ -663,10 +663,13 @@ def _split_default(problem: Problem, gpu) -> dict | None:
     fam = FAMILIES.get("flash_fwd_sm90_split")
     if fam is None or problem.seqlen_q <= DECODE_QUERIES or fam.supports(gpu, problem):
         return None
-    params, plain = fam.default(gpu, problem), _prefill_default(problem, gpu)
+    params = fam.default(gpu, problem)
+    if fam.splits(params, problem, gpu) < 2:
+        return None
+    plain = _prefill_default(problem, gpu)
     if plain and problem.query_blocks(64 * plain["params"]["cwg"]) >= DEFAULT_WAVES * gpu.sm_count:
         return None
-    return {"family": fam.name, "params": params} if fam.splits(params, problem, gpu) > 1 else None
+    return {"family": fam.name, "params": params}
 
 
 def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
