@@ -96,6 +96,11 @@ def p_in_smem(params: dict, problem: Problem) -> bool:
 # of 128). At d=96 (a 96-column tile) three read 0.75x on 27k-33k keys: not there.
 THREE_CONSUMER_COST = 0.93
 THREE_CONSUMER_KEYS = 2048
+# Two consumers at d=64 (two_consumers_pay): the waves model counts whole waves and rows a CTA
+# computes; it must show this margin, and only in calls of under TWO_CONSUMER_WAVES waves of 192-row
+# blocks (past them tiles of few rows even out the last wave: PERF_NOTES "b2").
+TWO_CONSUMER_MARGIN = 0.85
+TWO_CONSUMER_WAVES = 2
 
 
 def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
@@ -107,12 +112,24 @@ def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
     mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q
     if mean_keys < THREE_CONSUMER_KEYS:
         return False
+    return consumer_cost(gpu, problem, 3) * THREE_CONSUMER_COST < consumer_cost(gpu, problem, 2)
 
-    def cost(cwg: int) -> float:
-        rows = min(64 * cwg, ceil_div(problem.seqlen_q, 64) * 64)
-        return ceil_div(problem.query_blocks(64 * cwg), gpu.sm_count) * rows
 
-    return cost(3) * THREE_CONSUMER_COST < cost(2)
+def two_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
+    """Whether the d=64 default takes two consumers: where 192-row blocks make under
+    TWO_CONSUMER_WAVES waves of CTAs, one CTA's rows are the call's critical path, and the waves of
+    128-row blocks x their rows come out TWO_CONSUMER_MARGIN below three consumers' (after their
+    per-row gain, THREE_CONSUMER_COST). On the H200 (PERF_NOTES "j3", "b2") d=64 calls of 36-250
+    such blocks read 1.02-1.35x at two; at 400 blocks, where the waves model's margin held too, 0.93x."""
+    return (problem.query_blocks(192) < TWO_CONSUMER_WAVES * gpu.sm_count
+            and consumer_cost(gpu, problem, 2) < consumer_cost(gpu, problem, 3) * THREE_CONSUMER_COST * TWO_CONSUMER_MARGIN)
+
+
+def consumer_cost(gpu: GpuSpec, problem: Problem, cwg: int) -> float:
+    """Waves of CTAs x the query rows a CTA computes (consumers past the last query row skip the
+    work): the time of `cwg` consumers a CTA, per key, where every CTA runs its rows alone."""
+    rows = min(64 * cwg, ceil_div(problem.seqlen_q, 64) * 64)
+    return ceil_div(problem.query_blocks(64 * cwg), gpu.sm_count) * rows
 
 
 def entry_regs(threads: int) -> int:
@@ -219,6 +236,8 @@ class FlashFwdSm90(KernelFamily):
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
+            if two_consumers_pay(gpu, problem):   # under a wave of 192-row blocks: the first seed at two (j3)
+                cands.insert(0, (128, 2, 2, 24, 1, 1, 0, 0))
         elif d <= 128 and half_panels(problem):   # d = 72-96: Bc 128 won its searches (w1, w2)
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]

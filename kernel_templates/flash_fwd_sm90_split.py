@@ -21,7 +21,7 @@ from __future__ import annotations
 from tuner.family import ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.flash_decode import call_grid, split_workspace
-from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args
+from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args, two_consumers_pay
 from tuner.launch import Launch
 from tuner.problem import Problem
 
@@ -148,6 +148,8 @@ class SplitFlashFwdSm90(FlashFwdSm90):
         d = problem.head_dim
         if d <= 64:
             cands = [(128, 2, 3, 24), (128, 3, 2, 40), (128, 2, 2, 40)]
+            if two_consumers_pay(gpu, problem) and problem.query_blocks(128) >= gpu.sm_count:
+                cands.insert(0, (128, 2, 2, 24))   # flash_fwd_sm90's default tile where it fills the SMs (b2)
         elif d <= 128:
             cands = [(176, 2, 2, 24), (128, 2, 2, 40), (176, 2, 2, 40), (128, 3, 2, 24)]
         else:

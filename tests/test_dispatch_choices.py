@@ -431,6 +431,56 @@ def test_an_untuned_prefill_of_two_waves_of_default_tiles_runs_the_default_unspl
     e = d.serving_entry(one, H100_SXM)
     assert e["family"] == SPLIT.name and SPLIT.splits(e["params"], one, H100_SXM) > 1
 
+
+def test_a_three_consumer_config_tuned_on_many_blocks_serves_a_call_under_a_wave_at_two(tmp_path):
+    """The n1024/medium bucket's config, tuned on 1200 blocks of 192 rows (three consumers,
+    persistent), borrowed by 12 heads of a 548-query prompt (36 such blocks on 132 SMs), serves
+    as flash_fwd_sm90's default, two consumers there: 35.1 TFLOP/s against 28.6 on the H200
+    (PERF_NOTES "j3"). Where the bucket's entry was tuned on a call of under a wave itself, it
+    stands; so does it at 1200 blocks."""
+    d64 = Problem(8, 25, 1024, 1024, 64, "bf16", "causal", 25)
+    three = dict(SM90.default(H100_SXM, d64), persistent=1, split=32)
+    assert three["cwg"] == 3 and SM90.check(three, H100_SXM, d64) is None
+    d = Dispatcher(lookup(tmp_path / "medium.json", [entry(d64, SM90.name, three, 300.0)]))
+    few = Problem(1, 12, 548, 548, 64, "bf16", "causal", 12)
+    assert next(d.candidates(few, H100_SXM))[1]["params"] == three   # borrowed: the nearest bucket's
+    e = d.serving_entry(few, H100_SXM)
+    assert e["family"] == SM90.name and e["params"] == SM90.default(H100_SXM, few) and e["params"]["cwg"] == 2
+    assert d.serving_entry(d64, H100_SXM)["params"] == three
+    idle = Problem(1, 12, 600, 600, 64, "bf16", "causal", 12)   # same bucket, tuned under a wave
+    assert idle.bucket() == few.bucket()
+    d = Dispatcher(lookup(tmp_path / "idle.json", [entry(idle, SM90.name, three, 30.0)]))
+    assert d.serving_entry(few, H100_SXM)["params"] == three
+
+
+def test_a_borrowed_split_entry_gives_way_on_a_call_that_fills_the_gpu(tmp_path):
+    """A split entry tuned on 8 heads of a 1024 x 32768 chunk (64 blocks: its keys split) is the
+    only tuned bucket near 12 heads of a 1536 x 4813 chunk (144 blocks of 128 rows, over a wave):
+    the call runs flash_fwd_sm90's default, not the split tile at one or two splits (303.9 TFLOP/s
+    against 205.0-247.4 on the H200, PERF_NOTES "j3"). A call that leaves SMs idle keeps it."""
+    tuned = Problem(1, 8, 1024, 32768, 64, "bf16", "causal_br", 8)
+    params = dict(SPLIT.default(H100_SXM, tuned), splits=4)
+    d = Dispatcher(lookup(tmp_path / "split.json", [entry(tuned, SPLIT.name, params, 400.0)]))
+    full = Problem(1, 12, 1536, 4813, 64, "bf16", "causal_br", 12)
+    e = d.serving_entry(full, H100_SXM)
+    assert e["family"] == SM90.name and e["params"] == SM90.default(H100_SXM, full)
+    idle = Problem(1, 4, 1024, 30000, 64, "bf16", "causal_br", 4)
+    assert d.serving_entry(idle, H100_SXM)["family"] == SPLIT.name
+
+
+def test_a_borrowed_split_entry_gives_way_to_the_split_default_where_that_splits(tmp_path):
+    """Where the split entry gives way, the keys' split is weighed afresh for the call: 12 heads of
+    four 3144 x 18763 chunks (204 blocks of 192 rows, a wave and a half) run flash_fwd_sm90_split's
+    default in three splits (453 TFLOP/s on the H200, against 421 for flash_fwd_sm90's default and
+    370 for the borrowed entry, PERF_NOTES "b2")."""
+    tuned = Problem(1, 8, 1024, 32768, 64, "bf16", "causal_br", 8)
+    params = dict(SPLIT.default(H100_SXM, tuned), splits=4, cwg=2, stages=3, split=40)
+    d = Dispatcher(lookup(tmp_path / "split.json", [entry(tuned, SPLIT.name, params, 400.0)]))
+    call = Problem(4, 3, 3144, 18763, 64, "bf16", "causal_br", 3)
+    e = d.serving_entry(call, H100_SXM)
+    assert e["family"] == SPLIT.name and e["params"] == SPLIT.default(H100_SXM, call)
+    assert SPLIT.splits(e["params"], call, H100_SXM) == 3
+
 @pytest.mark.parametrize("d", [80, 96, 192, 248])
 def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path, monkeypatch, d):
     """Lookups borrow only within a head dim and dtype (tuner.nearest), and the shipped ones tune fp16

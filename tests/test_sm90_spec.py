@@ -139,3 +139,45 @@ def test_the_untuned_default_takes_three_consumers_on_long_rows_at_d72_80(shape,
     default = SM90.default(H100_SXM, problem)
     assert default["cwg"] == cwg and default == SM90.seeds(H100_SXM, problem)[0]
     assert SM90.check(default, H100_SXM, problem) is None
+
+
+@pytest.mark.parametrize("shape,cwg", [
+    ("1,12,548,64,causal", 2),      # 36 CTAs of 192 rows: 60 of 128 still one wave (1.23x at two, j3)
+    ("1,16,1000,64,causal", 2),     # 96 of 192, 128 of 128
+    ("1,25,764,64,causal", 3),      # 100 of 192 but 150 of 128: two waves at two consumers
+    ("1,25,1090:4346,64,causal_br", 2),   # 150 of 192 (two waves, the second 18 CTAs), 225 of 128 (b2: 1.13x)
+    ("2,25,605:6304,64", 2),        # 200 of 192, 250 of 128: two waves either way (b2: 1.22x)
+    ("8,3,1567:2802,64,causal_br", 3),    # 216 of 192 but 312 of 128: three waves at two
+    ("4,25,600:4805,64,causal_br", 3),    # 400 of 192: past TWO_CONSUMER_WAVES (b2: 0.93x at two)
+    ("8,25,1024,64,causal", 3),     # blocks that fill the GPU: FA3's 192-row tile
+    ("1,12,548,128,causal", 2),     # d=128's default has two anyway
+])
+def test_the_default_takes_two_consumers_where_192_row_blocks_leave_a_wave_short(shape, cwg):
+    """At d=64 the default's three consumers (FA3's 192 x 128) give way to two where, in under
+    TWO_CONSUMER_WAVES waves, the waves of 128-row blocks x their rows come out TWO_CONSUMER_MARGIN
+    below those of 192-row ones: a CTA's rows are the critical path."""
+    from tuner.kernel_templates.flash_fwd_sm90 import two_consumers_pay
+
+    problem = Problem.parse(shape, "bf16")
+    default = SM90.default(H100_SXM, problem)
+    assert default["cwg"] == cwg and SM90.check(default, H100_SXM, problem) is None
+    if problem.head_dim == 64:
+        assert two_consumers_pay(H100_SXM, problem) == (cwg == 2)
+
+
+@pytest.mark.parametrize("shape,cwg", [
+    ("2,12,1122:17528,64,causal_br", 2),   # 216 blocks of 128 rows fill the SMs: the plain default's tile
+    ("4,12,412:14602,64,causal_br", 2),    # 192 of 128 (b2: 304 TFLOP/s against 277 at three)
+    ("2,25,189:5079,64", 3),               # 100 of 128: splits fill the SMs, three consumers' rows (b2: 0.91x at two)
+    ("2,3,180:2793,64,causal_br", 3),      # 12 of 128
+    ("4,25,600:4805,64,causal_br", 3),     # the plain default keeps three
+])
+def test_the_split_default_takes_the_plain_defaults_two_consumers_where_they_fill_the_sms(shape, cwg):
+    """flash_fwd_sm90_split's default tile follows flash_fwd_sm90's two consumers where 128-row
+    blocks fill the SMs on their own; under that, splitting 192-row blocks fills them better."""
+    from tuner.kernel_templates import FAMILIES
+
+    split = FAMILIES["flash_fwd_sm90_split"]
+    problem = Problem.parse(shape, "bf16")
+    default = split.default(H100_SXM, problem)
+    assert default["cwg"] == cwg and split.check(default, H100_SXM, problem) is None

@@ -229,7 +229,8 @@ class Dispatcher:
         (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away; past
         that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`). A
         call that fills the GPU passes over borrowed entries that were tuned where query blocks left
-        SMs idle (`_misfit`) to the nearest that was not, else flash_fwd_sm90's default.
+        SMs idle (`_misfit`) to the nearest that was not, else flash_fwd_sm90's default; a borrowed
+        split entry (`_split_entry`) to the split default where it splits, else that default.
         An entry that gives way at this call (KernelFamily.gives_way) serves its bucket's entry
         of the family it names instead."""
         near = next(self.candidates(problem, gpu), None)
@@ -237,12 +238,15 @@ class Dispatcher:
             near = next(((dist, e) for dist, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
         if near is not None and fills_gpu(problem, gpu) and _misfit(*near, problem, gpu):
-            fit = next((e for dist, e in self.candidates(problem, gpu) if not _misfit(dist, e, problem, gpu)), None)
+            if _split_entry(near[1]):   # its keys' split weighed afresh: the split default, else the plain one
+                fit = _split_default(problem, gpu)
+            else:
+                fit = next((e for dist, e in self.candidates(problem, gpu) if not _misfit(dist, e, problem, gpu)), None)
             near = (0, fit or _prefill_default(problem, gpu) or near[1])
         if near is None:
             return None
         entry = self._split_where_idle(self._given_way(near[1], problem, gpu), problem, gpu)
-        return _served_form(entry, problem, gpu)
+        return _served_form(_two_consumers_where_idle(entry, problem, gpu), problem, gpu)
 
     def _given_way(self, entry: dict, problem: Problem, gpu) -> dict:
         """`entry`, or the runnable entry of its bucket of the family it gives way to at this call:
@@ -251,7 +255,7 @@ class Dispatcher:
         from .kernel_templates import FAMILIES
 
         fam = FAMILIES.get(entry["family"])
-        if fam is None or fam.gives_way_to is None:
+        if fam is None or fam.gives_way_to is None or "bucket" not in entry:   # a default: no bucket
             return entry
         params = served_params(entry, problem)
         return next((e for e in self._table.get((gpu.key, entry["bucket"]), [])
@@ -672,6 +676,28 @@ def _split_default(problem: Problem, gpu) -> dict | None:
     return {"family": fam.name, "params": params}
 
 
+def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
+    """`entry`, or where it is a flash_fwd_sm90 config of three consumers serving a call whose
+    192-row blocks make under a wave of CTAs and where two consumers pay (flash_fwd_sm90.
+    two_consumers_pay), flash_fwd_sm90's default, which takes two there. Not where it was tuned in this bucket on a call of under a wave
+    too: a search there weighed two consumers against it. On the H200 a d=64 causal call of 548
+    queries, 36 CTAs, served the n1024/medium bucket's config (tuned on 1200 blocks) at 28.6 TFLOP/s
+    and read 35.1 at two (PERF_NOTES "j3"); 41 such random calls read 1.06-1.35x ("b1")."""
+    from .kernel_templates import FAMILIES
+    from .kernel_templates.flash_fwd_sm90 import two_consumers_pay
+
+    fam = FAMILIES.get("flash_fwd_sm90")
+    if (fam is None or entry["family"] != fam.name or problem.query_blocks(192) >= gpu.sm_count
+            or not two_consumers_pay(gpu, problem)):
+        return entry
+    tuned = _tuned_problem(entry)
+    if served_params(entry, problem).get("cwg") != 3 or (
+            tuned is not None and entry.get("bucket") == problem.bucket().key and tuned.query_blocks(192) < gpu.sm_count):
+        return entry
+    default = fam.default(gpu, problem)
+    return {**entry, "params": default} if default["cwg"] == 2 else entry
+
+
 def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
     split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
@@ -732,10 +758,22 @@ def _misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
     """Whether `entry`, `dist` octaves away, is borrowed from a shape unlike a call that fills the GPU
     over DEFAULT_KEYS keys: one whose query blocks left SMs idle, of the smallest work class
     (`_tuned_on_few_heads`) or of under FEW_WAVES waves of blocks where the call has MISFIT_BLOCKS
-    times as many (`_tuned_on_few_blocks`), or one of short rows of keys where the call has
-    MISFIT_KEYS times as many (`_tuned_on_short_keys`). Its own bucket's entries always serve."""
+    times as many (`_tuned_on_few_blocks`), one of short rows of keys where the call has
+    MISFIT_KEYS times as many (`_tuned_on_short_keys`), or a split entry (`_split_entry`). Its own
+    bucket's entries always serve."""
     return dist > 0 and (_tuned_on_few_heads(entry, problem) or _tuned_on_few_blocks(entry, problem, gpu)
-                         or _tuned_on_short_keys(entry, problem))
+                         or _tuned_on_short_keys(entry, problem) or _split_entry(entry))
+
+
+def _split_entry(entry: dict) -> bool:
+    """Whether `entry` is flash_fwd_sm90_split's: its tile was chosen to split the keys of a call
+    whose blocks leave SMs idle (no persistence), and a call that fills the GPU runs it with one or
+    two splits: the split default weighs the keys' split for the call instead. On the H200 the 17
+    random calls it changed read 0.99-1.49x (B1-H12-N1536x4813 d=64: 303.9 TFLOP/s at
+    flash_fwd_sm90's default against 205.0 at two splits; B4-H3-N3144x18763: 453 in three splits of
+    the split default against 370; the nearest plain entry read 0.78-0.90x the defaults on four,
+    PERF_NOTES "b1", "b2")."""
+    return entry["family"] == "flash_fwd_sm90_split"
 
 
 def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
