@@ -236,7 +236,7 @@ class FlashFwdSm90(KernelFamily):
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
-            if two_consumers_pay(gpu, problem):   # under a wave of 192-row blocks: the first seed at two (j3)
+            if two_consumers_pay(gpu, problem):   # 192-row blocks leave a wave short: the first seed at two (j3, b2)
                 cands.insert(0, (128, 2, 2, 24, 1, 1, 0, 0))
         elif d <= 128 and half_panels(problem):   # d = 72-96: Bc 128 won its searches (w1, w2)
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),

@@ -678,11 +678,12 @@ def _split_default(problem: Problem, gpu) -> dict | None:
 
 def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
     """`entry`, or where it is a flash_fwd_sm90 config of three consumers serving a call whose
-    192-row blocks make under a wave of CTAs and where two consumers pay (flash_fwd_sm90.
-    two_consumers_pay), flash_fwd_sm90's default, which takes two there. Not where it was tuned in this bucket on a call of under a wave
-    too: a search there weighed two consumers against it. On the H200 a d=64 causal call of 548
-    queries, 36 CTAs, served the n1024/medium bucket's config (tuned on 1200 blocks) at 28.6 TFLOP/s
-    and read 35.1 at two (PERF_NOTES "j3"); 41 such random calls read 1.06-1.35x ("b1")."""
+    192-row blocks make under a wave of CTAs and where two consumers pay
+    (flash_fwd_sm90.two_consumers_pay), flash_fwd_sm90's default, which takes two there. Not where
+    it was tuned in this bucket on a call of under a wave too: a search there weighed two consumers
+    against it. On the H200 a d=64 causal call of 548 queries, 36 CTAs, served the n1024/medium
+    bucket's config (tuned on 1200 blocks) at 28.6 TFLOP/s and read 35.1 at two (PERF_NOTES "j3");
+    41 such random calls read 1.06-1.35x ("b1")."""
     from .kernel_templates import FAMILIES
     from .kernel_templates.flash_fwd_sm90 import two_consumers_pay
 
