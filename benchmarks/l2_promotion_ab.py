@@ -7,7 +7,9 @@ peers.
 Why: Nsight Compute put our packed decode kernel's DRAM fills 4-7% above FlashAttention-4's on the
 same call, with 1.4x its L2 sector lookups (PERF_NOTES "l2p"); the maps asked for 256-byte promotion,
 CUTLASS's default is 128. The promotion is the map's, encoded on the host: the kernels are the same
-cubins, so a variant here differs from the served call in that one field. SHAPE is `tuner bench
+cubins, so a variant here differs from the served call in that one field. The setting is part of a
+map's geometry and of its template's cache key (sm90_tma.L2_PROMOTION): before that, every setting got
+the first one's cached map, and "g4"'s A/B read one map four times (PERF_NOTES "l1"). SHAPE is `tuner bench
 --shape`'s (B,H[:KVH],NQ[:NK],D[,MASK]).
 """
 
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gpu, d, rows = detect(), dispatch.default(), []
     peers = [p for p in PEERS if p != "fa4" or fa4_missing() is None]
-    shipped = sm90_tma._L2_256B
+    shipped = sm90_tma.L2_PROMOTION
     for text in args.shapes:
         p = Problem.parse(text, args.dtype)
         entry = d.serving_entry(p, gpu)
@@ -59,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         prepared = {b: prepare_peer(b, p, 0) for b in peers}
         try:
             for name, value in PROMOTIONS.items():   # the maps are encoded here, as each is prepared
-                sm90_tma._L2_256B = value
+                sm90_tma.L2_PROMOTION = value
                 prepared[name] = prepare_kernel(fam, params, p, ck, 0, gpu)
         finally:
-            sm90_tma._L2_256B = shipped
+            sm90_tma.L2_PROMOTION = shipped
         row = {"shape": text, "dtype": args.dtype, "family": fam.name, "params": params,
                "tflops": time_in_turns(prepared, p, gpu, args.rounds)}
         report(rows, row, f"{p.key} ({fam.name})", gpu, args.json)

@@ -29,6 +29,13 @@ NO_MAP = bytes(TMAP_BYTES)   # for a map parameter the kernel does not read
 _CACHE_SIZE = 4096
 _cache: OrderedDict[tuple, bytes] = OrderedDict()
 _lock = threading.Lock()
+# What an L2 miss of a box row fetches beyond it (cuTensorMapEncodeTiled's l2Promotion: 0 none, 1 64 B,
+# 2 128 B, 3 256 B). Read into each geometry, so that maps encoded at another setting
+# (benchmarks/l2_promotion_ab.py) are maps of their own. 256 B cost HBM bandwidth where a tile's rows
+# lie apart (token-major K/V: a K/V head's 256-byte row every 2 KB at 8 K/V heads): the packed GQA
+# step streamed 4.07 TB/s with it and 4.50 without, and read 521 TFLOP/s at 256 B, 548 at 128 B (CUTLASS's
+# default), 563 at none; prefill level within 1% (H200, benchmarks/PERF_NOTES.md "l1").
+L2_PROMOTION = 0
 
 
 class TmaError(ValueError):
@@ -74,8 +81,9 @@ def _geometry(t, box_rows: int, box_cols: int, group: int = 1) -> tuple:
         if h % group or box_rows < group:
             raise TmaError(f"packed rows: {group} heads a group must divide the {h} heads and fit a box's {box_rows} rows")
         sn, sh, sb = strides
-        return kind, (d, group, n, h // group, b), (sh, sn, sh * group, sb), (box_cols, group, box_rows // group), swizzle
-    return kind, (d, n, h, b), strides, (box_cols, box_rows), swizzle
+        return (kind, (d, group, n, h // group, b), (sh, sn, sh * group, sb), (box_cols, group, box_rows // group), swizzle,
+                L2_PROMOTION)
+    return kind, (d, n, h, b), strides, (box_cols, box_rows), swizzle, L2_PROMOTION
 
 
 def _check_address(address: int) -> None:
@@ -87,17 +95,17 @@ def _encode_at(geometry: tuple, address: int) -> bytes:
     """cuTensorMapEncodeTiled of `geometry` at `address` (through ctypes where it can)."""
     from cuda.bindings import driver
 
-    kind, dims, strides, box, swizzle = geometry
+    kind, dims, strides, box, swizzle, promotion = geometry
     fast = _fast_encoder()
     if fast is not None:
-        return fast(int(kind), address, dims, strides, box, int(swizzle))
+        return fast(int(kind), address, dims, strides, box, int(swizzle), promotion)
     u64, u32, rank = driver.cuuint64_t, driver.cuuint32_t, len(dims)
     err, tmap = driver.cuTensorMapEncodeTiled(
         kind, rank, address, [u64(x) for x in dims], [u64(x) for x in strides],
         [u32(x) for x in _box(box, rank)], [u32(1)] * rank,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         swizzle,
-        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapL2promotion(promotion),
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -145,7 +153,7 @@ class _CtypesEncoder:
                                  (ctypes.c_uint32 * rank)(*(1,) * rank))
         return b
 
-    def __call__(self, kind: int, address: int, dims, strides, box, swizzle: int) -> bytes:
+    def __call__(self, kind: int, address: int, dims, strides, box, swizzle: int, promotion: int) -> bytes:
         import ctypes
 
         rank = len(dims)
@@ -154,13 +162,12 @@ class _CtypesEncoder:
         gstride[:] = strides
         boxdim[:] = _box(box, rank)
         start = ctypes.addressof(out) + (-ctypes.addressof(out) % 64)   # a CUtensorMap is 64-byte aligned
-        err = self._fn(start, kind, rank, address, gdim, gstride, boxdim, estride, 0, swizzle, _L2_256B, 0)
+        err = self._fn(start, kind, rank, address, gdim, gstride, boxdim, estride, 0, swizzle, promotion, 0)
         if err:
             raise TmaError(f"cuTensorMapEncodeTiled failed: CUresult {err} (dims {dims}, strides {strides})")
         return ctypes.string_at(start, TMAP_BYTES)
 
 
-_L2_256B = 3   # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 _fast: list = []
 
 
@@ -271,7 +278,7 @@ _TEMPLATES = 1024
 
 
 def _template(t, rows: int, cols: int, group: int = 1) -> _Template:
-    key = (t.shape, t.stride(), t.dtype, rows, cols, group)   # one tensor, several kernels' boxes (prefill's, decode's)
+    key = (t.shape, t.stride(), t.dtype, rows, cols, group, L2_PROMOTION)   # one tensor, several kernels' boxes (prefill's, decode's)
     tpl = _templates.get(key)
     if tpl is None:
         geometry = _geometry(t, rows, cols, group)

@@ -97,7 +97,7 @@ def test_q_map_lands_row_r_as_query_r_over_g_of_head_r_mod_g(layout):
     b, h, n, d, g = 2, 16, 37, 128, 8
     t = torch.empty(b, h, n, d, dtype=torch.bfloat16) if layout == "bhnd" else \
         torch.empty(b, n, h, d, dtype=torch.bfloat16).transpose(1, 2)
-    _, dims, strides, box, _ = _geometry(t, 64, 64, group=g)
+    _, dims, strides, box, _, _ = _geometry(t, 64, 64, group=g)
     assert dims == (d, g, n, h // g, b) and box == (64, g, 64 // g)
     for _ in range(50):
         bi, hk, r = random.randrange(b), random.randrange(h // g), random.randrange(g * n)

@@ -39,9 +39,28 @@ def test_tiles_panels_and_swizzles_by_head_dim(d, esize, tile, panel, swizzle):
     dtype = torch.bfloat16 if esize == 2 else torch.float8_e4m3fn
     t = torch.empty(2, 3, 100, d, dtype=dtype)
     assert box_cols(t) == panel
-    _, dims, strides, box, swz = _geometry(t, 64, box_cols(t))
+    _, dims, strides, box, swz, promotion = _geometry(t, 64, box_cols(t))
     assert dims == (d, 100, 3, 2) and strides[0] == d * esize and box == (panel, 64)
     assert swz == getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}")
+    assert promotion == 0   # none: 256 B cost the packed GQA step 10% of its bandwidth (PERF_NOTES "l1")
+
+
+def test_a_promotion_setting_makes_maps_of_its_own(monkeypatch):
+    """The L2 promotion is part of a map's geometry and of the template cache's key: a map made at
+    another setting (as benchmarks/l2_promotion_ab.py makes them) is not the cached map of the first."""
+    from tuner.kernel_templates import sm90_tma as tma
+
+    encoded = []
+    monkeypatch.setattr(tma, "_templates", type(tma._templates)())
+    monkeypatch.setattr(tma, "_cache", type(tma._cache)())
+    monkeypatch.setattr(tma, "_encode_at", lambda geometry, address: encoded.append(geometry) or bytes(128))
+    monkeypatch.setattr(tma.AddressField, "learn", classmethod(lambda cls, *a: None))
+    t = torch.empty(1, 2, 64, 128, dtype=torch.bfloat16)
+    for value in (0, 3, 0):
+        monkeypatch.setattr(tma, "L2_PROMOTION", value)
+        tma.tensor_map(t, 128)
+    # each new setting: its template and the address's map (no address field here); 0 again: cached
+    assert [g[-1] for g in encoded] == [0, 0, 3, 3]
 
 
 def test_a_box_row_must_be_a_swizzle_width():
@@ -80,8 +99,8 @@ def _fake_driver(layout):
     """An encoder standing in for the driver (no GPU here): geometry words, and the address as
     `layout` places it."""
     def encode_at(geometry, address):
-        _, dims, strides, box, swizzle = geometry
-        words = [layout(address), *dims, *strides, *box, int(swizzle)]
+        _, dims, strides, box, swizzle, promotion = geometry
+        words = [layout(address), *dims, *strides, *box, int(swizzle), promotion]
         words += [0] * (16 - len(words))
         return b"".join((w & (2**64 - 1)).to_bytes(8, "little") for w in words)
     return encode_at
