@@ -9,7 +9,7 @@ same call, with 1.4x its L2 sector lookups (PERF_NOTES "l2p"); the maps asked fo
 CUTLASS's default is 128. The promotion is the map's, encoded on the host: the kernels are the same
 cubins, so a variant here differs from the served call in that one field. The setting is part of a
 map's geometry and of its template's cache key (sm90_tma.L2_PROMOTION): before that, every setting got
-the first one's cached map, and "g4"'s A/B read one map four times (PERF_NOTES "l1"). SHAPE is `tuner bench
+the first one's cached map, and "g4"'s A/B read one map four times (PERF_NOTES "i1"). SHAPE is `tuner bench
 --shape`'s (B,H[:KVH],NQ[:NK],D[,MASK]).
 """
 

@@ -34,7 +34,7 @@ _lock = threading.Lock()
 # (benchmarks/l2_promotion_ab.py) are maps of their own. 256 B cost HBM bandwidth where a tile's rows
 # lie apart (token-major K/V: a K/V head's 256-byte row every 2 KB at 8 K/V heads): the packed GQA
 # step streamed 4.07 TB/s with it and 4.50 without, and read 521 TFLOP/s at 256 B, 548 at 128 B (CUTLASS's
-# default), 563 at none; prefill level within 1% (H200, benchmarks/PERF_NOTES.md "l1").
+# default), 563 at none; prefill level within 1% (H200, benchmarks/PERF_NOTES.md "i1").
 L2_PROMOTION = 0
 
 

@@ -42,7 +42,7 @@ def test_tiles_panels_and_swizzles_by_head_dim(d, esize, tile, panel, swizzle):
     _, dims, strides, box, swz, promotion = _geometry(t, 64, box_cols(t))
     assert dims == (d, 100, 3, 2) and strides[0] == d * esize and box == (panel, 64)
     assert swz == getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{swizzle}")
-    assert promotion == 0   # none: 256 B cost the packed GQA step 10% of its bandwidth (PERF_NOTES "l1")
+    assert promotion == 0   # none: 256 B cost the packed GQA step 10% of its bandwidth (PERF_NOTES "i1")
 
 
 def test_a_promotion_setting_makes_maps_of_its_own(monkeypatch):
