@@ -57,7 +57,8 @@ def _data_type(dtype):
 def _geometry(t, box_rows: int, box_cols: int, group: int = 1) -> tuple:
     """What a map of a (B, H, N, D) view depends on besides its address, checked: dims (D, N, H, B)
     innermost first, byte strides, the box of [box_rows x box_cols] elements, swizzled as wide as a
-    box row (128, 64 or 32 bytes: `panel_cols`); rows past N and columns past D read as zeros.
+    box row (128, 64 or 32 bytes: `panel_cols`), and the L2 promotion (L2_PROMOTION); rows past N and
+    columns past D read as zeros.
     `group` > 1 (flash_fwd_sm90's packed GQA Q): dims (D, group, N, H / group, B), the `group` heads
     that share a K/V head inside each query, so that a box of (box_cols, group, box_rows // group)
     lands row r as query r / group of head r % group (whole groups: the box's last rows may stay
