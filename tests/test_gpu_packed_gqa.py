@@ -107,9 +107,10 @@ def test_attention_serves_a_speculative_gqa_step_packed(layout):
 
 
 def test_attention_packs_a_wide_head_step_from_fewer_rows():
-    """At d=256 (Gemma's 16 query heads on 8 K/V heads) a step of 8 queries (16 packed rows, under
-    PACK_ROWS) runs flash_fwd_sm90_gqa (dispatch.PACK_ROWS_WIDE), one of 4 queries (8 rows) does not;
-    both agree with float64 on an odd-length cache."""
+    """At d=256 a step of 4 queries or of one on 8 K/V heads of two sequences (8 and 2 packed rows,
+    under PACK_ROWS_WIDE; 16 K/V heads x 4 splits of the keys: a grid that fills the GPU) runs
+    flash_fwd_sm90_gqa (dispatch.packs); 2 queries on one sequence's 2 K/V heads (2 CTAs) do not, nor
+    the same 4 queries at d=128; each agrees with float64 on an odd-length cache."""
     import torch
 
     from tuner import dispatch
@@ -117,12 +118,14 @@ def test_attention_packs_a_wide_head_step_from_fewer_rows():
 
     d = dispatch.reset()
     try:
-        for nq, packed in ((8, True), (4, False)):
-            q = torch.randn(2, 16, nq, 256, device="cuda", dtype=torch.bfloat16)
-            k, v = (torch.randn(2, 8, 3001, 256, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for dim, b, h, kvh, nq, nk, packed in ((256, 2, 16, 8, 4, 3001, True), (256, 2, 16, 8, 1, 3001, True),
+                                               (256, 1, 4, 2, 2, 1669, False), (128, 2, 16, 8, 4, 3001, False)):
+            q = torch.randn(b, h, nq, dim, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(b, kvh, nk, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            served = d.plan(q, k, v, "causal_br").family   # the shipped lookups serve our kernels here
+            assert (served == "flash_fwd_sm90_gqa") == packed, (dim, nq, served)
             o, lse = d(q, k, v, "causal_br", return_lse=True)
-            assert (d.plan(q, k, v, "causal_br").family == "flash_fwd_sm90_gqa") == packed, nq
-            ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(256))
+            ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(dim))
             problem = dispatch.problem_of(q, k, v, "causal_br")
             assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
     finally:

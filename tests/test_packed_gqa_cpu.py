@@ -3,6 +3,7 @@ Q's 5-d tensor-map geometry, the dispatcher's rule that serves it, and its seeds
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 from test_split_kv_cpu import assert_seeds_compile_clean
 
-from tuner.dispatch import PACK_ROWS, PACK_ROWS_WIDE, Dispatcher, _packed_gqa
+from tuner.dispatch import PACK_FEW_ROWS_SM_SHARE, PACK_ROWS, PACK_ROWS_WIDE, Dispatcher, _packed_gqa, packs
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
-from tuner.kernel_templates.flash_fwd_sm90_gqa import block_fill, block_rows, group_of, packed_problem
+from tuner.kernel_templates.flash_fwd_sm90_gqa import block_fill, block_rows, group_of, packed_problem, packed_rows
 from tuner.problem import Problem
 
 GQA = get_family("flash_fwd_sm90_gqa")
@@ -129,15 +130,34 @@ def test_a_decode_step_packs_from_a_consumer_s_rows(shipped, nq, g, packed):
         assert GQA.check(entry["params"], H100_SXM, p) is None
 
 
-@pytest.mark.parametrize("nq,g,packed", [(8, 2, True), (16, 2, True), (4, 4, True), (2, 4, False), (1, 8, False), (7, 2, False)])
-def test_a_wide_head_step_packs_from_fewer_rows(shipped, nq, g, packed):
-    """Past d=128 a step packs from PACK_ROWS_WIDE rows (flash_decode's 256-wide m16 rows fall behind
-    the packed kernel's one consumer), where d=128 keeps flash_decode under PACK_ROWS."""
-    p = Problem(4, 8 * g, nq, 16384, 256, "bf16", "causal_br", 8)
-    entry = shipped.serving_entry(p, H100_SXM)
-    assert (entry["family"] == GQA.name) == packed == (g * nq >= PACK_ROWS_WIDE)
-    narrow = shipped.serving_entry(replace(p, head_dim=128), H100_SXM)
-    assert (narrow["family"] == GQA.name) == (g * nq >= PACK_ROWS)
+# (call, packs past d=128): 16 packed rows or more always; fewer where the packed grid (K/V heads x
+# splits) makes a quarter of the SMs' CTAs, as the H200's random calls measured (PERF_NOTES "y1")
+WIDE_STEPS = [("1,16:2,2:1000", True),          # 16 rows, 2 CTAs
+              ("8,8:4,4:2586", True),           # 8 rows, 32 K/V heads x 3 splits
+              ("16,2:1,1:2201", True),          # MQA, 2 rows, 16 x 4
+              ("2,16:8,4:3001", True),          # 8 rows, 16 x 4
+              ("2,4:2,2:1669", False),          # 4 rows, 4 x 1: 34.2 µs packed against flash_decode's 16.1
+              ("1,2:1,1:55404", False),         # 1 x 14 splits: 75.6 µs against 39.1
+              ("4,16:8,4:1843", False),         # 32 x 1: 0.95x
+              ("2,8:2,2:3001", False)]          # 4 x 4
+
+
+@pytest.mark.parametrize("shape,packed", WIDE_STEPS, ids=[s for s, _ in WIDE_STEPS])
+def test_a_wide_head_step_packs_from_fewer_rows_on_a_full_grid(shipped, shape, packed):
+    """Past d=128 a step of our kernels packs from PACK_ROWS_WIDE rows (flash_decode's 256-wide m16
+    rows fall behind the packed kernel's one consumer), and from fewer where the packed grid fills
+    PACK_FEW_ROWS_SM_SHARE of the SMs (on fewer CTAs each walks its keys alone, or a head's many
+    splits wait on one merge); d=128 keeps flash_decode under PACK_ROWS. A measured SDPA entry keeps
+    its bucket either way."""
+    gpu, p = H100_SXM, Problem.parse(f"{shape},256,causal_br", "bf16")
+    grid = GQA.launch(GQA.default(gpu, p), p, gpu).grid
+    assert packed == (packed_rows(p) >= PACK_ROWS_WIDE or math.prod(grid) >= PACK_FEW_ROWS_SM_SHARE * gpu.sm_count)
+    assert packs(p, gpu) == packed
+    decode = {"family": "flash_decode", "params": {}}
+    assert (_packed_gqa(decode, p, gpu)["family"] == GQA.name) == packed
+    narrow = replace(p, head_dim=128)
+    assert (_packed_gqa(decode, narrow, gpu)["family"] == GQA.name) == (packed_rows(p) >= PACK_ROWS)
+    assert (shipped.serving_entry(p, gpu)["family"] == GQA.name) == packed
 
 
 def test_packing_leaves_other_calls_and_entries_alone(shipped):

@@ -73,10 +73,16 @@ PEER_MARGIN = 1.10
 PACK_ROWS = 48
 # Past d=128 from fewer: flash_decode's m16 row blocks each hold a 256-wide accumulator row and stream
 # the K/V again, where the packed kernel's one consumer takes 64 rows a K/V tile. On the H200 (bf16,
-# d=256, 8k-32k keys, PERF_NOTES "n2") 16 rows read 1.10-1.48x what served before on three steps and
-# 0.98x on one (2 queries x 8 heads), 24-40 rows 1.59-2.28x on four; 4 queries x 8 heads on 4096 keys
-# (a call of some 10 µs) 0.93x.
+# d=256, PERF_NOTES "n2") 16 rows read 1.10-1.48x what served before on three steps, 24-40 rows
+# 1.59-2.28x on four.
 PACK_ROWS_WIDE = 16
+# Past d=128 under PACK_ROWS_WIDE rows, a step packs where the packed grid (K/V heads x splits) makes
+# this share of the SMs' CTAs or more. Once the maps streamed token-major K/V at full bandwidth
+# ("i1"), 2-8 rows read 1.03-1.24x what served on 24 of the 2003 random calls whose grid was that
+# large (B8-H8/kv4 x 2586 keys: 38.1 µs against 44.9), where 8 smaller grids read 0.47-0.83x: a CTA
+# walks its keys alone (B2-H4/kv2 x 1669, 4 CTAs: 34.2 µs against flash_decode's 16.1) or a head's
+# many splits wait on one merge (B1-H2/kv1 x 55404, 14 CTAs: 75.6 against 39.1; PERF_NOTES "y1").
+PACK_FEW_ROWS_SM_SHARE = 0.25
 
 
 @dataclass
@@ -702,7 +708,7 @@ def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
 def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
     split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
-    rows or more (PACK_ROWS_WIDE past d=128: `pack_rows`), flash_fwd_sm90_gqa's default: the Hopper
+    rows or more (past d=128 PACK_ROWS_WIDE, or fewer on a grid that fills the GPU: `packs`), flash_fwd_sm90_gqa's default: the Hopper
     kernel with those rows in its wgmma tile, each K/V tile loaded once for them. On the H200
     (PERF_NOTES "g1-g3", bf16, against the entries they had): 16 queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64
     queries x 4 heads 1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads
@@ -710,16 +716,14 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
     head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
     flash_fwd_sm90_gqa entry tuned on `pack_rows` or more (a user's search of a decode bucket may
-    have kept one) serves a step of fewer with flash_decode's default."""
+    have kept one) serves a step that does not pack with flash_decode's default."""
     from .kernel_templates import FAMILIES, configs_family
-    from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
     if fam is None or entry is None or not problem.decode_step:
         return entry
-    least = pack_rows(problem)
-    few = packed_rows(problem) < least
-    if entry["family"] == fam.name and few and _tuned_rows(entry) >= least:
+    few = not packs(problem, gpu)
+    if entry["family"] == fam.name and few and _tuned_rows(entry) >= pack_rows(problem):
         # tuned on more packed rows (a bucket mixes groups): under `pack_rows` flash_decode reads level or ahead
         return _decode_default(problem, gpu) or entry
     if (configs_family(entry["family"]) not in ("flash_decode", "flash_fwd_sm90", "flash_fwd_sm90_split")
@@ -736,6 +740,24 @@ def pack_rows(problem: Problem) -> int:
     """The packed rows (query heads of a K/V head x queries) from which a GQA decode step of
     `problem`'s head dim runs packed (_packed_gqa): PACK_ROWS, past d=128 PACK_ROWS_WIDE."""
     return PACK_ROWS_WIDE if problem.head_dim > 128 else PACK_ROWS
+
+
+def packs(problem: Problem, gpu) -> bool:
+    """Whether a GQA decode step runs packed (_packed_gqa): from `pack_rows` packed rows, or past
+    d=128 from fewer where flash_fwd_sm90_gqa's default grid fills PACK_FEW_ROWS_SM_SHARE of the SMs."""
+    from .kernel_templates import FAMILIES
+    from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
+
+    if packed_rows(problem) >= pack_rows(problem):
+        return True
+    fam = FAMILIES.get("flash_fwd_sm90_gqa")
+    if problem.head_dim <= 128 or fam is None or fam.supports(gpu, problem):
+        return False
+    try:
+        grid = fam.launch(fam.default(gpu, problem), problem, gpu).grid
+    except ValueError:   # no valid config
+        return False
+    return grid[0] * grid[1] * grid[2] >= PACK_FEW_ROWS_SM_SHARE * gpu.sm_count
 
 
 def _tuned_problem(entry: dict) -> Problem | None:
