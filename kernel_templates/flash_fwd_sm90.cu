@@ -98,6 +98,12 @@
 #ifndef PACK_GQA
 #define PACK_GQA 0
 #endif
+// GQA_GROUP: PACK_GQA's query heads a K/V head as a constant (0: the kv_group argument). The packed
+// rows' head and query (row % g, row / g) then divide by a constant, not a runtime integer: 1.02-1.06x
+// on six packed steps on the H200 (benchmarks/PERF_NOTES.md, "y1").
+#ifndef GQA_GROUP
+#define GQA_GROUP 0
+#endif
 
 constexpr bool FP8 = IN_DTYPE == FT_E4M3;
 using T = typename Elem<IN_DTYPE>::type;
@@ -780,7 +786,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
   // head's long sequences' heavy blocks to the end: 1.12-1.18 of the ideal time at d=64 and d=256 in
   // a list-scheduling model, 1.02-1.04 this way (benchmarks/PERF_NOTES.md, "v5, v6").
   // PACK_GQA: the tiles' rows are a K/V head's g query heads x its queries, their heads the K/V heads
-  const int group = PACK_GQA ? kv_group : 1;
+  const int group = PACK_GQA ? (GQA_GROUP ? GQA_GROUP : kv_group) : 1;
   const int tile_heads = heads / group;
 #if VARLEN
   int2 blk = make_int2(0, 0);

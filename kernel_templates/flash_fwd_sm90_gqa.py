@@ -136,7 +136,7 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         return seeds
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
-        return {**super().defines(params, problem), "PACK_GQA": 1}
+        return {**super().defines(params, problem), "PACK_GQA": 1, "GQA_GROUP": group_of(problem)}
 
     def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
         return params["splits"] or auto_splits(params, packed_problem(params, problem), gpu)
