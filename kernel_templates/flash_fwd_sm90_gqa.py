@@ -11,9 +11,12 @@ the (batch x K/V heads) tiles leave SMs idle, as flash_fwd_sm90_split does.
 Its calls: GQA (heads > K/V heads) in 16-bit, a dense batch; a block holds whole groups of query
 heads (64 x cwg // g x g rows: 63 of 64 at 7 heads a group). The dispatcher serves a decode step's
 kernel entry (flash_decode's, or the plain Hopper kernel's) in this form where its packed rows are
-PACK_ROWS (48) or more, past d=128 PACK_ROWS_WIDE (16) (dispatch.pack_rows); a search of every
-family tunes it on decode steps. On the H200 that read 1.3-8.6x what served before, 0.89-3.8x FA4
-(PERF_NOTES "g1-g3"); at d=256 from 16 rows 0.93-2.28x, 1.10x or more on 6 of 8 steps ("n2").
+PACK_ROWS (48) or more, past d=128 PACK_ROWS_WIDE (16) or fewer on a grid that fills the GPU
+(dispatch.packs); a search of every family tunes it on decode steps. On the H200 that read 1.3-8.6x
+what served before, 0.89-3.8x FA4 (PERF_NOTES "g1-g3"); at d=256 from 16 rows 0.93-2.28x, 1.10x or
+more on 6 of 8 steps ("n2"). A prefill of short query rows whose packed rows fill the blocks better
+runs it too (dispatch.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"), untuned: a search of a
+prefill times the plain families only (tune_skip).
 """
 
 from __future__ import annotations
@@ -56,6 +59,13 @@ def block_fill(problem: Problem) -> float:
     two = dict(cwg=2)
     rows = packed_rows(problem)
     return rows / (ceil_div(rows, block_rows(two, problem)) * 128)
+
+
+def fill_gain(problem: Problem) -> float:
+    """How much fuller the g x Nq packed rows leave two consumers' blocks than the Nq rows of each
+    query head leave the plain kernel's 128-row blocks: 1.185 for 8 heads of 417 queries (96.5%
+    against 81.4%), 1.0 where Nq fills its blocks."""
+    return block_fill(problem) / (problem.seqlen_q / (ceil_div(problem.seqlen_q, 128) * 128))
 
 
 def packed_problem(params: dict, problem: Problem) -> Problem:

@@ -17,13 +17,13 @@ pytestmark = pytest.mark.gpu
 
 
 def _packed_problem(rng: random.Random, mask: str, d: int) -> Problem:
-    """A decode or speculative step (1-64 queries) of 2-16 query heads a K/V head (groups that divide
+    """A decode or speculative step (1-64 queries), or a short prefill (200, 417), of 2-16 query heads a K/V head (groups that divide
     a block's rows and groups that do not: 3, 5, 6, 7, 12) against keys not a multiple of any tile;
     with the top-left diagonal the queries are no more than the keys. Now and then keys fewer than
     the queries (bottom-right: rows that see no key, O 0 and LSE -inf)."""
     g = rng.choice([2, 3, 4, 5, 6, 7, 8, 8, 12, 16])
     kvh = rng.choice([1, 2, 3])
-    nq = rng.choice([1, 2, 5, 16, 23, 64])
+    nq = rng.choice([1, 2, 5, 16, 23, 64, 200, 417])   # and short prefill rows (dispatch.packs_prefill)
     nk = rng.choice([77, 1000, 4097, 9001])
     if mask == "causal_br" and rng.random() < 0.2:
         nk = rng.randint(1, nq)
@@ -142,5 +142,46 @@ def test_compiled_forward_and_backward_through_a_packed_step():
 
     try:
         compiled_as_close_as_sdpa(Problem(2, 32, 16, 5003, 128, "bf16", "none", 4), dispatch.reset(), "flash_fwd_sm90_gqa")
+    finally:
+        dispatch.reset()
+
+
+@pytest.mark.parametrize("shape", ["4,32:4,417:5000,96,causal", "8,28:4,194:4839,128,none"])
+def test_attention_packs_a_short_gqa_prefill(shape):
+    """A GQA prefill of short query rows (a chunk, a cross-attention) whose packed rows fill the blocks
+    better runs flash_fwd_sm90_gqa through the dispatcher (dispatch.packs_prefill), the model's
+    (B, N, H, D) views, against float64; the same call with one query head per K/V head does not pack."""
+    import torch
+
+    from tuner import dispatch
+    from tuner.reference import attention_fp64, compare
+
+    p = Problem.parse(shape, "bf16")
+    d = dispatch.reset()
+    try:
+        for kvh, packed in ((p.kv_heads, True), (p.heads, False)):
+            q = torch.randn(p.batch, p.seqlen_q, p.heads, p.head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+            k, v = (torch.randn(p.batch, p.seqlen_k, kvh, p.head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                    for _ in range(2))
+            assert (d.plan(q, k, v, p.mask).family == "flash_fwd_sm90_gqa") == packed, (shape, kvh)
+            o, lse = d(q, k, v, p.mask, return_lse=True)
+            ref_o, ref_lse = attention_fp64(q, k, v, p.mask, 1.0 / math.sqrt(p.head_dim))
+            problem = dispatch.problem_of(q, k, v, p.mask)
+            assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+    finally:
+        dispatch.reset()
+
+
+def test_compiled_forward_and_backward_through_a_packed_prefill():
+    """torch.compile(fullgraph=True) of `attention` on a GQA prefill the dispatcher packs (517 queries
+    x 8 query heads a K/V head against 4100 keys, unmasked), then the backward from the
+    packed kernel's LSE: O and dq, dk, dv against float64 autograd, as close as SDPA's."""
+    from test_gpu_op import compiled_as_close_as_sdpa
+
+    from tuner import dispatch
+
+    try:
+        compiled_as_close_as_sdpa(Problem(4, 16, 517, 4100, 128, "bf16", "none", 2), dispatch.reset(),
+                                  "flash_fwd_sm90_gqa")
     finally:
         dispatch.reset()

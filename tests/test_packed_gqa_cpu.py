@@ -11,11 +11,13 @@ import pytest
 import torch
 from test_split_kv_cpu import assert_seeds_compile_clean
 
-from tuner.dispatch import PACK_FEW_ROWS_SM_SHARE, PACK_ROWS, PACK_ROWS_WIDE, Dispatcher, _packed_gqa, packs
+from tuner.dispatch import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FILL_GAIN, PACK_PREFILL_KEYS, PACK_PREFILL_PARAMS,
+                            PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE, Dispatcher, _packed_gqa, packs, packs_prefill)
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
-from tuner.kernel_templates.flash_fwd_sm90_gqa import block_fill, block_rows, group_of, packed_problem, packed_rows
+from tuner.kernel_templates.flash_fwd_sm90_gqa import (block_fill, block_rows, fill_gain, group_of, packed_blocks,
+                                                       packed_problem, packed_rows)
 from tuner.problem import Problem
 
 GQA = get_family("flash_fwd_sm90_gqa")
@@ -160,6 +162,52 @@ def test_a_wide_head_step_packs_from_fewer_rows_on_a_full_grid(shipped, shape, p
     assert (shipped.serving_entry(p, gpu)["family"] == GQA.name) == packed
 
 
+# (call, packs): short GQA query rows whose packed rows fill two consumers' blocks 15% better, in two
+# waves of CTAs, over 4096 keys, at d <= 128, as the H200 measured them (PERF_NOTES "y1")
+PREFILLS = [("16,64:8,417:6683,128,none", True),            # 738.3 TFLOP/s packed against 622.6
+            ("4,16:2,517:8162,128,causal_br", True),        # 743.6 against 543.7
+            ("8,28:4,194:4839,128,none", True),             # 7 heads a group: blocks of 126 rows
+            ("4,28:4,400:16384,96,causal_br", True),
+            ("1,4:1,1209:21494,128,causal_br", False),      # 1209 queries fill their blocks (fill gain 1.05)
+            ("2,28:4,162:1274,128,causal_br", False),       # 1274 keys
+            ("2,16:8,195:7789,256,causal_br", False),       # d=256: packed 374.6 against 444.6
+            ("1,8:2,273:7887,128,causal_br", False),        # 10 packed CTAs
+            ("16,64,417:6683,128,none", False),             # one query head a K/V head
+            ("16,64:8,417:6683,128,fp8", False)]
+
+
+@pytest.mark.parametrize("shape,packed", PREFILLS, ids=[s for s, _ in PREFILLS])
+def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped, shape, packed):
+    """A prefill of our Hopper kernels runs flash_fwd_sm90_gqa with PACK_PREFILL_PARAMS where its packed
+    rows fill two consumers' blocks PACK_PREFILL_FILL_GAIN times as well, in PACK_PREFILL_WAVES waves of
+    CTAs, over PACK_PREFILL_KEYS keys, at d <= 128 (dispatch.packs_prefill); a measured SDPA entry, an
+    A100, and every other call keep what they had."""
+    dims, _, last = shape.rpartition(",")
+    p = Problem.parse(dims if last == "fp8" else shape, "fp8" if last == "fp8" else "bf16")
+    assert packs_prefill(p, H100_SXM) == packed
+    if packed:
+        assert fill_gain(p) >= PACK_PREFILL_FILL_GAIN and p.seqlen_k >= PACK_PREFILL_KEYS
+        assert packed_blocks(dict(cwg=2), p) * p.batch * p.kv_heads >= PACK_PREFILL_WAVES * H100_SXM.sm_count
+    for fam in ("flash_fwd_sm90", "flash_fwd_sm90_tail", "flash_fwd_sm90_pairs", "flash_fwd_sm90_split"):
+        entry = {"family": fam, "params": {}}
+        got = _packed_gqa(entry, p, H100_SXM)
+        assert got == ({"family": GQA.name, "params": {**GQA.default(H100_SXM, p), **PACK_PREFILL_PARAMS}} if packed
+                       else entry), fam
+    if packed:
+        assert GQA.check(_packed_gqa({"family": "flash_fwd_sm90", "params": {}}, p, H100_SXM)["params"], H100_SXM, p) is None
+        served = shipped.serving_entry(p, H100_SXM)["family"]
+        assert served == GQA.name or served.startswith("sdpa"), served
+    peer = {"family": "sdpa_cudnn", "params": {}}
+    assert _packed_gqa(peer, p, H100_SXM) is peer
+    assert not packs_prefill(p, A100_SXM)
+
+
+def test_fill_gain_counts_whole_groups_of_query_heads():
+    assert fill_gain(Problem(1, 64, 417, 6683, 128, "bf16", "none", 8)) == pytest.approx((3336 / 3456) / (417 / 512))
+    assert fill_gain(Problem(1, 28, 194, 4839, 128, "bf16", "none", 4)) == pytest.approx((1358 / (11 * 128)) / (194 / 256))
+    assert fill_gain(Problem(1, 16, 1024, 4096, 128, "bf16", "none", 2)) == 1.0
+
+
 def test_packing_leaves_other_calls_and_entries_alone(shipped):
     decode = {"family": "flash_decode", "params": {}}
     mha = Problem(8, 8, 16, 8192, 128, "bf16", "causal_br", 8)
@@ -184,6 +232,19 @@ def test_seeds_compile_for_sm90a_without_spills(d, mask):
     """Every seed that passes check, with no spill, no stack and no warning: the packed rows' own
     diagonals cost the consumers registers (d=256 Bc=80 spilled, and is refused)."""
     assert_seeds_compile_clean(GQA, Problem(2, 32, 16, 8192, d, "bf16", mask, 4))
+
+
+@pytest.mark.parametrize("d,mask,heads,kvh", [(128, "causal_br", 16, 8), (96, "causal", 28, 4), (64, "none", 32, 4)])
+def test_the_packed_prefill_config_compiles_without_spills(d, mask, heads, kvh):
+    """PACK_PREFILL_PARAMS over the default, as a short GQA prefill runs it (groups of 2, 7 and 8)."""
+    from tuner.compile import compile_kernel
+
+    p = Problem(2, heads, 300, 8192, d, "bf16", mask, kvh)
+    params = {**GQA.default(H100_SXM, p), **PACK_PREFILL_PARAMS}
+    assert GQA.check(params, H100_SXM, p) is None
+    ck = compile_kernel(GQA, params, p, H100_SXM.arch)
+    assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), ck.resources
+    assert "warning" not in ck.log and "C75" not in ck.log, ck.log
 
 
 def test_a_packed_entry_tuned_on_many_rows_gives_way_to_flash_decode_on_few():

@@ -84,6 +84,20 @@ PACK_ROWS_WIDE = 16
 # many splits wait on one merge (B1-H2/kv1 x 55404, 14 CTAs: 75.6 against 39.1; PERF_NOTES "y1").
 PACK_FEW_ROWS_SM_SHARE = 0.25
 
+# A GQA prefill call of our Hopper kernels runs flash_fwd_sm90_gqa with PACK_PREFILL_PARAMS over its
+# default (`packs_prefill`) where the query heads of a K/V head packed into two consumers' blocks fill
+# them PACK_PREFILL_FILL_GAIN times as well as each head's queries do (short rows: a chunk of a
+# prompt, a cross-attention), its packed blocks make PACK_PREFILL_WAVES waves of CTAs or more, over
+# PACK_PREFILL_KEYS keys or more, at d <= 128 (past it the packed kernel takes Bc <= 64). On the H200
+# (bf16, d=64-128, PERF_NOTES "y1"), once the maps streamed K/V at full bandwidth ("i1"): 1.02-1.37x
+# what served on 18 of 19 calls it takes (B4-H16/kv2 517 x 8162 causal_br 743.6 TFLOP/s against 543.7;
+# B16-H64/kv8 417 x 6683 738.3 against 622.6, FA4 596.4), 0.99x on one (d=64, 300 x 8192); under
+# the old maps ("j1") the same rule lost 0.955-0.973x on 4 of 9.
+PACK_PREFILL_FILL_GAIN = 1.15
+PACK_PREFILL_WAVES = 2
+PACK_PREFILL_KEYS = 4096
+PACK_PREFILL_PARAMS = {"Bc": 176, "split": 24}   # 1.02-1.07x the packed default's Bc 128 on 7 calls ("j1")
+
 
 @dataclass
 class Plan:
@@ -289,7 +303,8 @@ class Dispatcher:
         flash_decode's default, for a prefill call that leaves SMs idle, flash_fwd_sm90_split's
         where it splits the keys, else flash_fwd_sm90's; None where no kernel of ours runs it (a
         dtype, head dim or GPU they do not take: SDPA then does). A GQA decode step of many
-        packed rows runs flash_fwd_sm90_gqa where flash_decode would (_packed_gqa)."""
+        packed rows runs flash_fwd_sm90_gqa where flash_decode would, and so does a GQA prefill of
+        short query rows where the Hopper prefill kernels would (_packed_gqa)."""
         entry = self.select(problem, gpu) or _served_form(_decode_default(problem, gpu) or _split_default(problem, gpu)
                                                           or _prefill_default(problem, gpu), problem, gpu)
         return _packed_gqa(entry, problem, gpu)
@@ -716,12 +731,15 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
     head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
     flash_fwd_sm90_gqa entry tuned on `pack_rows` or more (a user's search of a decode bucket may
-    have kept one) serves a step that does not pack with flash_decode's default."""
+    have kept one) serves a step that does not pack with flash_decode's default. A prefill call:
+    `_packed_prefill`."""
     from .kernel_templates import FAMILIES, configs_family
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
-    if fam is None or entry is None or not problem.decode_step:
+    if fam is None or entry is None:
         return entry
+    if not problem.decode_step:
+        return _packed_prefill(entry, problem, gpu)
     few = not packs(problem, gpu)
     if entry["family"] == fam.name and few and _tuned_rows(entry) >= pack_rows(problem):
         # tuned on more packed rows (a bucket mixes groups): under `pack_rows` flash_decode reads level or ahead
@@ -734,6 +752,34 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     except ValueError:   # no valid config: a group wider than every tile
         return entry
     return {"family": fam.name, "params": params}
+
+
+def _packed_prefill(entry: dict, problem: Problem, gpu) -> dict:
+    """`entry`, or where it is a config of our Hopper prefill kernels serving a call that
+    `packs_prefill`, flash_fwd_sm90_gqa's default with PACK_PREFILL_PARAMS over it. A measured SDPA
+    backend keeps its bucket."""
+    from .kernel_templates import FAMILIES, configs_family
+
+    fam = FAMILIES["flash_fwd_sm90_gqa"]
+    if configs_family(entry["family"]) not in ("flash_fwd_sm90", "flash_fwd_sm90_split") or not packs_prefill(problem, gpu):
+        return entry
+    params = {**fam.default(gpu, problem), **PACK_PREFILL_PARAMS}
+    return entry if fam.check(params, gpu, problem) is not None else {"family": fam.name, "params": params}
+
+
+def packs_prefill(problem: Problem, gpu) -> bool:
+    """Whether a GQA prefill call runs packed (_packed_prefill): at d <= 128 over PACK_PREFILL_KEYS
+    keys or more, its packed rows filling two consumers' blocks PACK_PREFILL_FILL_GAIN times as well
+    as its query rows fill the plain kernel's, in PACK_PREFILL_WAVES waves of CTAs or more."""
+    from .kernel_templates import FAMILIES
+    from .kernel_templates.flash_fwd_sm90_gqa import fill_gain, packed_blocks
+
+    fam = FAMILIES.get("flash_fwd_sm90_gqa")
+    if (fam is None or problem.seqlen_q <= DECODE_QUERIES or problem.head_dim > 128
+            or problem.seqlen_k < PACK_PREFILL_KEYS or fam.supports(gpu, problem)):
+        return False
+    ctas = packed_blocks(dict(cwg=2), problem) * problem.batch * problem.kv_heads
+    return fill_gain(problem) >= PACK_PREFILL_FILL_GAIN and ctas >= PACK_PREFILL_WAVES * gpu.sm_count
 
 
 def pack_rows(problem: Problem) -> int:
