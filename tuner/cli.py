@@ -139,11 +139,11 @@ BATCH_HELP = "with --model: batch sizes, comma-separated; default the model's (t
 @app.command()
 def gpus() -> None:
     """List the visible GPUs."""
-    from .gpu import visible
+    from .gpu import visible, why_none
 
     found = visible()
     if not found:
-        console.print("no CUDA GPU is visible (torch.cuda.is_available() is False)")
+        console.print(f"no CUDA GPU is visible ({why_none()})")
         raise typer.Exit(1)
     t = Table("index", "name", "cc", "arch", "SMs", "smem/block", "L2", "memory", "key")
     for g in found:

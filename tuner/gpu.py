@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from dataclasses import asdict, dataclass
 
 
@@ -48,11 +50,28 @@ A100_SXM = GpuSpec("NVIDIA A100-SXM4-80GB", 8, 0, 108, 166912, 167936, 65536, 40
 
 
 def visible() -> list[GpuSpec]:
+    if why_none() is not None:
+        return []
     import torch
 
-    if not torch.cuda.is_available():
-        return []
     return [_from_torch(i) for i in range(torch.cuda.device_count())]
+
+
+def why_none() -> str | None:
+    """Why no CUDA GPU is visible, in a few words; None where one is. The driver and
+    CUDA_VISIBLE_DEVICES are asked first: a machine without a GPU then says so without importing
+    torch (seconds)."""
+    import ctypes
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return "CUDA_VISIBLE_DEVICES hides every device"
+    try:
+        ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+    except OSError:
+        return "no NVIDIA driver: libcuda does not load"
+    import torch
+
+    return None if torch.cuda.is_available() else "torch.cuda.is_available() is False"
 
 
 def _from_torch(index: int) -> GpuSpec:
@@ -78,7 +97,7 @@ def detect(which: str = "auto") -> GpuSpec:
     gpus = visible()
     if not gpus:
         raise NoGpuError(
-            "no CUDA GPU is visible (torch.cuda.is_available() is False): "
+            f"no CUDA GPU is visible ({why_none()}): "
             "tuning needs an NVIDIA GPU; `tuner gpus` lists what is seen"
         )
     if which == "auto":

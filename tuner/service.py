@@ -69,9 +69,9 @@ def slots(gpus: str, replay: str | None, workers: int) -> list[int]:
     seen = len(visible())
     if gpus.strip() == "all":
         if not seen:
-            from .gpu import NoGpuError
+            from .gpu import NoGpuError, why_none
 
-            raise NoGpuError("no CUDA GPU is visible (torch.cuda.is_available() is False): a worker needs an "
+            raise NoGpuError(f"no CUDA GPU is visible ({why_none()}): a worker needs an "
                              "NVIDIA GPU (or --replay DB to answer from a recording)")
         return list(range(seen))
     try:
