@@ -17,10 +17,10 @@ pytestmark = pytest.mark.gpu
 
 
 def _packed_problem(rng: random.Random, mask: str, d: int) -> Problem:
-    """A decode or speculative step (1-64 queries), or a short prefill (200, 417), of 2-16 query heads a K/V head (groups that divide
-    a block's rows and groups that do not: 3, 5, 6, 7, 12) against keys not a multiple of any tile;
-    with the top-left diagonal the queries are no more than the keys. Now and then keys fewer than
-    the queries (bottom-right: rows that see no key, O 0 and LSE -inf)."""
+    """A decode or speculative step (1-64 queries), or a short prefill (200, 417), of 2-16 query heads
+    a K/V head (groups that divide a block's rows and groups that do not: 3, 5, 6, 7, 12) against keys
+    not a multiple of any tile; with the top-left diagonal the queries are no more than the keys. Now
+    and then keys fewer than the queries (bottom-right: rows that see no key, O 0 and LSE -inf)."""
     g = rng.choice([2, 3, 4, 5, 6, 7, 8, 8, 12, 16])
     kvh = rng.choice([1, 2, 3])
     nq = rng.choice([1, 2, 5, 16, 23, 64, 200, 417])   # and short prefill rows (dispatch.packs_prefill)

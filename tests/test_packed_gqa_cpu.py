@@ -164,26 +164,25 @@ def test_a_wide_head_step_packs_from_fewer_rows_on_a_full_grid(shipped, shape, p
 
 # (call, packs): short GQA query rows whose packed rows fill two consumers' blocks 15% better, in two
 # waves of CTAs, over 4096 keys, at d <= 128, as the H200 measured them (PERF_NOTES "y1")
-PREFILLS = [("16,64:8,417:6683,128,none", True),            # 738.3 TFLOP/s packed against 622.6
-            ("4,16:2,517:8162,128,causal_br", True),        # 743.6 against 543.7
-            ("8,28:4,194:4839,128,none", True),             # 7 heads a group: blocks of 126 rows
-            ("4,28:4,400:16384,96,causal_br", True),
-            ("1,4:1,1209:21494,128,causal_br", False),      # 1209 queries fill their blocks (fill gain 1.05)
-            ("2,28:4,162:1274,128,causal_br", False),       # 1274 keys
-            ("2,16:8,195:7789,256,causal_br", False),       # d=256: packed 374.6 against 444.6
-            ("1,8:2,273:7887,128,causal_br", False),        # 10 packed CTAs
-            ("16,64,417:6683,128,none", False),             # one query head a K/V head
-            ("16,64:8,417:6683,128,fp8", False)]
+PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLOP/s packed against 622.6
+            ("4,16:2,517:8162,128,causal_br", "bf16", True),        # 743.6 against 543.7
+            ("8,28:4,194:4839,128,none", "bf16", True),             # 7 heads a group: blocks of 126 rows
+            ("4,28:4,400:16384,96,causal_br", "bf16", True),
+            ("1,4:1,1209:21494,128,causal_br", "bf16", False),      # 1209 queries fill their blocks (fill gain 1.05)
+            ("2,28:4,162:1274,128,causal_br", "bf16", False),       # 1274 keys
+            ("2,16:8,195:7789,256,causal_br", "bf16", False),       # d=256: packed 374.6 against 444.6
+            ("1,8:2,273:7887,128,causal_br", "bf16", False),        # 10 packed CTAs
+            ("16,64,417:6683,128,none", "bf16", False),             # one query head a K/V head
+            ("16,64:8,417:6683,128", "fp8", False)]
 
 
-@pytest.mark.parametrize("shape,packed", PREFILLS, ids=[s for s, _ in PREFILLS])
-def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped, shape, packed):
+@pytest.mark.parametrize("shape,dtype,packed", PREFILLS, ids=[f"{s}-{dt}" for s, dt, _ in PREFILLS])
+def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped, shape, dtype, packed):
     """A prefill of our Hopper kernels runs flash_fwd_sm90_gqa with PACK_PREFILL_PARAMS where its packed
     rows fill two consumers' blocks PACK_PREFILL_FILL_GAIN times as well, in PACK_PREFILL_WAVES waves of
     CTAs, over PACK_PREFILL_KEYS keys, at d <= 128 (dispatch.packs_prefill); a measured SDPA entry, an
     A100, and every other call keep what they had."""
-    dims, _, last = shape.rpartition(",")
-    p = Problem.parse(dims if last == "fp8" else shape, "fp8" if last == "fp8" else "bf16")
+    p = Problem.parse(shape, dtype)
     assert packs_prefill(p, H100_SXM) == packed
     if packed:
         assert fill_gain(p) >= PACK_PREFILL_FILL_GAIN and p.seqlen_k >= PACK_PREFILL_KEYS
