@@ -15,8 +15,8 @@ PACK_ROWS (48) or more, past d=128 PACK_ROWS_WIDE (16) or fewer on a grid that f
 (dispatch.packs); a search of every family tunes it on decode steps. On the H200 that read 1.3-8.6x
 what served before, 0.89-3.8x FA4 (PERF_NOTES "g1-g3"); at d=256 from 16 rows 0.93-2.28x, 1.10x or
 more on 6 of 8 steps ("n2"). A prefill of short query rows whose packed rows fill the blocks better
-runs it too (dispatch.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"), untuned: a search of a
-prefill times the plain families only (tune_skip).
+runs it too (dispatch.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"), and a search of such a
+prefill times it beside the plain families (tune_skip).
 """
 
 from __future__ import annotations
@@ -97,9 +97,11 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         return super().supports(gpu, problem)
 
     def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
-        if problem.seqlen_q > DECODE_QUERIES:
-            return (f"{self.name} packs the few queries of a decode step; {problem.key}'s {problem.seqlen_q} "
-                    "queries fill the plain kernel's tiles")
+        from tuner.dispatch import packs_prefill
+
+        if problem.seqlen_q > DECODE_QUERIES and not packs_prefill(problem, gpu):
+            return (f"{self.name} packs the few queries of a decode step, or a prefill's short rows where they fill "
+                    f"its blocks better; {problem.key}'s {problem.seqlen_q} queries fill the plain kernel's tiles")
         return None
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -129,7 +131,12 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
             cands = [(64, 2, 1, 0, 0), (80, 2, 2, 24, 1), (64, 2, 2, 24, 1)]
         keys = ("Bc", "stages", "cwg", "split", "pingpong")
         seeds = [dict(zip(keys, c), overlap=1, persistent=0, tma_store=0, chain=0, splits=0) for c in cands]
-        if 64 < d <= 128:
+        if problem.seqlen_q > DECODE_QUERIES and d <= 128:
+            # A prefill of short rows (dispatch.packs_prefill): Bc 176 read 1.02-1.07x Bc 128 on 7 calls
+            # ("j1"), and served so 1.02-1.37x the plain kernel's configs on 18 of 19 ("y1").
+            first = dict(zip(keys, (176, 2, 2, 24, 1)), overlap=1, persistent=0, tma_store=0, chain=0, splits=0)
+            seeds = [first] + [s for s in seeds if s != first]
+        elif 64 < d <= 128:
             # Timed in turns on the H200 (d=128, 19 decode steps of 48-256 packed rows, PERF_NOTES
             # "g4"): K/V tiles as narrow as the blocks are empty. Half full or less (48, 64 rows): Bc 64
             # with the second consumer idle, 1.01-1.10x one consumer's Bc 128 on all 7 steps. Up to

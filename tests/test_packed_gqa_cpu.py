@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_split_kv_cpu import assert_seeds_compile_clean
 
-from tuner.dispatch import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FILL_GAIN, PACK_PREFILL_KEYS, PACK_PREFILL_PARAMS,
+from tuner.dispatch import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FILL_GAIN, PACK_PREFILL_KEYS,
                             PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE, Dispatcher, _packed_gqa, packs, packs_prefill)
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
@@ -178,7 +178,7 @@ PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLO
 
 @pytest.mark.parametrize("shape,dtype,packed", PREFILLS, ids=[f"{s}-{dt}" for s, dt, _ in PREFILLS])
 def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped, shape, dtype, packed):
-    """A prefill of our Hopper kernels runs flash_fwd_sm90_gqa with PACK_PREFILL_PARAMS where its packed
+    """A prefill of our Hopper kernels runs flash_fwd_sm90_gqa's default (Bc 176, split 24) where its packed
     rows fill two consumers' blocks PACK_PREFILL_FILL_GAIN times as well, in PACK_PREFILL_WAVES waves of
     CTAs, over PACK_PREFILL_KEYS keys, at d <= 128 (dispatch.packs_prefill); a measured SDPA entry, an
     A100, and every other call keep what they had."""
@@ -190,7 +190,7 @@ def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped,
     for fam in ("flash_fwd_sm90", "flash_fwd_sm90_tail", "flash_fwd_sm90_pairs", "flash_fwd_sm90_split"):
         entry = {"family": fam, "params": {}}
         got = _packed_gqa(entry, p, H100_SXM)
-        assert got == ({"family": GQA.name, "params": {**GQA.default(H100_SXM, p), **PACK_PREFILL_PARAMS}} if packed
+        assert got == ({"family": GQA.name, "params": GQA.default(H100_SXM, p)} if packed
                        else entry), fam
     if packed:
         assert GQA.check(_packed_gqa({"family": "flash_fwd_sm90", "params": {}}, p, H100_SXM)["params"], H100_SXM, p) is None
@@ -199,6 +199,33 @@ def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped,
     peer = {"family": "sdpa_cudnn", "params": {}}
     assert _packed_gqa(peer, p, H100_SXM) is peer
     assert not packs_prefill(p, A100_SXM)
+
+
+def test_a_search_weighs_packing_on_the_prefills_the_rule_takes():
+    """The packed family is tuned on a prefill that packs (tune_skip), so an entry tuned in the call's
+    own bucket on such a problem stands, whichever family won; a borrowed one gives way to the packed
+    default, and a packed entry borrowed for a prefill that does not pack to flash_fwd_sm90's."""
+    sm90 = get_family("flash_fwd_sm90")
+    short = Problem.parse("4,16:2,517:8162,128,causal_br", "bf16")
+    long_rows = Problem.parse("1,4:1,1209:21494,128,causal_br", "bf16")
+    assert packs_prefill(short, H100_SXM) and not packs_prefill(long_rows, H100_SXM)
+    assert GQA.tune_skip(H100_SXM, short) is None and "fill the plain kernel's tiles" in GQA.tune_skip(H100_SXM, long_rows)
+    assert GQA.tune_skip(H100_SXM, Problem.parse("4,16:2,517:8162,256,causal_br", "bf16")) is not None   # d=256
+    assert GQA.default(H100_SXM, short)["Bc"] == 176
+    plain = {"family": sm90.name, "params": sm90.default(H100_SXM, short), "bucket": short.bucket().key,
+             "problem": short.to_dict()}
+    assert _packed_gqa(plain, short, H100_SXM) is plain   # its search timed the packed family too
+    near = replace(short, seqlen_q=530)   # the same bucket, another call that packs
+    assert near.bucket() == short.bucket() and packs_prefill(near, H100_SXM)
+    assert _packed_gqa(plain, near, H100_SXM) is plain
+    borrowed = {**plain, "bucket": "elsewhere"}
+    assert _packed_gqa(borrowed, short, H100_SXM) == {"family": GQA.name, "params": GQA.default(H100_SXM, short)}
+    untold = {k: v for k, v in plain.items() if k != "problem"}   # what it was tuned on unknown: packed
+    assert _packed_gqa(untold, short, H100_SXM)["family"] == GQA.name
+    packed = {"family": GQA.name, "params": GQA.default(H100_SXM, short), "bucket": short.bucket().key,
+              "problem": short.to_dict()}
+    assert _packed_gqa(packed, short, H100_SXM) is packed
+    assert _packed_gqa(packed, long_rows, H100_SXM) == {"family": sm90.name, "params": sm90.default(H100_SXM, long_rows)}
 
 
 def test_fill_gain_counts_whole_groups_of_query_heads():
@@ -235,12 +262,12 @@ def test_seeds_compile_for_sm90a_without_spills(d, mask):
 
 @pytest.mark.parametrize("d,mask,heads,kvh", [(128, "causal_br", 16, 8), (96, "causal", 28, 4), (64, "none", 32, 4)])
 def test_the_packed_prefill_config_compiles_without_spills(d, mask, heads, kvh):
-    """PACK_PREFILL_PARAMS over the default, as a short GQA prefill runs it (groups of 2, 7 and 8)."""
+    """The default of a short GQA prefill, Bc 176 and split 24, as it runs (groups of 2, 7 and 8)."""
     from tuner.compile import compile_kernel
 
     p = Problem(2, heads, 300, 8192, d, "bf16", mask, kvh)
-    params = {**GQA.default(H100_SXM, p), **PACK_PREFILL_PARAMS}
-    assert GQA.check(params, H100_SXM, p) is None
+    params = GQA.default(H100_SXM, p)
+    assert (params["Bc"], params["split"], params["cwg"]) == (176, 24, 2) and GQA.check(params, H100_SXM, p) is None
     ck = compile_kernel(GQA, params, p, H100_SXM.arch)
     assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), ck.resources
     assert "warning" not in ck.log and "C75" not in ck.log, ck.log
@@ -259,5 +286,6 @@ def test_a_packed_entry_tuned_on_many_rows_gives_way_to_flash_decode_on_few():
     nameless = {k: v for k, v in entry.items() if k != "problem"}
     assert _packed_gqa(nameless, few, H100_SXM) is nameless   # what it was tuned on unknown: as it is
     assert _packed_gqa(entry, tuned, H100_SXM) is entry   # enough rows: served as tuned
-    prefill = Problem(16, 40, 512, 8192, 128, "bf16", "causal_br", 8)
-    assert _packed_gqa(entry, prefill, H100_SXM) is entry   # not a decode step
+    prefill = Problem(16, 40, 512, 8192, 128, "bf16", "causal_br", 8)   # 512 queries fill their blocks: no packing
+    got = _packed_gqa(entry, prefill, H100_SXM)
+    assert got == {"family": "flash_fwd_sm90", "params": get_family("flash_fwd_sm90").default(H100_SXM, prefill)}

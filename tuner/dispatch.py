@@ -84,8 +84,8 @@ PACK_ROWS_WIDE = 16
 # many splits wait on one merge (B1-H2/kv1 x 55404, 14 CTAs: 75.6 against 39.1; PERF_NOTES "y1").
 PACK_FEW_ROWS_SM_SHARE = 0.25
 
-# A GQA prefill call of our Hopper kernels runs flash_fwd_sm90_gqa with PACK_PREFILL_PARAMS over its
-# default (`packs_prefill`) where the query heads of a K/V head packed into two consumers' blocks fill
+# A GQA prefill call of our Hopper kernels runs flash_fwd_sm90_gqa's default (`packs_prefill`; Bc 176,
+# split 24 on these calls) where the query heads of a K/V head packed into two consumers' blocks fill
 # them PACK_PREFILL_FILL_GAIN times as well as each head's queries do (short rows: a chunk of a
 # prompt, a cross-attention), its packed blocks make PACK_PREFILL_WAVES waves of CTAs or more, over
 # PACK_PREFILL_KEYS keys or more, at d <= 128 (past it the packed kernel takes Bc <= 64). On the H200
@@ -96,7 +96,6 @@ PACK_FEW_ROWS_SM_SHARE = 0.25
 PACK_PREFILL_FILL_GAIN = 1.15
 PACK_PREFILL_WAVES = 2
 PACK_PREFILL_KEYS = 4096
-PACK_PREFILL_PARAMS = {"Bc": 176, "split": 24}   # 1.02-1.07x the packed default's Bc 128 on 7 calls ("j1")
 
 
 @dataclass
@@ -757,14 +756,21 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
 
 def _packed_prefill(entry: dict, problem: Problem, gpu) -> dict:
     """`entry`, or where it is a config of our Hopper prefill kernels serving a call that
-    `packs_prefill`, flash_fwd_sm90_gqa's default with PACK_PREFILL_PARAMS over it. A measured SDPA
-    backend keeps its bucket."""
+    `packs_prefill`, flash_fwd_sm90_gqa's default. A measured SDPA backend keeps its bucket, and so
+    does an entry tuned in the call's own bucket on a problem that packs: that search timed the
+    packed family beside it (its tune_skip). The other way round, a packed entry borrowed for a
+    prefill that does not pack serves flash_fwd_sm90's default."""
     from .kernel_templates import FAMILIES, configs_family
 
     fam = FAMILIES["flash_fwd_sm90_gqa"]
+    if entry["family"] == fam.name:
+        return entry if packs_prefill(problem, gpu) else (_prefill_default(problem, gpu) or entry)
     if configs_family(entry["family"]) not in ("flash_fwd_sm90", "flash_fwd_sm90_split") or not packs_prefill(problem, gpu):
         return entry
-    params = {**fam.default(gpu, problem), **PACK_PREFILL_PARAMS}
+    tuned = _tuned_problem(entry)
+    if entry.get("bucket") == problem.bucket().key and tuned is not None and packs_prefill(tuned, gpu):
+        return entry
+    params = fam.default(gpu, problem)
     return entry if fam.check(params, gpu, problem) is not None else {"family": fam.name, "params": params}
 
 
