@@ -148,11 +148,14 @@ def _install_sqlite_pragmas(engine: Engine, mode: dict[str, bool]) -> None:
 def serialize_sqlite_writers(engine: Engine) -> None:
     """For an engine we did not make (Optuna's RDBStorage on the same file): busy timeout, and every
     transaction starts with BEGIN IMMEDIATE, so concurrent searches queue for the write lock instead
-    of failing with "database is locked" when a deferred read transaction tries to become a writer.
-    Pooled connections are dropped so that every connection from now on gets the settings."""
+    of failing with "database is locked" when a deferred read transaction tries to become a writer;
+    and our engine's synchronous=NORMAL (under WAL a crash of the process loses nothing; a power
+    loss may lose the last commits, never the file), where FULL synced the log on each of the
+    several commits an ask or a tell makes. Pooled connections are dropped so that every
+    connection from now on gets the settings."""
     if engine.url.get_backend_name() != "sqlite":
         return
-    _sqlite_transactions(engine, ("PRAGMA busy_timeout=60000",), lambda: True)
+    _sqlite_transactions(engine, ("PRAGMA busy_timeout=60000", "PRAGMA synchronous=NORMAL"), lambda: True)
     engine.dispose()
 
 

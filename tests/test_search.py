@@ -331,6 +331,8 @@ def test_grid_cut_short_goes_on_where_it_stopped(replay_db, tmp_path):
     first, runner, _ = _search(replay_db, target, seed=0, sampler="grid")
     first.tune(FAM, replay_db.problem, trials=3)
     assert len(runner.asked) == 3
+    # the points are queued one an ask (Optuna's ask reads every waiting trial), so none is left waiting
+    assert _study(target, replay_db).get_trials(states=(optuna.trial.TrialState.WAITING,)) == []
     rest, runner2, events = _search(replay_db, target, seed=0, sampler="grid")
     rest.tune(FAM, replay_db.problem, trials=10_000)
     assert len(runner2.asked) == len(valid) - 3   # nothing measured twice, nothing left out
