@@ -93,9 +93,12 @@ def p_in_smem(params: dict, problem: Problem) -> bool:
 # query row and key: 0.89-0.93x the time on H200 calls whose waves of CTAs come out even (PERF_NOTES
 # "j2"); two keep serving rows shorter than THREE_CONSUMER_KEYS keys (0.84x at 875 causal keys) and
 # calls whose 192-row tiles make more waves (0.74x at B4-H16 488 x 3058: two waves of 192 rows for two
-# of 128). At d=96 (a 96-column tile) three read 0.75x on 27k-33k keys: not there.
+# of 128). At d=96 (a 96-column tile) three read 0.75x on 27k-33k keys: not there. From 1024 keys (2048
+# before "z1", and only past 128 query rows): of the 19 random calls (seeds 1-80) it changes on the
+# H200, the 18 that now take three read 0.89-1.29x two, 1.07x geometric mean (the loss: B4-H4 1324 x
+# 2054 causal_br, 112 blocks of 192 rows), and one of 68 queries that now takes two read 1.10x three.
 THREE_CONSUMER_COST = 0.93
-THREE_CONSUMER_KEYS = 2048
+THREE_CONSUMER_KEYS = 1024
 # Two consumers at d=64 (two_consumers_pay): the waves model counts whole waves and rows a CTA
 # computes; it must show this margin, and only in calls of under TWO_CONSUMER_WAVES waves of 192-row
 # blocks (past them tiles of few rows even out the last wave: PERF_NOTES "b2").
@@ -104,11 +107,11 @@ TWO_CONSUMER_WAVES = 2
 
 
 def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
-    """Whether the untuned default takes three consumers: at d = 72-80 on rows of THREE_CONSUMER_KEYS
-    keys or more (on average over the mask), where waves of CTAs x rows a CTA computes (consumers
+    """Whether the untuned default takes three consumers: at d = 72-80 on more than 128 query rows
+    (two consumers' block) of THREE_CONSUMER_KEYS keys or more (on average over the mask), where waves of CTAs x rows a CTA computes (consumers
     past the last query row skip the work) x THREE_CONSUMER_COST come out below two consumers'."""
-    if tile_dim(problem) == tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]):
-        return False
+    if tile_dim(problem) == tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]) or problem.seqlen_q <= 128:
+        return False   # (rows that two consumers' block holds: a third would share its K/V tiles with none)
     mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q
     if mean_keys < THREE_CONSUMER_KEYS:
         return False

@@ -127,10 +127,15 @@ def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
     ("2,8,1817:32607,96,causal_br", 2),  # d=96's 96-column tile: three read 0.75x
     ("1,32,8192,80,causal", 3),          # Phi-2's 8k prefill, as its search found
     ("2,16,4096,72,none", 2),            # 8 waves of 128 rows against 6 of 192
+    ("8,8,1806,80,none", 3),             # 1806 keys: three 1.10x two (z1)
+    ("16,32,2251,80,causal", 3),         # 1126 keys a row on average (1.09x)
+    ("4,8,595:1797,80,none", 3),         # 128 of 192 against 160 of 128 (1.29x)
+    ("8,8,1024,80,none", 2),             # 3 waves of 192 rows against 4 of 128 (three: 0.97x)
+    ("16,32,68:6188,80,none", 2),        # 68 queries: a third consumer would have no rows (two: 1.10x)
 ])
 def test_the_untuned_default_takes_three_consumers_on_long_rows_at_d72_80(shape, cwg):
-    """flash_fwd_sm90's default at d = 72-80 (the 128-column tile): three consumers on rows of 2048
-    keys or more where waves x rows a CTA computes x THREE_CONSUMER_COST come out lower, else two;
+    """flash_fwd_sm90's default at d = 72-80 (the 128-column tile): three consumers on more than 128
+    query rows of 1024 keys or more where waves x rows a CTA computes x THREE_CONSUMER_COST come out lower, else two;
     it is the first seed, so a search starts from it too."""
     from tuner.kernel_templates.flash_fwd_sm90 import three_consumers_pay
 
