@@ -108,8 +108,9 @@ TWO_CONSUMER_WAVES = 2
 
 def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
     """Whether the untuned default takes three consumers: at d = 72-80 on more than 128 query rows
-    (two consumers' block) of THREE_CONSUMER_KEYS keys or more (on average over the mask), where waves of CTAs x rows a CTA computes (consumers
-    past the last query row skip the work) x THREE_CONSUMER_COST come out below two consumers'."""
+    (two consumers' block) of THREE_CONSUMER_KEYS keys or more (on average over the mask), where
+    waves of CTAs x rows a CTA computes (consumers past the last query row skip the work) x
+    THREE_CONSUMER_COST come out below two consumers'."""
     if tile_dim(problem) == tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]) or problem.seqlen_q <= 128:
         return False   # (rows that two consumers' block holds: a third would share its K/V tiles with none)
     mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q

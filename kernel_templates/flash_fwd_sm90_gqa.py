@@ -129,12 +129,15 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
                      (128, 2, 1, 0, 0), (64, 2, 3, 24, 1)]
         else:
             cands = [(64, 2, 1, 0, 0), (80, 2, 2, 24, 1), (64, 2, 2, 24, 1)]
-        keys = ("Bc", "stages", "cwg", "split", "pingpong")
-        seeds = [dict(zip(keys, c), overlap=1, persistent=0, tma_store=0, chain=0, splits=0) for c in cands]
+        def seed(c: tuple) -> dict:
+            return dict(zip(("Bc", "stages", "cwg", "split", "pingpong"), c), overlap=1, persistent=0, tma_store=0,
+                        chain=0, splits=0)
+
+        seeds = [seed(c) for c in cands]
         if problem.seqlen_q > DECODE_QUERIES and d <= 128:
             # A prefill of short rows (dispatch.packs_prefill): Bc 176 read 1.02-1.07x Bc 128 on 7 calls
             # ("j1"), and served so 1.02-1.37x the plain kernel's configs on 18 of 19 ("y1").
-            first = dict(zip(keys, (176, 2, 2, 24, 1)), overlap=1, persistent=0, tma_store=0, chain=0, splits=0)
+            first = seed((176, 2, 2, 24, 1))
             seeds = [first] + [s for s in seeds if s != first]
         elif 64 < d <= 128:
             # Timed in turns on the H200 (d=128, 19 decode steps of 48-256 packed rows, PERF_NOTES

@@ -135,8 +135,8 @@ def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
 ])
 def test_the_untuned_default_takes_three_consumers_on_long_rows_at_d72_80(shape, cwg):
     """flash_fwd_sm90's default at d = 72-80 (the 128-column tile): three consumers on more than 128
-    query rows of 1024 keys or more where waves x rows a CTA computes x THREE_CONSUMER_COST come out lower, else two;
-    it is the first seed, so a search starts from it too."""
+    query rows of 1024 keys or more where waves x rows a CTA computes x THREE_CONSUMER_COST come out
+    lower, else two; it is the first seed, so a search starts from it too."""
     from tuner.kernel_templates.flash_fwd_sm90 import three_consumers_pay
 
     problem = Problem.parse(shape, "bf16")
