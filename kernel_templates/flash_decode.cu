@@ -18,14 +18,14 @@
 // divide one another) on sm_90 and later: a stage comes in through the copy engine, as boxes of
 // PANEL_COLS columns x TK rows of K and of V per panel (pages: a box per page, issued by warp 0's
 // lanes), swizzled as wide as a panel row (128 bytes, or 64 where the tile is not whole 128-byte
-// panels: sm90_tma.panel_cols), counted on the stage's mbarrier; the boxes' columns past D_VALID
+// panels: flash_decode.panel), counted on the stage's mbarrier; the boxes' columns past D_VALID
 // come as zeros. Rows past a sequence's keys come as the
 // tensor holds them (an unwritten cache tail, the next packed sequence), so each warp zeroes its V
 // rows there before P V. cp.async's 16-byte loads, tracked by the SM's load units, read K/V below
 // the copy bandwidth that the tensor-map peers reach.
 //
-// HEAD_DIM is the tile's width, the head dim D_VALID rounded up to 32 columns (family.padded_head_dim):
-// Q's, K's and V's columns past D_VALID come in as zeros (cp.async reads nothing there), and only
+// HEAD_DIM is the tile's width, the head dim D_VALID rounded up to 32 columns, or to 128 at 72-80
+// (flash_decode.tile: 128-byte panels): Q's, K's and V's columns past D_VALID come in as zeros (cp.async reads nothing there), and only
 // D_VALID columns are stored, to O and to the splits' workspace (rows of D_VALID floats).
 //
 // MERGE_CLUSTER (2-8, sm_90; flash_decode_cluster): the splits of a (sequence, K/V head, row block)
@@ -66,7 +66,8 @@ constexpr int CHUNKS = HEAD_DIM / 8;      // 16-byte chunks per row
 constexpr int STAGE_ELEMS = TK * HEAD_DIM;
 
 static_assert(BC % 16 == 0, "BC must be a multiple of 16");
-static_assert(D_VALID % 8 == 0 && D_VALID <= HEAD_DIM && HEAD_DIM - D_VALID < 32, "the tile: D_VALID rounded up to 32");
+static_assert(D_VALID % 8 == 0 && D_VALID <= HEAD_DIM && (HEAD_DIM - D_VALID < 32 || HEAD_DIM == 128),
+              "the tile: D_VALID rounded up to 32, or 128 (d = 72-80)");
 static_assert(CHUNKS % 4 == 0 && HEAD_DIM % 32 == 0, "rows of 4k 16-byte chunks, whole k16 steps and n8 pairs");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "16-bit inputs");
 static_assert(!(VARLEN && PAGED), "packed sequences or pages, not both");

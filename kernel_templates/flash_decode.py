@@ -9,10 +9,10 @@ of at most MAX_QUERIES queries; prefill belongs to the other families.
 
 from __future__ import annotations
 
-from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div, padded_head_dim
+from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
-from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields, panel_cols
+from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields, tile_panel, tile_width
 from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, clusters_at_once, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
 
@@ -34,6 +34,19 @@ GPU_IN_FLIGHT = 6 << 20
 MIN_SPLIT_STAGES = 3
 
 
+def tile(head_dim: int) -> int:
+    """The K/V (and Q) tile's width: the head dim rounded up to 32 columns, 128 at d = 72-80, in
+    panels of 128 bytes there (tile_width, as flash_fwd_sm90's): the copy engine's boxes of 64-byte
+    rows (the 96-column tile's panels) kept single-query MHA steps at d=80 to 3.0-3.2 TB/s against
+    cuDNN's 3.3-3.8 on the H200 (PERF_NOTES "z1"). The columns past the head dim come in as zeros."""
+    return tile_width(head_dim, 2)
+
+
+def panel(head_dim: int) -> int:
+    """Columns of a K/V box row and of the ring's swizzled panels (KV_TMA): one panel of the tile."""
+    return tile_panel(tile(head_dim), 2)
+
+
 def stage_keys(params: dict) -> int:
     """Keys a CTA reads per stage: BC for each warp."""
     return params["Bc"] * params["warps"]
@@ -41,7 +54,7 @@ def stage_keys(params: dict) -> int:
 
 def in_flight_bytes(params: dict, problem: Problem) -> int:
     """K/V bytes a CTA has on their way while it works on one stage: the ring's other STAGES - 1."""
-    return (params["stages"] - 1) * stage_keys(params) * padded_head_dim(problem.head_dim) * 2 * 2
+    return (params["stages"] - 1) * stage_keys(params) * tile(problem.head_dim) * 2 * 2
 
 
 def row_blocks(params: dict, problem: Problem) -> int:
@@ -80,7 +93,7 @@ def in_flight_splits(params: dict, problem: Problem, gpu: GpuSpec, smem: int) ->
     ctas, keys = ctas_per_split(params, problem), stage_keys(params)
     slots = cta_slots(params, problem, gpu, smem)
     stages = ceil_div(problem.seqlen_k, keys)
-    stage_bytes = keys * padded_head_dim(problem.head_dim) * 2 * 2
+    stage_bytes = keys * tile(problem.head_dim) * 2 * 2
     most = max(1, min(MAX_SPLITS, stages // MIN_SPLIT_STAGES))
 
     def in_flight(s: int) -> int:
@@ -152,7 +165,7 @@ class FlashDecode(KernelFamily):
         """Fitted to ptxas's reports for sm_90a (d=64/128/256, every point): O's and S's accumulators
         per m16 tile, and K's fragments that ptxas loads ahead across the k-steps of S = Q K^T
         (d x Bc / 64 of them, capped where it stops doing so)."""
-        d, bc = padded_head_dim(problem.head_dim), params["Bc"]
+        d, bc = tile(problem.head_dim), params["Bc"]
         return 40 + params["MT"] * (d // 2 + bc) + min(d * bc // 64, 80)
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
@@ -185,10 +198,10 @@ class FlashDecode(KernelFamily):
         #   engine; it won all 6 rows of 64 stages and 1 of 2 of 32, the old first read 0.70-0.81x.
         first = next((p for p in seeds if self.check(p, gpu, problem) is None), None)
         if gpu.major >= 9 and first is not None:
-            tile = padded_head_dim(problem.head_dim)
-            if 128 < tile <= 192:
+            width = tile(problem.head_dim)
+            if 128 < width <= 192:
                 return _first_of(seeds, Bc=16, warps=4, stages=3)
-            if tile <= 128 and self.stages_per_cta(first, problem, gpu) >= LONG_STREAM:
+            if width <= 128 and self.stages_per_cta(first, problem, gpu) >= LONG_STREAM:
                 return _first_of(seeds, Bc=16, warps=8, stages=2)
         return seeds
 
@@ -204,9 +217,9 @@ class FlashDecode(KernelFamily):
             "WARPS": params["warps"],
             "STAGES": params["stages"],
             "MT": params["MT"],
-            "HEAD_DIM": padded_head_dim(problem.head_dim),
+            "HEAD_DIM": tile(problem.head_dim),
             "D_VALID": problem.head_dim,
-            "PANEL_COLS": panel_cols(problem.head_dim, 2),   # KV_TMA's boxes (the maps' box_cols)
+            "PANEL_COLS": panel(problem.head_dim),   # KV_TMA's boxes (the maps' box columns)
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "PAGED": int(self.paged),
             "KV_TMA": int(self.kv_tma(params, problem.head_dim)),
@@ -215,16 +228,16 @@ class FlashDecode(KernelFamily):
 
     def kv_tma(self, params: dict, head_dim: int) -> bool:
         """Whether the kernel brings K/V stages in as tensor-map boxes where the GPU has a copy
-        engine (sm_90+): rows of panels (`panel_cols`: 64 columns, or 32 where the padded tile is not
+        engine (sm_90+): rows of panels (`panel`: 64 columns, or 32 where the tile is not
         whole 64s), at most 256 rows (one box) a stage. Not past 192 columns: at d=256 O alone is
         128 registers a thread, and with the boxes' zeroing of the rows past a sequence ptxas spills
         (sm_90a, flash_decode_varlen, no mask); at 192, only 16 keys a warp (at 32, the page boxes
         spill 16 B at 255 registers: sm_90a, bottom-right causal)."""
-        tile = padded_head_dim(head_dim)
-        return (tile <= 160 or (tile == 192 and params["Bc"] <= 16)) and stage_keys(params) <= 256
+        width = tile(head_dim)
+        return (width <= 160 or (width == 192 and params["Bc"] <= 16)) and stage_keys(params) <= 256
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
-        d, rows = padded_head_dim(problem.head_dim), 16 * params["MT"]
+        d, rows = tile(problem.head_dim), 16 * params["MT"]
         ring = 2 * 2 * params["stages"] * stage_keys(params) * d          # K and V, 2-byte elements
         merge = 4 * params["warps"] * rows * (d + 2)                       # the warps' O, m and l in fp32
         if self.merges_in_cluster:
@@ -299,7 +312,8 @@ class FlashDecode(KernelFamily):
         if not (self.kv_tma(params, k.shape[3]) and maps_for(k)):
             return None
         rows = min(stage_keys(params), k.shape[2]) if self.paged else stage_keys(params)   # a page's rows at most
-        return MapSlot(k, rows), MapSlot(v, rows)
+        cols = panel(k.shape[3])
+        return MapSlot(k, rows, cols), MapSlot(v, rows, cols)
 
     def kv_maps(self, params: dict, k, v) -> tuple[bytes, bytes]:
         """K's and V's tensor maps for a call on these views, or empty ones where the kernel does not

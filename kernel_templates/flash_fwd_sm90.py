@@ -34,25 +34,13 @@ from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem, visible_pairs
 from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
-from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields, tile_cols, tile_panel
+from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields, tile_cols, tile_panel, tile_width
 from tuner.kernel_templates.wgmma_gen import wrappers
 
 _REGS_PER_BLOCK = 65536
 _MAX_REGS = 255
 _BARRIER_SLACK = 1024 + 256  # alignment of the first tile to 1024 B, then the mbarriers
 _WGMMA_MARK = "// <wgmma wrappers>"
-
-
-def tile_width(d: int, esize: int) -> int:
-    """The width of the kernel's Q, K and V tiles at head dim `d`: d rounded up to 64 bytes
-    (tile_cols), or to 128 where that is 96 columns of which the products use fewer (d = 72, 80:
-    prod_cols 80). There one 128-byte-panel tile of 128 columns ran the same configs 1.03-1.06x
-    (Phi-2's d=80 causal at 8k and 2k), 1.06-1.20x at d=72, though it carries more zero columns; at
-    d=96 and 160, whose products fill their 64-byte-panel tiles, 0.97-0.99x (PERF_NOTES "w5")."""
-    narrow = tile_cols(d, esize)
-    if narrow * esize == 192 and padded_head_dim(d, 32 // esize) < narrow:
-        return padded_head_dim(d, 128 // esize)
-    return narrow
 
 
 def tile_dim(problem: Problem) -> int:

@@ -184,11 +184,24 @@ def _fast_encoder() -> _CtypesEncoder | None:
 
 def tile_cols(d: int, esize: int) -> int:
     """The width of a kernel's Q, K and V tiles for head dim `d`: d rounded up to 64 bytes (32
-    columns of fp16/bf16), so that a tile is whole 64- or 128-byte panels (flash_fwd_sm90 widens
-    d = 72 and 80 to 128 columns: its tile_width). The columns past d come
+    columns of fp16/bf16), so that a tile is whole 64- or 128-byte panels (tile_width widens d = 72
+    and 80 to 128 columns). The columns past d come
     in as zeros. Rounding only to a wgmma k step (32 bytes) needs 32-byte panels at d = 80 or 112,
     which ran 0.77-0.96x the same configs in wider ones, padding included (PERF_NOTES "w2")."""
     return padded_head_dim(d, 64 // esize)
+
+
+def tile_width(d: int, esize: int) -> int:
+    """The width of flash_fwd_sm90's and flash_decode's Q, K and V tiles at head dim `d`: d rounded
+    up to 64 bytes (tile_cols), or to 128 where that is 96 columns of which the products use fewer
+    (d = 72, 80: prod_cols 80). There one 128-byte-panel tile of 128 columns ran flash_fwd_sm90's
+    configs 1.03-1.06x (Phi-2's d=80 causal at 8k and 2k), 1.06-1.20x at d=72, though it carries more
+    zero columns; at d=96 and 160, whose products fill their 64-byte-panel tiles, 0.97-0.99x
+    (PERF_NOTES "w5")."""
+    narrow = tile_cols(d, esize)
+    if narrow * esize == 192 and padded_head_dim(d, 32 // esize) < narrow:
+        return padded_head_dim(d, 128 // esize)
+    return narrow
 
 
 def panel_cols(d: int, esize: int) -> int:

@@ -312,14 +312,14 @@ def test_pages_come_as_boxes_where_their_size_fits_a_stage():
 @pytest.mark.parametrize("d", [8, 40, 80, 160, 192, 248])
 def test_any_head_dim_pads_the_tile_and_compiles_without_spills(arch, d):
     """Head dims off the listed ones (Phi-2's 80, Stable Diffusion's 40 and 160, 192, ...): the tile
-    is d rounded up to 32 columns (HEAD_DIM; D_VALID is d, the width of every load and store), the
-    K/V ring by cp.async (tensor maps only at 64 and 128). Every valid seed of the dense form, and
-    the default of the paged (rows and boxes) and packed forms, compiles with no spills; on sm_90a
-    K/V come as boxes of 64- or 32-column panels (sm90_tma.panel_cols) where `kv_tma` says."""
+    is d rounded up to 32 columns, or 128 at d = 72-80 (HEAD_DIM; D_VALID is d, the width of every
+    load and store), the K/V ring by cp.async (tensor maps only at 64 and 128). Every valid seed of
+    the dense form, and the default of the paged (rows and boxes) and packed forms, compiles with no
+    spills; on sm_90a K/V come as boxes of 64- or 32-column panels (flash_decode.panel: 64 at d=80)
+    where `kv_tma` says."""
     from tuner.compile import compile_kernel
     from tuner.family import padded_head_dim
-    from tuner.kernel_templates.flash_decode import PAGED_BOXES, VARLEN_FAMILY
-    from tuner.kernel_templates.sm90_tma import panel_cols
+    from tuner.kernel_templates.flash_decode import PAGED_BOXES, VARLEN_FAMILY, panel, tile
 
     gpu = H100_SXM if arch == "sm_90a" else A100_SXM
     problem = replace(LLAMA_DECODE, head_dim=d, seqlen_q=4)
@@ -330,8 +330,9 @@ def test_any_head_dim_pads_the_tile_and_compiles_without_spills(arch, d):
     assert any(FAM.kv_tma(p, d) for p in seeds) == (d <= 192)
     for fam, params in cases:
         defines = fam.defines(params, problem)
-        assert (defines["HEAD_DIM"], defines["D_VALID"], defines["KV_TMA"]) == (padded_head_dim(d), d, int(fam.kv_tma(params, d)))
-        assert defines["PANEL_COLS"] == panel_cols(d, 2) and padded_head_dim(d) % defines["PANEL_COLS"] == 0
+        width = 128 if d == 80 else padded_head_dim(d)   # d=80: one 128-byte panel tile, as flash_fwd_sm90's
+        assert (defines["HEAD_DIM"], defines["D_VALID"], defines["KV_TMA"]) == (width, d, int(fam.kv_tma(params, d)))
+        assert defines["PANEL_COLS"] == panel(d) == (64 if width % 64 == 0 else 32) and tile(d) == width
         ck = compile_kernel(fam, params, problem, arch)
         assert ck.resources.registers > 0 and (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (fam.name, params, ck.log)
 
@@ -365,15 +366,15 @@ def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
 
 def test_splits_keep_the_gpu_s_bytes_in_flight_where_kv_comes_by_boxes():
     """Where K/V come by tensor-map boxes (sm_90), the occupancy's count is the fewest power of two
-    whose first wave keeps GPU_IN_FLIGHT bytes of K/V on their way: at d=80, B8 x 8 K/V heads of the
+    whose first wave keeps GPU_IN_FLIGHT bytes of K/V on their way: at d=96, B8 x 8 K/V heads of the
     default (64 CTAs a split) takes 2 splits, not every slot's count; the row-by-row pages and the
     A100 (cp.async) keep the slot rule."""
     from tuner.kernel_templates.flash_decode import GPU_IN_FLIGHT, cta_slots, in_flight_bytes
 
-    p = Problem(8, 32, 1, 8192, 80, "bf16", "causal_br", 8)
+    p = Problem(8, 32, 1, 8192, 96, "bf16", "causal_br", 8)
     params = FAM.default(H100_SXM, p)
     smem = FAM.smem_bytes(params, p)
-    assert cta_slots(params, p, H100_SXM, smem) >= 2 * H100_SXM.sm_count and FAM.kv_tma(params, 80)
+    assert cta_slots(params, p, H100_SXM, smem) >= 2 * H100_SXM.sm_count and FAM.kv_tma(params, 96)
     by_slots = auto_splits(params, p, H100_SXM, smem)
     assert 64 * in_flight_bytes(params, p) < GPU_IN_FLIGHT <= 128 * in_flight_bytes(params, p)
     assert FAM.splits(params, p, H100_SXM) == 2 < by_slots
