@@ -9,7 +9,7 @@ of at most MAX_QUERIES queries; prefill belongs to the other families.
 
 from __future__ import annotations
 
-from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div
+from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div, padded_head_dim
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
 from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields, tile_panel, tile_width
@@ -195,10 +195,20 @@ class FlashDecode(KernelFamily):
         #   rows there (32 keys a warp is not by boxes at 192; the old first read 0.91-0.95x);
         # - where each CTA streams LONG_STREAM stages or more (a batch that fills the GPU with one
         #   or two splits of 8k keys): 8 warps of 16 keys, where 4 warps a CTA fell behind the copy
-        #   engine; it won all 6 rows of 64 stages and 1 of 2 of 32, the old first read 0.70-0.81x.
+        #   engine; it won all 6 rows of 64 stages and 1 of 2 of 32, the old first read 0.70-0.81x;
+        # - d = 72-80, whose 128-column tile is 3/8 zero columns (ring space, not bandwidth): 16
+        #   keys a warp in 2 stages of 4 warps (three CTAs an SM) where its grid fits one wave of
+        #   those slots, else in 3 stages (two an SM, a fuller second wave). On 27 random H200 steps
+        #   (PERF_NOTES "z2") this read 1.26x the best peer (geometric mean) where 8 warps in 2
+        #   stages (one CTA an SM) read 1.16x; 3 stages alone read 0.78-0.89x on one-wave grids of
+        #   two CTAs an SM, 2 stages alone 0.81-0.90x on grids of 1.3 waves.
         first = next((p for p in seeds if self.check(p, gpu, problem) is None), None)
         if gpu.major >= 9 and first is not None:
             width = tile(problem.head_dim)
+            if width > padded_head_dim(problem.head_dim):
+                two = _first_of(seeds, Bc=16, warps=4, stages=2)   # MT=1: not past 16 packed rows
+                one_wave = two[0]["MT"] == mt and FAMILY.fits_one_wave(two[0], problem, gpu)
+                return two if one_wave else _first_of(seeds, Bc=16, warps=4, stages=3)
             if 128 < width <= 192:
                 return _first_of(seeds, Bc=16, warps=4, stages=3)
             if width <= 128 and self.stages_per_cta(first, problem, gpu) >= LONG_STREAM:
@@ -253,6 +263,14 @@ class FlashDecode(KernelFamily):
                 or tuned.bucket().seqlen != problem.bucket().seqlen):
             return dict(params, splits=0)
         return params
+
+    def fits_one_wave(self, params: dict, problem: Problem, gpu: GpuSpec) -> bool:
+        """Whether `params` is valid and its launch (its own or the occupancy's splits) runs every CTA
+        at once: no more CTAs than the GPU has slots for it."""
+        if self.check(params, gpu, problem) is not None:
+            return False
+        ctas = ctas_per_split(params, problem) * self.splits(params, problem, gpu)
+        return ctas <= cta_slots(params, problem, gpu, self.smem_bytes(params, problem))
 
     def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
         """The config's split count, or the occupancy's. Where K/V come by tensor-map boxes (sm_90+),
