@@ -20,6 +20,7 @@ MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decod
 MAX_SPLITS = 128
 MAX_CTAS_PER_SM = 32   # sm_80 and sm_90: 32 resident blocks, 64 warps
 LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (FlashDecode.seeds)
+WIDE_LONG_STREAM = 96   # the same at d = 72-80 past one wave, whose 8 warps fit one CTA an SM
 # Split counts a cluster merges through shared memory: powers of two, which pack a GPC's SMs, up to
 # a portable cluster's 8 CTAs.
 CLUSTER_SIZES = (2, 4, 8)
@@ -197,18 +198,23 @@ class FlashDecode(KernelFamily):
         #   or two splits of 8k keys): 8 warps of 16 keys, where 4 warps a CTA fell behind the copy
         #   engine; it won all 6 rows of 64 stages and 1 of 2 of 32, the old first read 0.70-0.81x;
         # - d = 72-80, whose 128-column tile is 3/8 zero columns (ring space, not bandwidth): 16
-        #   keys a warp in 2 stages of 4 warps (three CTAs an SM) where its grid fits one wave of
-        #   those slots, else in 3 stages (two an SM, a fuller second wave). On 27 random H200 steps
-        #   (PERF_NOTES "z2") this read 1.26x the best peer (geometric mean) where 8 warps in 2
-        #   stages (one CTA an SM) read 1.16x; 3 stages alone read 0.78-0.89x on one-wave grids of
-        #   two CTAs an SM, 2 stages alone 0.81-0.90x on grids of 1.3 waves.
+        #   keys a warp in 2 stages of 4 warps (three CTAs an SM) where that grid runs in one wave;
+        #   past it, 8 warps in 2 stages where each CTA streams WIDE_LONG_STREAM stages or more,
+        #   else 4 warps in 3 stages (two CTAs an SM). On 27 random H200 steps, then 27 held out
+        #   (PERF_NOTES "z2"): 3 stages read 0.78-0.89x the best peer on one-wave grids of two
+        #   CTAs an SM where 2 stages read 1.13-1.15x, 2 stages 0.81-0.90x on grids of 1.3 waves;
+        #   past one wave 8 warps led from about 12k keys a CTA (101-256 stages of 128 keys: 9 of
+        #   10 rows, 1.02-1.16x) and 4 warps in 3 stages below (54-76 stages: 4 of 4, 1.03-1.11x).
         first = next((p for p in seeds if self.check(p, gpu, problem) is None), None)
         if gpu.major >= 9 and first is not None:
             width = tile(problem.head_dim)
             if width > padded_head_dim(problem.head_dim):
                 two = _first_of(seeds, Bc=16, warps=4, stages=2)   # MT=1: not past 16 packed rows
-                one_wave = two[0]["MT"] == mt and FAMILY.fits_one_wave(two[0], problem, gpu)
-                return two if one_wave else _first_of(seeds, Bc=16, warps=4, stages=3)
+                if two[0]["MT"] == mt and FAMILY.fits_one_wave(two[0], problem, gpu):
+                    return two
+                if self.stages_per_cta(first, problem, gpu) >= WIDE_LONG_STREAM:
+                    return _first_of(seeds, Bc=16, warps=8, stages=2)
+                return _first_of(seeds, Bc=16, warps=4, stages=3)
             if 128 < width <= 192:
                 return _first_of(seeds, Bc=16, warps=4, stages=3)
             if width <= 128 and self.stages_per_cta(first, problem, gpu) >= LONG_STREAM:

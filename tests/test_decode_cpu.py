@@ -347,10 +347,10 @@ def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
     """On sm_90 (K/V by tensor-map boxes), a CTA that streams 32 stages or more (B8 x 8k keys, no
     splits needed) defaults to 8 warps of 16 keys, tiles of 160-192 columns to 16 keys in 3 stages
     of 4 warps. d = 72-80 (a 128-column tile, its zero columns filling the ring) takes 16 keys of 4
-    warps in 2 stages (three CTAs an SM) where that grid runs in one wave, else in 3 (two an SM);
-    short streams (B32 x 1k) and the A100 (cp.async) keep 32 keys a warp in 2 stages.
+    warps in 2 stages (three CTAs an SM) where that grid runs in one wave, else 8 warps where a CTA
+    streams WIDE_LONG_STREAM stages, else 4 warps in 3 stages (two an SM); short streams (B32 x 1k) and the A100 (cp.async) keep 32 keys a warp in 2 stages.
     The search's seeds are the same points in either order."""
-    from tuner.kernel_templates.flash_decode import LONG_STREAM
+    from tuner.kernel_templates.flash_decode import LONG_STREAM, WIDE_LONG_STREAM
 
     long = Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 32)
     short = replace(long, batch=32, seqlen_k=1024)
@@ -363,16 +363,20 @@ def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
         assert pick(H100_SXM, replace(long, head_dim=d, heads=16, kv_heads=16)) == (16, 4, 3)
     wide = {(d, shape): replace(p, head_dim=d) for d in (72, 80) for shape, p in [
         ("one wave", long), ("many waves", short), ("GQA", replace(long, kv_heads=8)),
-        ("32 packed rows", replace(long, heads=64, kv_heads=4, seqlen_q=2))]}
+        ("32 packed rows", replace(long, heads=64, kv_heads=4, seqlen_q=2)),
+        ("many long waves", replace(long, batch=64, seqlen_k=32768))]}
+    want = {"one wave": (16, 4, 2), "GQA": (16, 4, 2), "many waves": (16, 4, 3), "32 packed rows": (16, 4, 3),
+            "many long waves": (16, 8, 2)}
     for (d, shape), p in wide.items():
-        stages = 2 if shape in ("one wave", "GQA") else 3
         params = FAM.default(H100_SXM, p)
-        assert pick(H100_SXM, p) == (16, 4, stages), p.key
+        assert pick(H100_SXM, p) == want[shape], p.key
         assert pick(A100_SXM, p) == (32, 4, 2) or shape == "32 packed rows", p.key   # cp.async: the first seed
-        assert FAM.fits_one_wave(params, p, H100_SXM) == (stages == 2) or shape == "32 packed rows", p.key
+        assert FAM.fits_one_wave(params, p, H100_SXM) == (want[shape] == (16, 4, 2)) or shape == "32 packed rows", p.key
         assert params["MT"] == (2 if shape == "32 packed rows" else 1)
         ring_ctas = H100_SXM.smem_per_sm // (FAM.smem_bytes(params, p) + 1024)
-        assert ring_ctas == (3 if stages == 2 else 2), (p.key, ring_ctas)
+        assert ring_ctas == {(16, 4, 2): 3, (16, 4, 3): 2, (16, 8, 2): 1}[want[shape]], (p.key, ring_ctas)
+        long_stream = FAM.stages_per_cta(FAM.seeds(A100_SXM, p)[0], p, H100_SXM) >= WIDE_LONG_STREAM
+        assert long_stream == (shape == "many long waves") or want[shape] == (16, 4, 2), p.key
     for p in (long, short):
         key = lambda seeds: sorted(map(str, seeds))
         assert key(FAM.seeds(H100_SXM, p)) == key(FAM.seeds(A100_SXM, p))

@@ -74,7 +74,10 @@ def test_either_flush_keeps_the_inputs_out_of_l2(flush):
     from tuner.timing import Timer
 
     small = torch.randn(4 << 20, device="cuda")   # 16 MB: held by an H100's or H200's 50 MB L2
-    warm, flushed = _read_ms(small), _read_ms(small, Timer(target_seconds=0.05, flush=flush))
+    # the warm read's best of five: the GPU session runs eight test processes side by side, whose
+    # kernels once made one warm mean of 50 slower than the flushed median (0.0178 against 0.0150 ms)
+    warm = min(_read_ms(small) for _ in range(5))
+    flushed = _read_ms(small, Timer(target_seconds=0.05, flush=flush))
     # (a sum this small is partly launch and reduction latency: 1.45x on the H100 with the read flush)
     assert flushed > 1.25 * warm, (flush, warm, flushed)
 
