@@ -203,8 +203,8 @@ class FlashDecode(KernelFamily):
         #   else 4 warps in 3 stages (two CTAs an SM). On 27 random H200 steps, then 27 held out
         #   (PERF_NOTES "z2"): 3 stages read 0.78-0.89x the best peer on one-wave grids of two
         #   CTAs an SM where 2 stages read 1.13-1.15x, 2 stages 0.81-0.90x on grids of 1.3 waves;
-        #   past one wave 8 warps led from about 12k keys a CTA (101-256 stages of 128 keys: 9 of
-        #   10 rows, 1.02-1.16x) and 4 warps in 3 stages below (54-76 stages: 4 of 4, 1.03-1.11x).
+        #   past one wave 8 warps led from about 12k keys a CTA (101-256 stages of 128 keys: 8 of
+        #   9 rows, 1.02-1.12x) and 4 warps in 3 stages below (54-76 stages: 3 of 3, 1.03-1.11x).
         first = next((p for p in seeds if self.check(p, gpu, problem) is None), None)
         if gpu.major >= 9 and first is not None:
             width = tile(problem.head_dim)
