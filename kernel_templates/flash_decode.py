@@ -39,7 +39,8 @@ def tile(head_dim: int) -> int:
     """The K/V (and Q) tile's width: the head dim rounded up to 32 columns, 128 at d = 72-80, in
     panels of 128 bytes there (tile_width, as flash_fwd_sm90's): the copy engine's boxes of 64-byte
     rows (the 96-column tile's panels) kept single-query MHA steps at d=80 to 3.0-3.2 TB/s against
-    cuDNN's 3.3-3.8 on the H200 (PERF_NOTES "z1"). The columns past the head dim come in as zeros."""
+    cuDNN's 3.3-3.8 on the H200 (PERF_NOTES "z1"); on this tile the best configs read 1.05-1.09x
+    theirs ("z2"). The columns past the head dim come in as zeros, read from nowhere."""
     return tile_width(head_dim, 2)
 
 
@@ -54,7 +55,8 @@ def stage_keys(params: dict) -> int:
 
 
 def in_flight_bytes(params: dict, problem: Problem) -> int:
-    """K/V bytes a CTA has on their way while it works on one stage: the ring's other STAGES - 1."""
+    """K/V bytes a CTA has on their way while it works on one stage: the ring's other STAGES - 1
+    (the tile's bytes: at d = 72-80 its zero columns too, as the split counts timed in "z2" had)."""
     return (params["stages"] - 1) * stage_keys(params) * tile(problem.head_dim) * 2 * 2
 
 
