@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|varlen|varlen-ship|fa4bench|alternatives|ab|sweep|profile|profile-fa4|power|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|varlen|varlen-ship|fa4bench|alternatives|ab|ab-tree|sweep|profile|profile-fa4|power|all]...
 # `tests` runs `pytest -m gpu` as eight processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -206,6 +206,18 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
           # brought): ALT_ARGS, benchmarks/served_alternatives.py's arguments (default: --random 1:24)
           timeout ${ALT_TIMEOUT:-500} python3 benchmarks/served_alternatives.py ${ALT_ARGS:---random 1:24} \
             --json "$OUT/alternatives.json" 2>&1 | grep -v -i warn | tee -a "$OUT/alternatives.log" ;;&
+    ab-tree) # another checkout against this one, each as `attention` serves it: AB_TREE (that checkout's tree,
+          # e.g. `git archive main | tar -x -C .abt`, carried) installed beside this one, served_alternatives.py
+          # --near 0 on AB_SHAPES under each in a process of its own (the other's first), then
+          # benchmarks/served_ab.py: our times compared directly, each against its own run's best peer.
+          # For a change whose Python side moves too (a tile's width, a default's rule; PERF_NOTES "z2").
+          tree=${AB_TREE:-.abt}
+          python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site-ab "$tree" 2>&1 | grep -v WARN
+          PYTHONPATH=${PYTHONPATH//\/tmp\/site-ft/\/tmp\/site-ab} timeout ${AB_TIMEOUT:-250} python3 "$tree/benchmarks/served_alternatives.py" \
+            --near 0 $AB_SHAPES --json "$OUT/ab-before.json" 2>&1 | grep -v -i warn > "$OUT/ab-before.log"
+          timeout ${AB_TIMEOUT:-250} python3 benchmarks/served_alternatives.py --near 0 $AB_SHAPES --json "$OUT/ab-after.json" 2>&1 \
+            | grep -v -i warn > "$OUT/ab-after.log"
+          python3 benchmarks/served_ab.py "$OUT/ab-before.json" "$OUT/ab-after.json" --json "$OUT/ab-tree.json" | tee "$OUT/ab-tree.log" ;;&
     sweep) # every valid flash_fwd_sm90 point of SWEEP_SHAPES (bf16), one database: replay fixtures for sampler
           # studies. SWEEP_DB (a sweep.db.gz an earlier call brought back, carried) is continued: a grid
           # search resumes where it stopped. The database goes to $OUT every 45 s (a consistent copy, sqlite3's
