@@ -211,8 +211,8 @@ class FlashDecode(KernelFamily):
         if gpu.major >= 9 and first is not None:
             width = tile(problem.head_dim)
             if width > padded_head_dim(problem.head_dim):
-                two = _first_of(seeds, Bc=16, warps=4, stages=2)   # MT=1: not past 16 packed rows
-                if two[0]["MT"] == mt and FAMILY.fits_one_wave(two[0], problem, gpu):
+                two = _first_of(seeds, Bc=16, warps=4, stages=2)   # its MT is 1: not past 16 packed rows
+                if mt == 1 and FAMILY.fits_one_wave(two[0], problem, gpu):
                     return two
                 if self.stages_per_cta(first, problem, gpu) >= WIDE_LONG_STREAM:
                     return _first_of(seeds, Bc=16, warps=8, stages=2)

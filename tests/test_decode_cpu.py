@@ -348,8 +348,9 @@ def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
     splits needed) defaults to 8 warps of 16 keys, tiles of 160-192 columns to 16 keys in 3 stages
     of 4 warps. d = 72-80 (a 128-column tile, its zero columns filling the ring) takes 16 keys of 4
     warps in 2 stages (three CTAs an SM) where that grid runs in one wave, else 8 warps where a CTA
-    streams WIDE_LONG_STREAM stages, else 4 warps in 3 stages (two an SM); short streams (B32 x 1k) and the A100 (cp.async) keep 32 keys a warp in 2 stages.
-    The search's seeds are the same points in either order."""
+    streams WIDE_LONG_STREAM stages, else 4 warps in 3 stages (two an SM); short streams (B32 x 1k)
+    and the A100 (cp.async) keep 32 keys a warp in 2 stages. The search's seeds are the same points
+    in either order."""
     from tuner.kernel_templates.flash_decode import LONG_STREAM, WIDE_LONG_STREAM
 
     long = Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 32)
