@@ -255,11 +255,12 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
               > "$OUT/profile-$name.csv" 2> "$OUT/profile-$name.log"; tail -n 3 "$OUT/profile-$name.log"
           done ;;&
     profile-fa4) # the same sections on our served kernel and FlashAttention-4's (benchmarks/profile_vs_fa4.py) for
-                 # each of PROFILE_FA4_SHAPES (--shape arguments); FA4 by the two-call carry; $OUT/profile-fa4.csv
+                 # each of PROFILE_FA4_SHAPES (--shape arguments); FA4 by the two-call carry; $OUT/profile-fa4.csv.
+                 # PROFILE_PEER: another peer instead (sdpa_cudnn, say: no carry needed)
           ncu --target-processes all --nvtx --nvtx-include "prof/" \
             --section SpeedOfLight --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
-            --section InstructionStats --section Occupancy --section LaunchStats --page raw --csv \
-            python3 benchmarks/profile_vs_fa4.py ${PROFILE_FA4_SHAPES:---shape 1,32,8192,80,causal} \
+            --section InstructionStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --page raw --csv \
+            python3 benchmarks/profile_vs_fa4.py --peer ${PROFILE_PEER:-fa4} ${PROFILE_FA4_SHAPES:---shape 1,32,8192,80,causal} \
             > "$OUT/profile-fa4.csv" 2> "$OUT/profile-fa4.log"; grep -v -i warn "$OUT/profile-fa4.log" | tail -n 4 ;;&
     power) # the SM clock and board power while ours, cuDNN and FA4 (where brought) run back to back
            # (benchmarks/power_state.py): how far the power cap sets each one's clock; POWER_SHAPES (--shape arguments)

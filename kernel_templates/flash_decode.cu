@@ -27,6 +27,12 @@
 // HEAD_DIM is the tile's width, the head dim D_VALID rounded up to 32 columns, or to 128 at 72-80
 // (flash_decode.tile: 128-byte panels): Q's, K's and V's columns past D_VALID come in as zeros (cp.async reads nothing there), and only
 // D_VALID columns are stored, to O and to the splits' workspace (rows of D_VALID floats).
+// RING_COLS of K's and V's columns are in the ring and in the products: HEAD_DIM, or (TAIL_COLS > 0)
+// D_VALID rounded up to 16, whole panels then a tail panel of TAIL_COLS (16 or 32: 32- or 64-byte rows,
+// swizzled as wide) by a box of its own (tmap_kt, tmap_vt). A panel box whose row lies mostly past
+// the tensor's columns is not free: at d = 80 the copy engine asked L2 for 1.33x the sectors of
+// the rows it brought, and the decode kernel read 11% more from memory than the K/V it held, where a
+// 16-column tail box asks for none more (PERF_NOTES "y2"; flash_decode.ring_cols).
 //
 // MERGE_CLUSTER (2-8, sm_90; flash_decode_cluster): the splits of a (sequence, K/V head, row block)
 // run as one thread-block cluster along z, each leaves its rows (O / l and the LSE) in its own
@@ -59,11 +65,20 @@ constexpr int NT = WARPS * 32;
 constexpr int ROWS = 16 * MT;             // packed query rows per CTA
 constexpr int TK = WARPS * BC;            // keys per stage
 constexpr int NTILES = BC / 8;            // n8 tiles of a warp's S
-constexpr int DTILES = HEAD_DIM / 8;      // n8 tiles of O
-constexpr int KSTEPS = HEAD_DIM / 16;     // k16 steps of S = Q K^T
+#ifndef RING_COLS
+#define RING_COLS HEAD_DIM
+#define TAIL_COLS 0
+#endif
+constexpr int DTILES = RING_COLS / 8;     // n8 tiles of O that P V computes (the rest of the tile's are zeros)
+constexpr int KSTEPS = RING_COLS / 16;    // k16 steps of S = Q K^T
 constexpr int PSTEPS = BC / 16;           // k16 steps of O += P V
-constexpr int CHUNKS = HEAD_DIM / 8;      // 16-byte chunks per row
-constexpr int STAGE_ELEMS = TK * HEAD_DIM;
+constexpr int CHUNKS = HEAD_DIM / 8;      // 16-byte chunks per row of Q's tile (and of a ring row without panels)
+constexpr int RING_CHUNKS = RING_COLS / 8;   // 16-byte chunks of a K/V row in the ring
+constexpr int TAIL_CHUNKS = TAIL_COLS / 8;
+// one tensor's part of a stage; with a tail, whole KB so that every slot's 128-byte panels start on
+// the copy engine's 1 KB swizzle period
+constexpr int KV_STAGE_ELEMS = TK * RING_COLS;   // what the boxes bring
+constexpr int STAGE_ELEMS = TAIL_COLS ? (KV_STAGE_ELEMS + 511) / 512 * 512 : KV_STAGE_ELEMS;
 
 static_assert(BC % 16 == 0, "BC must be a multiple of 16");
 static_assert(D_VALID % 8 == 0 && D_VALID <= HEAD_DIM && (HEAD_DIM - D_VALID < 32 || HEAD_DIM == 128),
@@ -73,17 +88,34 @@ static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16, "16-bit inputs");
 static_assert(!(VARLEN && PAGED), "packed sequences or pages, not both");
 static_assert(!KV_TMA || ((PANEL_COLS == 64 || PANEL_COLS == 32) && HEAD_DIM % PANEL_COLS == 0 && TK <= 256),
               "a stage as boxes of PANEL_COLS columns (128- or 64-byte rows) x TK rows");
+static_assert(TAIL_COLS == 0 ? RING_COLS == HEAD_DIM
+              : KV_TMA && (TAIL_COLS == 16 || TAIL_COLS == 32) && TAIL_COLS < PANEL_COLS && RING_COLS % 16 == 0 &&
+                D_VALID <= RING_COLS && RING_COLS < HEAD_DIM && (RING_COLS - TAIL_COLS) % PANEL_COLS == 0,
+              "a tail panel of 16 or 32 columns after whole panels, the head dim rounded up to 16");
 constexpr int PANEL_CHUNKS = PANEL_COLS / 8;   // 16-byte chunks of a panel's row
+constexpr int FULL_PANELS = (RING_COLS - TAIL_COLS) / PANEL_COLS;
 
 FT_DEVICE T* at(T* base, int row, int chunk) { return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8; }
 // A chunk of a K/V row in a ring slot: rows as `at` lays them out, or (FT_TMA) in the copy engine's
 // panels of PANEL_COLS columns x TK rows, swizzled as the copy engine writes them (128-byte rows:
 // chunk c of row r at c ^ r % 8; 64-byte: c ^ (r / 2) % 4, the pattern `swz` lays 4-chunk rows in);
 // every form keeps ldmatrix's 8 row addresses of one chunk column in distinct banks.
+// A tail panel's rows are as its box writes them: 32-byte rows, chunk c of row r at c ^ (r / 4) % 2
+// (the 32-byte swizzle), 64-byte rows as `swz` lays them; cp.async (before sm_90) writes the same
+// layout where there is a tail, as there are no whole rows of a power of two chunks to swizzle.
 FT_DEVICE const T* kv_at(const T* base, int row, int chunk) {
-  if constexpr (FT_TMA)
-    return base + (chunk / PANEL_CHUNKS) * TK * PANEL_COLS + row * PANEL_COLS + swz<PANEL_CHUNKS>(row, chunk % PANEL_CHUNKS) * 8;
-  else return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8;
+  if constexpr (FT_TMA || TAIL_COLS > 0) {
+    const int p = chunk / PANEL_CHUNKS, c = chunk % PANEL_CHUNKS;
+    if constexpr (TAIL_COLS > 0) {
+      if (p == FULL_PANELS) {
+        const int sc = TAIL_CHUNKS == 2 ? c ^ ((row >> 2) & 1) : swz<4>(row, c);
+        return base + FULL_PANELS * TK * PANEL_COLS + row * TAIL_COLS + sc * 8;
+      }
+    }
+    return base + p * TK * PANEL_COLS + row * PANEL_COLS + swz<PANEL_CHUNKS>(row, c) * 8;
+  } else {
+    return base + row * HEAD_DIM + swz<CHUNKS>(row, chunk) * 8;
+  }
 }
 
 // The first element of key j's row of K or V for sequence b, K/V head hk.
@@ -106,7 +138,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_SPLIT_CLUSTER
 flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restrict__ part_lse,
              int* __restrict__ arrivals, const int* __restrict__ seqused_k, const int* __restrict__ block_table,
              int page_size, int bt_stride, const __grid_constant__ TmaMap tmap_k,
-             const __grid_constant__ TmaMap tmap_v FT_VARLEN_PARAMS) {
+             const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_kt,
+             const __grid_constant__ TmaMap tmap_vt FT_VARLEN_PARAMS) {
   extern __shared__ float4 smem4[];
 #if FT_TMA
   // the copy engine's 128-byte swizzle repeats every 1024 bytes: the ring starts on that boundary
@@ -127,6 +160,10 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     mbar_fence_init();
     tmap_prefetch(tmap_k);
     tmap_prefetch(tmap_v);
+    if constexpr (TAIL_COLS > 0) {
+      tmap_prefetch(tmap_kt);
+      tmap_prefetch(tmap_vt);
+    }
   }
 #endif
 
@@ -175,27 +212,39 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
       if (t < t_end && warp == 0) {
         const int slot = SLOT(t), box = min(TK, page_size);
         // (the phase needs lane 0's arrival, so bytes that land before its count are counted all the same)
-        if (lane == 0) mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
+        if (lane == 0) mbar_expect_tx(&kv_full[slot], 2 * KV_STAGE_ELEMS * sizeof(T));
         for (int r = lane * box; r < TK; r += 32 * box) {
           const int j = min(t * TK + r, nk_b - 1);
           const int page = __ldg(block_table + static_cast<long long>(b) * bt_stride + j / page_size);
 #pragma unroll
-          for (int p = 0; p < HEAD_DIM / PANEL_COLS; ++p) {
+          for (int p = 0; p < FULL_PANELS; ++p) {
             tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * PANEL_COLS + r * PANEL_COLS, &tmap_k, &kv_full[slot], p * PANEL_COLS,
                         (t * TK + r) % page_size, hk, page);
             tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * PANEL_COLS + r * PANEL_COLS, &tmap_v, &kv_full[slot], p * PANEL_COLS,
+                        (t * TK + r) % page_size, hk, page);
+          }
+          if constexpr (TAIL_COLS > 0) {
+            constexpr int tail = FULL_PANELS * TK * PANEL_COLS;
+            tma_load_4d(Ks + slot * STAGE_ELEMS + tail + r * TAIL_COLS, &tmap_kt, &kv_full[slot], FULL_PANELS * PANEL_COLS,
+                        (t * TK + r) % page_size, hk, page);
+            tma_load_4d(Vs + slot * STAGE_ELEMS + tail + r * TAIL_COLS, &tmap_vt, &kv_full[slot], FULL_PANELS * PANEL_COLS,
                         (t * TK + r) % page_size, hk, page);
           }
         }
       }
     } else if (t < t_end && tid == 0) {
       const int slot = SLOT(t);
-      mbar_expect_tx(&kv_full[slot], 2 * STAGE_ELEMS * sizeof(T));
+      mbar_expect_tx(&kv_full[slot], 2 * KV_STAGE_ELEMS * sizeof(T));
 #pragma unroll
-      for (int p = 0; p < HEAD_DIM / PANEL_COLS; ++p) {
+      for (int p = 0; p < FULL_PANELS; ++p) {
         // (VARLEN: the packed (1, Hk, total_k, D) tensors, the sequence's rows from seq.k0)
         tma_load_4d(Ks + slot * STAGE_ELEMS + p * TK * PANEL_COLS, &tmap_k, &kv_full[slot], p * PANEL_COLS, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
         tma_load_4d(Vs + slot * STAGE_ELEMS + p * TK * PANEL_COLS, &tmap_v, &kv_full[slot], p * PANEL_COLS, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
+      }
+      if constexpr (TAIL_COLS > 0) {
+        constexpr int tail = FULL_PANELS * TK * PANEL_COLS;
+        tma_load_4d(Ks + slot * STAGE_ELEMS + tail, &tmap_kt, &kv_full[slot], FULL_PANELS * PANEL_COLS, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
+        tma_load_4d(Vs + slot * STAGE_ELEMS + tail, &tmap_vt, &kv_full[slot], FULL_PANELS * PANEL_COLS, seq.k0 + t * TK, hk, VARLEN ? 0 : b);
       }
     }
   };
@@ -216,12 +265,12 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
       // not unrolled: unrolled, ptxas keeps every iteration's row offsets in registers across
       // stages (2 x 64-bit per row, +40-70 registers at BC=32-64) for a loop that waits on memory
 #pragma unroll 1
-      for (int idx = tid; idx < TK * CHUNKS; idx += NT) {
-        const int r = idx / CHUNKS, ch = idx % CHUNKS, j = t * TK + r;
+      for (int idx = tid; idx < TK * RING_CHUNKS; idx += NT) {
+        const int r = idx / RING_CHUNKS, ch = idx % RING_CHUNKS, j = t * TK + r;
         const bool ok = j < nk_b && ch * 8 < D_VALID;
         const int jj = ok ? j : 0;
-        cp_async16(at(kd, r, ch), key_row(k, k_sb, k_sh, k_sn, VARLEN ? 0 : b, hk, seq.k0 + jj, block_table, page_size, bt_stride) + ch * 8, ok);
-        cp_async16(at(vd, r, ch), key_row(v, v_sb, v_sh, v_sn, VARLEN ? 0 : b, hk, seq.k0 + jj, block_table, page_size, bt_stride) + ch * 8, ok);
+        cp_async16(const_cast<T*>(kv_at(kd, r, ch)), key_row(k, k_sb, k_sh, k_sn, VARLEN ? 0 : b, hk, seq.k0 + jj, block_table, page_size, bt_stride) + ch * 8, ok);
+        cp_async16(const_cast<T*>(kv_at(vd, r, ch)), key_row(v, v_sb, v_sh, v_sn, VARLEN ? 0 : b, hk, seq.k0 + jj, block_table, page_size, bt_stride) + ch * 8, ok);
       }
     }
     cp_async_commit();   // empty groups keep the wait counts uniform
@@ -284,8 +333,8 @@ flash_decode(FT_ATTENTION_PARAMS(T), float* __restrict__ part_o, float* __restri
     // this warp zeroes its own V rows past nk_b (only a sequence's last stage has any) before it
     // reads them; K needs nothing, its scores there are masked to -inf.
     if (key0 + BC > nk_b) {
-      for (int idx = lane; idx < BC * CHUNKS; idx += 32) {
-        const int r = idx / CHUNKS, ch = idx % CHUNKS;
+      for (int idx = lane; idx < BC * RING_CHUNKS; idx += 32) {
+        const int r = idx / RING_CHUNKS, ch = idx % RING_CHUNKS;
         if (key0 + r >= nk_b) *reinterpret_cast<uint4*>(const_cast<T*>(kv_at(Vt, krow0 + r, ch))) = make_uint4(0u, 0u, 0u, 0u);
       }
       __syncwarp();

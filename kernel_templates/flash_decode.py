@@ -20,7 +20,6 @@ MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decod
 MAX_SPLITS = 128
 MAX_CTAS_PER_SM = 32   # sm_80 and sm_90: 32 resident blocks, 64 warps
 LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (FlashDecode.seeds)
-WIDE_LONG_STREAM = 96   # the same at d = 72-80 past one wave, whose 8 warps fit one CTA an SM
 # Split counts a cluster merges through shared memory: powers of two, which pack a GPC's SMs, up to
 # a portable cluster's 8 CTAs.
 CLUSTER_SIZES = (2, 4, 8)
@@ -40,13 +39,39 @@ def tile(head_dim: int) -> int:
     panels of 128 bytes there (tile_width, as flash_fwd_sm90's): the copy engine's boxes of 64-byte
     rows (the 96-column tile's panels) kept single-query MHA steps at d=80 to 3.0-3.2 TB/s against
     cuDNN's 3.3-3.8 on the H200 (PERF_NOTES "z1"); on this tile the best configs read 1.05-1.09x
-    theirs ("z2"). The columns past the head dim come in as zeros, read from nowhere."""
+    theirs ("z2"). Q's columns past the head dim are zeros; K's and V's ring holds ring_cols of them."""
     return tile_width(head_dim, 2)
 
 
 def panel(head_dim: int) -> int:
     """Columns of a K/V box row and of the ring's swizzled panels (KV_TMA): one panel of the tile."""
     return tile_panel(tile(head_dim), 2)
+
+
+def tail_cols(head_dim: int) -> int:
+    """Columns of the ring's tail panel (0: none): where the head dim, rounded up to a k16 step, ends
+    16 or 32 columns into the tile's last panel, that panel comes as a box of those columns (32- or
+    64-byte rows) rather than of a whole panel row that lies mostly past the tensor's columns. The
+    copy engine is asked for sectors there all the same: at d = 80 (a 128-byte panel, then 32 bytes of
+    the next) it asked L2 for 1.33x the sectors of a stream of 64 + 16-column boxes, which streamed
+    1.05x faster, and the decode kernel read 11% more from memory than the K/V (H200, PERF_NOTES "y2").
+    A tail of 48 columns (d = 112) would need two boxes: not done."""
+    cols, p = ceil_div(head_dim, 16) * 16, panel(head_dim)
+    tail = cols % p
+    return tail if tail in (16, 32) and p < cols < tile(head_dim) else 0
+
+
+def ring_cols(head_dim: int) -> int:
+    """K's and V's columns in the ring and in the products: the tile's, or with a tail panel the
+    head dim rounded up to 16 (d = 72-80: 80 of the tile's 128)."""
+    return ceil_div(head_dim, 16) * 16 if tail_cols(head_dim) else tile(head_dim)
+
+
+def stage_elems(params: dict, head_dim: int) -> int:
+    """One tensor's elements of a ring slot: stage_keys rows of ring_cols, in whole KB with a tail
+    (each slot's 128-byte panels start on the copy engine's 1 KB swizzle period)."""
+    n = stage_keys(params) * ring_cols(head_dim)
+    return ceil_div(n, 512) * 512 if tail_cols(head_dim) else n
 
 
 def stage_keys(params: dict) -> int:
@@ -199,24 +224,18 @@ class FlashDecode(KernelFamily):
         # - where each CTA streams LONG_STREAM stages or more (a batch that fills the GPU with one
         #   or two splits of 8k keys): 8 warps of 16 keys, where 4 warps a CTA fell behind the copy
         #   engine; it won all 6 rows of 64 stages and 1 of 2 of 32, the old first read 0.70-0.81x;
-        # - d = 72-80, whose 128-column tile is 3/8 zero columns (ring space, not bandwidth): 16
-        #   keys a warp in 2 stages of 4 warps (three CTAs an SM) where that grid runs in one wave;
-        #   past it, 8 warps in 2 stages where each CTA streams WIDE_LONG_STREAM stages or more,
-        #   else 4 warps in 3 stages (two CTAs an SM). On 27 random H200 steps, then 27 held out
-        #   (PERF_NOTES "z2"): 3 stages read 0.78-0.89x the best peer on one-wave grids of two
-        #   CTAs an SM where 2 stages read 1.13-1.15x, 2 stages 0.81-0.90x on grids of 1.3 waves;
-        #   past one wave 8 warps led from about 12k keys a CTA (101-256 stages of 128 keys: 8 of
-        #   9 rows, 1.02-1.12x) and 4 warps in 3 stages below (54-76 stages: 3 of 3, 1.03-1.11x).
+        # - d = 72-80 (a 128-column tile, whose K/V ring holds 80 columns: ring_cols): 4 warps in 3
+        #   stages, of 16 keys a warp where that grid runs in one wave, else of 32. Of the seven
+        #   seeds on 19 H200 steps (Phi-2's MHA B1-B128 x 1k-32k, GQA, 4 queries, d=72; PERF_NOTES
+        #   "y2") it read 0.994 of the best seed on average (0.974 at worst), the first seed 0.978
+        #   (0.931), and z2's rule for the 128-column ring (2 stages in one wave, 8 warps past 96
+        #   stages) 0.936 (0.761): with the ring 3/8 smaller, three stages fit where two did.
         first = next((p for p in seeds if self.check(p, gpu, problem) is None), None)
         if gpu.major >= 9 and first is not None:
             width = tile(problem.head_dim)
             if width > padded_head_dim(problem.head_dim):
-                two = _first_of(seeds, Bc=16, warps=4, stages=2)   # its MT is 1: not past 16 packed rows
-                if mt == 1 and FAMILY.fits_one_wave(two[0], problem, gpu):
-                    return two
-                if self.stages_per_cta(first, problem, gpu) >= WIDE_LONG_STREAM:
-                    return _first_of(seeds, Bc=16, warps=8, stages=2)
-                return _first_of(seeds, Bc=16, warps=4, stages=3)
+                narrow = _first_of(seeds, Bc=16, warps=4, stages=3)
+                return narrow if FAMILY.fits_one_wave(narrow[0], problem, gpu) else _first_of(seeds, Bc=32, warps=4, stages=3)
             if 128 < width <= 192:
                 return _first_of(seeds, Bc=16, warps=4, stages=3)
             if width <= 128 and self.stages_per_cta(first, problem, gpu) >= LONG_STREAM:
@@ -238,6 +257,8 @@ class FlashDecode(KernelFamily):
             "HEAD_DIM": tile(problem.head_dim),
             "D_VALID": problem.head_dim,
             "PANEL_COLS": panel(problem.head_dim),   # KV_TMA's boxes (the maps' box columns)
+            **({"RING_COLS": ring_cols(problem.head_dim), "TAIL_COLS": tail}
+               if (tail := tail_cols(problem.head_dim)) and self.kv_tma(params, problem.head_dim) else {}),
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "PAGED": int(self.paged),
             "KV_TMA": int(self.kv_tma(params, problem.head_dim)),
@@ -256,7 +277,8 @@ class FlashDecode(KernelFamily):
 
     def smem_bytes(self, params: dict, problem: Problem) -> int:
         d, rows = tile(problem.head_dim), 16 * params["MT"]
-        ring = 2 * 2 * params["stages"] * stage_keys(params) * d          # K and V, 2-byte elements
+        slot = stage_elems(params, problem.head_dim) if self.kv_tma(params, problem.head_dim) else stage_keys(params) * d
+        ring = 2 * 2 * params["stages"] * slot                             # K and V, 2-byte elements
         merge = 4 * params["warps"] * rows * (d + 2)                       # the warps' O, m and l in fp32
         if self.merges_in_cluster:
             merge += 4 * rows * d                                          # the split's O / l, which rank 0 reads
@@ -327,25 +349,25 @@ class FlashDecode(KernelFamily):
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         # the splits' O and LSE, their arrival counters, the per-sequence key counts and the page
         # table (null where absent), the page size and the table's row stride, K's and V's maps
-        return ATTENTION_PARAMS + ("ptr",) * 5 + ("i32",) * 2 + ("tmap",) * 2
+        return ATTENTION_PARAMS + ("ptr",) * 5 + ("i32",) * 2 + ("tmap",) * 4
 
     def arg_maker(self, params: dict):
         return _DecodeArgs(self, params)
 
-    def kv_slots(self, params: dict, k, v) -> tuple[MapSlot, MapSlot] | None:
-        """K's and V's map slots for (B, Hk, N, D) views of this geometry, or None where the kernel
-        reads no maps."""
+    def kv_slots(self, params: dict, k, v) -> tuple[MapSlot | None, ...] | None:
+        """K's and V's map slots for (B, Hk, N, D) views of this geometry, then their tail panel's
+        (None where there is no tail: tail_cols), or None where the kernel reads no maps."""
         if not (self.kv_tma(params, k.shape[3]) and maps_for(k)):
             return None
         rows = min(stage_keys(params), k.shape[2]) if self.paged else stage_keys(params)   # a page's rows at most
-        cols = panel(k.shape[3])
-        return MapSlot(k, rows, cols), MapSlot(v, rows, cols)
+        cols, tail = panel(k.shape[3]), tail_cols(k.shape[3])
+        tails = (MapSlot(k, rows, tail), MapSlot(v, rows, tail)) if tail else (None, None)
+        return MapSlot(k, rows, cols), MapSlot(v, rows, cols), *tails
 
-    def kv_maps(self, params: dict, k, v) -> tuple[bytes, bytes]:
-        """K's and V's tensor maps for a call on these views, or empty ones where the kernel does not
-        read them."""
-        slots = self.kv_slots(params, k, v)
-        return (slots[0].at(k.data_ptr()), slots[1].at(v.data_ptr())) if slots else (NO_MAP, NO_MAP)
+    def kv_maps(self, params: dict, k, v) -> tuple[bytes, ...]:
+        """K's and V's tensor maps for a call on these views, then their tail panel's; empty ones
+        where the kernel does not read them."""
+        return slot_maps(self.kv_slots(params, k, v), k.data_ptr(), v.data_ptr())
 
     def cache_args(self, params: dict, launch: Launch, q, k, v, o, lse, scale, nk: int, cache_seqlens,
                    block_table) -> tuple | None:
@@ -386,15 +408,23 @@ class _DecodeArgs(AttentionArgs):
 
     def values(self, bound, pointers, q):
         shared, splits, sizes, slots = bound
-        maps = (slots[0].at(pointers[1]), slots[1].at(pointers[2])) if slots else (NO_MAP, NO_MAP)
+        maps = slot_maps(slots, pointers[1], pointers[2])
         if splits == 1 or self._family.merges_in_cluster:   # no workspace
             return pointers + shared + (0, 0, 0, 0, 0, 0, 0) + maps
         return pointers + shared + workspace(q.get_device(), *sizes) + (0, 0, 0, 0) + maps
 
     def address_fields(self, bound):
         shared, _, _, slots = bound
-        maps = map_fields(slots or (), 5 + len(shared) + 7, (1, 2))   # K's and V's: after the shared values and 7 more
+        maps = map_fields(slots or (), 5 + len(shared) + 7, (1, 2, 1, 2))   # K's and V's, their tails': after the shared values and 7 more
         return None if maps is None else super().address_fields(bound) + maps
+
+
+def slot_maps(slots, k_address: int, v_address: int) -> tuple[bytes, ...]:
+    """The four maps a flash_decode launch passes (K's, V's, their tails') from kv_slots' slots at
+    these addresses: empty ones where there is no slot."""
+    if not slots:
+        return (NO_MAP,) * 4
+    return tuple(NO_MAP if slot is None else slot.at(a) for slot, a in zip(slots, (k_address, v_address) * 2))
 
 
 def call_grid(family: KernelFamily, params: dict, q, k) -> tuple[tuple[int, int, int], int]:

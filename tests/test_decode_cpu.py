@@ -309,7 +309,7 @@ def test_pages_come_as_boxes_where_their_size_fits_a_stage():
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("d", [8, 40, 80, 160, 192, 248])
+@pytest.mark.parametrize("d", [8, 40, 72, 80, 144, 160, 192, 248])
 def test_any_head_dim_pads_the_tile_and_compiles_without_spills(arch, d):
     """Head dims off the listed ones (Phi-2's 80, Stable Diffusion's 40 and 160, 192, ...): the tile
     is d rounded up to 32 columns, or 128 at d = 72-80 (HEAD_DIM; D_VALID is d, the width of every
@@ -319,7 +319,7 @@ def test_any_head_dim_pads_the_tile_and_compiles_without_spills(arch, d):
     where `kv_tma` says."""
     from tuner.compile import compile_kernel
     from tuner.family import padded_head_dim
-    from tuner.kernel_templates.flash_decode import PAGED_BOXES, VARLEN_FAMILY, panel, tile
+    from tuner.kernel_templates.flash_decode import PAGED_BOXES, VARLEN_FAMILY, panel, tail_cols, tile
 
     gpu = H100_SXM if arch == "sm_90a" else A100_SXM
     problem = replace(LLAMA_DECODE, head_dim=d, seqlen_q=4)
@@ -330,11 +330,50 @@ def test_any_head_dim_pads_the_tile_and_compiles_without_spills(arch, d):
     assert any(FAM.kv_tma(p, d) for p in seeds) == (d <= 192)
     for fam, params in cases:
         defines = fam.defines(params, problem)
-        width = 128 if d == 80 else padded_head_dim(d)   # d=80: one 128-byte panel tile, as flash_fwd_sm90's
+        width = 128 if d in (72, 80) else padded_head_dim(d)   # d=72-80: one 128-byte panel tile, as flash_fwd_sm90's
         assert (defines["HEAD_DIM"], defines["D_VALID"], defines["KV_TMA"]) == (width, d, int(fam.kv_tma(params, d)))
         assert defines["PANEL_COLS"] == panel(d) == (64 if width % 64 == 0 else 32) and tile(d) == width
+        tail = tail_cols(d) if fam.kv_tma(params, d) else 0   # d = 72-80, 136-144: a tail panel of 16 columns
+        assert tail == (16 if d in (72, 80, 144) and fam.kv_tma(params, d) else 0)
+        assert (defines.get("RING_COLS"), defines.get("TAIL_COLS")) == (((d + 15) // 16 * 16, 16) if tail else (None, None))
         ck = compile_kernel(fam, params, problem, arch)
         assert ck.resources.registers > 0 and (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (fam.name, params, ck.log)
+
+
+def test_a_tail_panel_holds_the_ring_to_the_head_dim_rounded_to_16():
+    """Where the head dim rounded up to 16 ends 16 or 32 columns into the tile's last panel, the ring
+    holds those columns only, the last of them as a tail panel of its own box (16 or 32 columns),
+    after at least one whole panel: at d = 80, 64 + 16 of the tile's 128. Each ring slot is whole KB
+    (the 128-byte swizzle's period), and the shared memory a config asks counts the ring so."""
+    from tuner.kernel_templates.flash_decode import panel, ring_cols, stage_elems, tail_cols, tile
+
+    for d in range(8, 257, 8):
+        tail, ring, width = tail_cols(d), ring_cols(d), tile(d)
+        if not tail:
+            assert ring == width, d
+            continue
+        assert tail in (16, 32) and ring == (d + 15) // 16 * 16 < width and tail < panel(d), d
+        assert (ring - tail) % panel(d) == 0 and ring - tail >= panel(d), d
+    assert (tail_cols(80), ring_cols(80), tail_cols(72), ring_cols(72)) == (16, 80, 16, 80)
+    assert all(tail_cols(d) == 0 for d in (32, 64, 96, 112, 128, 160, 192, 256))
+    one_warp = dict(Bc=16, warps=1, stages=3, MT=1, splits=0)
+    assert stage_elems(one_warp, 80) == 1536 and stage_elems(one_warp, 64) == 16 * 64   # 2560 bytes -> 3 KB
+    params = dict(Bc=16, warps=4, stages=3, MT=1, splits=0)
+    p = replace(LLAMA_DECODE, head_dim=80, kv_heads=32)
+    ring = 2 * 2 * 3 * 64 * 80
+    assert FAM.kv_tma(params, 80) and FAM.smem_bytes(params, p) == 2 * 16 * 128 + max(ring, 4 * 4 * 16 * 130) + 1024
+    assert not PAGED.kv_tma(params, 80) and PAGED.smem_bytes(params, p) > FAM.smem_bytes(params, p)   # rows: the tile
+
+
+def test_the_tail_probe_compiles_every_form_for_sm90a():
+    """benchmarks/tma_tail_probe.py, the copy-engine figure behind tail_cols: each of its box forms
+    builds (sm_90a, NVRTC), stages of 64 and 128 rows."""
+    from benchmark_scripts import script
+
+    probe = script("tma_tail_probe")
+    for mode in probe.MODES:
+        for tk in (64, 128):
+            assert probe.cubin(mode, tk)[:4] == b"\x7fELF", (mode, tk)
 
 
 def test_head_dims_past_the_padded_range_are_refused_by_name():
@@ -346,12 +385,11 @@ def test_head_dims_past_the_padded_range_are_refused_by_name():
 def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
     """On sm_90 (K/V by tensor-map boxes), a CTA that streams 32 stages or more (B8 x 8k keys, no
     splits needed) defaults to 8 warps of 16 keys, tiles of 160-192 columns to 16 keys in 3 stages
-    of 4 warps. d = 72-80 (a 128-column tile, its zero columns filling the ring) takes 16 keys of 4
-    warps in 2 stages (three CTAs an SM) where that grid runs in one wave, else 8 warps where a CTA
-    streams WIDE_LONG_STREAM stages, else 4 warps in 3 stages (two an SM); short streams (B32 x 1k)
-    and the A100 (cp.async) keep 32 keys a warp in 2 stages. The search's seeds are the same points
-    in either order."""
-    from tuner.kernel_templates.flash_decode import LONG_STREAM, WIDE_LONG_STREAM
+    of 4 warps. d = 72-80 (a 128-column tile whose ring holds 80 columns) takes 4 warps in 3 stages,
+    of 16 keys a warp where that grid runs in one wave (three CTAs an SM), else of 32 (one an SM);
+    short streams (B32 x 1k) and the A100 (cp.async) keep 32 keys a warp in 2 stages. The search's
+    seeds are the same points in either order."""
+    from tuner.kernel_templates.flash_decode import LONG_STREAM
 
     long = Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 32)
     short = replace(long, batch=32, seqlen_k=1024)
@@ -366,18 +404,17 @@ def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
         ("one wave", long), ("many waves", short), ("GQA", replace(long, kv_heads=8)),
         ("32 packed rows", replace(long, heads=64, kv_heads=4, seqlen_q=2)),
         ("many long waves", replace(long, batch=64, seqlen_k=32768))]}
-    want = {"one wave": (16, 4, 2), "GQA": (16, 4, 2), "many waves": (16, 4, 3), "32 packed rows": (16, 4, 3),
-            "many long waves": (16, 8, 2)}
+    want = {"one wave": (16, 4, 3), "GQA": (16, 4, 3), "many waves": (32, 4, 3), "32 packed rows": (16, 4, 3),
+            "many long waves": (32, 4, 3)}
     for (d, shape), p in wide.items():
         params = FAM.default(H100_SXM, p)
         assert pick(H100_SXM, p) == want[shape], p.key
         assert pick(A100_SXM, p) == (32, 4, 2) or shape == "32 packed rows", p.key   # cp.async: the first seed
-        assert FAM.fits_one_wave(params, p, H100_SXM) == (want[shape] == (16, 4, 2)) or shape == "32 packed rows", p.key
+        narrow = dict(params, Bc=16)
+        assert FAM.fits_one_wave(narrow, p, H100_SXM) == (want[shape][0] == 16), p.key
         assert params["MT"] == (2 if shape == "32 packed rows" else 1)
         ring_ctas = H100_SXM.smem_per_sm // (FAM.smem_bytes(params, p) + 1024)
-        assert ring_ctas == {(16, 4, 2): 3, (16, 4, 3): 2, (16, 8, 2): 1}[want[shape]], (p.key, ring_ctas)
-        long_stream = FAM.stages_per_cta(FAM.seeds(A100_SXM, p)[0], p, H100_SXM) >= WIDE_LONG_STREAM
-        assert long_stream == (shape == "many long waves") or want[shape] == (16, 4, 2), p.key
+        assert ring_ctas == {16: 3, 32: 1}[want[shape][0]], (p.key, ring_ctas)
     for p in (long, short):
         key = lambda seeds: sorted(map(str, seeds))
         assert key(FAM.seeds(H100_SXM, p)) == key(FAM.seeds(A100_SXM, p))

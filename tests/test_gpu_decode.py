@@ -132,7 +132,7 @@ def check_cached_sequences(o, lse, q, k_cache, v_cache, seqlens, table, lens: li
         assert err.rel <= p.rel_budget and err.lse <= p.lse_budget, f"{what}: sequence {i}: {err}"
 
 
-@pytest.mark.parametrize("d", [8, 40, 80, 112, 160, 192, 248])
+@pytest.mark.parametrize("d", [8, 40, 72, 80, 112, 144, 160, 192, 248])
 def test_decode_any_head_dim_matches_reference(d, tmp_path):
     """Head dims flash_decode pads its tile to (d rounded up to 32 columns): the default and random
     configs through the measuring path (random dtype, mask, GQA, ragged Nk, NaN-poisoned outputs),
