@@ -20,6 +20,7 @@ MAX_QUERIES = DECODE_QUERIES   # queries per sequence: decode, speculative decod
 MAX_SPLITS = 128
 MAX_CTAS_PER_SM = 32   # sm_80 and sm_90: 32 resident blocks, 64 warps
 LONG_STREAM = 32   # stages a CTA reads from which the default takes 8 warps (FlashDecode.seeds)
+WIDE_LONG_STREAM = 64   # the same at d = 72-80 in one wave, from which it takes 2 stages rather than 3
 # Split counts a cluster merges through shared memory: powers of two, which pack a GPC's SMs, up to
 # a portable cluster's 8 CTAs.
 CLUSTER_SIZES = (2, 4, 8)
@@ -224,18 +225,25 @@ class FlashDecode(KernelFamily):
         # - where each CTA streams LONG_STREAM stages or more (a batch that fills the GPU with one
         #   or two splits of 8k keys): 8 warps of 16 keys, where 4 warps a CTA fell behind the copy
         #   engine; it won all 6 rows of 64 stages and 1 of 2 of 32, the old first read 0.70-0.81x;
-        # - d = 72-80 (a 128-column tile, whose K/V ring holds 80 columns: ring_cols): 4 warps in 3
-        #   stages, of 16 keys a warp where that grid runs in one wave, else of 32. Of the seven
-        #   seeds on 19 H200 steps (Phi-2's MHA B1-B128 x 1k-32k, GQA, 4 queries, d=72; PERF_NOTES
-        #   "y2") it read 0.994 of the best seed on average (0.974 at worst), the first seed 0.978
-        #   (0.931), and z2's rule for the 128-column ring (2 stages in one wave, 8 warps past 96
-        #   stages) 0.936 (0.761): with the ring 3/8 smaller, three stages fit where two did.
+        # - d = 72-80 (a 128-column tile, whose K/V ring holds 80 columns: ring_cols): 4 warps of
+        #   16 keys where that grid runs in one wave, in 2 stages where each CTA streams
+        #   WIDE_LONG_STREAM stages of the first seed or more (8k keys) and 3 below; past one wave
+        #   4 warps of 32 keys in 3 stages. Of the seven seeds on 19 H200 steps (Phi-2's MHA B1-B128
+        #   x 1k-32k, GQA, 4 queries, d=72; PERF_NOTES "y2") it read 0.997 of the best seed on
+        #   average (0.985 at worst), the first seed 0.978 (0.931), and z2's rule for the
+        #   128-column ring (8 warps past 96 stages beyond one wave) 0.936 (0.761): with the ring
+        #   3/8 smaller, three stages fit where two did. Three stages in one wave read 0.93-0.94x
+        #   z2's two on B3 x 20k and B8 x 32k (held out), where two were the better seed before.
         first = next((p for p in seeds if self.check(p, gpu, problem) is None), None)
         if gpu.major >= 9 and first is not None:
             width = tile(problem.head_dim)
             if width > padded_head_dim(problem.head_dim):
                 narrow = _first_of(seeds, Bc=16, warps=4, stages=3)
-                return narrow if FAMILY.fits_one_wave(narrow[0], problem, gpu) else _first_of(seeds, Bc=32, warps=4, stages=3)
+                if not FAMILY.fits_one_wave(narrow[0], problem, gpu):
+                    return _first_of(seeds, Bc=32, warps=4, stages=3)
+                if mt == 1 and self.stages_per_cta(first, problem, gpu) >= WIDE_LONG_STREAM:
+                    return _first_of(seeds, Bc=16, warps=4, stages=2)   # its MT is 1: not past 16 packed rows
+                return narrow
             if 128 < width <= 192:
                 return _first_of(seeds, Bc=16, warps=4, stages=3)
             if width <= 128 and self.stages_per_cta(first, problem, gpu) >= LONG_STREAM:

@@ -385,11 +385,12 @@ def test_head_dims_past_the_padded_range_are_refused_by_name():
 def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
     """On sm_90 (K/V by tensor-map boxes), a CTA that streams 32 stages or more (B8 x 8k keys, no
     splits needed) defaults to 8 warps of 16 keys, tiles of 160-192 columns to 16 keys in 3 stages
-    of 4 warps. d = 72-80 (a 128-column tile whose ring holds 80 columns) takes 4 warps in 3 stages,
-    of 16 keys a warp where that grid runs in one wave (three CTAs an SM), else of 32 (one an SM);
-    short streams (B32 x 1k) and the A100 (cp.async) keep 32 keys a warp in 2 stages. The search's
-    seeds are the same points in either order."""
-    from tuner.kernel_templates.flash_decode import LONG_STREAM
+    of 4 warps. d = 72-80 (a 128-column tile whose ring holds 80 columns) takes 4 warps of 16 keys
+    where that grid runs in one wave (three CTAs an SM), in 2 stages where a CTA streams
+    WIDE_LONG_STREAM stages of the first seed, else 3; past one wave 32 keys a warp in 3 stages (one
+    an SM). Short streams (B32 x 1k) and the A100 (cp.async) keep 32 keys a warp in 2 stages. The
+    search's seeds are the same points in either order."""
+    from tuner.kernel_templates.flash_decode import LONG_STREAM, WIDE_LONG_STREAM
 
     long = Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 32)
     short = replace(long, batch=32, seqlen_k=1024)
@@ -401,11 +402,11 @@ def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
     for d in (160, 192):
         assert pick(H100_SXM, replace(long, head_dim=d, heads=16, kv_heads=16)) == (16, 4, 3)
     wide = {(d, shape): replace(p, head_dim=d) for d in (72, 80) for shape, p in [
-        ("one wave", long), ("many waves", short), ("GQA", replace(long, kv_heads=8)),
+        ("one wave", replace(long, seqlen_k=4096)), ("many waves", short), ("GQA", replace(long, kv_heads=8)),
         ("32 packed rows", replace(long, heads=64, kv_heads=4, seqlen_q=2)),
-        ("many long waves", replace(long, batch=64, seqlen_k=32768))]}
+        ("many long waves", replace(long, batch=64, seqlen_k=32768)), ("one long wave", replace(long, seqlen_k=32768))]}
     want = {"one wave": (16, 4, 3), "GQA": (16, 4, 3), "many waves": (32, 4, 3), "32 packed rows": (16, 4, 3),
-            "many long waves": (32, 4, 3)}
+            "many long waves": (32, 4, 3), "one long wave": (16, 4, 2)}
     for (d, shape), p in wide.items():
         params = FAM.default(H100_SXM, p)
         assert pick(H100_SXM, p) == want[shape], p.key
@@ -414,7 +415,9 @@ def test_the_default_follows_the_stream_a_cta_reads_where_kv_comes_by_boxes():
         assert FAM.fits_one_wave(narrow, p, H100_SXM) == (want[shape][0] == 16), p.key
         assert params["MT"] == (2 if shape == "32 packed rows" else 1)
         ring_ctas = H100_SXM.smem_per_sm // (FAM.smem_bytes(params, p) + 1024)
-        assert ring_ctas == {16: 3, 32: 1}[want[shape][0]], (p.key, ring_ctas)
+        assert ring_ctas == {(16, 4, 2): 4, (16, 4, 3): 3, (32, 4, 3): 1}[want[shape]], (p.key, ring_ctas)
+        streams = FAM.stages_per_cta(FAM.seeds(A100_SXM, p)[0], p, H100_SXM)
+        assert (streams >= WIDE_LONG_STREAM) == (shape in ("one long wave", "many long waves")), (p.key, streams)
     for p in (long, short):
         key = lambda seeds: sorted(map(str, seeds))
         assert key(FAM.seeds(H100_SXM, p)) == key(FAM.seeds(A100_SXM, p))
