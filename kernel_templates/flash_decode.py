@@ -82,7 +82,8 @@ def stage_keys(params: dict) -> int:
 
 def in_flight_bytes(params: dict, problem: Problem) -> int:
     """K/V bytes a CTA has on their way while it works on one stage: the ring's other STAGES - 1
-    (the tile's bytes: at d = 72-80 its zero columns too, as the split counts timed in "z2" had)."""
+    (the tile's bytes, as the split counts timed in "z2" had: at d = 72-80 128 columns a row, though
+    the ring holds 80 since "y2", whose one-wave long streams then split less than they need: item 6)."""
     return (params["stages"] - 1) * stage_keys(params) * tile(problem.head_dim) * 2 * 2
 
 
