@@ -1,4 +1,5 @@
-"""flash_fwd_simt's spec: every kind of invalid point is named, defaults are valid, launch geometry."""
+"""flash_fwd_simt's spec: every kind of invalid point is named, defaults are valid, launch geometry; and every
+family's parameter kinds against what its cubin declares."""
 
 from __future__ import annotations
 
@@ -288,3 +289,43 @@ def test_an_unmasked_only_family_builds_no_diagonal():
         full = Problem(1, 4, 128, 512, 64, "bf16")
         d = fam.defines(fam.default(H100_SXM, full), full)
         assert (d["IS_CAUSAL"], d["MASK_BR"]) == (0, 0)
+
+
+def _declaring_case(fam, head_dim: int | None = None):
+    """(gpu, params, problem) of `fam`'s default on a small problem it takes (MHA, else four query heads
+    a K/V head): the Hopper GPU where the family runs there, else the A100."""
+    dtype = "bf16" if "bf16" in fam.dtypes else fam.dtypes[0]
+    d = head_dim or (64 if 64 in fam.head_dims else fam.head_dims[0])
+    mha = Problem(2, 4, min(256, fam.max_queries or 256), 256, d, dtype, "none")
+    for problem, gpu in ((p, g) for p in (mha, replace(mha, kv_heads=1)) for g in (H100_SXM, A100_SXM)):
+        if fam.supports(gpu, problem) is None:   # (a packed GQA family: four query heads on one K/V head)
+            break
+    assert fam.supports(gpu, problem) is None, fam.name
+    return gpu, fam.default(gpu, problem), problem
+
+
+def _all_families() -> dict:
+    """The searched families, their varlen variants, and flash_decode's two paged forms."""
+    from tuner.kernel_templates import VARIANTS_BY_NAME
+    from tuner.kernel_templates.flash_decode import PAGED, PAGED_BOXES
+
+    return {**FAMILIES, **VARIANTS_BY_NAME, PAGED.name: PAGED, PAGED_BOXES.name: PAGED_BOXES}
+
+
+@pytest.mark.parametrize("name,head_dim", [(name, None) for name in _all_families()]
+                         + [("flash_decode", 80), ("flash_decode_varlen", 80), ("flash_decode_paged_boxes", 80)],
+                         ids=lambda x: str(x))
+def test_every_family_passes_the_parameters_its_kernel_declares(name, head_dim):
+    """Each family's param_kinds against its cubin's declared parameters (cuobjdump's
+    EIATTR_KPARAM_INFO, in order): count and byte sizes. Without a GPU the driver's own check at
+    load (tuner.launch.Launcher) never runs, so a kernel parameter added without its kind (flash_decode's
+    tail maps at d=80, say) would otherwise pass CI."""
+    from tuner.compile import compile_kernel, param_sizes_from_cubin
+    from tuner.launch import PARAM_KINDS
+
+    fam = _all_families()[name]
+    gpu, params, problem = _declaring_case(fam, head_dim)
+    ck = compile_kernel(fam, params, problem, gpu.arch, quick=True)
+    declared = param_sizes_from_cubin(ck.cubin, fam.kernel_name)
+    assert declared, f"{name}: no parameters read from the cubin (cuobjdump missing or the kernel renamed)"
+    assert declared == [PARAM_KINDS[k][1] for k in fam.param_kinds(params)], (name, gpu.arch, params)

@@ -170,6 +170,25 @@ def resources_from_cubin(cubin: bytes, arch: str = "") -> Resources | None:
     return Resources(registers=regs, spill_bytes=local, stack_bytes=stack, static_smem=shared)
 
 
+_KPARAM = re.compile(r"EIATTR_KPARAM_INFO.*?Ordinal\s*:\s*0x([0-9a-f]+).*?Size\s*:\s*0x([0-9a-f]+)", re.S)
+
+
+def param_sizes_from_cubin(cubin: bytes, kernel_name: str) -> list[int] | None:
+    """The byte size of each parameter `kernel_name` takes, in order, as the cubin declares them
+    (cuobjdump -elf's EIATTR_KPARAM_INFO): what a family's param_kinds must match, checked here
+    without a GPU (the driver checks it again at load, LoadedKernel). None without cuobjdump."""
+    tool = cuobjdump()
+    if tool is None:
+        return None
+    elf = _run_on_cubin([tool, "-elf"], cubin)
+    start = elf.find(f"\n.nv.info.{kernel_name}\n")   # the section itself (its header-table line is indented)
+    if start < 0:
+        return []
+    end = elf.find("\n.nv.", start + 1)
+    section = elf[start:end if end > 0 else len(elf)]
+    return [size for _, size in sorted((int(o, 16), int(z, 16)) for o, z in _KPARAM.findall(section))]
+
+
 def cache_key(source: str, arch: str, quick: bool = False) -> str:
     return short_hash("\n".join((source, arch, nvrtc_version(), STD, PTXAS) + ((f"ofast={QUICK}",) if quick else ())), 32)
 
