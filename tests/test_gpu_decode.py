@@ -136,7 +136,7 @@ def check_cached_sequences(o, lse, q, k_cache, v_cache, seqlens, table, lens: li
 def test_decode_any_head_dim_matches_reference(d, tmp_path):
     """Head dims flash_decode pads its tile to (d rounded up to 32 columns): the default and random
     configs through the measuring path (random dtype, mask, GQA, ragged Nk, NaN-poisoned outputs),
-    then kvcache_attention on a dense cache and on pages of 48 and 64 rows (row by row, and boxes
+    then kvcache_attention on a dense cache and on pages of 16, 48 and 64 rows (row by row, and boxes
     where the config's stage fits), ragged lengths with NaN past them, and a decode call through the
     dispatcher with nothing tuned, served by flash_decode's default without a warning, all against
     float64."""
@@ -160,7 +160,8 @@ def test_decode_any_head_dim_matches_reference(d, tmp_path):
         ck = compile_kernel(fam, params, problem, gpu.arch)
         run, m = prepare_kernel(fam, params, problem, ck, rng.randrange(2**31), gpu)
         assert m.status == "ok" and run is not None, f"{problem.key} {params}: {m.message}"
-    for page in (0, 48, 64):   # dense and row by row; 64: the page boxes where the default's stage fits
+    for page in (0, 16, 48, 64):   # dense and row by row; 16 and 64: the page boxes where the default's stage
+        # fits (16: several boxes a stage, each with its tail box where there is one: d = 72-80, 136-144)
         _check_ragged_cache(rng, dtype, page, True, rng.randint(3, 5), rng.choice([1, 2]), rng.choice([1, 4, 8]),
                             rng.choice([1, 5, 16]), d, 5000)
     served = dispatch.reset(tmp_path / "none.json")   # nothing tuned: the default serves
