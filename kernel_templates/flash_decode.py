@@ -267,7 +267,7 @@ class FlashDecode(KernelFamily):
             "D_VALID": problem.head_dim,
             "PANEL_COLS": panel(problem.head_dim),   # KV_TMA's boxes (the maps' box columns)
             **({"RING_COLS": ring_cols(problem.head_dim), "TAIL_COLS": tail}
-               if (tail := tail_cols(problem.head_dim)) and self.kv_tma(params, problem.head_dim) else {}),
+               if (tail := self.ring_tail(params, problem.head_dim)) else {}),
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             "PAGED": int(self.paged),
             "KV_TMA": int(self.kv_tma(params, problem.head_dim)),
@@ -284,9 +284,14 @@ class FlashDecode(KernelFamily):
         width = tile(head_dim)
         return (width <= 160 or (width == 192 and params["Bc"] <= 16)) and stage_keys(params) <= 256
 
+    def ring_tail(self, params: dict, head_dim: int) -> int:
+        """The tail panel's columns of this config's ring (tail_cols) where K/V come by boxes
+        (`kv_tma`), else 0: cp.async rows keep the tile's width."""
+        return tail_cols(head_dim) if self.kv_tma(params, head_dim) else 0
+
     def smem_bytes(self, params: dict, problem: Problem) -> int:
         d, rows = tile(problem.head_dim), 16 * params["MT"]
-        slot = stage_elems(params, problem.head_dim) if self.kv_tma(params, problem.head_dim) else stage_keys(params) * d
+        slot = stage_elems(params, problem.head_dim) if self.ring_tail(params, problem.head_dim) else stage_keys(params) * d
         ring = 2 * 2 * params["stages"] * slot                             # K and V, 2-byte elements
         merge = 4 * params["warps"] * rows * (d + 2)                       # the warps' O, m and l in fp32
         if self.merges_in_cluster:
@@ -369,7 +374,7 @@ class FlashDecode(KernelFamily):
         if not (self.kv_tma(params, k.shape[3]) and maps_for(k)):
             return None
         rows = min(stage_keys(params), k.shape[2]) if self.paged else stage_keys(params)   # a page's rows at most
-        cols, tail = panel(k.shape[3]), tail_cols(k.shape[3])
+        cols, tail = panel(k.shape[3]), self.ring_tail(params, k.shape[3])
         tails = (MapSlot(k, rows, tail), MapSlot(v, rows, tail)) if tail else (None, None)
         return MapSlot(k, rows, cols), MapSlot(v, rows, cols), *tails
 
