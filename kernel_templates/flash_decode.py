@@ -13,6 +13,7 @@ from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_di
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
 from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields, tile_panel, tile_width
+from tuner.kernel_templates.sm90_tma import tail_cols as sm90_tail_cols
 from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, clusters_at_once, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
 
@@ -50,16 +51,9 @@ def panel(head_dim: int) -> int:
 
 
 def tail_cols(head_dim: int) -> int:
-    """Columns of the ring's tail panel (0: none): where the head dim, rounded up to a k16 step, ends
-    16 or 32 columns into the tile's last panel, that panel comes as a box of those columns (32- or
-    64-byte rows) rather than of a whole panel row that lies mostly past the tensor's columns. The
-    copy engine is asked for sectors there all the same: at d = 80 (a 128-byte panel, then 32 bytes of
-    the next) it asked L2 for 1.33x the sectors of a stream of 64 + 16-column boxes, which streamed
-    1.05x faster, and the decode kernel read 11% more from memory than the K/V (H200, PERF_NOTES "y2").
-    A tail of 48 columns (d = 112) would need two boxes: not done."""
-    cols, p = ceil_div(head_dim, 16) * 16, panel(head_dim)
-    tail = cols % p
-    return tail if tail in (16, 32) and p < cols < tile(head_dim) else 0
+    """Columns of the ring's tail panel (0: none): sm90_tma.tail_cols of 16-bit K/V (d = 72-80,
+    136-144: 16)."""
+    return sm90_tail_cols(head_dim, 2)
 
 
 def ring_cols(head_dim: int) -> int:

@@ -204,6 +204,22 @@ def tile_width(d: int, esize: int) -> int:
     return narrow
 
 
+def tail_cols(d: int, esize: int) -> int:
+    """Columns of a K/V ring's tail panel at head dim `d` (0: none), for flash_decode and
+    flash_fwd_sm90: where d, rounded up to a k step (32 bytes), ends 32 or 64 bytes into the
+    tile's last panel (tile_width, tile_panel), that panel comes as a box of those columns
+    (32- or 64-byte rows, swizzled as wide) rather than as one of a whole panel row mostly past
+    the tensor's columns. The copy engine asks L2 for the sectors past them all the same: at d=80
+    (a 128-byte panel, then 32 bytes of the next) it asked for 1.33x the sectors of a stream of 64
+    + 16-column boxes, which streamed 1.05x faster, and flash_decode read 11% more from memory
+    than the K/V (H200, benchmarks/PERF_NOTES.md "y2"). d = 72-80, 136-144 and 200-208 in 16 bits;
+    a tail of 48 columns (d = 112) would take two boxes: none."""
+    cols, tile = padded_head_dim(d, 32 // esize), tile_width(d, esize)
+    p = tile_panel(tile, esize)
+    tail = cols % p
+    return tail if tail * esize in (32, 64) and p < cols < tile else 0
+
+
 def panel_cols(d: int, esize: int) -> int:
     """Columns of one panel of a tile (a TMA box's row and a wgmma swizzle atom's): 128 bytes
     wherever the tile's width is a multiple of them (d = 64, 128, 192, 256 in 16 bits; 40 and 120
