@@ -37,6 +37,16 @@
 // only (PROD_COLS: 80 of d=80's 96, 48 of d=40's 64; the whole tile where O goes out by TMA): S's
 // last k steps and O's last columns would only ever see those zeros, so they are not issued, and O
 // has no registers for them.
+// K_TAIL (d = 72-80, 136-144, 200-208 in 16 bits, where PROD_COLS ends 16 or 32 columns into the
+// tile's last panel; not with TMA_STORE): K's ring holds PROD_COLS columns only, the whole panels as
+// above and the last K_TAIL columns as a tail panel of their own (32- or 64-byte rows, swizzled as
+// wide), brought by a map of its own (tmap_kt). A box of the tile's last panel is mostly past the
+// tensor's columns, yet the copy engine asks L2 for those sectors too (flash_decode,
+// benchmarks/PERF_NOTES.md "y2"); K's ring is 3/8 smaller at d=80. S's k steps in the tail run on
+// the tail panel's descriptor. V keeps the tile: with a tail panel of its own, P V's last columns
+// took a wgmma of their own (n16 beside n64, P from shared memory read by both), which read
+// 0.95-0.98x at d=80 on the H200 (benchmarks/PERF_NOTES.md "y3"). Q keeps the whole tile too: it is
+// read once a work tile.
 //
 // e4m3 (IN_DTYPE == FT_E4M3): the products are k32 QGMMA, O is bf16; the keys of V^T are permuted
 // so that P packs straight from S's registers. V's stage is freed once transposed, V^T's once P V
@@ -81,7 +91,7 @@
 //
 // Set by the family spec: BC HEAD_DIM D_VALID PROD_COLS (flash_fwd_sm90.prod_cols) PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV, TAIL_SPLIT,
-// CLUSTER (1 where unset), PACK_GQA (0 where unset);
+// CLUSTER (1 where unset), PACK_GQA (0 where unset), K_TAIL (0 where unset);
 // the wgmma wrappers Wgmma<N>::ss / ::rs for N in {BC, PROD_COLS} are generated ahead of this file.
 #include "sm90.cuh"
 #include "sm90_epilogue.cuh"
@@ -103,6 +113,9 @@
 // on six packed steps on the H200 (benchmarks/PERF_NOTES.md, "y1").
 #ifndef GQA_GROUP
 #define GQA_GROUP 0
+#endif
+#ifndef K_TAIL
+#define K_TAIL 0
 #endif
 
 constexpr bool FP8 = IN_DTYPE == FT_E4M3;
@@ -127,7 +140,25 @@ constexpr int KSTEPS = PROD_COLS / KSTEP;    // k steps of Q K^T
 constexpr int PSTEPS = BC / KSTEP;           // k steps of P V
 constexpr unsigned Q_BYTES = BR * HEAD_DIM * sizeof(T);
 constexpr int QBUF = CHAIN ? 2 : 1;          // Q buffers: CHAIN loads the next tile's Q under this one
-constexpr unsigned KV_BYTES = BC * HEAD_DIM * sizeof(T);
+// A ring row: HEAD_DIM columns in PANELS panels, or (K with K_TAIL) PROD_COLS in TAIL_PANELS whole
+// panels and the tail panel (TAIL_BYTES a row, and its swizzle)
+constexpr int TAIL_PANELS = (PROD_COLS - K_TAIL) / PANEL_COLS;
+constexpr int TAIL_BYTES = K_TAIL ? K_TAIL * static_cast<int>(sizeof(T)) : 32;   // (32 where unused)
+constexpr int TAIL_KSTEP0 = TAIL_PANELS * PANEL_KSTEPS;   // S's first k step in K's tail panel
+// One ring's tiles (IS_K: K's, else V's): its columns, bytes as the copy engine brings them, and the
+// bytes between its stages (each on the swizzle's 1 KB)
+template <bool IS_K> struct Ring {
+  static constexpr int TAIL = IS_K ? K_TAIL : 0;
+  static constexpr int COLS = TAIL ? PROD_COLS : HEAD_DIM;
+  static constexpr unsigned BYTES = BC * COLS * sizeof(T);
+  static constexpr unsigned STAGE = (BYTES + 1023) / 1024 * 1024;
+  static constexpr int STAGE_ELEMS = STAGE / sizeof(T);
+};
+using KRing = Ring<true>;
+using VRing = Ring<false>;   // (e4m3's V^T ring too: no tail there)
+// The tail panel's descriptor: K's plus this, its fields for the whole panels' and its offset
+constexpr unsigned long long K_TAIL_DESC = wgmma_fields<TAIL_BYTES>(16, 8 * TAIL_BYTES) -
+                                           wgmma_fields<ROW_BYTES>(16, 8 * ROW_BYTES) + TAIL_PANELS * BC * ROW_BYTES / 16;
 constexpr int TRANSPOSERS = 96;              // e4m3: producer warps 1-3 transpose V
 constexpr bool WARP_PRODUCER = PERSISTENT && (PRODUCER_REGS == 32 || VARLEN);   // see producer()
 // A consumer runs only the K/V tiles its own 64 rows need: causal ones stop at its own diagonal
@@ -154,6 +185,9 @@ constexpr int MULTICAST_FREES = MULTICAST ? CWG * 4 : 0;   // the other CTA's co
 static_assert(HEAD_DIM % PANEL_COLS == 0 && (ROW_BYTES == 128 || ROW_BYTES == 64 || ROW_BYTES == 32),
               "the tile's width in whole 128-, 64- or 32-byte panels");
 static_assert(D_VALID <= HEAD_DIM && D_VALID % 8 == 0, "the head dim, within the tile's width");
+static_assert(!K_TAIL || (TAIL_PANELS * PANEL_COLS + K_TAIL == PROD_COLS && (TAIL_BYTES == 32 || TAIL_BYTES == 64) &&
+                          TAIL_BYTES < ROW_BYTES && !FP8 && !TMA_STORE),
+              "a K tail panel: the products' last 16 or 32 columns, short of a panel (16-bit, O by ordinary stores)");
 static_assert(PROD_COLS % KSTEP == 0 && D_VALID <= PROD_COLS && PROD_COLS <= HEAD_DIM && (!TMA_STORE || PROD_COLS == HEAD_DIM),
               "the products: whole k steps over the head dim, within the tile (all of it where O goes out by TMA)");
 static_assert(!FP8 || (D_VALID == HEAD_DIM && ROW_BYTES >= 64), "e4m3: whole 64- or 128-byte rows (d = 64, 128, 256)");
@@ -161,7 +195,7 @@ static_assert(!P_SMEM || !FP8, "P through shared memory: 16-bit inputs");
 static_assert(BC % 16 == 0 && BC <= 256, "wgmma n: a multiple of 16 up to 256");
 static_assert(IN_DTYPE == FT_F16 || IN_DTYPE == FT_BF16 || IN_DTYPE == FT_E4M3, "fp16, bf16 or e4m3 inputs");
 static_assert(!FP8 || BC % 128 == 0, "e4m3: V^T in whole 128-key panels");
-static_assert(!TMA_STORE || (QBUF * Q_BYTES + (FP8 ? 3 : 2) * STAGES * KV_BYTES) % 1024 == 0, "O slabs on the swizzle's 1024 B");
+static_assert(!TMA_STORE || (QBUF * Q_BYTES + STAGES * (KRing::STAGE + (FP8 ? 2 : 1) * VRing::STAGE)) % 1024 == 0, "O slabs on the swizzle's 1024 B");
 static_assert(!CHAIN || (PERSISTENT && OVERLAP && CWG == 2), "chaining work tiles: persistent, overlapped, two consumers");
 static_assert(!VARLEN || (!TMA_STORE && !CHAIN && !FP8), "varlen: O by ordinary stores, unchained, 16-bit inputs");
 static_assert(!PINGPONG || CWG >= 2, "ping-pong takes turns between two or three consumers");
@@ -204,9 +238,9 @@ struct Tiles {
     unsigned char* base = raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
     q = reinterpret_cast<T*>(base);
     k = q + QBUF * BR * HEAD_DIM;
-    v = k + STAGES * BC * HEAD_DIM;
-    vt = v + STAGES * BC * HEAD_DIM;
-    p = reinterpret_cast<unsigned char*>(FP8 ? vt + STAGES * BC * HEAD_DIM : vt);
+    v = k + STAGES * KRing::STAGE_ELEMS;
+    vt = v + STAGES * VRing::STAGE_ELEMS;
+    p = reinterpret_cast<unsigned char*>(FP8 ? vt + STAGES * VRing::STAGE_ELEMS : vt);
     o = p + (P_SMEM ? CWG * P_BYTES : 0);
     bar = reinterpret_cast<Barriers*>(o + (TMA_STORE ? O_STAGE_BYTES : 0));
   }
@@ -259,34 +293,40 @@ template <class W> FT_DEVICE int kv_end(const W& w, const Sequence& seq) {
 // ---- the producer: each work tile's Q and K/V tiles, by TMA ----
 
 // K/V tile t of work tile w (at `p` in its ring) into `ring`, once the consumers freed the stage
-// (MULTICAST: the copy into both CTAs comes from cluster CTA `source`).
-FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, MbarRing<STAGES>& bars, const KvState& p, int t, const RunTile& w,
-                       const Sequence& seq, bool leader, unsigned source) {
+// (MULTICAST: the copy into both CTAs comes from cluster CTA `source`): its whole panels by `tmap`,
+// its tail panel (KRing with K_TAIL) by `tail`. R: the ring (KRing, VRing).
+template <class R>
+FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing<STAGES>& bars, const KvState& p, int t,
+                       const RunTile& w, const Sequence& seq, bool leader, unsigned source) {
   bars.acquire(p);
   if (!leader) return;
-  bars.expect(p, KV_BYTES);
+  bars.expect(p, R::BYTES);
   if (MULTICAST && cluster_rank() != source) return;   // the other CTA's copy brings the tile here too
 #if SPLIT_KV || TAIL_SPLIT
   t += w.t0;   // the split's tile t (not through kv_tile: where that folds to t, ptxas still placed the
                // producer's address arithmetic differently, and flash_fwd_sm90's SASS moved)
 #endif
+  T* stage = ring + p.index() * R::STAGE_ELEMS;
+  auto box = [&](T* dst, const TmaMap* map, int col) {
+    if constexpr (MULTICAST) tma_load_4d_multicast(dst, map, bars.full_bar(p), col, seq.k0 + t * BC, w.hk, w.b, 0x3);
+    else tma_load_4d(dst, map, bars.full_bar(p), col, seq.k0 + t * BC, w.hk, VARLEN ? 0 : w.b);
+  };
+  constexpr int panels = R::TAIL ? TAIL_PANELS : PANELS;
 #pragma unroll
-  for (int panel = 0; panel < PANELS; ++panel) {
-    T* dst = ring + p.index() * BC * HEAD_DIM + panel * BC * PANEL_COLS;
-    if constexpr (MULTICAST) tma_load_4d_multicast(dst, tmap, bars.full_bar(p), panel * PANEL_COLS, seq.k0 + t * BC, w.hk, w.b, 0x3);
-    else tma_load_4d(dst, tmap, bars.full_bar(p), panel * PANEL_COLS, seq.k0 + t * BC, w.hk, VARLEN ? 0 : w.b);
-  }
+  for (int panel = 0; panel < panels; ++panel) box(stage + panel * BC * PANEL_COLS, tmap, panel * PANEL_COLS);
+  if constexpr (R::TAIL > 0) box(stage + TAIL_PANELS * BC * PANEL_COLS, tail, TAIL_PANELS * PANEL_COLS);
 }
 
 // WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps them in
 // uniform registers (the persistent loop then fits split=32; one thread needs 40), and (VARLEN) its
 // lanes find each drawn tile's sequence together; lane 0 issues. Otherwise one thread does it all.
 FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, const TmaMap* tq, const TmaMap* tk,
-                        const TmaMap* tv, int* tile_counter, bool leader) {
+                        const TmaMap* tv, const TmaMap* tkt, int* tile_counter, bool leader) {
   if (leader) {
     tmap_prefetch(*tq);
     tmap_prefetch(*tk);
     tmap_prefetch(*tv);
+    if constexpr (K_TAIL > 0) tmap_prefetch(*tkt);
   }
   KvState kv{0};
   SeqCursor at = sched.walk();   // VARLEN, persistent: the walk over the sequences (varlen_find_longest)
@@ -298,7 +338,7 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     const Sequence& seq = d.seq;
     // The first K goes ahead of Q: it only needs a free stage, while Q waits for the previous work
     // tile's last S. Then V runs one tile behind K, the order the consumers use them in.
-    load_kv(sm.k, tk, bar.k, kv, 0, w, seq, leader, 0);
+    load_kv<KRing>(sm.k, tk, tkt, bar.k, kv, 0, w, seq, leader, 0);
     const QState q{it};
     bar.q.acquire(q);
     if (leader) {
@@ -314,10 +354,10 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     // the cost of this body (two configs spilled 108 B when it grew, others halved their unroll).
 #pragma unroll 1
     for (int t = 1; t < w.ntiles; ++t) {
-      load_kv(sm.k, tk, bar.k, kv + t, t, w, seq, leader, 0);
-      load_kv(sm.v, tv, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1);
+      load_kv<KRing>(sm.k, tk, tkt, bar.k, kv + t, t, w, seq, leader, 0);
+      load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1);
     }
-    load_kv(sm.v, tv, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1);
+    load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1);
     kv.advance(w.ntiles);
   }
 }
@@ -333,8 +373,8 @@ FT_DEVICE void transpose_v(const Tiles& sm, Barriers& bar, const Scheduler& sche
       bar.v.wait(kv);
       bar.vt.acquire(kv);
       // (instantiated for 16-bit tiles too, never run there: their panels may be 32 bytes wide)
-      transpose_v_e4m3<BC, HEAD_DIM, FP8 ? ROW_BYTES : 128>(reinterpret_cast<unsigned char*>(sm.vt + kv.index() * BC * HEAD_DIM),
-                                                reinterpret_cast<const unsigned char*>(sm.v + kv.index() * BC * HEAD_DIM),
+      transpose_v_e4m3<BC, HEAD_DIM, FP8 ? ROW_BYTES : 128>(reinterpret_cast<unsigned char*>(sm.vt + kv.index() * VRing::STAGE_ELEMS),
+                                                reinterpret_cast<const unsigned char*>(sm.v + kv.index() * VRing::STAGE_ELEMS),
                                                 warp, TRANSPOSERS / 32);
       fence_proxy_async_smem();
       bar.vt.commit(kv);
@@ -370,13 +410,15 @@ struct Accumulators {
   }
 };
 
-// S = Q K^T, A and B K-major: a k step is 32 bytes into the swizzled row, a panel BR (BC) rows on.
+// S = Q K^T, A and B K-major: a k step is 32 bytes into the swizzled row, a panel BR (BC) rows on;
+// K's k steps from TAIL_KSTEP0 on in its tail panel (K_TAIL).
 FT_DEVICE void issue_s(float (&s)[NTILES][4], unsigned long long dq, unsigned long long dk) {
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks) {
     const unsigned koff = (ks % PANEL_KSTEPS) * 32, panel = ks / PANEL_KSTEPS;
-    Wgmma<BC>::ss(s, desc_advance(dq, panel * BR * ROW_BYTES + koff), desc_advance(dk, panel * BC * ROW_BYTES + koff),
-                  ks > 0);   // the first step overwrites
+    const unsigned long long b = K_TAIL && ks >= TAIL_KSTEP0 ? desc_advance(dk + K_TAIL_DESC, (ks - TAIL_KSTEP0) * 32)
+                                                              : desc_advance(dk, panel * BC * ROW_BYTES + koff);
+    Wgmma<BC>::ss(s, desc_advance(dq, panel * BR * ROW_BYTES + koff), b, ks > 0);   // the first step overwrites
   }
   wgmma_commit();
 }
@@ -479,8 +521,8 @@ struct Consumer {
   FT_DEVICE void turn_end() { if constexpr (PINGPONG) named_arrive(1 + (cw + 1) % CWG, 256); }
 
   FT_DEVICE unsigned long long q_desc(const QState& qb) const { return desc_advance(desc_q, qb.index() * Q_BYTES); }
-  FT_DEVICE unsigned long long k_desc(const KvState& p) const { return desc_advance(desc_k, p.index() * KV_BYTES); }
-  FT_DEVICE unsigned long long v_desc(const KvState& p) const { return desc_advance(desc_v, p.index() * KV_BYTES); }
+  FT_DEVICE unsigned long long k_desc(const KvState& p) const { return desc_advance(desc_k, p.index() * KRing::STAGE); }
+  FT_DEVICE unsigned long long v_desc(const KvState& p) const { return desc_advance(desc_v, p.index() * VRing::STAGE); }
 
   // -inf on the keys of K/V tile t that rows of this warp may not see: past N, or past the diagonal
   FT_DEVICE void mask(int t) {
@@ -764,7 +806,8 @@ struct Consumer {
   }
 };
 
-// The tensor maps of Q, K, V and O (read only with TMA_STORE) come by value (kernel_templates/sm90_tma.py).
+// The tensor maps of Q, K, V and O (read only with TMA_STORE), then K's tail panel's (read only with
+// K_TAIL), come by value (kernel_templates/sm90_tma.py).
 #if CLUSTER > 1
 #define FT_CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
 #else
@@ -772,7 +815,8 @@ struct Consumer {
 #endif
 extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
     flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_k,
-                   const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_o, int batch,
+                   const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_o,
+                   const __grid_constant__ TmaMap tmap_kt, int batch,
                    int* __restrict__ tile_counter FT_VARLEN_PARAMS FT_SPLIT_PARAMS) {
   extern __shared__ unsigned char smem_raw[];
   const Tiles sm(smem_raw);
@@ -840,7 +884,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
   if (wg == 0) {
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
     if (WARP_PRODUCER ? tid < 32 : tid == 0) {
-      producer(sm, bar, sched, &tmap_q, &tmap_k, &tmap_v, tile_counter, !WARP_PRODUCER || tid == 0);
+      producer(sm, bar, sched, &tmap_q, &tmap_k, &tmap_v, &tmap_kt, tile_counter, !WARP_PRODUCER || tid == 0);
     } else if (FP8 && tid >= 128 - TRANSPOSERS) {
       transpose_v(sm, bar, sched, tid / 32 - (4 - TRANSPOSERS / 32));
     }

@@ -34,7 +34,7 @@ from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem, visible_pairs
 from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
-from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields, tile_cols, tile_panel, tile_width
+from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields, tail_cols, tile_cols, tile_panel, tile_width
 from tuner.kernel_templates.wgmma_gen import wrappers
 
 _REGS_PER_BLOCK = 65536
@@ -68,6 +68,20 @@ def prod_cols(params: dict, problem: Problem) -> int:
     if params["tma_store"]:
         return tile_dim(problem)
     return padded_head_dim(problem.head_dim, 32 // DTYPE_BYTES[problem.dtype])
+
+
+def tail_panel(tma_store: bool, head_dim: int, esize: int) -> int:
+    """Columns of K's tail panel (the kernel's K_TAIL; 0: none): sm90_tma.tail_cols of 16-bit
+    inputs, where the products stop short of the tile (not with a TMA-stored O, whose products run
+    over the whole tile). K's ring then holds prod_cols columns a row, not the tile's: 1.00-1.05x on
+    12 prefill shapes at d = 72-80 and 144 on the H200. V keeps the tile: its tail panel (P V's last
+    columns by an n16 wgmma of their own) read 0.95-0.98x at d=80 (benchmarks/PERF_NOTES.md "y3")."""
+    return 0 if tma_store or esize != 2 else tail_cols(head_dim, esize)
+
+
+def k_tail(params: dict, problem: Problem) -> int:
+    """tail_panel of a config on a problem."""
+    return tail_panel(bool(params["tma_store"]), problem.head_dim, DTYPE_BYTES[problem.dtype])
 
 
 def p_in_smem(params: dict, problem: Problem) -> bool:
@@ -264,6 +278,7 @@ class FlashFwdSm90(KernelFamily):
             "PROD_COLS": prod_cols(params, problem),
             "PANEL_COLS": tile_panel(tile_dim(problem), DTYPE_BYTES[problem.dtype]),
             "P_SMEM": int(p_in_smem(params, problem)),
+            "K_TAIL": k_tail(params, problem),
             "IN_DTYPE": ELEM_CODE[problem.dtype],
             **self.mask_defines(problem),
         }
@@ -274,8 +289,10 @@ class FlashFwdSm90(KernelFamily):
         o_stage = 2 * d * 64 * params["cwg"] if params["tma_store"] else 0   # 16-bit O, Br x d
         q_bufs = 2 if params["chain"] else 1   # chaining loads the next tile's Q under this one
         p_bufs = params["cwg"] * 8192 * ceil_div(params["Bc"], 64) if p_in_smem(params, problem) else 0
-        return (esize * d * (q_bufs * 64 * params["cwg"] + rings * params["stages"] * params["Bc"]) + p_bufs + o_stage
-                + _BARRIER_SLACK)
+        k_cols = prod_cols(params, problem) if k_tail(params, problem) else d   # K's ring row
+        k_stage = ceil_div(esize * k_cols * params["Bc"], 1024) * 1024   # on the swizzle's 1 KB
+        ring_stages = k_stage + (rings - 1) * esize * d * params["Bc"]   # V's (and V^T's): the tile
+        return esize * d * q_bufs * 64 * params["cwg"] + params["stages"] * ring_stages + p_bufs + o_stage + _BARRIER_SLACK
 
     def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
         qblocks = ceil_div(problem.seqlen_q, 64 * params["cwg"])
@@ -292,9 +309,9 @@ class FlashFwdSm90(KernelFamily):
         return text.replace(_WGMMA_MARK, wrappers((params["Bc"], prod_cols(params, problem)), problem.dtype), 1)
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
-        # the tensor maps of q, k, v and O (by value; O's unread without tma_store), the batch,
-        # and the persistent scheduler's counter
-        return super().param_kinds(params) + ("tmap",) * 4 + ("i32", "ptr")
+        # the tensor maps of q, k, v and O (by value; O's unread without tma_store), K's tail
+        # panel's (unread without one: k_tail), the batch, and the persistent scheduler's counter
+        return super().param_kinds(params) + ("tmap",) * 5 + ("i32", "ptr")
 
     def arg_maker(self, params: dict):
         return _Sm90Args(64 * params["cwg"], params["Bc"], bool(params["tma_store"]), bool(params["persistent"]))
@@ -327,9 +344,13 @@ class FlashFwdSm90(KernelFamily):
         return (self, params) if cut is None else (tail, cut)
 
 
+_MAP_SOURCES = (0, 1, 2, 3, 1)   # the maps' tensors (q, k, v, o, then k's tail panel)
+
+
 class _Sm90Args(AttentionArgs):
-    """flash_fwd_sm90's arguments: the shared ones, then the maps of q, k, v and O (a MapSlot per
-    layout, so a new address is patched, not encoded), the batch and the tile counter."""
+    """flash_fwd_sm90's arguments: the shared ones, then the maps of q, k, v, O and K's tail panel
+    (a MapSlot per layout, so a new address is patched, not encoded), the batch and the tile
+    counter."""
 
     def __init__(self, q_rows: int, kv_rows: int, tma_store: bool, persistent: bool) -> None:
         super().__init__()
@@ -340,8 +361,10 @@ class _Sm90Args(AttentionArgs):
         if shared is None:
             return None
         kv_rows = self._rows[1]
+        tail = tail_panel(self._tma_store, k.shape[-1], k.element_size())
         slots = (self.q_slot(q, k), MapSlot(k, kv_rows, map_panel(k)), MapSlot(v, kv_rows, map_panel(v)),
-                 MapSlot(o, O_BOX_ROWS, map_panel(o)) if self._tma_store else None)
+                 MapSlot(o, O_BOX_ROWS, map_panel(o)) if self._tma_store else None,
+                 MapSlot(k, kv_rows, tail) if tail else None)
         return shared, slots, q.shape[0]
 
     def q_slot(self, q, k) -> MapSlot:
@@ -349,14 +372,13 @@ class _Sm90Args(AttentionArgs):
         return MapSlot(q, self._rows[0], map_panel(q))
 
     def values(self, bound, pointers, q):
-        shared, (qm, km, vm, om), batch = bound
-        qp, kp, vp, op, _ = pointers
-        return pointers + shared + (qm.at(qp), km.at(kp), vm.at(vp), om.at(op) if om is not None else NO_MAP, batch,
-                                    tile_counter_ptr(q.get_device()) if self._persistent else 0)
+        shared, slots, batch = bound
+        maps = tuple(NO_MAP if slot is None else slot.at(pointers[i]) for slot, i in zip(slots, _MAP_SOURCES))
+        return pointers + shared + maps + (batch, tile_counter_ptr(q.get_device()) if self._persistent else 0)
 
     def address_fields(self, bound):
         shared, slots, _ = bound
-        maps = map_fields(slots, 5 + len(shared), range(4))   # q, k, v, O: the maps follow the shared values
+        maps = map_fields(slots, 5 + len(shared), _MAP_SOURCES)   # the maps follow the shared values
         return None if maps is None else super().address_fields(bound) + maps
 
 

@@ -117,13 +117,18 @@ FT_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared
 // or 32), the tile aligned to 8 x SWIZZLE bytes (the kernels align to 1024). K-major: `sbo` is the
 // step between 8-row groups (8 rows x the swizzle width), `lbo` unused. MN-major: `lbo` is the step
 // between column panels (one swizzle width each), `sbo` the step between 8-row groups.
+// wgmma_fields: all of a descriptor but its start address (so that the descriptor of another
+// operand laid out otherwise is this one's plus a constant: the fields' difference and the offset).
 template <int SWIZZLE = 128>
-FT_DEVICE unsigned long long wgmma_desc(unsigned saddr, unsigned lbo, unsigned sbo) {
+__host__ __device__ constexpr unsigned long long wgmma_fields(unsigned lbo, unsigned sbo) {
   static_assert(SWIZZLE == 128 || SWIZZLE == 64 || SWIZZLE == 32, "128-, 64- or 32-byte swizzle");
   constexpr unsigned long long layout = SWIZZLE == 128 ? 1 : SWIZZLE == 64 ? 2 : 3;
-  return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) |
-         (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
+  return (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
          (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (layout << 62);
+}
+template <int SWIZZLE = 128>
+FT_DEVICE unsigned long long wgmma_desc(unsigned saddr, unsigned lbo, unsigned sbo) {
+  return static_cast<unsigned long long>((saddr & 0x3FFFF) >> 4) | wgmma_fields<SWIZZLE>(lbo, sbo);
 }
 // The descriptor of the same operand `bytes` further on. Only the low word's 14-bit start address
 // (in 16-byte units) moves, and it cannot carry out of the low word while the address stays in

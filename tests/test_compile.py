@@ -269,7 +269,7 @@ def test_sm90_seed_resources_match_the_record(problem):
 ANY_DIM_PROBLEMS = [Problem(2, 8, 1000, 1000, d, dt, m, kv_heads=2) for d, dt, m in (
     (8, "bf16", "none"), (40, "fp16", "causal"), (56, "bf16", "causal_br"), (72, "fp16", "none"),
     (80, "bf16", "causal"), (96, "bf16", "none"), (96, "fp16", "causal_br"), (112, "bf16", "causal"),
-    (160, "fp16", "none"), (192, "bf16", "causal"), (248, "bf16", "causal_br"))]
+    (144, "bf16", "causal_br"), (160, "fp16", "none"), (192, "bf16", "causal"), (248, "bf16", "causal_br"))]
 
 
 @pytest.mark.parametrize("problem", ANY_DIM_PROBLEMS, ids=lambda p: p.key)
@@ -277,8 +277,9 @@ def test_sm90_any_head_dim_seeds_compile_without_spills(problem):
     """Every valid seed of flash_fwd_sm90 and of its split at such a head dim compiles for sm_90a:
     P V a wgmma as wide as the head dim rounded up to a k step (not the padded tile: d=80's 80 of
     96), S in that many k steps, Q, K and V by TMA, no spills or local memory, O by ordinary stores
-    or, where the panels are 128 bytes and a seed asks, by TMA (over the whole tile then)."""
-    from tuner.kernel_templates.flash_fwd_sm90 import prod_cols, tile_dim
+    or, where the panels are 128 bytes and a seed asks, by TMA (over the whole tile then). K has a
+    tail panel at d = 72-80 and 144 (k_tail: its last k step on a descriptor of its own)."""
+    from tuner.kernel_templates.flash_fwd_sm90 import k_tail, prod_cols, tile_dim
     from tuner.kernel_templates.sm90_tma import tile_panel
 
     split = get_family("flash_fwd_sm90_split")
@@ -296,6 +297,7 @@ def test_sm90_any_head_dim_seeds_compile_without_spills(problem):
         assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (fam.name, params, ck.resources)
         assert not re.search(r"C751[019]", ck.log), ck.log
         sass = sass_listing(ck.cubin)
+        assert bool(k_tail(params, problem)) == (problem.head_dim in (72, 80, 144) and not params["tma_store"]), params
         assert re.search(rf"\bHGMMA\.64x{prod}x16\.F32", sass) and re.search(rf"\bHGMMA\.64x{params['Bc']}x16\.F32", sass)
         if width not in (prod, params["Bc"]):
             assert not re.search(rf"\bHGMMA\.64x{width}x16", sass), "P V over the tile's zero columns"

@@ -89,11 +89,11 @@ def test_family_matches_reference(family, dtype, causal, d):
     _check_configs(fam, gpu, problem, rng)
 
 
-# Head dims the Hopper kernel pads to its tile (tile_cols, panel_cols): 64-byte panels (8, 72, 80 padded
-# to 96; 96, 160), 128-byte ones with the head dim ending inside the last panel (40, 56, 112, 248) or
-# filling it (192).
-ANY_DIMS = [("flash_fwd_sm90", d) for d in (8, 40, 56, 72, 80, 96, 112, 160, 192, 248)] + [
-    ("flash_fwd_sm90_split", d) for d in (40, 96, 192, 248)] + [("flash_fwd_mma", d) for d in (8, 40, 80, 112, 184)]
+# Head dims the Hopper kernel pads to its tile (tile_cols, tile_width): 64-byte panels (8; 96, 160; 144
+# padded to 160), 128-byte ones with the head dim ending inside the last panel (40, 56, 112, 248; 72 and
+# 80 padded to 128) or filling it (192). At 72, 80 and 144 K and V come with a tail panel (ring_tail).
+ANY_DIMS = [("flash_fwd_sm90", d) for d in (8, 40, 56, 72, 80, 96, 112, 144, 160, 192, 248)] + [
+    ("flash_fwd_sm90_split", d) for d in (40, 80, 96, 192, 248)] + [("flash_fwd_mma", d) for d in (8, 40, 80, 112, 184)]
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])

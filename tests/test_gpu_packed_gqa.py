@@ -31,7 +31,7 @@ def _packed_problem(rng: random.Random, mask: str, d: int) -> Problem:
                    mask, kvh)
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
 def test_packed_rows_match_reference(mask, d):
     """The default (splits from the occupancy) and random valid configs at one split and at each

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -186,3 +187,28 @@ def test_the_split_default_takes_the_plain_defaults_two_consumers_where_they_fil
     problem = Problem.parse(shape, "bf16")
     default = split.default(H100_SXM, problem)
     assert default["cwg"] == cwg and split.check(default, H100_SXM, problem) is None
+
+
+@pytest.mark.parametrize("d", [8, 40, 64, 72, 80, 96, 112, 128, 136, 144, 160, 200, 208, 256])
+def test_k_takes_a_tail_panel_where_the_products_end_short_of_the_tiles_last_panel(d):
+    """At d = 72-80, 136-144 and 200-208 (16-bit) the products end 16 columns into the tile's last
+    panel: K's ring holds those columns only (K_TAIL), so its stage is that much smaller; V keeps the
+    tile (its tail read slower, PERF_NOTES "y3"), so P V stays one wgmma. The kernel always takes the
+    tail's map (the parameter list does not depend on the shape). Not with a TMA-stored O (whose
+    products run over the whole tile), nor in e4m3."""
+    from tuner.kernel_templates.flash_fwd_sm90 import k_tail, prod_cols, tile_dim
+
+    p = problem(d)
+    params = pt(Bc=64, stages=2, split=0, cwg=1, pingpong=0)
+    tail, width, prod = k_tail(params, p), tile_dim(p), prod_cols(params, p)
+    assert tail == (16 if d in (72, 80, 136, 144, 200, 208) else 0), d
+    assert SM90.defines(params, p)["K_TAIL"] == tail
+    k_stage = ceil_div(2 * params["Bc"] * (prod if tail else width), 1024) * 1024
+    assert SM90.smem_bytes(params, p) == 2 * 64 * width + params["stages"] * (k_stage + 2 * params["Bc"] * width) + 1280
+    text = SM90.render(params, p)
+    assert {int(n) for n in re.findall(r"struct Wgmma<(\d+)>", text)} == {params["Bc"], prod}
+    assert SM90.param_kinds(params).count("tmap") == 5
+    assert k_tail(dict(params, tma_store=1, persistent=1, split=40, cwg=2), p) == 0   # products over the tile
+    assert k_tail(params, problem(d, dtype="fp16")) == tail
+    if d in (64, 128, 256):
+        assert k_tail(dict(params, Bc=128), problem(d, dtype="fp8")) == 0
