@@ -3,7 +3,7 @@
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
 #   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|varlen|varlen-ship|fa4bench|alternatives|ab|ab-tree|sweep|profile|profile-fa4|power|all]...
-# `tests` runs `pytest -m gpu` as eight processes side by side (test files split so each takes about
+# `tests` runs `pytest -m gpu` as ten processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
 # re-times the committed grid configs (benchmarks/results_db.py) with `tuner bench` (GRID_DTYPE=bf16
@@ -70,17 +70,18 @@ for step in $steps; do
   case $step in
     tests|all) fam=tests/test_gpu_kernel.py::test_family_matches_reference
                anyd=tests/test_gpu_kernel.py::test_any_head_dim_matches_reference
-               # the eight side by side on an H100, 2026-11-27, seconds: 274, 236, 110, 202, over 320 (split_kv then in
-               # this group; 37 s alone), 251, 276, 117
+               # ten side by side on the H200, 2026-11-30 (y3), seconds: 226, 156, 72, 91, 212, 212, 136, 127, 89, 175
+               # (as eight, the last two groups whole, they ran past 290 s there)
                groups=("tests/test_gpu_op.py tests/test_tma.py tests/test_gpu_varlen.py" "$fam -k sm90" "$fam -k mma" "$fam -k simt"
                        "tests/test_gpu_kernel.py --deselect $fam --deselect $anyd" "$anyd"
-                       "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py tests/test_gpu_decode.py tests/test_dashboard.py"
-                       "tests/test_gpu_shipped.py tests/test_gpu_tail.py tests/test_gpu_split_kv.py tests/test_gpu_pairs.py tests/test_gpu_packed_gqa.py")
+                       "tests/test_gpu_end_to_end.py tests/test_gpu_reliability.py tests/test_gpu_timing.py"
+                       "tests/test_gpu_decode.py tests/test_dashboard.py" "tests/test_gpu_shipped.py tests/test_gpu_tail.py"
+                       "tests/test_gpu_split_kv.py tests/test_gpu_pairs.py tests/test_gpu_packed_gqa.py")
                i=0; for g in "${groups[@]}"; do i=$((i + 1))
                  FLASHTUNE_E2E_TRIALS=${E2E_TRIALS:-12} timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -m gpu -q -rA \
                    ${PYTEST_K:+-k "$PYTEST_K"} $g > "$OUT/pytest_gpu_$i.log" 2>&1 &
                done; wait
-               # one file: a call brings back at most 8 files of $OUT, and eight groups plus gpu.log are nine
+               # one file: a call brings back at most 8 files of $OUT, and ten groups plus gpu.log are eleven
                for f in "$OUT"/pytest_gpu_*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done > "$OUT/pytest_gpu.log"
                for f in "$OUT"/pytest_gpu_*.log; do echo "$(basename "$f" .log): $(tail -n 1 "$f")"; done
                grep -h -E "^(FAILED|ERROR)" "$OUT"/pytest_gpu_*.log; rm -f "$OUT"/pytest_gpu_*.log ;;&
