@@ -198,7 +198,8 @@ def test_patched_maps_match_the_driver_on_fresh_tensors():
 def test_a_plans_arguments_follow_each_calls_tensors(monkeypatch):
     """flash_fwd_sm90's argument maker keeps what a layout fixes and patches each call's addresses:
     its values at fresh tensors are attention_args' and the driver's own maps of those tensors,
-    with no encode after the first call of a layout; a misaligned q is refused (None)."""
+    with no encode after the first call of a layout; a misaligned q is refused (None). K's tail
+    panel's map (d = 72-80: boxes of 16 columns) follows O's, empty where there is no tail."""
     from tuner.kernel_templates import sm90_tma as tma
     from tuner.kernel_templates.flash_fwd_sm90 import FAMILY
     from tuner.launch import attention_args
@@ -221,10 +222,17 @@ def test_a_plans_arguments_follow_each_calls_tensors(monkeypatch):
         want = (encode(tma._geometry(q, 128, 64), q.data_ptr()), encode(tma._geometry(k, 128, 64), k.data_ptr()),
                 encode(tma._geometry(v, 128, 64), v.data_ptr()), encode(tma._geometry(o, 16, 64), o.data_ptr()))
         assert args[22:26] == want
-        assert args[26:] == (b, 0xC0FFEE)
+        assert args[26:] == (tma.NO_MAP, b, 0xC0FFEE)
         if learnt is None:
             learnt = len(calls)
         assert len(calls) == learnt, "a new address was encoded, not patched"
+    tail = FAMILY.arg_maker({"cwg": 2, "Bc": 128, "tma_store": 0, "persistent": 1})
+    q, k, v = (torch.randn(1, 100, 2, 80, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    o, lse = torch.empty(1, 100, 2, 80, dtype=torch.bfloat16).transpose(1, 2), torch.empty(1, 2, 100)
+    args = tail(q, k, v, o, lse, None)
+    assert args[22:27] == (encode(tma._geometry(q, 128, 64), q.data_ptr()), encode(tma._geometry(k, 128, 64), k.data_ptr()),
+                           encode(tma._geometry(v, 128, 64), v.data_ptr()), tma.NO_MAP,
+                           encode(tma._geometry(k, 128, 16), k.data_ptr()))
     flat = torch.empty(2 * 4 * 300 * 128 + 8, dtype=torch.bfloat16)
     shifted = flat[1:1 + 2 * 4 * 300 * 128].view(2, 300, 4, 128).transpose(1, 2)
     assert make(shifted, k, v, o, lse, None) is None
