@@ -12,7 +12,7 @@ from __future__ import annotations
 from tuner.family import ELEM_CODE, KernelFamily, Launch, VarlenVariant, ceil_div, padded_head_dim
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.decode_workspace import workspace
-from tuner.kernel_templates.sm90_tma import NO_MAP, MapSlot, map_fields, tile_panel, tile_width
+from tuner.kernel_templates.sm90_tma import MapSlot, map_fields, maps_at, tile_panel, tile_width
 from tuner.kernel_templates.sm90_tma import tail_cols as sm90_tail_cols
 from tuner.launch import ATTENTION_PARAMS, AttentionArgs, attention_args, clusters_at_once, layout_args
 from tuner.problem import DECODE_QUERIES, Problem
@@ -59,7 +59,7 @@ def tail_cols(head_dim: int) -> int:
 def ring_cols(head_dim: int) -> int:
     """K's and V's columns in the ring and in the products: the tile's, or with a tail panel the
     head dim rounded up to 16 (d = 72-80: 80 of the tile's 128)."""
-    return ceil_div(head_dim, 16) * 16 if tail_cols(head_dim) else tile(head_dim)
+    return padded_head_dim(head_dim, 16) if tail_cols(head_dim) else tile(head_dim)
 
 
 def stage_elems(params: dict, head_dim: int) -> int:
@@ -375,7 +375,7 @@ class FlashDecode(KernelFamily):
     def kv_maps(self, params: dict, k, v) -> tuple[bytes, ...]:
         """K's and V's tensor maps for a call on these views, then their tail panel's; empty ones
         where the kernel does not read them."""
-        return slot_maps(self.kv_slots(params, k, v), k.data_ptr(), v.data_ptr())
+        return maps_at(self.kv_slots(params, k, v) or _NO_SLOTS, (0, k.data_ptr(), v.data_ptr()), _KV_SOURCES)
 
     def cache_args(self, params: dict, launch: Launch, q, k, v, o, lse, scale, nk: int, cache_seqlens,
                    block_table) -> tuple | None:
@@ -399,6 +399,10 @@ class FlashDecode(KernelFamily):
         return grid[0] * grid[1], grid[2], rows
 
 
+_KV_SOURCES = (1, 2, 1, 2)   # the maps' tensors (k, v, then their tail panels'), as kv_slots gives them
+_NO_SLOTS = (None,) * len(_KV_SOURCES)   # where the kernel reads no maps
+
+
 class _DecodeArgs(AttentionArgs):
     """flash_decode's arguments: the shared ones, then (where the keys are split) the workspace of
     the splits' partial results, on the current stream, and no cache (null lengths and table)."""
@@ -416,23 +420,15 @@ class _DecodeArgs(AttentionArgs):
 
     def values(self, bound, pointers, q):
         shared, splits, sizes, slots = bound
-        maps = slot_maps(slots, pointers[1], pointers[2])
+        maps = maps_at(slots or _NO_SLOTS, pointers, _KV_SOURCES)
         if splits == 1 or self._family.merges_in_cluster:   # no workspace
             return pointers + shared + (0, 0, 0, 0, 0, 0, 0) + maps
         return pointers + shared + workspace(q.get_device(), *sizes) + (0, 0, 0, 0) + maps
 
     def address_fields(self, bound):
         shared, _, _, slots = bound
-        maps = map_fields(slots or (), 5 + len(shared) + 7, (1, 2, 1, 2))   # K's and V's, their tails': after the shared values and 7 more
+        maps = map_fields(slots or (), 5 + len(shared) + 7, _KV_SOURCES)   # after the shared values and 7 more
         return None if maps is None else super().address_fields(bound) + maps
-
-
-def slot_maps(slots, k_address: int, v_address: int) -> tuple[bytes, ...]:
-    """The four maps a flash_decode launch passes (K's, V's, their tails') from kv_slots' slots at
-    these addresses: empty ones where there is no slot."""
-    if not slots:
-        return (NO_MAP,) * 4
-    return tuple(NO_MAP if slot is None else slot.at(a) for slot, a in zip(slots, (k_address, v_address) * 2))
 
 
 def call_grid(family: KernelFamily, params: dict, q, k) -> tuple[tuple[int, int, int], int]:

@@ -34,7 +34,7 @@ from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem, visible_pairs
 from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
-from tuner.kernel_templates.sm90_tma import NO_MAP, O_BOX_ROWS, MapSlot, map_fields, tail_cols, tile_cols, tile_panel, tile_width
+from tuner.kernel_templates.sm90_tma import O_BOX_ROWS, MapSlot, map_fields, maps_at, tail_cols, tile_cols, tile_panel, tile_width
 from tuner.kernel_templates.wgmma_gen import wrappers
 
 _REGS_PER_BLOCK = 65536
@@ -373,8 +373,7 @@ class _Sm90Args(AttentionArgs):
 
     def values(self, bound, pointers, q):
         shared, slots, batch = bound
-        maps = tuple(NO_MAP if slot is None else slot.at(pointers[i]) for slot, i in zip(slots, _MAP_SOURCES))
-        return pointers + shared + maps + (batch, tile_counter_ptr(q.get_device()) if self._persistent else 0)
+        return pointers + shared + maps_at(slots, pointers, _MAP_SOURCES) + (batch, tile_counter_ptr(q.get_device()) if self._persistent else 0)
 
     def address_fields(self, bound):
         shared, slots, _ = bound

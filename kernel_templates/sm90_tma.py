@@ -374,6 +374,12 @@ def map_fields(slots, first: int, sources) -> list[tuple[int, int, int, int, int
     return fields
 
 
+def maps_at(slots, pointers, sources) -> tuple[bytes, ...]:
+    """The map parameters map_fields describes: slot i's map at pointers[sources[i]] (the call's
+    q, k, v, o, lse), an empty map (NO_MAP) where slot i is None."""
+    return tuple(NO_MAP if slot is None else slot.at(pointers[i]) for slot, i in zip(slots, sources))
+
+
 def _encoded(geometry: tuple, address: int) -> bytes:
     """The driver's map of `geometry` at `address`, through a cache (a model's activations come
     back at the same addresses from torch's caching allocator)."""
