@@ -264,6 +264,35 @@ def test_a_call_that_fills_the_gpu_passes_over_configs_tuned_on_few_heads(tmp_pa
     assert served(wide) is not None and d.serving_entry(wide, H100_SXM)["params"] == other
 
 
+def test_an_unmasked_call_passes_over_configs_tuned_under_one_wave(tmp_path):
+    """A config tuned where its query blocks made under one wave (B2-H8 x 1024 at d=80: 128 blocks of
+    128 rows on 132 SMs, a grid schedule) never weighed a last wave: an unmasked call of another
+    bucket that fills the GPU runs flash_fwd_sm90's default however few times its blocks are (1.25x
+    here), while a masked call within MISFIT_BLOCKS, the entry's own bucket and rows under
+    DEFAULT_KEYS keys keep borrowing it."""
+    from tuner.dispatch import DEFAULT_KEYS, FILL_ROWS, MISFIT_BLOCKS, fills_gpu
+
+    sm90 = FAMILIES["flash_fwd_sm90"]
+    few = Problem(2, 8, 1024, 1024, 80, "bf16", "none")
+    blocks = few.query_blocks(FILL_ROWS)
+    assert blocks < H100_SXM.sm_count
+    tuned = dict(sm90.default(H100_SXM, few), persistent=0, split=24, cwg=2, pingpong=1)
+    call = replace(few, batch=1, seqlen_q=2505, seqlen_k=3773)   # 160 blocks: 1.25x
+    assert tuned != sm90.default(H100_SXM, call) and sm90.check(tuned, H100_SXM, call) is None
+    assert fills_gpu(call, H100_SXM) and call.bucket() != few.bucket() and call.query_blocks(FILL_ROWS) < 2 * blocks
+    d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 300.0, problem=few, family=sm90.name)]))
+    default = sm90.served_form(sm90.default(H100_SXM, call), H100_SXM, call)
+    e = d.serving_entry(call, H100_SXM)
+    assert (e["family"], e["params"]) == (default[0].name, default[1]) and "bucket" not in e
+    assert d.select(replace(few, heads=12, kv_heads=12), H100_SXM)["params"] == tuned   # its own bucket
+    assert d.select(replace(call, seqlen_k=DEFAULT_KEYS - 1), H100_SXM)["bucket"] == few.bucket().key
+    # masked: tiles of unequal work; within MISFIT_BLOCKS the borrowed config serves
+    few_c, call_c = replace(few, mask="causal"), replace(call, seqlen_k=call.seqlen_q, mask="causal")
+    assert call_c.query_blocks(FILL_ROWS) < MISFIT_BLOCKS * blocks
+    d = Dispatcher(lookup_file(tmp_path, [entry(tuned, 300.0, problem=few_c, family=sm90.name)]))
+    assert d.select(call_c, H100_SXM)["bucket"] == few_c.bucket().key
+
+
 def test_a_call_of_many_waves_passes_over_configs_tuned_on_few_blocks(tmp_path):
     """A borrowed config tuned where its query blocks made under FEW_WAVES waves (240 blocks of 128
     rows on 132 SMs: a persistent schedule with a TMA store) gives way to the next entry tuned on more

@@ -43,7 +43,8 @@ FILL_ROWS = 128
 # class's or flash_fwd_sm90's default (_tuned_on_few_heads): "r2"'s rows were 1415-27143 keys long.
 DEFAULT_KEYS = 1024
 # A call that fills the GPU passes over a borrowed entry tuned on fewer than FEW_WAVES waves of query
-# blocks where it has MISFIT_BLOCKS times as many (_tuned_on_few_blocks).
+# blocks where it has MISFIT_BLOCKS times as many, and an unmasked one over an entry tuned under one
+# wave (_tuned_on_few_blocks).
 FEW_WAVES = 2
 MISFIT_BLOCKS = 4
 # A call that fills the GPU passes over a borrowed entry tuned on rows of DEFAULT_KEYS keys or fewer
@@ -834,9 +835,9 @@ def _misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
     """Whether `entry`, `dist` octaves away, is borrowed from a shape unlike a call that fills the GPU
     over DEFAULT_KEYS keys: one whose query blocks left SMs idle, of the smallest work class
     (`_tuned_on_few_heads`) or of under FEW_WAVES waves of blocks where the call has MISFIT_BLOCKS
-    times as many (`_tuned_on_few_blocks`), one of short rows of keys where the call has
-    MISFIT_KEYS times as many (`_tuned_on_short_keys`), or a split entry (`_split_entry`). Its own
-    bucket's entries always serve."""
+    times as many, or under one where the call is unmasked (`_tuned_on_few_blocks`), one of short rows
+    of keys where the call has MISFIT_KEYS times as many (`_tuned_on_short_keys`), or a split entry
+    (`_split_entry`). Its own bucket's entries always serve."""
     return dist > 0 and (_tuned_on_few_heads(entry, problem) or _tuned_on_few_blocks(entry, problem, gpu)
                          or _tuned_on_short_keys(entry, problem) or _split_entry(entry))
 
@@ -854,18 +855,27 @@ def _split_entry(entry: dict) -> bool:
 
 def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
     """Whether `entry` was tuned on fewer than FEW_WAVES waves of FILL_ROWS-row query blocks and
-    serves a call of MISFIT_BLOCKS times as many, over DEFAULT_KEYS keys. A search on one or two
+    serves a call of MISFIT_BLOCKS times as many, or was tuned under one wave and serves an unmasked
+    call (which fills the GPU: `_misfit`), over DEFAULT_KEYS keys. A search on one or two
     waves weighs the last wave's idle SMs (persistent schedules, a TMA store, split keys), which a
     call of many waves does not have: on the H200 (PERF_NOTES "n2") B1-H25 6805 x 1639 keys at d=64
     (1350 blocks) ran its neighbour's config tuned on 240 blocks at 373 TFLOP/s, the next bucket's
     (640 blocks) at 479; causal 3588 x 11838 (725 blocks) the n1024 bucket's, tuned on 96, at 400,
     flash_fwd_sm90's default at 506. Within 4x the borrowed config holds (B1-H25 2007 x 5137, 400
-    blocks: the 240-block entry read 399, the 96-block one 345)."""
+    blocks: the 240-block entry read 399, the 96-block one 345). A search under one wave never
+    weighed a last wave at all, where all of an unmasked call's tiles are equal and the schedule
+    decides how many SMs the last wave idles: the d=80 n1024/small bucket's grid config (tuned on
+    128 blocks) served unmasked calls of 1.25-3.9x as many at 0.74-0.99x flash_fwd_sm90's default
+    (B1-H8 2505 x 3773: 299.8 against 405.2); of the 18 random calls this moves on the H200 17 read
+    1.01-1.56x what served before, one 0.90x (PERF_NOTES "x2"). Masked calls' tiles are not equal:
+    20 causal ones that the same rule would move read 0.95-1.05x, so they keep the 4x."""
     tuned = _tuned_problem(entry)
     if tuned is None or problem.seqlen_k < DEFAULT_KEYS:
         return False
-    blocks = tuned.query_blocks(FILL_ROWS)
-    return blocks < FEW_WAVES * gpu.sm_count and problem.query_blocks(FILL_ROWS) >= MISFIT_BLOCKS * blocks
+    blocks, call = tuned.query_blocks(FILL_ROWS), problem.query_blocks(FILL_ROWS)
+    if blocks < gpu.sm_count and problem.mask == "none":
+        return True
+    return blocks < FEW_WAVES * gpu.sm_count and call >= MISFIT_BLOCKS * blocks
 
 
 def _tuned_on_short_keys(entry: dict, problem: Problem) -> bool:
