@@ -91,16 +91,30 @@ def p_in_smem(params: dict, problem: Problem) -> bool:
     return params["cwg"] == 3 and half_panels(problem) and problem.dtype != "fp8"
 
 
-# Three consumers (192-row tiles) against two at d = 72-80 (the 128-column tile of tile_width), per
-# query row and key: 0.89-0.93x the time on H200 calls whose waves of CTAs come out even (PERF_NOTES
-# "j2"); two keep serving rows shorter than THREE_CONSUMER_KEYS keys (0.84x at 875 causal keys) and
-# calls whose 192-row tiles make more waves (0.74x at B4-H16 488 x 3058: two waves of 192 rows for two
-# of 128). At d=96 (a 96-column tile) three read 0.75x on 27k-33k keys: not there. From 1024 keys (2048
-# before "z1", and only past 128 query rows): of the 19 random calls (seeds 1-80) it changes on the
-# H200, the 18 that now take three read 0.89-1.29x two, 1.07x geometric mean (the loss: B4-H4 1324 x
-# 2054 causal_br, 112 blocks of 192 rows), and one of 68 queries that now takes two read 1.10x three.
+def persistent_three_spill(params: dict, problem: Problem) -> bool:
+    """Whether `params` are three persistent consumers under a causal mask on a tile of 64-byte panels
+    that the products fill (d=96, P through shared memory): ptxas spills 140 B there (120 B in the
+    varlen form), where the grid form and the unmasked call spill nothing."""
+    return (params["cwg"] == 3 and bool(params["persistent"]) and problem.causal and half_panels(problem)
+            and tile_dim(problem) == tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]))
+
+
+# Three consumers (192-row tiles) against two at d = 72-96 (tiles of 64-byte panels or, at d = 72-80, the
+# 128-column tile of tile_width), per query row and key: 0.89-0.93x the time on H200 calls whose waves
+# of CTAs come out even (PERF_NOTES "j2"); two keep serving rows shorter than THREE_CONSUMER_KEYS keys
+# (0.84x at 875 causal keys) and calls whose 192-row tiles make more waves (0.74x at B4-H16 488 x 3058:
+# two waves of 192 rows for two of 128; at d=96 0.75x on 27k-33k keys where 240 blocks of 128 rows made
+# two waves and 160 of 192 did too). From 1024 keys (2048 before "z1", and only past 128 query rows): of
+# the 19 random calls (seeds 1-80) it changed at d=80 on the H200, the 18 that took three read 0.89-1.29x
+# two, 1.07x geometric mean, and one of 68 queries that took two read 1.10x three. At d=96 (PERF_NOTES
+# "x2") 14 of the 15 random calls where the model picks three read 1.05-1.45x two (B16-H32 159 x 8823
+# bottom-right: 422 TFLOP/s against 320, FA4's 424); the one loss is `rows_spread_idle`'s.
 THREE_CONSUMER_COST = 0.93
 THREE_CONSUMER_KEYS = 1024
+# The share of a causal call's query-key pairs its mask hides from which a wave's blocks differ enough
+# in work that three consumers under a wave lose to two (rows_spread_idle): 32-50% where measured lost,
+# 8% gained (PERF_NOTES "x2").
+MASK_SPREAD = 0.2
 # Two consumers at d=64 (two_consumers_pay): the waves model counts whole waves and rows a CTA
 # computes; it must show this margin, and only in calls of under TWO_CONSUMER_WAVES waves of 192-row
 # blocks (past them tiles of few rows even out the last wave: PERF_NOTES "b2").
@@ -109,16 +123,31 @@ TWO_CONSUMER_WAVES = 2
 
 
 def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
-    """Whether the untuned default takes three consumers: at d = 72-80 on more than 128 query rows
+    """Whether the untuned default takes three consumers: at d = 72-96 on more than 128 query rows
     (two consumers' block) of THREE_CONSUMER_KEYS keys or more (on average over the mask), where
     waves of CTAs x rows a CTA computes (consumers past the last query row skip the work) x
-    THREE_CONSUMER_COST come out below two consumers'."""
-    if tile_dim(problem) == tile_cols(problem.head_dim, DTYPE_BYTES[problem.dtype]) or problem.seqlen_q <= 128:
+    THREE_CONSUMER_COST come out below two consumers', and not where the mask spreads a wave's
+    work (`rows_spread_idle`)."""
+    if not half_panels(problem) or problem.seqlen_q <= 128 or rows_spread_idle(gpu, problem):
         return False   # (rows that two consumers' block holds: a third would share its K/V tiles with none)
     mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q
     if mean_keys < THREE_CONSUMER_KEYS:
         return False
     return consumer_cost(gpu, problem, 3) * THREE_CONSUMER_COST < consumer_cost(gpu, problem, 2)
+
+
+def rows_spread_idle(gpu: GpuSpec, problem: Problem) -> bool:
+    """Whether a causal call's 192-row blocks make under a wave, several of them a head, and the mask
+    hides MASK_SPREAD of its pairs or more: a head's later blocks then see far more keys than its
+    first, and under a wave the longest block is the launch, where two consumers' persistent schedule
+    spreads 128-row ones over the SMs. The waves model counts rows, not that spread: on the H200 three
+    read 0.78x two at B2-H4 2562 x 3135 bottom-right (d=96, 112 blocks of 192 rows, 41% of the pairs
+    hidden), 0.88x at B4-H4 1324 x 2054 (d=80, 32%); a tuned three-consumer grid config at B1-H4 5837
+    causal (124 blocks, half) read 0.75x the two-consumer default; a chunk whose rows see nearly all its
+    keys keeps three (B1-H32 688 x 4442, 8% hidden: two read 0.76x; PERF_NOTES "j2", "x2")."""
+    if not problem.causal or problem.seqlen_q <= 192 or problem.query_blocks(192) >= gpu.sm_count:
+        return False
+    return visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) <= (1 - MASK_SPREAD) * problem.seqlen_q * problem.seqlen_k
 
 
 def two_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
@@ -215,6 +244,8 @@ class FlashFwdSm90(KernelFamily):
             return "a chained tile's epilogue runs beside the next tile's S: without a register split ptxas spills"
         if params["pingpong"] and cwg < 2:
             return "ping-pong takes turns between two or three consumer warpgroups"
+        if persistent_three_spill(params, problem):
+            return "three persistent consumers under a causal mask at d=96 spill (ptxas): persistent 0 or cwg 2"
         need, have = self.register_estimate(params, problem), consumer_regs(cwg, split)
         if need > have:
             return f"consumers need about {need} registers, {cwg} warpgroup(s) with split={split} give {have}"
@@ -247,15 +278,16 @@ class FlashFwdSm90(KernelFamily):
         elif d <= 128 and half_panels(problem):   # d = 72-96: Bc 128 won its searches (w1, w2)
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]
-            if three_consumers_pay(gpu, problem):   # long rows at d = 72-80: Phi-2's 8k winner's form first (j2)
-                cands.insert(0, (128, 2, 3, 40, 1, 1, 1, 0))
+            if three_consumers_pay(gpu, problem):   # long rows at d = 72-96: Phi-2's 8k winner's form first (j2)
+                first = dict(zip(keys, (128, 2, 3, 40, 1, 1, 1, 0)), chain=0)
+                cands.insert(0, (128, 2, 3, 24, 1, 1, 0, 0) if persistent_three_spill(first, problem) else (128, 2, 3, 40, 1, 1, 1, 0))
         elif d <= 128:
             cands = [(176, 2, 2, 24, 1, 1, 0, 0), (176, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 0),
                      (128, 2, 2, 40, 1, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1, 0), (128, 2, 2, 24, 1, 0, 0, 0),
                      (128, 3, 2, 24, 1, 0, 0, 0)]
         else:  # no persistent seed: its extra state spills a few bytes at d=256
             cands = [(80, 2, 2, 24, 1, 1, 0, 0), (64, 2, 2, 24, 1, 0, 0, 0), (64, 2, 1, 0, 0, 0, 0, 0)]
-        seeds = [dict(zip(keys, c), chain=0) for c in cands]
+        seeds = [dict(zip(keys, c), chain=0) for c in dict.fromkeys(cands)]   # (an inserted first seed may repeat one)
         if d <= 64 and problem.causal:   # chained work tiles: short causal ones (h16)
             seeds.append(dict(zip(keys, (128, 3, 2, 40, 1, 1, 1, 1)), chain=1))
         return seeds
@@ -400,7 +432,8 @@ class VarlenFlashFwdSm90(VarlenVariant, FlashFwdSm90):
     def from_tuned(self, params: dict, problem: Problem) -> dict:
         # the same tile, persistent where the consumers keep their registers under its split
         persistent = self.schedule(dict(params, tma_store=0, chain=0), True, problem)
-        if self.register_estimate(persistent, problem) <= consumer_regs(persistent["cwg"], persistent["split"]):
+        if (self.register_estimate(persistent, problem) <= consumer_regs(persistent["cwg"], persistent["split"])
+                and not persistent_three_spill(persistent, problem)):
             return persistent
         return self.schedule(persistent, False, problem)
 

@@ -423,9 +423,14 @@ def test_an_untuned_prefill_of_two_waves_of_default_tiles_runs_the_default_unspl
     the split (540 against 391)."""
     from tuner.dispatch import DEFAULT_WAVES
 
+    from tuner.kernel_templates.flash_fwd_sm90 import three_consumers_pay
+
     d = Dispatcher(lookup(tmp_path / "none.json", []))
     two = Problem(8, 4, 1078, 8849, 96, "bf16", "causal_br", 4)
-    assert two.query_blocks(64 * SM90.default(H100_SXM, two)["cwg"]) >= DEFAULT_WAVES * H100_SXM.sm_count
+    # its default takes three consumers (192 tiles of 192 rows), counted as two consumers' 128-row
+    # tiles: the plain default read 1.06-1.08x the split on three such calls (PERF_NOTES "x2")
+    assert three_consumers_pay(H100_SXM, two) and SM90.default(H100_SXM, two)["cwg"] == 3
+    assert two.query_blocks(192) < DEFAULT_WAVES * H100_SXM.sm_count <= two.query_blocks(128)
     assert d.serving_entry(two, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, two)}
     one = Problem(1, 16, 1260, 27529, 96, "bf16", "causal_br", 16)
     e = d.serving_entry(one, H100_SXM)
@@ -451,6 +456,27 @@ def test_a_three_consumer_config_tuned_on_many_blocks_serves_a_call_under_a_wave
     assert idle.bucket() == few.bucket()
     d = Dispatcher(lookup(tmp_path / "idle.json", [entry(idle, SM90.name, three, 30.0)]))
     assert d.serving_entry(few, H100_SXM)["params"] == three
+
+
+def test_a_three_consumer_config_serves_a_causal_call_whose_blocks_differ_under_a_wave_at_two(tmp_path):
+    """The d=96 n8192/medium bucket's grid config (three consumers, tuned on B1-H32 x 8192 causal:
+    1376 blocks of 192 rows), borrowed by 4 heads of a 5837-token prompt (124 such blocks, under a
+    wave, each head's later blocks seeing more keys): the longest block is the launch, and
+    flash_fwd_sm90's default runs it at two consumers, persistent: 401 TFLOP/s against 299 on the
+    H200 (PERF_NOTES "x2"). The same prompt over 32 heads, blocks past a wave, keeps the config."""
+    from tuner.kernel_templates.flash_fwd_sm90 import rows_spread_idle
+
+    tuned = Problem(1, 32, 8192, 8192, 96, "bf16", "causal", 32)
+    three = dict(SM90.default(H100_SXM, tuned), cwg=3, split=24, persistent=0, stages=2)
+    assert SM90.check(three, H100_SXM, tuned) is None
+    d = Dispatcher(lookup(tmp_path / "medium.json", [entry(tuned, SM90.name, three, 560.0)]))
+    few = Problem(1, 4, 5837, 5837, 96, "bf16", "causal", 4)
+    assert few.query_blocks(192) < H100_SXM.sm_count and rows_spread_idle(H100_SXM, few)
+    e = d.serving_entry(few, H100_SXM)
+    assert e["family"] == SM90.name and e["params"] == SM90.default(H100_SXM, few) and e["params"]["cwg"] == 2
+    assert d.serving_entry(tuned, H100_SXM)["params"] == three
+    wide = replace(few, heads=32, kv_heads=32)   # 992 blocks
+    assert not rows_spread_idle(H100_SXM, wide) and d.serving_entry(wide, H100_SXM)["params"] == three
 
 
 def test_a_borrowed_split_entry_gives_way_on_a_call_that_fills_the_gpu(tmp_path):

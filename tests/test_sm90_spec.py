@@ -133,11 +133,21 @@ def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
     ("4,8,595:1797,80,none", 3),         # 128 of 192 against 160 of 128 (1.29x)
     ("8,8,1024,80,none", 2),             # 3 waves of 192 rows against 4 of 128 (three: 0.97x)
     ("16,32,68:6188,80,none", 2),        # 68 queries: a third consumer would have no rows (two: 1.10x)
+    ("4,4,1324:2054,80,causal_br", 2),   # 112 blocks of 192 rows, 32% of the pairs masked (three: 0.88x)
+    ("1,32,688:4442,80,causal_br", 3),   # 128 blocks of 192 rows, but 8% masked (two: 0.76x, x2)
+    ("16,32,159:8823,96,causal_br", 3),  # one 192-row block a head against two of 128 (1.33x, x2)
+    ("16,4,1059,96,none", 3),            # 4 waves of 192 rows against 6 of 128 (1.12x)
+    ("16,4,1068:10401,96,causal_br", 3),  # 1.13x
+    ("2,4,2562:3135,96,causal_br", 2),   # 112 blocks of 192 rows, 41% masked (three: 0.78x)
+    ("4,16,464:1339,96,none", 2),        # one wave of 128-row blocks against one of 192 (three: 0.79x)
+    ("8,16,205:3875,96,causal_br", 2),   # the same (three: 0.77x)
 ])
-def test_the_untuned_default_takes_three_consumers_on_long_rows_at_d72_80(shape, cwg):
-    """flash_fwd_sm90's default at d = 72-80 (the 128-column tile): three consumers on more than 128
-    query rows of 1024 keys or more where waves x rows a CTA computes x THREE_CONSUMER_COST come out
-    lower, else two; it is the first seed, so a search starts from it too."""
+def test_the_untuned_default_takes_three_consumers_on_long_rows_at_d72_96(shape, cwg):
+    """flash_fwd_sm90's default at d = 72-96 (tiles of 64-byte panels, or at d = 72-80 the 128-column
+    tile): three consumers on more than 128 query rows of 1024 keys or more where waves x rows a CTA
+    computes x THREE_CONSUMER_COST come out lower, and not where a causal mask spreads the work of a
+    wave of 192-row blocks (rows_spread_idle), else two; it is the first seed, so a search starts from
+    it too: persistent, but on the grid under a mask at d=96, where the persistent form spills."""
     from tuner.kernel_templates.flash_fwd_sm90 import three_consumers_pay
 
     problem = Problem.parse(shape, "bf16")
@@ -145,6 +155,8 @@ def test_the_untuned_default_takes_three_consumers_on_long_rows_at_d72_80(shape,
     default = SM90.default(H100_SXM, problem)
     assert default["cwg"] == cwg and default == SM90.seeds(H100_SXM, problem)[0]
     assert SM90.check(default, H100_SXM, problem) is None
+    if cwg == 3:
+        assert default["persistent"] == int(not (problem.causal and problem.head_dim == 96))
 
 
 @pytest.mark.parametrize("shape,cwg", [

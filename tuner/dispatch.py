@@ -684,6 +684,7 @@ def _split_default(problem: Problem, gpu) -> dict | None:
     splits the keys. Where it would run one split, or where flash_fwd_sm90's default (persistent)
     makes DEFAULT_WAVES waves of its tiles, that default serves (_prefill_default)."""
     from .kernel_templates import FAMILIES
+    from .kernel_templates.flash_fwd_sm90 import three_consumers_pay
 
     fam = FAMILIES.get("flash_fwd_sm90_split")
     if fam is None or problem.seqlen_q <= DECODE_QUERIES or fam.supports(gpu, problem):
@@ -692,25 +693,32 @@ def _split_default(problem: Problem, gpu) -> dict | None:
     if fam.splits(params, problem, gpu) < 2:
         return None
     plain = _prefill_default(problem, gpu)
-    if plain and problem.query_blocks(64 * plain["params"]["cwg"]) >= DEFAULT_WAVES * gpu.sm_count:
-        return None
+    # where three_consumers_pay chose the default's 192-row tiles (at d = 72-96, by the waves they make
+    # against 128-row ones), its waves are counted as two consumers' tiles, on which the rule was measured:
+    # on three H200 calls that 192-row tiles would have split, the plain default read 1.06-1.08x the split
+    if plain:
+        rows = 128 if three_consumers_pay(gpu, problem) else 64 * plain["params"]["cwg"]
+        if problem.query_blocks(rows) >= DEFAULT_WAVES * gpu.sm_count:
+            return None
     return {"family": fam.name, "params": params}
 
 
 def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
     """`entry`, or where it is a flash_fwd_sm90 config of three consumers serving a call whose
     192-row blocks make under a wave of CTAs and where two consumers pay
-    (flash_fwd_sm90.two_consumers_pay), flash_fwd_sm90's default, which takes two there. Not where
-    it was tuned in this bucket on a call of under a wave too: a search there weighed two consumers
-    against it. On the H200 a d=64 causal call of 548 queries, 36 CTAs, served the n1024/medium
-    bucket's config (tuned on 1200 blocks) at 28.6 TFLOP/s and read 35.1 at two (PERF_NOTES "j3");
-    41 such random calls read 1.06-1.35x ("b1")."""
+    (flash_fwd_sm90.two_consumers_pay) or a mask spreads the wave's work (rows_spread_idle),
+    flash_fwd_sm90's default, which takes two there. Not where it was tuned in this bucket on a call
+    of under a wave too: a search there weighed two consumers against it. On the H200 a d=64 causal
+    call of 548 queries, 36 CTAs, served the n1024/medium bucket's config (tuned on 1200 blocks) at
+    28.6 TFLOP/s and read 35.1 at two (PERF_NOTES "j3"); 41 such random calls read 1.06-1.35x ("b1");
+    B1-H4 5837 causal at d=96, 124 blocks, served the n8192/medium bucket's grid config at 299 and
+    read 401 at two ("x2")."""
     from .kernel_templates import FAMILIES
-    from .kernel_templates.flash_fwd_sm90 import two_consumers_pay
+    from .kernel_templates.flash_fwd_sm90 import rows_spread_idle, two_consumers_pay
 
     fam = FAMILIES.get("flash_fwd_sm90")
     if (fam is None or entry["family"] != fam.name or problem.query_blocks(192) >= gpu.sm_count
-            or not two_consumers_pay(gpu, problem)):
+            or not (two_consumers_pay(gpu, problem) or rows_spread_idle(gpu, problem))):
         return entry
     tuned = _tuned_problem(entry)
     if served_params(entry, problem).get("cwg") != 3 or (
