@@ -107,8 +107,9 @@ def persistent_three_spill(params: dict, problem: Problem) -> bool:
 # two waves and 160 of 192 did too). From 1024 keys (2048 before "z1", and only past 128 query rows): of
 # the 19 random calls (seeds 1-80) it changed at d=80 on the H200, the 18 that took three read 0.89-1.29x
 # two, 1.07x geometric mean, and one of 68 queries that took two read 1.10x three. At d=96 (PERF_NOTES
-# "x2") 14 of the 15 random calls where the model picks three read 1.05-1.45x two (B16-H32 159 x 8823
-# bottom-right: 422 TFLOP/s against 320, FA4's 424); the one loss is `rows_spread_idle`'s.
+# "x2") 12 of the 15 random calls where the model picks three read 1.01-1.43x two (B16-H32 159 x 8823
+# bottom-right: 424 TFLOP/s on the grid against 320, FA4 424); two of the losses (0.75x, 0.78x) are
+# `rows_spread_idle`'s, the third (0.94x, B1-H16 1151 x 5706, few blocks) the split default serves.
 THREE_CONSUMER_COST = 0.93
 THREE_CONSUMER_KEYS = 1024
 # The share of a causal call's query-key pairs its mask hides from which a wave's blocks differ enough
@@ -126,14 +127,19 @@ def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
     """Whether the untuned default takes three consumers: at d = 72-96 on more than 128 query rows
     (two consumers' block) of THREE_CONSUMER_KEYS keys or more (on average over the mask), where
     waves of CTAs x rows a CTA computes (consumers past the last query row skip the work) x
-    THREE_CONSUMER_COST come out below two consumers', and not where the mask spreads a wave's
-    work (`rows_spread_idle`)."""
+    THREE_CONSUMER_COST come out below two consumers', with waves counted whole or, for both, as
+    they are where an unmasked persistent launch cuts its last rounds (consumer_cost's `cut`), and
+    not where the mask spreads a wave's work (`rows_spread_idle`). The cut count alone moved 30
+    random unmasked H200 calls: of the 21 it gives three, 19 read 1.01-1.17x (B1-H8 7781 at d=80:
+    579 TFLOP/s against 507); of the 9 it gives two, 6 read 0.89-0.98x, so it only adds three
+    (PERF_NOTES "x2")."""
     if not half_panels(problem) or problem.seqlen_q <= 128 or rows_spread_idle(gpu, problem):
         return False   # (rows that two consumers' block holds: a third would share its K/V tiles with none)
     mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q
     if mean_keys < THREE_CONSUMER_KEYS:
         return False
-    return consumer_cost(gpu, problem, 3) * THREE_CONSUMER_COST < consumer_cost(gpu, problem, 2)
+    return any(consumer_cost(gpu, problem, 3, cut) * THREE_CONSUMER_COST < consumer_cost(gpu, problem, 2, cut)
+               for cut in (False, True))
 
 
 def rows_spread_idle(gpu: GpuSpec, problem: Problem) -> bool:
@@ -160,11 +166,19 @@ def two_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
             and consumer_cost(gpu, problem, 2) < consumer_cost(gpu, problem, 3) * THREE_CONSUMER_COST * TWO_CONSUMER_MARGIN)
 
 
-def consumer_cost(gpu: GpuSpec, problem: Problem, cwg: int) -> float:
+def consumer_cost(gpu: GpuSpec, problem: Problem, cwg: int, cut: bool = False) -> float:
     """Waves of CTAs x the query rows a CTA computes (consumers past the last query row skip the
-    work): the time of `cwg` consumers a CTA, per key, where every CTA runs its rows alone."""
+    work): the time of `cwg` consumers a CTA, per key, where every CTA runs its rows alone. With
+    `cut`, an unmasked call whose persistent default cuts its last rounds into equal segments
+    (flash_fwd_sm90_tail.tail_from) counts its waves as they are, not rounded up."""
     rows = min(64 * cwg, ceil_div(problem.seqlen_q, 64) * 64)
-    return ceil_div(problem.query_blocks(64 * cwg), gpu.sm_count) * rows
+    tiles = problem.query_blocks(64 * cwg)
+    if cut and not problem.causal:
+        from tuner.kernel_templates.flash_fwd_sm90_tail import tail_from   # (it imports this module)
+
+        if tail_from(tiles, gpu.sm_count, ceil_div(problem.seqlen_k, 128)) < tiles:
+            return tiles / gpu.sm_count * rows
+    return ceil_div(tiles, gpu.sm_count) * rows
 
 
 def entry_regs(threads: int) -> int:

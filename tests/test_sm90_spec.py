@@ -127,7 +127,9 @@ def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
     ("1,8,875,80,causal", 2),            # short causal rows (three: 0.84x)
     ("2,8,1817:32607,96,causal_br", 2),  # d=96's 96-column tile: three read 0.75x
     ("1,32,8192,80,causal", 3),          # Phi-2's 8k prefill, as its search found
-    ("2,16,4096,72,none", 2),            # 8 waves of 128 rows against 6 of 192
+    ("2,16,4096,72,none", 3),            # 8 waves of 128 rows against 5.3 of 192, its last rounds cut
+    ("1,8,7781,80,none", 3),             # 3.7 waves of 128 rows against 2.5 of 192, both cut (1.14x, x2)
+    ("8,4,592:2723,96,none", 3),         # 1.2 waves of 128 rows cut against one of 192: a cut counts for three only
     ("8,8,1806,80,none", 3),             # 1806 keys: three 1.10x two (z1)
     ("16,32,2251,80,causal", 3),         # 1126 keys a row on average (1.09x)
     ("4,8,595:1797,80,none", 3),         # 128 of 192 against 160 of 128 (1.29x)
@@ -146,8 +148,11 @@ def test_the_untuned_default_takes_three_consumers_on_long_rows_at_d72_96(shape,
     """flash_fwd_sm90's default at d = 72-96 (tiles of 64-byte panels, or at d = 72-80 the 128-column
     tile): three consumers on more than 128 query rows of 1024 keys or more where waves x rows a CTA
     computes x THREE_CONSUMER_COST come out lower, and not where a causal mask spreads the work of a
-    wave of 192-row blocks (rows_spread_idle), else two; it is the first seed, so a search starts from
-    it too: persistent, but on the grid under a mask at d=96, where the persistent form spills."""
+    wave of 192-row blocks (rows_spread_idle), else two; an unmasked call's waves are counted whole and,
+    where a persistent launch cuts its last rounds, as they are, and three take either count's
+    verdict for them (two on a cut count alone read 0.89-0.98x three on 6 of 9 H200 calls, x2). It is
+    the first seed, so a search starts from it too: persistent, but on the grid under a mask at d=96,
+    where the persistent form spills."""
     from tuner.kernel_templates.flash_fwd_sm90 import three_consumers_pay
 
     problem = Problem.parse(shape, "bf16")
