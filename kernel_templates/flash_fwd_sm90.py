@@ -153,7 +153,8 @@ def rows_spread_idle(gpu: GpuSpec, problem: Problem) -> bool:
     keys keeps three (B1-H32 688 x 4442, 8% hidden: two read 0.76x; PERF_NOTES "j2", "x2")."""
     if not problem.causal or problem.seqlen_q <= 192 or problem.query_blocks(192) >= gpu.sm_count:
         return False
-    return visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) <= (1 - MASK_SPREAD) * problem.seqlen_q * problem.seqlen_k
+    pairs = problem.seqlen_q * problem.seqlen_k
+    return visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) <= (1 - MASK_SPREAD) * pairs
 
 
 def two_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
@@ -293,8 +294,10 @@ class FlashFwdSm90(KernelFamily):
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]
             if three_consumers_pay(gpu, problem):   # long rows at d = 72-96: Phi-2's 8k winner's form first (j2)
-                first = dict(zip(keys, (128, 2, 3, 40, 1, 1, 1, 0)), chain=0)
-                cands.insert(0, (128, 2, 3, 24, 1, 1, 0, 0) if persistent_three_spill(first, problem) else (128, 2, 3, 40, 1, 1, 1, 0))
+                three = (128, 2, 3, 40, 1, 1, 1, 0)
+                if persistent_three_spill(dict(zip(keys, three)), problem):
+                    three = (128, 2, 3, 24, 1, 1, 0, 0)   # its grid form
+                cands.insert(0, three)
         elif d <= 128:
             cands = [(176, 2, 2, 24, 1, 1, 0, 0), (176, 2, 2, 40, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 0),
                      (128, 2, 2, 40, 1, 1, 1, 1), (128, 2, 2, 40, 1, 0, 1, 0), (128, 2, 2, 24, 1, 0, 0, 0),
