@@ -157,6 +157,20 @@ def served_as(served: tuple[str, dict] | None, problem, gpu, specs: list[str]) -
     return out
 
 
+def add_more(alts: dict[str, tuple[str, dict]], more: dict[str, tuple[str, dict]]) -> dict[str, str]:
+    """`more`'s candidates (--measured, --config, --served-as, --entries) added to `alts` where they
+    are not among them; for one that is, NAME -> the alternative it repeats, so that it is compiled
+    and timed once and an A/B (--entries old=FILE) still reads its figure under that name."""
+    same: dict[str, str] = {}
+    for name, fp in more.items():
+        twin = next((k for k, v in alts.items() if v == fp), None)
+        if twin is None:
+            alts[name] = fp
+        else:
+            same[name] = twin
+    return same
+
+
 def fixed_counts(family: str, params: dict, problem, gpu) -> dict:
     """`params` with a split count left to the occupancy (0) fixed to the count it resolves to for
     `problem`, so that another checkout's estimate does not re-derive it."""
@@ -271,9 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         alts = alternatives(d, p, gpu, args.near, args.octaves)
         more = {**(measured(p, gpu, args.measured) if args.measured else {}), **configured(p, gpu, args.config),
                 **served_as(alts.get("served"), p, gpu, args.served_as), **from_files(p, args.entries)}
-        for name, fp in more.items():
-            if fp not in alts.values():
-                alts[name] = fp
+        same = add_more(alts, more)
         with ThreadPoolExecutor(8) as pool:   # NVRTC runs outside the GIL
             # a split count fixed outside the family's space (--entries) shares the cubin of its occupancy's
             cubins = dict(zip(alts, pool.map(lambda fp: compile_kernel(FAMILIES[fp[0]], FAMILIES[fp[0]].compiled(fp[1]),
@@ -282,10 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, (fam, params) in alts.items():
             prepared[name] = prepare_kernel(FAMILIES[fam], params, p, cubins[name], 0, gpu)
         row = {"shape": text, "dtype": args.dtype, "alternatives": {k: [f, v] for k, (f, v) in alts.items()},
-               "tflops": time_in_turns(prepared, p, gpu)}
+               "same": same, "tflops": time_in_turns(prepared, p, gpu)}
         report(rows, row, p.key, gpu, args.json)
         for name, (fam, params) in alts.items():
             print(f"    {name}: {fam} {json.dumps(params, sort_keys=True)}")
+        for name, twin in same.items():
+            print(f"    {name}: the same config as {twin}")
         del prepared
         torch.cuda.empty_cache()
     return 0

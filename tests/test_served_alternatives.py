@@ -169,3 +169,13 @@ def test_a_saved_entry_fixes_its_split_count_and_compiles_as_its_occupancy(shipp
     assert split.launch(entries["before"][1], p, H200).grid[2] == 3
     with pytest.raises(SystemExit, match="NAME=FILE"):
         alt.from_files(p, ["before"])
+
+
+def test_a_candidate_that_repeats_an_alternative_is_timed_once_and_named_for_both():
+    """--entries old=FILE whose config is what the default already is: one compile and timing,
+    and the row says old is the default's, so an A/B reads both names."""
+    default = ("flash_fwd_sm90", {"Bc": 128, "cwg": 2})
+    alts = {"served": ("flash_fwd_sm90", {"Bc": 176, "cwg": 2}), "default": default}
+    more = {"old": ("flash_fwd_sm90", {"Bc": 128, "cwg": 2}), "c3": ("flash_fwd_sm90", {"Bc": 128, "cwg": 3})}
+    assert alt.add_more(alts, more) == {"old": "default"}
+    assert list(alts) == ["served", "default", "c3"] and alts["c3"] == more["c3"]
