@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from functools import cache
 from pathlib import Path
@@ -171,6 +172,19 @@ def add_more(alts: dict[str, tuple[str, dict]], more: dict[str, tuple[str, dict]
     return same
 
 
+def served_over(rows: list[dict], name: str) -> dict[str, float]:
+    """shape -> what served it over candidate `name`'s TFLOP/s (its own figure, or that of the
+    alternative it repeats: a row's `same`), for the rows where both were timed: an A/B's reading
+    of `--entries name=FILE` (another checkout's choices) against this one's."""
+    out = {}
+    for row in rows:
+        t = row["tflops"]
+        other = t.get(row.get("same", {}).get(name, name))
+        if t.get("served") and other:
+            out[row["shape"]] = t["served"] / other
+    return out
+
+
 def fixed_counts(family: str, params: dict, problem, gpu) -> dict:
     """`params` with a split count left to the occupancy (0) fixed to the count it resolves to for
     `problem`, so that another checkout's estimate does not re-derive it."""
@@ -302,6 +316,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {name}: the same config as {twin}")
         del prepared
         torch.cuda.empty_cache()
+    for spec in args.entries:
+        name = spec.partition("=")[0]
+        ratios = served_over(rows, name)
+        if ratios:
+            geo = math.exp(sum(map(math.log, ratios.values())) / len(ratios))
+            print(f"served / {name}: {geo:.3f}x geometric mean over {len(ratios)} shapes "
+                  f"({min(ratios.values()):.3f}-{max(ratios.values()):.3f}), {sum(r < 1 for r in ratios.values())} under 1")
     return 0
 
 

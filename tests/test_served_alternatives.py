@@ -179,3 +179,13 @@ def test_a_candidate_that_repeats_an_alternative_is_timed_once_and_named_for_bot
     more = {"old": ("flash_fwd_sm90", {"Bc": 128, "cwg": 2}), "c3": ("flash_fwd_sm90", {"Bc": 128, "cwg": 3})}
     assert alt.add_more(alts, more) == {"old": "default"}
     assert list(alts) == ["served", "default", "c3"] and alts["c3"] == more["c3"]
+
+
+def test_an_ab_reads_served_over_the_other_checkouts_choice_by_its_name_or_its_twin():
+    """served_over: what served over --entries old's figure, that of the alternative old repeats
+    where it repeats one, and no ratio where either was not timed (a failed check)."""
+    rows = [{"shape": "a", "tflops": {"served": 120.0, "old": 100.0}, "same": {}},
+            {"shape": "b", "tflops": {"served": 90.0, "default": 100.0}, "same": {"old": "default"}},
+            {"shape": "c", "tflops": {"served": 90.0, "old": None}, "same": {}},
+            {"shape": "d", "tflops": {"served": 50.0}}]
+    assert alt.served_over(rows, "old") == {"a": 1.2, "b": 0.9}
