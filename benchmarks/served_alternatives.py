@@ -19,7 +19,8 @@ them): what a served-form rule (pairs_form, tail_form, split_form) chose against
 --save-served FILE writes what serves each shape (family and params, a split count from the occupancy
 fixed to the count it resolves to) and times nothing; --entries NAME=FILE times FILE's config of each
 shape under NAME. Together they weigh a dispatch rule's change in turns: the served column is this
-checkout's, NAME another's, run as that checkout served it (PERF_NOTES "j3": the split estimate refit).
+checkout's, NAME another's, run as that checkout served it (PERF_NOTES "j3": the split estimate refit);
+the run ends with served over NAME's figure, geometric mean and range (`served_over`; PERF_NOTES "x2").
 
 --measured N adds the N fastest configs the results database (TUNER_DB) holds for the shape itself
 ("db1".."dbN"), so that a search's winners, each timed alone as it was tried, are weighed in turns
