@@ -880,10 +880,10 @@ def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
     tuned = _tuned_problem(entry)
     if tuned is None or problem.seqlen_k < DEFAULT_KEYS:
         return False
-    blocks, call = tuned.query_blocks(FILL_ROWS), problem.query_blocks(FILL_ROWS)
-    if blocks < gpu.sm_count and problem.mask == "none":
+    blocks = tuned.query_blocks(FILL_ROWS)
+    if blocks < gpu.sm_count and not problem.causal:
         return True
-    return blocks < FEW_WAVES * gpu.sm_count and call >= MISFIT_BLOCKS * blocks
+    return blocks < FEW_WAVES * gpu.sm_count and problem.query_blocks(FILL_ROWS) >= MISFIT_BLOCKS * blocks
 
 
 def _tuned_on_short_keys(entry: dict, problem: Problem) -> bool:
