@@ -419,8 +419,10 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
 def test_an_untuned_prefill_of_two_waves_of_default_tiles_runs_the_default_unsplit(tmp_path):
     """Nothing tuned at d=96: B8-H4 1078 x 8849 keys makes 288 tiles of 128 rows, over two waves of
     132 SMs, and runs flash_fwd_sm90's default (persistent) unsplit: 476 TFLOP/s against the split
-    default's 446 on the H200 (PERF_NOTES "j3"); B1-H16 1260 x 27529, 160 tiles (1.2 waves), keeps
-    the split (540 against 391)."""
+    default's 446 on the H200 (PERF_NOTES "j3"); B1-H16 1260 x 27529, 160 tiles of 128 rows (1.2 waves),
+    ran the split (540 against 391 at two consumers) until the default took three consumers at d=96,
+    112 tiles of 192 rows, one wave: 570 against the split's 550 ("x3"). At d=64 three consumers' tiles
+    weigh against the split the same way and lose there: the split stands."""
     from tuner.dispatch import DEFAULT_WAVES
 
     from tuner.kernel_templates.flash_fwd_sm90 import three_consumers_pay
@@ -433,8 +435,13 @@ def test_an_untuned_prefill_of_two_waves_of_default_tiles_runs_the_default_unspl
     assert two.query_blocks(192) < DEFAULT_WAVES * H100_SXM.sm_count <= two.query_blocks(128)
     assert d.serving_entry(two, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, two)}
     one = Problem(1, 16, 1260, 27529, 96, "bf16", "causal_br", 16)
-    e = d.serving_entry(one, H100_SXM)
-    assert e["family"] == SPLIT.name and SPLIT.splits(e["params"], one, H100_SXM) > 1
+    assert SPLIT.splits(SPLIT.default(H100_SXM, one), one, H100_SXM) > 1
+    assert d.serving_entry(one, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, one)}
+    # B1-H25 1362 x 30286 at d=64: 200 tiles of 192 rows, two waves plain, split three ways read 1.13x ("x3")
+    wide = Problem(1, 25, 1362, 30286, 64, "bf16", "causal_br", 25)
+    assert SM90.default(H100_SXM, wide)["cwg"] == 3
+    e = d.serving_entry(wide, H100_SXM)
+    assert e["family"] == SPLIT.name and SPLIT.splits(e["params"], wide, H100_SXM) > 1
 
 
 def test_a_three_consumer_config_tuned_on_many_blocks_serves_a_call_under_a_wave_at_two(tmp_path):

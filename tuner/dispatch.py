@@ -700,6 +700,15 @@ def _split_default(problem: Problem, gpu) -> dict | None:
         rows = 128 if three_consumers_pay(gpu, problem) else 64 * plain["params"]["cwg"]
         if problem.query_blocks(rows) >= DEFAULT_WAVES * gpu.sm_count:
             return None
+        # where the default takes three consumers, their tiles weighed against the split's own (PERF_NOTES "x3",
+        # 30 random calls the split served on the H200, timed in turns against the plain default): the 9 where
+        # the estimate favours three consumers plain read 0.995-1.46x the split, 1.27x geomean, the 6 where it
+        # favours the split 0.74-0.94x; where the default takes two consumers (15 calls) plain read 0.75-1.09x,
+        # 0.93x geomean, the estimate wrong both ways there: the split kept
+        from .kernel_templates.flash_fwd_sm90_split import split_pays
+
+        if plain["params"]["cwg"] == 3 and not split_pays(params, plain["params"], problem, gpu):
+            return None
     return {"family": fam.name, "params": params}
 
 
