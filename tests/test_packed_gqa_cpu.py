@@ -163,13 +163,17 @@ def test_a_wide_head_step_packs_from_fewer_rows_on_a_full_grid(shipped, shape, p
 
 
 # (call, packs): short GQA query rows whose packed rows fill two consumers' blocks 15% better, in two
-# waves of CTAs, over 4096 keys, at d <= 128, as the H200 measured them (PERF_NOTES "y1")
+# waves of CTAs, over 1536 keys, at d <= 128, as the H200 measured them (PERF_NOTES "y1", "x3")
 PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLOP/s packed against 622.6
             ("4,16:2,517:8162,128,causal_br", "bf16", True),        # 743.6 against 543.7
             ("8,28:4,194:4839,128,none", "bf16", True),             # 7 heads a group: blocks of 126 rows
             ("4,28:4,400:16384,96,causal_br", "bf16", True),
             ("1,4:1,1209:21494,128,causal_br", "bf16", False),      # 1209 queries fill their blocks (fill gain 1.05)
+            ("8,64:8,151:3594,128,causal_br", "bf16", True),        # 569.2 against 416.7 ("x3")
+            ("16,14:2,264:1549,128,none", "bf16", True),            # 526.6 against 384.4
             ("2,28:4,162:1274,128,causal_br", "bf16", False),       # 1274 keys
+            ("16,8:2,534:1247,128,none", "bf16", False),            # packed 444.4 against 512.3
+            ("8,32:8,406:406,128,causal", "bf16", False),           # packed 169.6 against 209.5
             ("2,16:8,195:7789,256,causal_br", "bf16", False),       # d=256: packed 374.6 against 444.6
             ("1,8:2,273:7887,128,causal_br", "bf16", False),        # 10 packed CTAs
             ("16,64,417:6683,128,none", "bf16", False),             # one query head a K/V head

@@ -93,10 +93,14 @@ PACK_FEW_ROWS_SM_SHARE = 0.25
 # (bf16, d=64-128, PERF_NOTES "y1"), once the maps streamed K/V at full bandwidth ("i1"): 1.02-1.37x
 # what served on 18 of 19 calls it takes (B4-H16/kv2 517 x 8162 causal_br 743.6 TFLOP/s against 543.7;
 # B16-H64/kv8 417 x 6683 738.3 against 622.6, FA4 596.4), 0.99x on one (d=64, 300 x 8192); under
-# the old maps ("j1") the same rule lost 0.955-0.973x on 4 of 9.
+# the old maps ("j1") the same rule lost 0.955-0.973x on 4 of 9. From 1536 keys (4096 before "x3"): of 24
+# random d=128 calls under 4096 keys timed in turns, FA4 beside, the 11 over 1536 that the rule takes read
+# 1.07-1.37x what served (B8-H64/kv8 151 x 3594 causal_br 569.2 against 416.7, FA4 520.2), one it leaves
+# (fill gain 1.11) 1.04x; under 1536 keys 2 of 12 won (1.11-1.16x) and 10 lost 0.64-0.89x (self-attention
+# of 265-544 queries, cross-attention over 76-421 keys, B16-H8/kv2 534 x 1247).
 PACK_PREFILL_FILL_GAIN = 1.15
 PACK_PREFILL_WAVES = 2
-PACK_PREFILL_KEYS = 4096
+PACK_PREFILL_KEYS = 1536
 
 
 @dataclass
