@@ -15,7 +15,8 @@ PACK_ROWS (48) or more, past d=128 PACK_ROWS_WIDE (16) or fewer on a grid that f
 (dispatch.packs); a search of every family tunes it on decode steps. On the H200 that read 1.3-8.6x
 what served before, 0.89-3.8x FA4 (PERF_NOTES "g1-g3"); at d=256 from 16 rows 0.93-2.28x, 1.10x or
 more on 6 of 8 steps ("n2"). A prefill of short query rows whose packed rows fill the blocks better
-runs it too (dispatch.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"), and a search of such a
+runs it too (dispatch.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"; from 1536 keys, 1.07-1.37x on
+11 more and 1.14x geomean on 15 held out, "x3"), and a search of such a
 prefill times it beside the plain families (tune_skip).
 """
 
