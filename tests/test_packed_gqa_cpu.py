@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_split_kv_cpu import assert_seeds_compile_clean
 
-from tuner.dispatch import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FILL_GAIN, PACK_PREFILL_KEYS,
+from tuner.dispatch import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FEW_CTAS_KEYS, PACK_PREFILL_FILL_GAIN, PACK_PREFILL_KEYS,
                             PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE, Dispatcher, _packed_gqa, packs, packs_prefill)
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
@@ -163,7 +163,8 @@ def test_a_wide_head_step_packs_from_fewer_rows_on_a_full_grid(shipped, shape, p
 
 
 # (call, packs): short GQA query rows whose packed rows fill two consumers' blocks 15% better, in two
-# waves of CTAs, over 1536 keys, at d <= 128, as the H200 measured them (PERF_NOTES "y1", "x3")
+# waves of CTAs (in fewer, over 6144 keys), over 1536 keys, at d <= 128, as the H200 measured them
+# (PERF_NOTES "y1", "x3")
 PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLOP/s packed against 622.6
             ("4,16:2,517:8162,128,causal_br", "bf16", True),        # 743.6 against 543.7
             ("8,28:4,194:4839,128,none", "bf16", True),             # 7 heads a group: blocks of 126 rows
@@ -173,9 +174,12 @@ PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLO
             ("16,14:2,264:1549,128,none", "bf16", True),            # 526.6 against 384.4
             ("2,28:4,162:1274,128,causal_br", "bf16", False),       # 1274 keys
             ("16,8:2,534:1247,128,none", "bf16", False),            # packed 444.4 against 512.3
+            ("2,16:4,276:27118,128,causal_br", "bf16", True),       # 72 CTAs, keys split: 578.5 against 431.2
+            ("4,28:4,145:18113,128,causal_br", "bf16", True),       # 547.7 against 390.6
+            ("2,16:4,518:4117,128,causal_br", "bf16", False),       # 136 CTAs over 4117 keys: 368.6 against 391.2
             ("8,32:8,406:406,128,causal", "bf16", False),           # packed 169.6 against 209.5
             ("2,16:8,195:7789,256,causal_br", "bf16", False),       # d=256: packed 374.6 against 444.6
-            ("1,8:2,273:7887,128,causal_br", "bf16", False),        # 10 packed CTAs
+            ("1,8:2,273:7887,128,causal_br", "bf16", True),         # 10 packed CTAs, their keys split (7887)
             ("16,64,417:6683,128,none", "bf16", False),             # one query head a K/V head
             ("16,64:8,417:6683,128", "fp8", False)]
 
@@ -184,13 +188,15 @@ PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLO
 def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped, shape, dtype, packed):
     """A prefill of our Hopper kernels runs flash_fwd_sm90_gqa's default (Bc 176, split 24) where its packed
     rows fill two consumers' blocks PACK_PREFILL_FILL_GAIN times as well, in PACK_PREFILL_WAVES waves of
-    CTAs, over PACK_PREFILL_KEYS keys, at d <= 128 (dispatch.packs_prefill); a measured SDPA entry, an
+    CTAs (or fewer over PACK_PREFILL_FEW_CTAS_KEYS keys, split), over PACK_PREFILL_KEYS keys, at d <= 128
+    (dispatch.packs_prefill); a measured SDPA entry, an
     A100, and every other call keep what they had."""
     p = Problem.parse(shape, dtype)
     assert packs_prefill(p, H100_SXM) == packed
     if packed:
         assert fill_gain(p) >= PACK_PREFILL_FILL_GAIN and p.seqlen_k >= PACK_PREFILL_KEYS
-        assert packed_blocks(dict(cwg=2), p) * p.batch * p.kv_heads >= PACK_PREFILL_WAVES * H100_SXM.sm_count
+        ctas = packed_blocks(dict(cwg=2), p) * p.batch * p.kv_heads
+        assert ctas >= PACK_PREFILL_WAVES * H100_SXM.sm_count or p.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS
     for fam in ("flash_fwd_sm90", "flash_fwd_sm90_tail", "flash_fwd_sm90_pairs", "flash_fwd_sm90_split"):
         entry = {"family": fam, "params": {}}
         got = _packed_gqa(entry, p, H100_SXM)

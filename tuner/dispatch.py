@@ -101,6 +101,13 @@ PACK_FEW_ROWS_SM_SHARE = 0.25
 PACK_PREFILL_FILL_GAIN = 1.15
 PACK_PREFILL_WAVES = 2
 PACK_PREFILL_KEYS = 1536
+# Under PACK_PREFILL_WAVES waves of packed CTAs a call packs from PACK_PREFILL_FEW_CTAS_KEYS keys, where
+# the packed kernel's splits of the keys fill the GPU: of 13 random d=128 GQA chunks of 40-192 packed CTAs
+# on the H200 (PERF_NOTES "x3"), the 6 over 6144 keys read 1.10-1.34x what served (B2-H16/kv4 276 x 27118
+# bottom-right 578.5 TFLOP/s against the split default's 505.8), the 7 over 1768-4532 keys 0.90-1.02x. Of
+# the 55 other random draws it moves, 16 held out: 0.93-1.40x what served, 1.09x geomean, 3 under 1
+# (B1-H16/kv4 71 x 7618, 12 CTAs: 0.93x).
+PACK_PREFILL_FEW_CTAS_KEYS = 6144
 
 
 @dataclass
@@ -799,7 +806,8 @@ def _packed_prefill(entry: dict, problem: Problem, gpu) -> dict:
 def packs_prefill(problem: Problem, gpu) -> bool:
     """Whether a GQA prefill call runs packed (_packed_prefill): at d <= 128 over PACK_PREFILL_KEYS
     keys or more, its packed rows filling two consumers' blocks PACK_PREFILL_FILL_GAIN times as well
-    as its query rows fill the plain kernel's, in PACK_PREFILL_WAVES waves of CTAs or more."""
+    as its query rows fill the plain kernel's, in PACK_PREFILL_WAVES waves of CTAs or more, or in fewer
+    over PACK_PREFILL_FEW_CTAS_KEYS keys (its splits of them fill the GPU)."""
     from .kernel_templates import FAMILIES
     from .kernel_templates.flash_fwd_sm90_gqa import fill_gain, packed_blocks
 
@@ -808,7 +816,8 @@ def packs_prefill(problem: Problem, gpu) -> bool:
             or problem.seqlen_k < PACK_PREFILL_KEYS or fam.supports(gpu, problem)):
         return False
     ctas = packed_blocks(dict(cwg=2), problem) * problem.batch * problem.kv_heads
-    return fill_gain(problem) >= PACK_PREFILL_FILL_GAIN and ctas >= PACK_PREFILL_WAVES * gpu.sm_count
+    return fill_gain(problem) >= PACK_PREFILL_FILL_GAIN and (
+        ctas >= PACK_PREFILL_WAVES * gpu.sm_count or problem.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS)
 
 
 def pack_rows(problem: Problem) -> int:
