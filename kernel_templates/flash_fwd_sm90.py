@@ -123,6 +123,11 @@ TWO_CONSUMER_MARGIN = 0.85
 TWO_CONSUMER_WAVES = 2
 
 
+def row_cost(cwg: int) -> float:
+    """A query row's cost in the main loop at `cwg` consumers a CTA, relative to two's."""
+    return THREE_CONSUMER_COST if cwg == 3 else 1.0
+
+
 def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
     """Whether the untuned default takes three consumers: at d = 72-96 on more than 128 query rows
     (two consumers' block) of THREE_CONSUMER_KEYS keys or more (on average over the mask), where

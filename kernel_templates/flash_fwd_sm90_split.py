@@ -21,7 +21,7 @@ from __future__ import annotations
 from tuner.family import ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.flash_decode import call_grid, split_workspace
-from tuner.kernel_templates.flash_fwd_sm90 import THREE_CONSUMER_COST, FlashFwdSm90, _Sm90Args, consumer_cost, two_consumers_pay
+from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args, consumer_cost, row_cost, two_consumers_pay
 from tuner.launch import Launch
 from tuner.problem import Problem
 
@@ -85,16 +85,11 @@ def call_splits(params: dict, problem: Problem, gpu: GpuSpec) -> int:
     return params["splits"] or auto_splits(params, problem, gpu)
 
 
-def consumers_cost(cwg: int) -> float:
-    """A query row's cost at `cwg` consumers a CTA, relative to two."""
-    return THREE_CONSUMER_COST if cwg == 3 else 1.0
-
-
 def plain_estimate(plain: dict, problem: Problem, gpu: GpuSpec) -> float:
     """flash_fwd_sm90's config `plain` on `problem` in `estimate`'s units: its waves of CTAs (as they
     are where its persistent launch cuts its last rounds) x the rows a CTA computes x the keys."""
     cost = consumer_cost(gpu, problem, plain["cwg"], cut=bool(plain["persistent"])) * problem.seqlen_k
-    return cost * consumers_cost(plain["cwg"])
+    return cost * row_cost(plain["cwg"])
 
 
 def split_pays(params: dict, plain: dict, problem: Problem, gpu: GpuSpec) -> bool:
@@ -105,7 +100,7 @@ def split_pays(params: dict, plain: dict, problem: Problem, gpu: GpuSpec) -> boo
     side. On the H200 B1-H16 1151 x 5706 d=96 read 324 TFLOP/s split two ways, 471 and 503 at the
     plain default's three and two consumers (PERF_NOTES "x2", "x3")."""
     rows = min(64 * params["cwg"], ceil_div(problem.seqlen_q, 64) * 64)
-    split = estimate(rows, work_tiles(params, problem), call_splits(params, problem, gpu), problem, gpu) * consumers_cost(params["cwg"])
+    split = estimate(rows, work_tiles(params, problem), call_splits(params, problem, gpu), problem, gpu) * row_cost(params["cwg"])
     return split * SPLIT_GAIN < plain_estimate(plain, problem, gpu)
 
 
