@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import sys
 from functools import cache
 from pathlib import Path
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         name = spec.partition("=")[0]
         ratios = served_over(rows, name)
         if ratios:
-            geo = math.exp(sum(map(math.log, ratios.values())) / len(ratios))
+            geo = statistics.geometric_mean(ratios.values())
             print(f"served / {name}: {geo:.3f}x geometric mean over {len(ratios)} shapes "
                   f"({min(ratios.values()):.3f}-{max(ratios.values()):.3f}), {sum(r < 1 for r in ratios.values())} under 1")
     return 0

@@ -123,6 +123,11 @@ TWO_CONSUMER_MARGIN = 0.85
 TWO_CONSUMER_WAVES = 2
 
 
+def cta_rows(problem: Problem, cwg: int) -> int:
+    """The query rows a CTA of `cwg` consumers computes: consumers past the last query row skip the work."""
+    return min(64 * cwg, ceil_div(problem.seqlen_q, 64) * 64)
+
+
 def row_cost(cwg: int) -> float:
     """A query row's cost in the main loop at `cwg` consumers a CTA, relative to two's."""
     return THREE_CONSUMER_COST if cwg == 3 else 1.0
@@ -177,7 +182,7 @@ def consumer_cost(gpu: GpuSpec, problem: Problem, cwg: int, cut: bool = False) -
     work): the time of `cwg` consumers a CTA, per key, where every CTA runs its rows alone. With
     `cut`, an unmasked call whose persistent default cuts its last rounds into equal segments
     (flash_fwd_sm90_tail.tail_from) counts its waves as they are, not rounded up."""
-    rows = min(64 * cwg, ceil_div(problem.seqlen_q, 64) * 64)
+    rows = cta_rows(problem, cwg)
     tiles = problem.query_blocks(64 * cwg)
     if cut and not problem.causal:
         from tuner.kernel_templates.flash_fwd_sm90_tail import tail_from   # (it imports this module)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from tuner.family import ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.flash_decode import call_grid, split_workspace
-from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args, consumer_cost, row_cost, two_consumers_pay
+from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args, consumer_cost, cta_rows, row_cost, two_consumers_pay
 from tuner.launch import Launch
 from tuner.problem import Problem
 
@@ -99,7 +99,7 @@ def split_pays(params: dict, plain: dict, problem: Problem, gpu: GpuSpec) -> boo
     192-row tiles, a persistent launch's cut tail). Rows past the last query row count on neither
     side. On the H200 B1-H16 1151 x 5706 d=96 read 324 TFLOP/s split two ways, 471 and 503 at the
     plain default's three and two consumers (PERF_NOTES "x2", "x3")."""
-    rows = min(64 * params["cwg"], ceil_div(problem.seqlen_q, 64) * 64)
+    rows = cta_rows(problem, params["cwg"])
     split = estimate(rows, work_tiles(params, problem), call_splits(params, problem, gpu), problem, gpu) * row_cost(params["cwg"])
     return split * SPLIT_GAIN < plain_estimate(plain, problem, gpu)
 
