@@ -16,8 +16,9 @@ PACK_ROWS (48) or more, past d=128 PACK_ROWS_WIDE (16) or fewer on a grid that f
 what served before, 0.89-3.8x FA4 (PERF_NOTES "g1-g3"); at d=256 from 16 rows 0.93-2.28x, 1.10x or
 more on 6 of 8 steps ("n2"). A prefill of short query rows whose packed rows fill the blocks better
 runs it too (dispatch.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"; from 1536 keys, 1.07-1.37x on
-11 more and 1.14x geomean on 15 held out, "x3"), and a search of such a
-prefill times it beside the plain families (tune_skip).
+11 more and 1.14x geomean on 15 held out, "x3"; where its K/V outgrow two L2s from a fill gain of 1.05,
+1.07x geomean on 16 and 1.02x on 16 held out, "x4"), and a search of such a prefill times it beside the
+plain families (tune_skip).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ import torch
 from test_split_kv_cpu import assert_seeds_compile_clean
 
 from tuner.dispatch import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FEW_CTAS_KEYS, PACK_PREFILL_FILL_GAIN, PACK_PREFILL_KEYS,
-                            PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE, Dispatcher, _packed_gqa, packs, packs_prefill)
+                            PACK_PREFILL_L2_FILL_GAIN, PACK_PREFILL_L2_TIMES, PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE,
+                            Dispatcher, _packed_gqa, packs, packs_prefill)
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.kernel_templates import get_family
@@ -180,6 +181,11 @@ PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLO
             ("8,32:8,406:406,128,causal", "bf16", False),           # packed 169.6 against 209.5
             ("2,16:8,195:7789,256,causal_br", "bf16", False),       # d=256: packed 374.6 against 444.6
             ("1,8:2,273:7887,128,causal_br", "bf16", True),         # 10 packed CTAs, their keys split (7887)
+            ("16,8:2,350:29787,128,causal_br", "bf16", True),       # fill gain 1.09, 465 MB of K/V: 746.7 against 648.4 ("x4")
+            ("16,32:4,713:4221,128,causal_br", "bf16", True),       # fill gain 1.07, 132 MB: 739.2 against 712.4
+            ("16,16:4,1779:5661,128,none", "bf16", False),          # fill gain 1.0, 177 MB: level (0.98-1.03x on 15)
+            ("16,8:2,2169:2169,128,causal", "bf16", False),         # 34 MB in L2: packed 533.1 against 628.8
+            ("8,32:8,1536:1536,128,none", "bf16", False),           # 48 MB: packed 646.8 against 734.9
             ("16,64,417:6683,128,none", "bf16", False),             # one query head a K/V head
             ("16,64:8,417:6683,128", "fp8", False)]
 
@@ -187,14 +193,17 @@ PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLO
 @pytest.mark.parametrize("shape,dtype,packed", PREFILLS, ids=[f"{s}-{dt}" for s, dt, _ in PREFILLS])
 def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped, shape, dtype, packed):
     """A prefill of our Hopper kernels runs flash_fwd_sm90_gqa's default (Bc 176, split 24) where its packed
-    rows fill two consumers' blocks PACK_PREFILL_FILL_GAIN times as well, in PACK_PREFILL_WAVES waves of
+    rows fill two consumers' blocks PACK_PREFILL_FILL_GAIN times as well (PACK_PREFILL_L2_FILL_GAIN times
+    where its K/V outgrow PACK_PREFILL_L2_TIMES times the L2), in PACK_PREFILL_WAVES waves of
     CTAs (or fewer over PACK_PREFILL_FEW_CTAS_KEYS keys, split), over PACK_PREFILL_KEYS keys, at d <= 128
     (dispatch.packs_prefill); a measured SDPA entry, an
     A100, and every other call keep what they had."""
     p = Problem.parse(shape, dtype)
     assert packs_prefill(p, H100_SXM) == packed
     if packed:
-        assert fill_gain(p) >= PACK_PREFILL_FILL_GAIN and p.seqlen_k >= PACK_PREFILL_KEYS
+        assert p.seqlen_k >= PACK_PREFILL_KEYS
+        assert fill_gain(p) >= PACK_PREFILL_FILL_GAIN or (
+            fill_gain(p) >= PACK_PREFILL_L2_FILL_GAIN and p.kv_bytes >= PACK_PREFILL_L2_TIMES * H100_SXM.l2_bytes)
         ctas = packed_blocks(dict(cwg=2), p) * p.batch * p.kv_heads
         assert ctas >= PACK_PREFILL_WAVES * H100_SXM.sm_count or p.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS
     for fam in ("flash_fwd_sm90", "flash_fwd_sm90_tail", "flash_fwd_sm90_pairs", "flash_fwd_sm90_split"):
@@ -212,9 +221,10 @@ def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped,
 
 
 def test_a_search_weighs_packing_on_the_prefills_the_rule_takes():
-    """The packed family is tuned on a prefill that packs (tune_skip), so an entry tuned in the call's
-    own bucket on such a problem stands, whichever family won; a borrowed one gives way to the packed
-    default, and a packed entry borrowed for a prefill that does not pack to flash_fwd_sm90's."""
+    """The packed family is tuned on a prefill that packs (tune_skip), so an entry of the call's own
+    bucket stands where that bucket's search timed the packed family (timed_packed), whichever family
+    won; one whose search did not (a lookup tuned before the rule took it), or a borrowed one, gives way
+    to the packed default, and a packed entry borrowed for a prefill that does not pack to flash_fwd_sm90's."""
     sm90 = get_family("flash_fwd_sm90")
     short = Problem.parse("4,16:2,517:8162,128,causal_br", "bf16")
     long_rows = Problem.parse("1,4:1,1209:21494,128,causal_br", "bf16")
@@ -224,18 +234,34 @@ def test_a_search_weighs_packing_on_the_prefills_the_rule_takes():
     assert GQA.default(H100_SXM, short)["Bc"] == 176
     plain = {"family": sm90.name, "params": sm90.default(H100_SXM, short), "bucket": short.bucket().key,
              "problem": short.to_dict()}
-    assert _packed_gqa(plain, short, H100_SXM) is plain   # its search timed the packed family too
+    assert _packed_gqa(plain, short, H100_SXM, timed_packed=True) is plain   # its search timed the packed family too
+    assert _packed_gqa(plain, short, H100_SXM) == {"family": GQA.name, "params": GQA.default(H100_SXM, short)}
     near = replace(short, seqlen_q=530)   # the same bucket, another call that packs
     assert near.bucket() == short.bucket() and packs_prefill(near, H100_SXM)
-    assert _packed_gqa(plain, near, H100_SXM) is plain
+    assert _packed_gqa(plain, near, H100_SXM, timed_packed=True) is plain
     borrowed = {**plain, "bucket": "elsewhere"}
-    assert _packed_gqa(borrowed, short, H100_SXM) == {"family": GQA.name, "params": GQA.default(H100_SXM, short)}
-    untold = {k: v for k, v in plain.items() if k != "problem"}   # what it was tuned on unknown: packed
-    assert _packed_gqa(untold, short, H100_SXM)["family"] == GQA.name
+    assert _packed_gqa(borrowed, short, H100_SXM, timed_packed=True) == {"family": GQA.name, "params": GQA.default(H100_SXM, short)}
     packed = {"family": GQA.name, "params": GQA.default(H100_SXM, short), "bucket": short.bucket().key,
               "problem": short.to_dict()}
     assert _packed_gqa(packed, short, H100_SXM) is packed
     assert _packed_gqa(packed, long_rows, H100_SXM) == {"family": sm90.name, "params": sm90.default(H100_SXM, long_rows)}
+
+
+def test_a_bucket_search_that_timed_the_packed_family_keeps_its_plain_winner(tmp_path):
+    """Through the dispatcher: a plain entry of a call's own bucket stands where the bucket also holds a
+    (slower) packed entry, its search having timed both; alone, as in a lookup tuned before the rule took
+    the bucket's calls, it gives way to the packed default."""
+    from test_dispatch_choices import entry, lookup
+
+    sm90 = get_family("flash_fwd_sm90")
+    p = Problem.parse("16,8:2,350:29787,128,causal_br", "bf16")   # packs by its K/V (465 MB), fill gain 1.09
+    assert packs_prefill(p, H100_SXM) and fill_gain(p) < PACK_PREFILL_FILL_GAIN
+    plain = entry(p, sm90.name, sm90.default(H100_SXM, p), 700.0)
+    packed = entry(p, GQA.name, GQA.default(H100_SXM, p), 650.0)
+    both = Dispatcher(lookup(tmp_path / "both.json", [plain, packed])).serving_entry(p, H100_SXM)
+    assert both["family"] == sm90.name and both["tflops"] == 700.0
+    alone = Dispatcher(lookup(tmp_path / "alone.json", [plain])).serving_entry(p, H100_SXM)
+    assert alone == {"family": GQA.name, "params": GQA.default(H100_SXM, p)}
 
 
 def test_fill_gain_counts_whole_groups_of_query_heads():
@@ -296,6 +322,6 @@ def test_a_packed_entry_tuned_on_many_rows_gives_way_to_flash_decode_on_few():
     nameless = {k: v for k, v in entry.items() if k != "problem"}
     assert _packed_gqa(nameless, few, H100_SXM) is nameless   # what it was tuned on unknown: as it is
     assert _packed_gqa(entry, tuned, H100_SXM) is entry   # enough rows: served as tuned
-    prefill = Problem(16, 40, 512, 8192, 128, "bf16", "causal_br", 8)   # 512 queries fill their blocks: no packing
+    prefill = Problem(2, 40, 512, 8192, 128, "bf16", "causal_br", 8)   # 512 queries fill their blocks: no packing
     got = _packed_gqa(entry, prefill, H100_SXM)
     assert got == {"family": "flash_fwd_sm90", "params": get_family("flash_fwd_sm90").default(H100_SXM, prefill)}

@@ -108,6 +108,15 @@ PACK_PREFILL_KEYS = 1536
 # the 55 other random draws it moves, 16 held out: 0.93-1.40x what served, 1.09x geomean, 3 under 1
 # (B1-H16/kv4 71 x 7618, 12 CTAs: 0.93x).
 PACK_PREFILL_FEW_CTAS_KEYS = 6144
+# Where its K and V outgrow PACK_PREFILL_L2_TIMES times the L2, a call packs from a fill gain of
+# PACK_PREFILL_L2_FILL_GAIN: every block streams its K/V head, from memory again once they outgrow L2,
+# and the packed blocks are fewer. On the H200 (L2 60 MiB; PERF_NOTES
+# "x4": random d=128 GQA calls under PACK_PREFILL_FILL_GAIN, the packed default against what served,
+# timed in turns): over 120 MB and from 1.05, 0.995-1.21x on 16, 15 over 1, 1.07x geomean (B16-H32/kv8
+# 206 x 8722 bottom-right 687.0 TFLOP/s against 567.7); over 120 MB under 1.05, 0.98-1.03x on 15, level;
+# under 120 MB 0.85-1.22x on 42, 0.99x geomean (B16-H8/kv2 2169 causal, 34 MB: 0.85x).
+PACK_PREFILL_L2_TIMES = 2
+PACK_PREFILL_L2_FILL_GAIN = 1.05
 
 
 @dataclass
@@ -318,7 +327,15 @@ class Dispatcher:
         short query rows where the Hopper prefill kernels would (_packed_gqa)."""
         entry = self.select(problem, gpu) or _served_form(_decode_default(problem, gpu) or _split_default(problem, gpu)
                                                           or _prefill_default(problem, gpu), problem, gpu)
-        return _packed_gqa(entry, problem, gpu)
+        return _packed_gqa(entry, problem, gpu, self._timed_packed(entry, gpu))
+
+    def _timed_packed(self, entry: dict | None, gpu) -> bool:
+        """Whether `entry`'s bucket holds a flash_fwd_sm90_gqa entry: its search timed the packed family
+        beside the winner (tune_skip lets it in where the call packs, under the rule of that day)."""
+        if entry is None or "bucket" not in entry:
+            return False
+        return any(e["family"] == "flash_fwd_sm90_gqa"
+                   for e in (self._table or {}).get((entry.get("gpu_key", gpu.key), entry["bucket"]), []))
 
     def candidates(self, problem: Problem, gpu, octaves: float = NEAREST_OCTAVES):
         """(octaves away, entry) for every runnable entry that could serve `problem`: its own
@@ -748,7 +765,7 @@ def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
     return {**entry, "params": default} if default["cwg"] == 2 else entry
 
 
-def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
+def _packed_gqa(entry: dict | None, problem: Problem, gpu, timed_packed: bool = False) -> dict | None:
     """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
     split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
     rows or more (past d=128 PACK_ROWS_WIDE, or fewer on a grid that fills the GPU: `packs`),
@@ -761,14 +778,14 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
     flash_fwd_sm90_gqa entry tuned on `pack_rows` or more (a user's search of a decode bucket may
     have kept one) serves a step that does not pack with flash_decode's default. A prefill call:
-    `_packed_prefill`."""
+    `_packed_prefill` (`timed_packed`: whether the entry's bucket search timed the packed family)."""
     from .kernel_templates import FAMILIES, configs_family
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
     if fam is None or entry is None:
         return entry
     if not problem.decode_step:
-        return _packed_prefill(entry, problem, gpu)
+        return _packed_prefill(entry, problem, gpu, timed_packed)
     few = not packs(problem, gpu)
     if entry["family"] == fam.name and few and _tuned_rows(entry) >= pack_rows(problem):
         # tuned on more packed rows (a bucket mixes groups): under `pack_rows` flash_decode reads level or ahead
@@ -783,12 +800,13 @@ def _packed_gqa(entry: dict | None, problem: Problem, gpu) -> dict | None:
     return {"family": fam.name, "params": params}
 
 
-def _packed_prefill(entry: dict, problem: Problem, gpu) -> dict:
+def _packed_prefill(entry: dict, problem: Problem, gpu, timed_packed: bool = False) -> dict:
     """`entry`, or where it is a config of our Hopper prefill kernels serving a call that
     `packs_prefill`, flash_fwd_sm90_gqa's default. A measured SDPA backend keeps its bucket, and so
-    does an entry tuned in the call's own bucket on a problem that packs: that search timed the
-    packed family beside it (its tune_skip). The other way round, a packed entry borrowed for a
-    prefill that does not pack serves flash_fwd_sm90's default."""
+    does an entry of the call's own bucket where that bucket's search timed the packed family beside
+    it (`timed_packed`: the bucket holds a packed entry too). Not inferred from the rule: a lookup
+    tuned before the rule took the bucket's problems never timed it. The other way round, a packed
+    entry borrowed for a prefill that does not pack serves flash_fwd_sm90's default."""
     from .kernel_templates import FAMILIES, configs_family
 
     fam = FAMILIES["flash_fwd_sm90_gqa"]
@@ -796,8 +814,7 @@ def _packed_prefill(entry: dict, problem: Problem, gpu) -> dict:
         return entry if packs_prefill(problem, gpu) else (_prefill_default(problem, gpu) or entry)
     if configs_family(entry["family"]) not in ("flash_fwd_sm90", "flash_fwd_sm90_split") or not packs_prefill(problem, gpu):
         return entry
-    tuned = _tuned_problem(entry)
-    if entry.get("bucket") == problem.bucket().key and tuned is not None and packs_prefill(tuned, gpu):
+    if timed_packed and entry.get("bucket") == problem.bucket().key:
         return entry
     params = fam.default(gpu, problem)
     return entry if fam.check(params, gpu, problem) is not None else {"family": fam.name, "params": params}
@@ -806,8 +823,9 @@ def _packed_prefill(entry: dict, problem: Problem, gpu) -> dict:
 def packs_prefill(problem: Problem, gpu) -> bool:
     """Whether a GQA prefill call runs packed (_packed_prefill): at d <= 128 over PACK_PREFILL_KEYS
     keys or more, its packed rows filling two consumers' blocks PACK_PREFILL_FILL_GAIN times as well
-    as its query rows fill the plain kernel's, in PACK_PREFILL_WAVES waves of CTAs or more, or in fewer
-    over PACK_PREFILL_FEW_CTAS_KEYS keys (its splits of them fill the GPU)."""
+    as its query rows fill the plain kernel's (PACK_PREFILL_L2_FILL_GAIN times where its K/V outgrow
+    PACK_PREFILL_L2_TIMES times the L2), in PACK_PREFILL_WAVES waves of CTAs or more, or in fewer over
+    PACK_PREFILL_FEW_CTAS_KEYS keys (its splits of them fill the GPU)."""
     from .kernel_templates import FAMILIES
     from .kernel_templates.flash_fwd_sm90_gqa import fill_gain, packed_blocks
 
@@ -816,8 +834,10 @@ def packs_prefill(problem: Problem, gpu) -> bool:
             or problem.seqlen_k < PACK_PREFILL_KEYS or fam.supports(gpu, problem)):
         return False
     ctas = packed_blocks(dict(cwg=2), problem) * problem.batch * problem.kv_heads
-    return fill_gain(problem) >= PACK_PREFILL_FILL_GAIN and (
-        ctas >= PACK_PREFILL_WAVES * gpu.sm_count or problem.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS)
+    gain = fill_gain(problem)
+    fills = gain >= PACK_PREFILL_FILL_GAIN or (
+        gain >= PACK_PREFILL_L2_FILL_GAIN and problem.kv_bytes >= PACK_PREFILL_L2_TIMES * gpu.l2_bytes)
+    return fills and (ctas >= PACK_PREFILL_WAVES * gpu.sm_count or problem.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS)
 
 
 def pack_rows(problem: Problem) -> int:

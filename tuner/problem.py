@@ -187,8 +187,12 @@ class Problem:
     def bytes_moved(self) -> int:
         """Fewest bytes through device memory: q, k, v read once, o written once (in its own dtype)."""
         q_or_o = self.batch * self.heads * self.seqlen_q * self.head_dim
-        k_v = 2 * self.batch * self.kv_heads * self.seqlen_k * self.head_dim
-        return DTYPE_BYTES[self.dtype] * (q_or_o + k_v) + DTYPE_BYTES[self.out_dtype] * q_or_o
+        return DTYPE_BYTES[self.dtype] * q_or_o + self.kv_bytes + DTYPE_BYTES[self.out_dtype] * q_or_o
+
+    @property
+    def kv_bytes(self) -> int:
+        """The bytes of K and V: what a kernel streams from memory once, or from L2 again where they fit."""
+        return DTYPE_BYTES[self.dtype] * 2 * self.batch * self.kv_heads * self.seqlen_k * self.head_dim
 
     @property
     def out_dtype(self) -> str:
