@@ -616,6 +616,37 @@ def test_autotune_runs_once_per_untuned_bucket_and_serves_its_winner(tmp_path, m
     assert len(tuned_by_hand) == 1
 
 
+def test_autotune_of_a_call_that_packs_times_the_packed_default_and_a_faster_plain_winner_stands(tmp_path, monkeypatch):
+    """A GQA prefill that packs (packs_prefill) would run flash_fwd_sm90_gqa's default over any plain
+    winner its bucket holds, unweighed; a first call times that default first, beside the nearest
+    buckets' configs, and where a plain config measured faster, the plain one serves."""
+    gqa = get_family("flash_fwd_sm90_gqa")
+    p = Problem.parse("16,8:2,350:29787,128,causal_br", "bf16")
+    packed = {"family": gqa.name, "params": gqa.default(H100_SXM, p)}
+    timed = []
+
+    def fake_tune(problem, gpu, entries, lookup_path=None):
+        timed.append(entries)
+        return build_lookup([entry(problem, gqa.name, packed["params"], 650.0),
+                             entry(problem, "sdpa_flash", {}, 700.0)])["entries"]
+
+    monkeypatch.setattr(autotune, "tune", fake_tune)
+    monkeypatch.setattr(autotune, "_forced", True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    near = entry(replace(p, seqlen_q=700), SM90.name, SM90.default(H100_SXM, p), 600.0)
+    d = Dispatcher(lookup(tmp_path / "best.json", [near]))
+    monkeypatch.setitem(d._gpus, 0, H100_SXM)
+    assert d.serving_entry(p, H100_SXM) == packed
+    assert d._plan(p, 0).peer == "sdpa_flash"
+    assert [e["family"] for e in timed[0]] == [gqa.name, SM90.name] and timed[0][0] == packed
+    # the bucket now holds a packed entry: a plain one measured faster stands against it
+    d.add_entries(H100_SXM.key, build_lookup([entry(p, SM90.name, SM90.default(H100_SXM, p), 720.0)])["entries"])
+    served = d.serving_entry(p, H100_SXM)
+    assert served["family"] == SM90.name and served["tflops"] == 720.0
+    # a call that does not pack times the nearest buckets' entries alone
+    assert d._autotune_candidates(BF16, H100_SXM) == [e for _, e in d.candidates(BF16, H100_SXM, autotune.OCTAVES)]
+
+
 def test_no_autotune_during_graph_capture_and_the_plan_is_made_again_after(tmp_path, monkeypatch, tuned_by_hand):
     d = Dispatcher(tmp_path / "absent.json")
     monkeypatch.setitem(d._gpus, 0, H100_SXM)

@@ -3,7 +3,8 @@ whose bucket the user never tuned times the few best candidates on that exact sh
 
 The candidates are what the dispatcher picks from (Dispatcher.candidates), reaching further
 since each is measured: the configs of the nearest tuned buckets, the shipped lookups'
-included, nearest first, and the SDPA backends that take the case. Each is checked against the float64 reference and timed in
+included, nearest first (after the packed default where the call packs: Dispatcher._autotune_candidates),
+and the SDPA backends that take the case. Each is checked against the float64 reference and timed in
 turns on the same fresh inputs (tuner.measure, as the search's worker does, here in the
 caller's process). The measurements go to the results database (TUNER_DB) and the winners to
 the user's lookup, so the next process starts from them; a failure to store them is one warning,

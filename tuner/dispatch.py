@@ -420,8 +420,7 @@ class Dispatcher:
         if autotune.enabled() and not self._user_tuned(gpu, problem):
             if torch.cuda.is_current_stream_capturing():   # no timing inside a capture: the next eager call tunes
                 provisional = True
-            elif winners := autotune.tune(problem, gpu, [e for _, e in self.candidates(problem, gpu, autotune.OCTAVES)],
-                                          self._path):
+            elif winners := autotune.tune(problem, gpu, self._autotune_candidates(problem, gpu), self._path):
                 self.add_entries(gpu.key, winners)
         entry = self.serving_entry(problem, gpu)
         if entry is not None and entry.get("gpu_key", gpu.key) != gpu.key:
@@ -450,6 +449,17 @@ class Dispatcher:
                               device=torch.device("cuda", device_index))
         return Plan(launcher, fam.name, dtype=problem.dtype, make_args=fam.arg_maker(params), out=out,
                     device=device_index, scratch_lse=scratch, provisional=provisional)
+
+    def _autotune_candidates(self, problem: Problem, gpu) -> list[dict]:
+        """What a first call times (autotune.shortlist picks from these): the entries of the nearest
+        tuned buckets; where the call packs, flash_fwd_sm90_gqa's default first, which would otherwise
+        replace every plain winner unweighed (_packed_gqa); timed, it leaves a packed entry in the
+        bucket, against which a faster plain one then stands (_timed_packed)."""
+        near = [e for _, e in self.candidates(problem, gpu, autotune.OCTAVES)]
+        served = self.serving_entry(problem, gpu)
+        if served is not None and served["family"] == "flash_fwd_sm90_gqa" and "bucket" not in served:
+            return [served, *near]
+        return near
 
     def _user_tuned(self, gpu, problem: Problem) -> bool:
         """Whether the user's own lookup (or an autotune of this process) serves `problem`'s bucket;
