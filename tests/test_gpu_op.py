@@ -624,6 +624,50 @@ def test_first_call_autotune_times_measures_and_stores(tmp_path, monkeypatch):
         dispatch.reset()
 
 
+def test_first_call_autotune_of_a_gqa_prefill_that_packs_times_the_packed_kernel(tmp_path, monkeypatch):
+    """A GQA prefill of short rows that packs (dispatch.packs_prefill) has flash_fwd_sm90_gqa's default
+    timed beside the nearest tuned configs on its first call: the database holds its measurement, the
+    lookup a packed entry for the bucket, and the output is right whichever won."""
+    import torch
+    import torch.nn.functional as F
+
+    import tuner
+    from models import lookup_with_defaults
+    from tuner import autotune, dispatch
+    from tuner.db.engine import make_engine, session_factory
+    from tuner.db.queries import measurements
+    from tuner.export import read_lookup
+    from tuner.gpu import detect
+
+    gpu = detect()
+    if gpu.major != 9:
+        pytest.skip(f"flash_fwd_sm90_gqa runs on Hopper; this GPU is sm_{gpu.major}{gpu.minor}")
+    monkeypatch.setenv("TUNER_DB", f"sqlite:///{tmp_path / 'results.db'}")
+    path = tmp_path / "best.json"
+    p = Problem(4, 16, 517, 8162, 128, "bf16", "causal_br", kv_heads=2)
+    assert dispatch.packs_prefill(p, gpu)
+    lookup_with_defaults(path, [Problem(4, 16, 2048, 8192, 128, "bf16", "causal_br", kv_heads=2)], gpu)
+    dispatch.reset(path)
+    autotune.set_autotune(True)
+    try:
+        q, k, v = (t.detach() for t in _inputs(p, "bnhd", 11))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="flashtune")
+            o = tuner.attention(q, k, v, mask="causal_br")
+        visible = torch.ones(p.seqlen_q, p.seqlen_k, dtype=torch.bool, device="cuda").tril(p.seqlen_k - p.seqlen_q)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=visible, enable_gqa=True)
+        assert float((o.double() - ref).norm() / ref.norm()) < FLOOR["bf16"]
+        with session_factory(make_engine(f"sqlite:///{tmp_path / 'results.db'}"))() as s:
+            rows = [r for r in measurements(s) if r["problem_key"] == p.key]
+        assert any(r["family"] == "flash_fwd_sm90_gqa" and r["status"] == "ok" for r in rows), rows
+        assert any(e["family"] == "flash_fwd_sm90_gqa" and e["bucket"] == p.bucket().key
+                   for e in read_lookup(path)["entries"])
+        torch.cuda.synchronize()
+    finally:
+        autotune.set_autotune(None)
+        dispatch.reset()
+
+
 def test_the_sdpa_switch_runs_an_empty_batch_as_sdpa_does():
     """Under the switch, a model's SDPA call on an empty microbatch returns what SDPA returns (torch
     2.11's CUDA SDPA returns None there), not flashtune's refusal; outside it, flashtune's attention
