@@ -411,7 +411,7 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
     short = replace(shard, seqlen_q=300, seqlen_k=300)
     assert d.serving_entry(short, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, short)}
     assert d.serving_entry(replace(shard, dtype="fp32"), H100_SXM) is None
-    full = replace(shard, batch=4, heads=32, kv_heads=8)   # its K/V (54 MB) under two L2s: unpacked (packs_prefill)
+    full = replace(shard, batch=8, heads=32, kv_heads=8)
     assert d.serving_entry(full, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, full)}
 
 
