@@ -51,7 +51,8 @@ def alternatives(dispatcher, problem, gpu, near: int = 3, octaves: float = 3.0) 
     the keys), "packed" and "unpacked" (GQA with few queries: flash_fwd_sm90_gqa's default, and a decode
     step's entry as it served before packing), then "near<i>@<octaves>" for the next `near` tuned
     kernel candidates within `octaves`."""
-    from tuner.dispatch import _decode_default, _served_form, _split_default, served_params
+    from tuner.dispatch import _served_form, served_params
+    from tuner.untuned import decode_default, split_default
     from tuner.kernel_templates import FAMILIES
     from tuner.problem import DECODE_QUERIES
 
@@ -71,7 +72,7 @@ def alternatives(dispatcher, problem, gpu, near: int = 3, octaves: float = 3.0) 
     sm90 = FAMILIES.get("flash_fwd_sm90")
     if sm90 is not None and sm90.supports(gpu, problem) is None:
         add("default", {"family": sm90.name, "params": sm90.default(gpu, problem)})
-    add("split", _split_default(problem, gpu))
+    add("split", split_default(problem, gpu))
     gqa = FAMILIES.get("flash_fwd_sm90_gqa")
     if gqa is not None and problem.seqlen_q <= DECODE_QUERIES and gqa.supports(gpu, problem) is None:
         try:
@@ -79,7 +80,7 @@ def alternatives(dispatcher, problem, gpu, near: int = 3, octaves: float = 3.0) 
         except ValueError:   # a group that divides none of its tiles
             pass
     if problem.decode_step:
-        add("unpacked", dispatcher.select(problem, gpu) or _decode_default(problem, gpu))
+        add("unpacked", dispatcher.select(problem, gpu) or decode_default(problem, gpu))
     taken = 0
     for dist, entry in dispatcher.candidates(problem, gpu, octaves):
         if taken == near:

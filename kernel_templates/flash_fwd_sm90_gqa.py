@@ -12,10 +12,10 @@ Its calls: GQA (heads > K/V heads) in 16-bit, a dense batch; a block holds whole
 heads (64 x cwg // g x g rows: 63 of 64 at 7 heads a group). The dispatcher serves a decode step's
 kernel entry (flash_decode's, or the plain Hopper kernel's) in this form where its packed rows are
 PACK_ROWS (48) or more, past d=128 PACK_ROWS_WIDE (16) or fewer on a grid that fills the GPU
-(dispatch.packs); a search of every family tunes it on decode steps. On the H200 that read 1.3-8.6x
+(gqa_packing.packs); a search of every family tunes it on decode steps. On the H200 that read 1.3-8.6x
 what served before, 0.89-3.8x FA4 (PERF_NOTES "g1-g3"); at d=256 from 16 rows 0.93-2.28x, 1.10x or
 more on 6 of 8 steps ("n2"). A prefill of short query rows whose packed rows fill the blocks better
-runs it too (dispatch.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"; from 1536 keys, 1.07-1.37x on
+runs it too (gqa_packing.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"; from 1536 keys, 1.07-1.37x on
 11 more and 1.14x geomean on 15 held out, "x3"; where its K/V outgrow two L2s from a fill gain of 1.05,
 1.07x geomean on 16 and 1.02x on 16 held out, "x4"), and a search of such a prefill times it beside the
 plain families (tune_skip).
@@ -99,7 +99,7 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         return super().supports(gpu, problem)
 
     def tune_skip(self, gpu: GpuSpec, problem: Problem) -> str | None:
-        from tuner.dispatch import packs_prefill
+        from tuner.gqa_packing import packs_prefill
 
         if problem.seqlen_q > DECODE_QUERIES and not packs_prefill(problem, gpu):
             return (f"{self.name} packs the few queries of a decode step, or a prefill's short rows where they fill "
@@ -137,7 +137,7 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
 
         seeds = [seed(c) for c in cands]
         if problem.seqlen_q > DECODE_QUERIES and d <= 128:
-            # A prefill of short rows (dispatch.packs_prefill): Bc 176 read 1.02-1.07x Bc 128 on 7 calls
+            # A prefill of short rows (gqa_packing.packs_prefill): Bc 176 read 1.02-1.07x Bc 128 on 7 calls
             # ("j1"), and served so 1.02-1.37x the plain kernel's configs on 18 of 19 ("y1").
             first = seed((176, 2, 2, 24, 1))
             seeds = [first] + [s for s in seeds if s != first]

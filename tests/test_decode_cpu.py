@@ -146,7 +146,8 @@ def test_an_untuned_decode_call_gets_flash_decode_default_not_a_prefill_config(t
     """A lookup tuned only for prefill does not serve one query against 8192 keys (its buckets are
     7 octaves of Nq away); the dispatcher's last resort there is flash_decode's default, and for
     what flash_decode cannot run (prefill, fp32) nothing."""
-    from tuner.dispatch import Dispatcher, _decode_default
+    from tuner.dispatch import Dispatcher
+    from tuner.untuned import decode_default
     from tuner.export import lookup_of, write_lookup
 
     sm90 = get_family("flash_fwd_sm90")
@@ -156,10 +157,10 @@ def test_an_untuned_decode_call_gets_flash_decode_default_not_a_prefill_config(t
     d = Dispatcher(path)
     assert d.select(prefill, H100_SXM)["family"] == "flash_fwd_sm90"
     assert d.select(LLAMA_DECODE, H100_SXM) is None
-    entry = _decode_default(LLAMA_DECODE, H100_SXM)
+    entry = decode_default(LLAMA_DECODE, H100_SXM)
     assert entry == {"family": "flash_decode", "params": FAM.default(H100_SXM, LLAMA_DECODE)}
-    assert _decode_default(prefill, H100_SXM) is None
-    assert _decode_default(replace(LLAMA_DECODE, dtype="fp32"), H100_SXM) is None
+    assert decode_default(prefill, H100_SXM) is None
+    assert decode_default(replace(LLAMA_DECODE, dtype="fp32"), H100_SXM) is None
 
 
 def test_a_tuned_split_count_serves_only_the_grid_it_was_measured_on(tmp_path):

@@ -14,9 +14,10 @@ import torch
 from tuner import autotune, export
 from tuner.db.engine import make_engine, session_factory
 from tuner.db.queries import BestEntry, best_rows, measurements, record_measurement, update_best
-from tuner.dispatch import Dispatcher, packs
+from tuner.dispatch import Dispatcher
 from tuner.export import build_lookup, lookup_from_db, read_lookup, write_lookup
 from tuner.gpu import A100_SXM, H100_SXM
+from tuner.gqa_packing import packs
 from tuner.kernel_templates import configs_family, get_family
 from tuner.kernel_templates.flash_fwd_sm90_split import auto_splits
 from tuner.problem import Problem
@@ -423,7 +424,7 @@ def test_an_untuned_prefill_of_two_waves_of_default_tiles_runs_the_default_unspl
     ran the split (540 against 391 at two consumers) until the default took three consumers at d=96,
     112 tiles of 192 rows, one wave: 570 against the split's 550 ("x3"). At d=64 three consumers' tiles
     weigh against the split the same way and lose there: the split stands."""
-    from tuner.dispatch import DEFAULT_WAVES
+    from tuner.untuned import DEFAULT_WAVES
 
     from tuner.kernel_templates.flash_fwd_sm90 import three_consumers_pay
 
@@ -538,7 +539,7 @@ def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path
         assert d_.serving_entry(p, gpu) is None, (p.key, gpu.name)
     step = d_.serving_entry(decode, H100_SXM)   # in its cluster form where its keys split 2-8 ways
     if d > 128:   # past d=128 a GQA step of few rows packs its query heads where their grid fills the GPU
-        assert packs(decode, H100_SXM)   # 8 K/V heads x 7 splits of 8192 keys: 56 CTAs (dispatch.PACK_FEW_ROWS_SM_SHARE)
+        assert packs(decode, H100_SXM)   # 8 K/V heads x 7 splits of 8192 keys: 56 CTAs (gqa_packing.PACK_FEW_ROWS_SM_SHARE)
         gqa = get_family("flash_fwd_sm90_gqa")
         assert step == {"family": gqa.name, "params": gqa.default(H100_SXM, decode)}
     else:
@@ -863,7 +864,7 @@ def test_a_shipped_decode_bucket_serves_what_measured_fastest_in_it(tmp_path, mo
     doc = json.loads(next(p for p in export.shipped_lookups() if gpu.key.replace("/", "_") in p.name).read_text())
 
     def runs_as(family: str, p: Problem) -> str:
-        # flash_decode's entry serves a GQA step past d=128 packed where its grid fills the GPU (dispatch.packs)
+        # flash_decode's entry serves a GQA step past d=128 packed where its grid fills the GPU (gqa_packing.packs)
         return "flash_fwd_sm90_gqa" if family == "flash_decode" and p.head_dim > 128 and packs(p, gpu) else family
 
     buckets: dict[str, list[dict]] = {}

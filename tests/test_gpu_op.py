@@ -625,7 +625,7 @@ def test_first_call_autotune_times_measures_and_stores(tmp_path, monkeypatch):
 
 
 def test_first_call_autotune_of_a_gqa_prefill_that_packs_times_the_packed_kernel(tmp_path, monkeypatch):
-    """A GQA prefill of short rows that packs (dispatch.packs_prefill) has flash_fwd_sm90_gqa's default
+    """A GQA prefill of short rows that packs (gqa_packing.packs_prefill) has flash_fwd_sm90_gqa's default
     timed beside the nearest tuned configs on its first call: the database holds its measurement, the
     lookup a packed entry for the bucket, and the output is right whichever won."""
     import torch
@@ -638,6 +638,7 @@ def test_first_call_autotune_of_a_gqa_prefill_that_packs_times_the_packed_kernel
     from tuner.db.queries import measurements
     from tuner.export import read_lookup
     from tuner.gpu import detect
+    from tuner.gqa_packing import packs_prefill
 
     gpu = detect()
     if gpu.major != 9:
@@ -645,7 +646,7 @@ def test_first_call_autotune_of_a_gqa_prefill_that_packs_times_the_packed_kernel
     monkeypatch.setenv("TUNER_DB", f"sqlite:///{tmp_path / 'results.db'}")
     path = tmp_path / "best.json"
     p = Problem(4, 16, 517, 8162, 128, "bf16", "causal_br", kv_heads=2)
-    assert dispatch.packs_prefill(p, gpu)
+    assert packs_prefill(p, gpu)
     lookup_with_defaults(path, [Problem(4, 16, 2048, 8192, 128, "bf16", "causal_br", kv_heads=2)], gpu)
     dispatch.reset(path)
     autotune.set_autotune(True)

@@ -23,7 +23,7 @@ def _packed_problem(rng: random.Random, mask: str, d: int) -> Problem:
     and then keys fewer than the queries (bottom-right: rows that see no key, O 0 and LSE -inf)."""
     g = rng.choice([2, 3, 4, 5, 6, 7, 8, 8, 12, 16])
     kvh = rng.choice([1, 2, 3])
-    nq = rng.choice([1, 2, 5, 16, 23, 64, 200, 417])   # and short prefill rows (dispatch.packs_prefill)
+    nq = rng.choice([1, 2, 5, 16, 23, 64, 200, 417])   # and short prefill rows (gqa_packing.packs_prefill)
     nk = rng.choice([77, 1000, 4097, 9001])
     if mask == "causal_br" and rng.random() < 0.2:
         nk = rng.randint(1, nq)
@@ -109,7 +109,7 @@ def test_attention_serves_a_speculative_gqa_step_packed(layout):
 def test_attention_packs_a_wide_head_step_from_fewer_rows():
     """At d=256 a step of 4 queries or of one on 8 K/V heads of two sequences (8 and 2 packed rows,
     under PACK_ROWS_WIDE; 16 K/V heads x 4 splits of the keys: a grid that fills the GPU) runs
-    flash_fwd_sm90_gqa (dispatch.packs); 2 queries on one sequence's 2 K/V heads (2 CTAs) do not, nor
+    flash_fwd_sm90_gqa (gqa_packing.packs); 2 queries on one sequence's 2 K/V heads (2 CTAs) do not, nor
     the same 4 queries at d=128; each agrees with float64 on an odd-length cache."""
     import torch
 
@@ -149,7 +149,7 @@ def test_compiled_forward_and_backward_through_a_packed_step():
 @pytest.mark.parametrize("shape", ["4,32:4,417:5000,96,causal", "8,28:4,194:4839,128,none"])
 def test_attention_packs_a_short_gqa_prefill(shape):
     """A GQA prefill of short query rows (a chunk, a cross-attention) whose packed rows fill the blocks
-    better runs flash_fwd_sm90_gqa through the dispatcher (dispatch.packs_prefill), the model's
+    better runs flash_fwd_sm90_gqa through the dispatcher (gqa_packing.packs_prefill), the model's
     (B, N, H, D) views, against float64; the same call with one query head per K/V head does not pack."""
     import torch
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 from test_split_kv_cpu import assert_seeds_compile_clean
 
-from tuner.dispatch import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FEW_CTAS_KEYS, PACK_PREFILL_FILL_GAIN, PACK_PREFILL_KEYS,
-                            PACK_PREFILL_L2_FILL_GAIN, PACK_PREFILL_L2_TIMES, PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE,
-                            Dispatcher, _packed_gqa, packs, packs_prefill)
+from tuner.dispatch import Dispatcher
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
+from tuner.gqa_packing import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FEW_CTAS_KEYS, PACK_PREFILL_FILL_GAIN,
+                               PACK_PREFILL_KEYS, PACK_PREFILL_L2_FILL_GAIN, PACK_PREFILL_L2_TIMES,
+                               PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE, packed_gqa, packs, packs_prefill)
 from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90_gqa import (block_fill, block_rows, fill_gain, group_of, packed_blocks,
                                                        packed_problem, packed_rows)
@@ -157,9 +158,9 @@ def test_a_wide_head_step_packs_from_fewer_rows_on_a_full_grid(shipped, shape, p
     assert packed == (packed_rows(p) >= PACK_ROWS_WIDE or math.prod(grid) >= PACK_FEW_ROWS_SM_SHARE * gpu.sm_count)
     assert packs(p, gpu) == packed
     decode = {"family": "flash_decode", "params": {}}
-    assert (_packed_gqa(decode, p, gpu)["family"] == GQA.name) == packed
+    assert (packed_gqa(decode, p, gpu)["family"] == GQA.name) == packed
     narrow = replace(p, head_dim=128)
-    assert (_packed_gqa(decode, narrow, gpu)["family"] == GQA.name) == (packed_rows(p) >= PACK_ROWS)
+    assert (packed_gqa(decode, narrow, gpu)["family"] == GQA.name) == (packed_rows(p) >= PACK_ROWS)
     assert (shipped.serving_entry(p, gpu)["family"] == GQA.name) == packed
 
 
@@ -196,7 +197,7 @@ def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped,
     rows fill two consumers' blocks PACK_PREFILL_FILL_GAIN times as well (PACK_PREFILL_L2_FILL_GAIN times
     where its K/V outgrow PACK_PREFILL_L2_TIMES times the L2), in PACK_PREFILL_WAVES waves of
     CTAs (or fewer over PACK_PREFILL_FEW_CTAS_KEYS keys, split), over PACK_PREFILL_KEYS keys, at d <= 128
-    (dispatch.packs_prefill); a measured SDPA entry, an
+    (gqa_packing.packs_prefill); a measured SDPA entry, an
     A100, and every other call keep what they had."""
     p = Problem.parse(shape, dtype)
     assert packs_prefill(p, H100_SXM) == packed
@@ -208,15 +209,15 @@ def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped,
         assert ctas >= PACK_PREFILL_WAVES * H100_SXM.sm_count or p.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS
     for fam in ("flash_fwd_sm90", "flash_fwd_sm90_tail", "flash_fwd_sm90_pairs", "flash_fwd_sm90_split"):
         entry = {"family": fam, "params": {}}
-        got = _packed_gqa(entry, p, H100_SXM)
+        got = packed_gqa(entry, p, H100_SXM)
         assert got == ({"family": GQA.name, "params": GQA.default(H100_SXM, p)} if packed
                        else entry), fam
     if packed:
-        assert GQA.check(_packed_gqa({"family": "flash_fwd_sm90", "params": {}}, p, H100_SXM)["params"], H100_SXM, p) is None
+        assert GQA.check(packed_gqa({"family": "flash_fwd_sm90", "params": {}}, p, H100_SXM)["params"], H100_SXM, p) is None
         served = shipped.serving_entry(p, H100_SXM)["family"]
         assert served == GQA.name or served.startswith("sdpa"), served
     peer = {"family": "sdpa_cudnn", "params": {}}
-    assert _packed_gqa(peer, p, H100_SXM) is peer
+    assert packed_gqa(peer, p, H100_SXM) is peer
     assert not packs_prefill(p, A100_SXM)
 
 
@@ -234,17 +235,17 @@ def test_a_search_weighs_packing_on_the_prefills_the_rule_takes():
     assert GQA.default(H100_SXM, short)["Bc"] == 176
     plain = {"family": sm90.name, "params": sm90.default(H100_SXM, short), "bucket": short.bucket().key,
              "problem": short.to_dict()}
-    assert _packed_gqa(plain, short, H100_SXM, timed_packed=True) is plain   # its search timed the packed family too
-    assert _packed_gqa(plain, short, H100_SXM) == {"family": GQA.name, "params": GQA.default(H100_SXM, short)}
+    assert packed_gqa(plain, short, H100_SXM, timed_packed=True) is plain   # its search timed the packed family too
+    assert packed_gqa(plain, short, H100_SXM) == {"family": GQA.name, "params": GQA.default(H100_SXM, short)}
     near = replace(short, seqlen_q=530)   # the same bucket, another call that packs
     assert near.bucket() == short.bucket() and packs_prefill(near, H100_SXM)
-    assert _packed_gqa(plain, near, H100_SXM, timed_packed=True) is plain
+    assert packed_gqa(plain, near, H100_SXM, timed_packed=True) is plain
     borrowed = {**plain, "bucket": "elsewhere"}
-    assert _packed_gqa(borrowed, short, H100_SXM, timed_packed=True) == {"family": GQA.name, "params": GQA.default(H100_SXM, short)}
+    assert packed_gqa(borrowed, short, H100_SXM, timed_packed=True) == {"family": GQA.name, "params": GQA.default(H100_SXM, short)}
     packed = {"family": GQA.name, "params": GQA.default(H100_SXM, short), "bucket": short.bucket().key,
               "problem": short.to_dict()}
-    assert _packed_gqa(packed, short, H100_SXM) is packed
-    assert _packed_gqa(packed, long_rows, H100_SXM) == {"family": sm90.name, "params": sm90.default(H100_SXM, long_rows)}
+    assert packed_gqa(packed, short, H100_SXM) is packed
+    assert packed_gqa(packed, long_rows, H100_SXM) == {"family": sm90.name, "params": sm90.default(H100_SXM, long_rows)}
 
 
 def test_a_bucket_search_that_timed_the_packed_family_keeps_its_plain_winner(tmp_path):
@@ -275,16 +276,16 @@ def test_packing_leaves_other_calls_and_entries_alone(shipped):
     mha = Problem(8, 8, 16, 8192, 128, "bf16", "causal_br", 8)
     prefill = Problem(8, 64, 512, 8192, 128, "bf16", "causal_br", 8)
     for p in (mha, prefill):
-        assert _packed_gqa(decode, p, H100_SXM) is decode, p.key
+        assert packed_gqa(decode, p, H100_SXM) is decode, p.key
     qwen = Problem(8, 28, 16, 8192, 128, "bf16", "causal_br", 4)   # 7 heads a group: blocks of 63 or 126 rows
-    assert _packed_gqa(decode, qwen, H100_SXM)["family"] == GQA.name
-    assert _packed_gqa(decode, SPEC, A100_SXM) is decode
+    assert packed_gqa(decode, qwen, H100_SXM)["family"] == GQA.name
+    assert packed_gqa(decode, SPEC, A100_SXM) is decode
     peer = {"family": "sdpa_cudnn", "params": {}}
-    assert _packed_gqa(peer, SPEC, H100_SXM) is peer and _packed_gqa(None, SPEC, H100_SXM) is None
-    assert _packed_gqa(decode, SPEC, H100_SXM)["family"] == GQA.name
+    assert packed_gqa(peer, SPEC, H100_SXM) is peer and packed_gqa(None, SPEC, H100_SXM) is None
+    assert packed_gqa(decode, SPEC, H100_SXM)["family"] == GQA.name
     for borrowed in ("flash_fwd_sm90", "flash_fwd_sm90_tail", "flash_fwd_sm90_split"):   # a prefill config on a decode step
-        assert _packed_gqa({"family": borrowed, "params": {}}, SPEC, H100_SXM)["family"] == GQA.name
-    assert _packed_gqa({"family": "flash_fwd_mma", "params": {}}, SPEC, H100_SXM)["family"] == "flash_fwd_mma"
+        assert packed_gqa({"family": borrowed, "params": {}}, SPEC, H100_SXM)["family"] == GQA.name
+    assert packed_gqa({"family": "flash_fwd_mma", "params": {}}, SPEC, H100_SXM)["family"] == "flash_fwd_mma"
     assert group_of(SPEC) * SPEC.seqlen_q == 128
 
 
@@ -315,13 +316,13 @@ def test_a_packed_entry_tuned_on_many_rows_gives_way_to_flash_decode_on_few():
              "problem": tuned.to_dict()}
     few = Problem(16, 16, 16, 8192, 128, "bf16", "causal_br", 8)     # 32 rows, the same bucket (groups mix)
     assert few.bucket() == tuned.bucket()
-    got = _packed_gqa(entry, few, H100_SXM)
+    got = packed_gqa(entry, few, H100_SXM)
     assert got["family"] == "flash_decode" and got["params"] == get_family("flash_decode").default(H100_SXM, few)
     own = {**entry, "problem": few.to_dict()}   # tuned on such steps: kept
-    assert _packed_gqa(own, few, H100_SXM) is own
+    assert packed_gqa(own, few, H100_SXM) is own
     nameless = {k: v for k, v in entry.items() if k != "problem"}
-    assert _packed_gqa(nameless, few, H100_SXM) is nameless   # what it was tuned on unknown: as it is
-    assert _packed_gqa(entry, tuned, H100_SXM) is entry   # enough rows: served as tuned
+    assert packed_gqa(nameless, few, H100_SXM) is nameless   # what it was tuned on unknown: as it is
+    assert packed_gqa(entry, tuned, H100_SXM) is entry   # enough rows: served as tuned
     prefill = Problem(16, 40, 512, 8192, 128, "bf16", "causal_br", 8)   # 512 queries fill their blocks: no packing
-    got = _packed_gqa(entry, prefill, H100_SXM)
+    got = packed_gqa(entry, prefill, H100_SXM)
     assert got == {"family": "flash_fwd_sm90", "params": get_family("flash_fwd_sm90").default(H100_SXM, prefill)}

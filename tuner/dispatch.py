@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 
 from . import autotune, recording
+from .gqa_packing import packed_gqa
 from .launch import Launcher, kernel_scale, launch_on
 from .problem import DECODE_QUERIES, TORCH_DTYPES, WORK_CLASSES, Bucket, Problem, mask_of, torch_dtype
 from .records import one_line
+from .untuned import decode_default, prefill_default, split_default
 
 TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
 # The C++ call path's mask codes (tuner/csrc/fast_call.cpp): a plan's `causal`, bool or mask name
@@ -50,12 +52,6 @@ MISFIT_BLOCKS = 4
 # A call that fills the GPU passes over a borrowed entry tuned on rows of DEFAULT_KEYS keys or fewer
 # where it has MISFIT_KEYS times as many (_tuned_on_short_keys).
 MISFIT_KEYS = 4
-# A call nothing tuned serves runs flash_fwd_sm90's default, not the split default, where the
-# default's tiles make this many waves: its persistent schedule evens out the last wave, which
-# splitting the keys would otherwise buy (B8-H4 1078 x 8849 keys at d=96, 288 tiles: 476 TFLOP/s
-# against 446 split; at 160 tiles, 1.2 waves, B1-H16 1260 x 27529 read 540 split, 391 unsplit;
-# PERF_NOTES "j3").
-DEFAULT_WAVES = 2
 # A measured SDPA backend serves by torch's Python path (the backend pinned, SDPA's own checks, an
 # LSE buffer), some 30-40 µs of host time a call where our kernels launch from C++; a call shorter
 # than that leaves the GPU idle behind it. So a peer whose entry, scaled to the call's work, runs
@@ -67,56 +63,6 @@ PEER_MIN_MS = 0.05
 # A measured SDPA entry borrowed from a neighbouring bucket serves a prefill call before that bucket's
 # kernels only where it led them by this much at its own shape (narrow_peer).
 PEER_MARGIN = 1.10
-# Packed rows (query heads of a K/V head x queries) from which a GQA decode step's kernel entry runs
-# as flash_fwd_sm90_gqa (_packed_gqa), in a consumer's 64-row wgmma tile, where flash_decode runs m16
-# row blocks of mma.sync that each stream the K/V again. On the H200 32 rows read level (0.98-1.03x
-# flash_decode), 56 rows 1.56x (8 queries x 7 heads), 64 and more 1.3-3.0x (PERF_NOTES "g1-g3").
-PACK_ROWS = 48
-# Past d=128 from fewer: flash_decode's m16 row blocks each hold a 256-wide accumulator row and stream
-# the K/V again, where the packed kernel's one consumer takes 64 rows a K/V tile. On the H200 (bf16,
-# d=256, PERF_NOTES "n2") 16 rows read 1.10-1.48x what served before on three steps, 24-40 rows
-# 1.59-2.28x on four.
-PACK_ROWS_WIDE = 16
-# Past d=128 under PACK_ROWS_WIDE rows, a step packs where the packed grid (K/V heads x splits) makes
-# this share of the SMs' CTAs or more. Once the maps streamed token-major K/V at full bandwidth
-# ("i1"), 2-8 rows read 1.03-1.24x what served on 24 of the 2003 random calls whose grid was that
-# large (B8-H8/kv4 x 2586 keys: 38.1 µs against 44.9), where 8 smaller grids read 0.47-0.83x: a CTA
-# walks its keys alone (B2-H4/kv2 x 1669, 4 CTAs: 34.2 µs against flash_decode's 16.1) or a head's
-# many splits wait on one merge (B1-H2/kv1 x 55404, 14 CTAs: 75.6 against 39.1; PERF_NOTES "y1").
-PACK_FEW_ROWS_SM_SHARE = 0.25
-
-# A GQA prefill call of our Hopper kernels runs flash_fwd_sm90_gqa's default (`packs_prefill`; Bc 176,
-# split 24 on these calls) where the query heads of a K/V head packed into two consumers' blocks fill
-# them PACK_PREFILL_FILL_GAIN times as well as each head's queries do (short rows: a chunk of a
-# prompt, a cross-attention), its packed blocks make PACK_PREFILL_WAVES waves of CTAs or more, over
-# PACK_PREFILL_KEYS keys or more, at d <= 128 (past it the packed kernel takes Bc <= 64). On the H200
-# (bf16, d=64-128, PERF_NOTES "y1"), once the maps streamed K/V at full bandwidth ("i1"): 1.02-1.37x
-# what served on 18 of 19 calls it takes (B4-H16/kv2 517 x 8162 causal_br 743.6 TFLOP/s against 543.7;
-# B16-H64/kv8 417 x 6683 738.3 against 622.6, FA4 596.4), 0.99x on one (d=64, 300 x 8192); under
-# the old maps ("j1") the same rule lost 0.955-0.973x on 4 of 9. From 1536 keys (4096 before "x3"): of 24
-# random d=128 calls under 4096 keys timed in turns, FA4 beside, the 11 over 1536 that the rule takes read
-# 1.07-1.37x what served (B8-H64/kv8 151 x 3594 causal_br 569.2 against 416.7, FA4 520.2), one it leaves
-# (fill gain 1.11) 1.04x; under 1536 keys 2 of 12 won (1.11-1.16x) and 10 lost 0.64-0.89x (self-attention
-# of 265-544 queries, cross-attention over 76-421 keys, B16-H8/kv2 534 x 1247).
-PACK_PREFILL_FILL_GAIN = 1.15
-PACK_PREFILL_WAVES = 2
-PACK_PREFILL_KEYS = 1536
-# Under PACK_PREFILL_WAVES waves of packed CTAs a call packs from PACK_PREFILL_FEW_CTAS_KEYS keys, where
-# the packed kernel's splits of the keys fill the GPU: of 13 random d=128 GQA chunks of 40-192 packed CTAs
-# on the H200 (PERF_NOTES "x3"), the 6 over 6144 keys read 1.10-1.34x what served (B2-H16/kv4 276 x 27118
-# bottom-right 578.5 TFLOP/s against the split default's 505.8), the 7 over 1768-4532 keys 0.90-1.02x. Of
-# the 55 other random draws it moves, 16 held out: 0.93-1.40x what served, 1.09x geomean, 3 under 1
-# (B1-H16/kv4 71 x 7618, 12 CTAs: 0.93x).
-PACK_PREFILL_FEW_CTAS_KEYS = 6144
-# Where its K and V outgrow PACK_PREFILL_L2_TIMES times the L2, a call packs from a fill gain of
-# PACK_PREFILL_L2_FILL_GAIN: every block streams its K/V head, from memory again once they outgrow L2,
-# and the packed blocks are fewer. On the H200 (L2 60 MiB; PERF_NOTES
-# "x4": random d=128 GQA calls under PACK_PREFILL_FILL_GAIN, the packed default against what served,
-# timed in turns): over 120 MB and from 1.05, 0.995-1.21x on 16, 15 over 1, 1.07x geomean (B16-H32/kv8
-# 206 x 8722 bottom-right 687.0 TFLOP/s against 567.7); over 120 MB under 1.05, 0.98-1.03x on 15, level;
-# under 120 MB 0.85-1.22x on 42, 0.99x geomean (B16-H8/kv2 2169 causal, 34 MB: 0.85x).
-PACK_PREFILL_L2_TIMES = 2
-PACK_PREFILL_L2_FILL_GAIN = 1.05
 
 
 @dataclass
@@ -279,10 +225,10 @@ class Dispatcher:
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
         if near is not None and fills_gpu(problem, gpu) and _misfit(*near, problem, gpu):
             if _split_entry(near[1]):   # its keys' split weighed afresh: the split default, else the plain one
-                fit = _split_default(problem, gpu)
+                fit = split_default(problem, gpu)
             else:
                 fit = next((e for dist, e in self.candidates(problem, gpu) if not _misfit(dist, e, problem, gpu)), None)
-            near = (0, fit or _prefill_default(problem, gpu) or near[1])
+            near = (0, fit or prefill_default(problem, gpu) or near[1])
         if near is None:
             return None
         entry = self._split_where_idle(self._given_way(near[1], problem, gpu), problem, gpu)
@@ -324,10 +270,10 @@ class Dispatcher:
         where it splits the keys, else flash_fwd_sm90's; None where no kernel of ours runs it (a
         dtype, head dim or GPU they do not take: SDPA then does). A GQA decode step of many
         packed rows runs flash_fwd_sm90_gqa where flash_decode would, and so does a GQA prefill of
-        short query rows where the Hopper prefill kernels would (_packed_gqa)."""
-        entry = self.select(problem, gpu) or _served_form(_decode_default(problem, gpu) or _split_default(problem, gpu)
-                                                          or _prefill_default(problem, gpu), problem, gpu)
-        return _packed_gqa(entry, problem, gpu, self._timed_packed(entry, gpu))
+        short query rows where the Hopper prefill kernels would (packed_gqa)."""
+        entry = self.select(problem, gpu) or _served_form(decode_default(problem, gpu) or split_default(problem, gpu)
+                                                          or prefill_default(problem, gpu), problem, gpu)
+        return packed_gqa(entry, problem, gpu, self._timed_packed(entry, gpu))
 
     def _timed_packed(self, entry: dict | None, gpu) -> bool:
         """Whether `entry`'s bucket holds a flash_fwd_sm90_gqa entry: its search timed the packed family
@@ -453,7 +399,7 @@ class Dispatcher:
     def _autotune_candidates(self, problem: Problem, gpu) -> list[dict]:
         """What a first call times (autotune.shortlist picks from these): the entries of the nearest
         tuned buckets; where the call packs, flash_fwd_sm90_gqa's default first, which would otherwise
-        replace every plain winner unweighed (_packed_gqa); timed, it leaves a packed entry in the
+        replace every plain winner unweighed (packed_gqa); timed, it leaves a packed entry in the
         bucket, against which a faster plain one then stands (_timed_packed)."""
         near = [e for _, e in self.candidates(problem, gpu, autotune.OCTAVES)]
         served = self.serving_entry(problem, gpu)
@@ -626,7 +572,7 @@ def fills_gpu(problem: Problem, gpu) -> bool:
     SM at least. A tuned config's work per CTA holds across lengths and batches (long prompts past
     the tuned 16k, chunks after 64k keys: 1.9-2.5x SDPA where measured, PERF_NOTES "p1", "p2"); a
     config tuned where the blocks filled the GPU is no guide where they leave SMs idle, and such a
-    call that nothing near serves runs a default (_split_default, _prefill_default)."""
+    call that nothing near serves runs a default (split_default, prefill_default)."""
     return problem.seqlen_q > DECODE_QUERIES and problem.query_blocks(FILL_ROWS) >= gpu.sm_count
 
 
@@ -702,54 +648,6 @@ def idle_peer(entry: dict, gpu, problem: Problem) -> bool:
     return tuned.seqlen_q > DECODE_QUERIES and blocks < gpu.sm_count and problem.query_blocks(FILL_ROWS) > blocks
 
 
-def _decode_default(problem: Problem, gpu) -> dict | None:
-    """flash_decode's default config for a decode call nothing tuned serves (no entry of its bucket
-    or a nearby one): untuned, it still reads each K/V head once for its query heads and splits the
-    keys to fill the GPU, where a prefill config or SDPA would otherwise run it. The shipped lookups
-    tune the common decode buckets (benchmarks/PERF_NOTES.md "d7")."""
-    from .kernel_templates import FAMILIES
-
-    fam = FAMILIES.get("flash_decode")
-    if fam is None or fam.supports(gpu, problem):
-        return None
-    return {"family": fam.name, "params": fam.default(gpu, problem)}
-
-
-def _split_default(problem: Problem, gpu) -> dict | None:
-    """flash_fwd_sm90_split's default config for a prefill call nothing tuned serves whose query
-    blocks leave SMs idle (a few heads of a short prompt, a chunk of a tensor-parallel shard: no
-    bucket within reach, and too few blocks to borrow one at any distance), where its occupancy
-    splits the keys. Where it would run one split, or where flash_fwd_sm90's default (persistent)
-    makes DEFAULT_WAVES waves of its tiles, that default serves (_prefill_default)."""
-    from .kernel_templates import FAMILIES
-    from .kernel_templates.flash_fwd_sm90 import three_consumers_pay
-
-    fam = FAMILIES.get("flash_fwd_sm90_split")
-    if fam is None or problem.seqlen_q <= DECODE_QUERIES or fam.supports(gpu, problem):
-        return None
-    params = fam.default(gpu, problem)
-    if fam.splits(params, problem, gpu) < 2:
-        return None
-    plain = _prefill_default(problem, gpu)
-    # where three_consumers_pay chose the default's 192-row tiles (at d = 72-96, by the waves they make
-    # against 128-row ones), its waves are counted as two consumers' tiles, on which the rule was measured:
-    # on three H200 calls that 192-row tiles would have split, the plain default read 1.06-1.08x the split
-    if plain:
-        rows = 128 if three_consumers_pay(gpu, problem) else 64 * plain["params"]["cwg"]
-        if problem.query_blocks(rows) >= DEFAULT_WAVES * gpu.sm_count:
-            return None
-        # where the default takes three consumers, their tiles weighed against the split's own (PERF_NOTES "x3",
-        # 30 random calls the split served on the H200, timed in turns against the plain default): the 9 where
-        # the estimate favours three consumers plain read 0.995-1.46x the split, 1.27x geomean, the 6 where it
-        # favours the split 0.74-0.94x; where the default takes two consumers (15 calls) plain read 0.75-1.09x,
-        # 0.93x geomean, the estimate wrong both ways there: the split kept
-        from .kernel_templates.flash_fwd_sm90_split import split_pays
-
-        if plain["params"]["cwg"] == 3 and not split_pays(params, plain["params"], problem, gpu):
-            return None
-    return {"family": fam.name, "params": params}
-
-
 def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
     """`entry`, or where it is a flash_fwd_sm90 config of three consumers serving a call whose
     192-row blocks make under a wave of CTAs and where two consumers pay
@@ -775,120 +673,11 @@ def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
     return {**entry, "params": default} if default["cwg"] == 2 else entry
 
 
-def _packed_gqa(entry: dict | None, problem: Problem, gpu, timed_packed: bool = False) -> dict | None:
-    """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
-    split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
-    rows or more (past d=128 PACK_ROWS_WIDE, or fewer on a grid that fills the GPU: `packs`),
-    flash_fwd_sm90_gqa's default: the Hopper kernel with those rows in its wgmma tile, each K/V tile
-    loaded once for them. On the H200
-    (PERF_NOTES "g1-g3", bf16, against the entries they had): 16 queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64
-    queries x 4 heads 1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads
-    1.84-2.35x; at 32 rows level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA
-    backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
-    head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
-    flash_fwd_sm90_gqa entry tuned on `pack_rows` or more (a user's search of a decode bucket may
-    have kept one) serves a step that does not pack with flash_decode's default. A prefill call:
-    `_packed_prefill` (`timed_packed`: whether the entry's bucket search timed the packed family)."""
-    from .kernel_templates import FAMILIES, configs_family
-
-    fam = FAMILIES.get("flash_fwd_sm90_gqa")
-    if fam is None or entry is None:
-        return entry
-    if not problem.decode_step:
-        return _packed_prefill(entry, problem, gpu, timed_packed)
-    few = not packs(problem, gpu)
-    if entry["family"] == fam.name and few and _tuned_rows(entry) >= pack_rows(problem):
-        # tuned on more packed rows (a bucket mixes groups): under `pack_rows` flash_decode reads level or ahead
-        return _decode_default(problem, gpu) or entry
-    if (configs_family(entry["family"]) not in ("flash_decode", "flash_fwd_sm90", "flash_fwd_sm90_split")
-            or few or fam.supports(gpu, problem)):
-        return entry
-    try:
-        params = fam.default(gpu, problem)
-    except ValueError:   # no valid config: a group wider than every tile
-        return entry
-    return {"family": fam.name, "params": params}
-
-
-def _packed_prefill(entry: dict, problem: Problem, gpu, timed_packed: bool = False) -> dict:
-    """`entry`, or where it is a config of our Hopper prefill kernels serving a call that
-    `packs_prefill`, flash_fwd_sm90_gqa's default. A measured SDPA backend keeps its bucket, and so
-    does an entry of the call's own bucket where that bucket's search timed the packed family beside
-    it (`timed_packed`: the bucket holds a packed entry too). Not inferred from the rule: a lookup
-    tuned before the rule took the bucket's problems never timed it. The other way round, a packed
-    entry borrowed for a prefill that does not pack serves flash_fwd_sm90's default."""
-    from .kernel_templates import FAMILIES, configs_family
-
-    fam = FAMILIES["flash_fwd_sm90_gqa"]
-    if entry["family"] == fam.name:
-        return entry if packs_prefill(problem, gpu) else (_prefill_default(problem, gpu) or entry)
-    if configs_family(entry["family"]) not in ("flash_fwd_sm90", "flash_fwd_sm90_split") or not packs_prefill(problem, gpu):
-        return entry
-    if timed_packed and entry.get("bucket") == problem.bucket().key:
-        return entry
-    params = fam.default(gpu, problem)
-    return entry if fam.check(params, gpu, problem) is not None else {"family": fam.name, "params": params}
-
-
-def packs_prefill(problem: Problem, gpu) -> bool:
-    """Whether a GQA prefill call runs packed (_packed_prefill): at d <= 128 over PACK_PREFILL_KEYS
-    keys or more, its packed rows filling two consumers' blocks PACK_PREFILL_FILL_GAIN times as well
-    as its query rows fill the plain kernel's (PACK_PREFILL_L2_FILL_GAIN times where its K/V outgrow
-    PACK_PREFILL_L2_TIMES times the L2), in PACK_PREFILL_WAVES waves of CTAs or more, or in fewer over
-    PACK_PREFILL_FEW_CTAS_KEYS keys (its splits of them fill the GPU)."""
-    from .kernel_templates import FAMILIES
-    from .kernel_templates.flash_fwd_sm90_gqa import fill_gain, packed_blocks
-
-    fam = FAMILIES.get("flash_fwd_sm90_gqa")
-    if (fam is None or problem.seqlen_q <= DECODE_QUERIES or problem.head_dim > 128
-            or problem.seqlen_k < PACK_PREFILL_KEYS or fam.supports(gpu, problem)):
-        return False
-    ctas = packed_blocks(dict(cwg=2), problem) * problem.batch * problem.kv_heads
-    gain = fill_gain(problem)
-    fills = gain >= PACK_PREFILL_FILL_GAIN or (
-        gain >= PACK_PREFILL_L2_FILL_GAIN and problem.kv_bytes >= PACK_PREFILL_L2_TIMES * gpu.l2_bytes)
-    return fills and (ctas >= PACK_PREFILL_WAVES * gpu.sm_count or problem.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS)
-
-
-def pack_rows(problem: Problem) -> int:
-    """The packed rows (query heads of a K/V head x queries) from which a GQA decode step of
-    `problem`'s head dim runs packed (_packed_gqa): PACK_ROWS, past d=128 PACK_ROWS_WIDE."""
-    return PACK_ROWS_WIDE if problem.head_dim > 128 else PACK_ROWS
-
-
-def packs(problem: Problem, gpu) -> bool:
-    """Whether a GQA decode step runs packed (_packed_gqa): from `pack_rows` packed rows, or past
-    d=128 from fewer where flash_fwd_sm90_gqa's default grid fills PACK_FEW_ROWS_SM_SHARE of the SMs."""
-    from .kernel_templates import FAMILIES
-    from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
-
-    if packed_rows(problem) >= pack_rows(problem):
-        return True
-    fam = FAMILIES.get("flash_fwd_sm90_gqa")
-    if problem.head_dim <= 128 or fam is None or fam.supports(gpu, problem):
-        return False
-    try:
-        grid = fam.launch(fam.default(gpu, problem), problem, gpu).grid
-    except ValueError:   # no valid config
-        return False
-    return grid[0] * grid[1] * grid[2] >= PACK_FEW_ROWS_SM_SHARE * gpu.sm_count
-
-
 def _tuned_problem(entry: dict) -> Problem | None:
     """The problem a lookup entry was tuned (a kernel) or measured (an SDPA backend) on; None where
     it names none."""
     measured = entry.get("problem")
     return Problem.from_dict(measured) if isinstance(measured, dict) else None
-
-
-def _tuned_rows(entry: dict) -> int:
-    """The packed rows (g x Nq) of the problem `entry` was tuned on; 0 where it names none."""
-    from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
-
-    try:
-        return packed_rows(Problem.from_dict(entry["problem"]))
-    except (KeyError, TypeError, ValueError):
-        return 0
 
 
 def _misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
@@ -968,26 +757,6 @@ def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
     except (TypeError, ValueError):   # an entry that names no bucket
         return False
     return tuned.work == smallest and problem.bucket().work != smallest and problem.seqlen_k >= DEFAULT_KEYS
-
-
-def _prefill_default(problem: Problem, gpu) -> dict | None:
-    """flash_fwd_sm90's default config for a prefill call that no tuned bucket serves: one that fills
-    the GPU with no bucket of its head dim, dtype, mask and error budget at any distance (tuner.nearest
-    borrows only within them: a head dim nobody tuned, Phi-3's 96, Stable Diffusion's 80 and 160), or
-    one of fewer query blocks than SMs with no bucket near whose keys split no gain
-    (_split_default). The default (the family's first valid seed) came within 1% of the best of every
-    swept space (PERF_NOTES "The Hopper space swept"). SDPA served the second kind until PERF_NOTES
-    "n1": on the H200, on eight such calls of 48-128 blocks of 128 rows, it read 1.14-2.8x SDPA's best
-    backend and 1.02-2.5x the best of SDPA and FlashAttention-4 in the same turns (B2-H8/kv2 743 x 8133
-    queries x keys: 546 TFLOP/s against cuDNN's 432; 32 heads of a 216 x 811 chunk: 251 against SDPA
-    flash's 132), where p1's rule had been fitted to one 8-head shard (32 blocks, which its bucket's
-    split entry serves, 0.97x SDPA flash)."""
-    from .kernel_templates import FAMILIES
-
-    fam = FAMILIES.get("flash_fwd_sm90")
-    if fam is None or problem.seqlen_q <= DECODE_QUERIES or fam.supports(gpu, problem):
-        return None
-    return {"family": fam.name, "params": fam.default(gpu, problem)}
 
 
 def _pinned(peer: str):

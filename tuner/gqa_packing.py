@@ -1,0 +1,168 @@
+"""When a GQA call runs flash_fwd_sm90_gqa, the query heads of a K/V head packed into one tile's rows:
+the rules for a decode step (`packs`) and for a prefill (`packs_prefill`), each measured on the H200,
+and how the dispatcher serves an entry in that form (`packed_gqa`)."""
+
+from __future__ import annotations
+
+from .problem import DECODE_QUERIES, Problem
+from .untuned import decode_default, prefill_default
+
+# Packed rows (query heads of a K/V head x queries) from which a GQA decode step's kernel entry runs
+# as flash_fwd_sm90_gqa (packed_gqa), in a consumer's 64-row wgmma tile, where flash_decode runs m16
+# row blocks of mma.sync that each stream the K/V again. On the H200 32 rows read level (0.98-1.03x
+# flash_decode), 56 rows 1.56x (8 queries x 7 heads), 64 and more 1.3-3.0x (PERF_NOTES "g1-g3").
+PACK_ROWS = 48
+# Past d=128 from fewer: flash_decode's m16 row blocks each hold a 256-wide accumulator row and stream
+# the K/V again, where the packed kernel's one consumer takes 64 rows a K/V tile. On the H200 (bf16,
+# d=256, PERF_NOTES "n2") 16 rows read 1.10-1.48x what served before on three steps, 24-40 rows
+# 1.59-2.28x on four.
+PACK_ROWS_WIDE = 16
+# Past d=128 under PACK_ROWS_WIDE rows, a step packs where the packed grid (K/V heads x splits) makes
+# this share of the SMs' CTAs or more. Once the maps streamed token-major K/V at full bandwidth
+# ("i1"), 2-8 rows read 1.03-1.24x what served on 24 of the 2003 random calls whose grid was that
+# large (B8-H8/kv4 x 2586 keys: 38.1 µs against 44.9), where 8 smaller grids read 0.47-0.83x: a CTA
+# walks its keys alone (B2-H4/kv2 x 1669, 4 CTAs: 34.2 µs against flash_decode's 16.1) or a head's
+# many splits wait on one merge (B1-H2/kv1 x 55404, 14 CTAs: 75.6 against 39.1; PERF_NOTES "y1").
+PACK_FEW_ROWS_SM_SHARE = 0.25
+
+# A GQA prefill call of our Hopper kernels runs flash_fwd_sm90_gqa's default (`packs_prefill`; Bc 176,
+# split 24 on these calls) where the query heads of a K/V head packed into two consumers' blocks fill
+# them PACK_PREFILL_FILL_GAIN times as well as each head's queries do (short rows: a chunk of a
+# prompt, a cross-attention), its packed blocks make PACK_PREFILL_WAVES waves of CTAs or more, over
+# PACK_PREFILL_KEYS keys or more, at d <= 128 (past it the packed kernel takes Bc <= 64). On the H200
+# (bf16, d=64-128, PERF_NOTES "y1"), once the maps streamed K/V at full bandwidth ("i1"): 1.02-1.37x
+# what served on 18 of 19 calls it takes (B4-H16/kv2 517 x 8162 causal_br 743.6 TFLOP/s against 543.7;
+# B16-H64/kv8 417 x 6683 738.3 against 622.6, FA4 596.4), 0.99x on one (d=64, 300 x 8192); under
+# the old maps ("j1") the same rule lost 0.955-0.973x on 4 of 9. From 1536 keys (4096 before "x3"): of 24
+# random d=128 calls under 4096 keys timed in turns, FA4 beside, the 11 over 1536 that the rule takes read
+# 1.07-1.37x what served (B8-H64/kv8 151 x 3594 causal_br 569.2 against 416.7, FA4 520.2), one it leaves
+# (fill gain 1.11) 1.04x; under 1536 keys 2 of 12 won (1.11-1.16x) and 10 lost 0.64-0.89x (self-attention
+# of 265-544 queries, cross-attention over 76-421 keys, B16-H8/kv2 534 x 1247).
+PACK_PREFILL_FILL_GAIN = 1.15
+PACK_PREFILL_WAVES = 2
+PACK_PREFILL_KEYS = 1536
+# Under PACK_PREFILL_WAVES waves of packed CTAs a call packs from PACK_PREFILL_FEW_CTAS_KEYS keys, where
+# the packed kernel's splits of the keys fill the GPU: of 13 random d=128 GQA chunks of 40-192 packed CTAs
+# on the H200 (PERF_NOTES "x3"), the 6 over 6144 keys read 1.10-1.34x what served (B2-H16/kv4 276 x 27118
+# bottom-right 578.5 TFLOP/s against the split default's 505.8), the 7 over 1768-4532 keys 0.90-1.02x. Of
+# the 55 other random draws it moves, 16 held out: 0.93-1.40x what served, 1.09x geomean, 3 under 1
+# (B1-H16/kv4 71 x 7618, 12 CTAs: 0.93x).
+PACK_PREFILL_FEW_CTAS_KEYS = 6144
+# Where its K and V outgrow PACK_PREFILL_L2_TIMES times the L2, a call packs from a fill gain of
+# PACK_PREFILL_L2_FILL_GAIN: every block streams its K/V head, from memory again once they outgrow L2,
+# and the packed blocks are fewer. On the H200 (L2 60 MiB; PERF_NOTES
+# "x4": random d=128 GQA calls under PACK_PREFILL_FILL_GAIN, the packed default against what served,
+# timed in turns): over 120 MB and from 1.05, 0.995-1.21x on 16, 15 over 1, 1.07x geomean (B16-H32/kv8
+# 206 x 8722 bottom-right 687.0 TFLOP/s against 567.7); over 120 MB under 1.05, 0.98-1.03x on 15, level;
+# under 120 MB 0.85-1.22x on 42, 0.99x geomean (B16-H8/kv2 2169 causal, 34 MB: 0.85x).
+PACK_PREFILL_L2_TIMES = 2
+PACK_PREFILL_L2_FILL_GAIN = 1.05
+
+
+def packed_gqa(entry: dict | None, problem: Problem, gpu, timed_packed: bool = False) -> dict | None:
+    """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
+    split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
+    rows or more (past d=128 PACK_ROWS_WIDE, or fewer on a grid that fills the GPU: `packs`),
+    flash_fwd_sm90_gqa's default: the Hopper kernel with those rows in its wgmma tile, each K/V tile
+    loaded once for them. On the H200
+    (PERF_NOTES "g1-g3", bf16, against the entries they had): 16 queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64
+    queries x 4 heads 1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads
+    1.84-2.35x; at 32 rows level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA
+    backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
+    head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
+    flash_fwd_sm90_gqa entry tuned on `pack_rows` or more (a user's search of a decode bucket may
+    have kept one) serves a step that does not pack with flash_decode's default. A prefill call:
+    `_packed_prefill` (`timed_packed`: whether the entry's bucket search timed the packed family)."""
+    from .kernel_templates import FAMILIES, configs_family
+
+    fam = FAMILIES.get("flash_fwd_sm90_gqa")
+    if fam is None or entry is None:
+        return entry
+    if not problem.decode_step:
+        return _packed_prefill(entry, problem, gpu, timed_packed)
+    few = not packs(problem, gpu)
+    if entry["family"] == fam.name and few and _tuned_rows(entry) >= pack_rows(problem):
+        # tuned on more packed rows (a bucket mixes groups): under `pack_rows` flash_decode reads level or ahead
+        return decode_default(problem, gpu) or entry
+    if (configs_family(entry["family"]) not in ("flash_decode", "flash_fwd_sm90", "flash_fwd_sm90_split")
+            or few or fam.supports(gpu, problem)):
+        return entry
+    try:
+        params = fam.default(gpu, problem)
+    except ValueError:   # no valid config: a group wider than every tile
+        return entry
+    return {"family": fam.name, "params": params}
+
+
+def _packed_prefill(entry: dict, problem: Problem, gpu, timed_packed: bool = False) -> dict:
+    """`entry`, or where it is a config of our Hopper prefill kernels serving a call that
+    `packs_prefill`, flash_fwd_sm90_gqa's default. A measured SDPA backend keeps its bucket, and so
+    does an entry of the call's own bucket where that bucket's search timed the packed family beside
+    it (`timed_packed`: the bucket holds a packed entry too). Not inferred from the rule: a lookup
+    tuned before the rule took the bucket's problems never timed it. The other way round, a packed
+    entry borrowed for a prefill that does not pack serves flash_fwd_sm90's default."""
+    from .kernel_templates import FAMILIES, configs_family
+
+    fam = FAMILIES["flash_fwd_sm90_gqa"]
+    if entry["family"] == fam.name:
+        return entry if packs_prefill(problem, gpu) else (prefill_default(problem, gpu) or entry)
+    if configs_family(entry["family"]) not in ("flash_fwd_sm90", "flash_fwd_sm90_split") or not packs_prefill(problem, gpu):
+        return entry
+    if timed_packed and entry.get("bucket") == problem.bucket().key:
+        return entry
+    params = fam.default(gpu, problem)
+    return entry if fam.check(params, gpu, problem) is not None else {"family": fam.name, "params": params}
+
+
+def packs_prefill(problem: Problem, gpu) -> bool:
+    """Whether a GQA prefill call runs packed (_packed_prefill): at d <= 128 over PACK_PREFILL_KEYS
+    keys or more, its packed rows filling two consumers' blocks PACK_PREFILL_FILL_GAIN times as well
+    as its query rows fill the plain kernel's (PACK_PREFILL_L2_FILL_GAIN times where its K/V outgrow
+    PACK_PREFILL_L2_TIMES times the L2), in PACK_PREFILL_WAVES waves of CTAs or more, or in fewer over
+    PACK_PREFILL_FEW_CTAS_KEYS keys (its splits of them fill the GPU)."""
+    from .kernel_templates import FAMILIES
+    from .kernel_templates.flash_fwd_sm90_gqa import fill_gain, packed_blocks
+
+    fam = FAMILIES.get("flash_fwd_sm90_gqa")
+    if (fam is None or problem.seqlen_q <= DECODE_QUERIES or problem.head_dim > 128
+            or problem.seqlen_k < PACK_PREFILL_KEYS or fam.supports(gpu, problem)):
+        return False
+    ctas = packed_blocks(dict(cwg=2), problem) * problem.batch * problem.kv_heads
+    gain = fill_gain(problem)
+    fills = gain >= PACK_PREFILL_FILL_GAIN or (
+        gain >= PACK_PREFILL_L2_FILL_GAIN and problem.kv_bytes >= PACK_PREFILL_L2_TIMES * gpu.l2_bytes)
+    return fills and (ctas >= PACK_PREFILL_WAVES * gpu.sm_count or problem.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS)
+
+
+def pack_rows(problem: Problem) -> int:
+    """The packed rows (query heads of a K/V head x queries) from which a GQA decode step of
+    `problem`'s head dim runs packed (packed_gqa): PACK_ROWS, past d=128 PACK_ROWS_WIDE."""
+    return PACK_ROWS_WIDE if problem.head_dim > 128 else PACK_ROWS
+
+
+def packs(problem: Problem, gpu) -> bool:
+    """Whether a GQA decode step runs packed (packed_gqa): from `pack_rows` packed rows, or past
+    d=128 from fewer where flash_fwd_sm90_gqa's default grid fills PACK_FEW_ROWS_SM_SHARE of the SMs."""
+    from .kernel_templates import FAMILIES
+    from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
+
+    if packed_rows(problem) >= pack_rows(problem):
+        return True
+    fam = FAMILIES.get("flash_fwd_sm90_gqa")
+    if problem.head_dim <= 128 or fam is None or fam.supports(gpu, problem):
+        return False
+    try:
+        grid = fam.launch(fam.default(gpu, problem), problem, gpu).grid
+    except ValueError:   # no valid config
+        return False
+    return grid[0] * grid[1] * grid[2] >= PACK_FEW_ROWS_SM_SHARE * gpu.sm_count
+
+
+def _tuned_rows(entry: dict) -> int:
+    """The packed rows (g x Nq) of the problem `entry` was tuned on; 0 where it names none."""
+    from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
+
+    try:
+        return packed_rows(Problem.from_dict(entry["problem"]))
+    except (KeyError, TypeError, ValueError):
+        return 0
