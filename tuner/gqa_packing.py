@@ -64,10 +64,10 @@ def packed_gqa(entry: dict | None, problem: Problem, gpu, timed_packed: bool = F
     split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
     rows or more (past d=128 PACK_ROWS_WIDE, or fewer on a grid that fills the GPU: `packs`),
     flash_fwd_sm90_gqa's default: the Hopper kernel with those rows in its wgmma tile, each K/V tile
-    loaded once for them. On the H200
-    (PERF_NOTES "g1-g3", bf16, against the entries they had): 16 queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64
-    queries x 4 heads 1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads
-    1.84-2.35x; at 32 rows level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA
+    loaded once for them. On the H200 (PERF_NOTES "g1-g3", bf16, against the entries they had): 16
+    queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64 queries x 4 heads
+    1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads 1.84-2.35x; at 32 rows
+    level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA
     backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
     head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
     flash_fwd_sm90_gqa entry tuned on `pack_rows` or more (a user's search of a decode bucket may
