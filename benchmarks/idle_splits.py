@@ -1,7 +1,7 @@
 """Prefill calls whose few query blocks leave SMs idle, as a fresh install serves them (the shipped
 lookups, none of the user's): what `attention` runs (a served flash_fwd_sm90 config with its keys
 split, or the split family's default where nothing tuned reaches: Dispatcher._split_where_idle,
-dispatch.split_default) against what it ran before those rules (the config unsplit, or SDPA),
+untuned.split_default) against what it ran before those rules (the config unsplit, or SDPA),
 beside SDPA flash and cuDNN, each timed in turns (2 rounds, median; every candidate checked against
 float64 first), TFLOP/s (benchmarks/PERF_NOTES.md "p5").
 
@@ -45,7 +45,7 @@ def main() -> int:
         for shape in SHAPES:
             p = Problem.parse(shape, dtype)
             after = new.serving_entry(p, gpu)
-            real = dispatch.split_default   # the rules before p5: no split default either
+            real = dispatch.split_default   # the rules before p5: no split default either (the name dispatch calls)
             dispatch.split_default = lambda p, g: None
             before = old.serving_entry(p, gpu)
             dispatch.split_default = real

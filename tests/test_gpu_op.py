@@ -576,66 +576,82 @@ def test_a_head_dim_no_lookup_tunes_runs_the_hopper_default(dispatcher, d):
     _assert_packed_causal_matches(o, packed, cu)
 
 
-def test_first_call_autotune_times_measures_and_stores(tmp_path, monkeypatch):
-    """With autotuning on, a shape of an untuned bucket has the nearest tuned configs and the SDPA
-    backends timed on it once: the output is right, the database holds the measurements, the
-    lookup the bucket's winners, and a second dispatcher serves the bucket without tuning again."""
-    import torch
-
-    import tuner
-    from models import lookup_with_defaults
+@pytest.fixture
+def autotuning(tmp_path, monkeypatch):
+    """First-call autotuning on, its measurements in a fresh database: (the lookup path to serve from,
+    the measured rows of a problem). Off again, and the dispatcher reset, after the test."""
     from tuner import autotune, dispatch
     from tuner.db.engine import make_engine, session_factory
     from tuner.db.queries import measurements
-    from tuner.export import read_lookup
-    from tuner.gpu import detect
 
-    gpu = detect()
-    monkeypatch.setenv("TUNER_DB", f"sqlite:///{tmp_path / 'results.db'}")
-    path = tmp_path / "best.json"
-    near = Problem(1, 16, 2048, 2048, 128, "bf16", "causal")
-    lookup_with_defaults(path, [near], gpu)
-    p = Problem(2, 16, 3000, 3000, 128, "bf16", "causal", kv_heads=4)
-    assert p.bucket() != near.bucket()
-    dispatch.reset(path)
+    url = f"sqlite:///{tmp_path / 'results.db'}"
+    monkeypatch.setenv("TUNER_DB", url)
+
+    def rows(p: Problem) -> list[dict]:
+        with session_factory(make_engine(url))() as s:
+            return [r for r in measurements(s) if r["problem_key"] == p.key]
+
     autotune.set_autotune(True)
     try:
-        q, k, v = (t.detach() for t in _inputs(p, "bnhd", 7))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message="flashtune")
-            o = tuner.attention(q, k, v, is_causal=True)
-        import torch.nn.functional as F
-
-        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
-        assert float((o.double() - ref).norm() / ref.norm()) < FLOOR["bf16"]
-        with session_factory(make_engine(f"sqlite:///{tmp_path / 'results.db'}"))() as s:
-            rows = [r for r in measurements(s) if r["problem_key"] == p.key]
-        assert {r["family"] for r in rows} >= {"flash_fwd_sm90" if gpu.major == 9 else "flash_fwd_mma", "sdpa_flash"}
-        assert all(r["run_id"].startswith("autotune-") for r in rows) and any(r["status"] == "ok" for r in rows)
-        assert p.bucket().key in {e["bucket"] for e in read_lookup(path)["entries"]}
-        calls = []
-        monkeypatch.setattr(autotune, "tune", lambda *a, **kw: calls.append(a) or [])
-        d = dispatch.reset(path)
-        d.plan(q, k, v, True)
-        assert calls == []
-        torch.cuda.synchronize()
+        yield tmp_path / "best.json", rows
     finally:
         autotune.set_autotune(None)
         dispatch.reset()
 
 
-def test_first_call_autotune_of_a_gqa_prefill_that_packs_times_the_packed_kernel(tmp_path, monkeypatch):
+def _first_call(q, k, v, **how):
+    """tuner.attention's first call of a shape, any flashtune warning (a fallback) an error."""
+    import tuner
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashtune")
+        return tuner.attention(q, k, v, **how)
+
+
+def test_first_call_autotune_times_measures_and_stores(autotuning, monkeypatch):
+    """With autotuning on, a shape of an untuned bucket has the nearest tuned configs and the SDPA
+    backends timed on it once: the output is right, the database holds the measurements, the
+    lookup the bucket's winners, and a second dispatcher serves the bucket without tuning again."""
+    import torch
+    import torch.nn.functional as F
+
+    from models import lookup_with_defaults
+    from tuner import autotune, dispatch
+    from tuner.export import read_lookup
+    from tuner.gpu import detect
+
+    gpu = detect()
+    path, measured = autotuning
+    near = Problem(1, 16, 2048, 2048, 128, "bf16", "causal")
+    lookup_with_defaults(path, [near], gpu)
+    p = Problem(2, 16, 3000, 3000, 128, "bf16", "causal", kv_heads=4)
+    assert p.bucket() != near.bucket()
+    dispatch.reset(path)
+    q, k, v = (t.detach() for t in _inputs(p, "bnhd", 7))
+    o = _first_call(q, k, v, is_causal=True)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    assert float((o.double() - ref).norm() / ref.norm()) < FLOOR["bf16"]
+    rows = measured(p)
+    assert {r["family"] for r in rows} >= {"flash_fwd_sm90" if gpu.major == 9 else "flash_fwd_mma", "sdpa_flash"}
+    assert all(r["run_id"].startswith("autotune-") for r in rows) and any(r["status"] == "ok" for r in rows)
+    assert p.bucket().key in {e["bucket"] for e in read_lookup(path)["entries"]}
+    calls = []
+    monkeypatch.setattr(autotune, "tune", lambda *a, **kw: calls.append(a) or [])
+    d = dispatch.reset(path)
+    d.plan(q, k, v, True)
+    assert calls == []
+    torch.cuda.synchronize()
+
+
+def test_first_call_autotune_of_a_gqa_prefill_that_packs_times_the_packed_kernel(autotuning):
     """A GQA prefill of short rows that packs (gqa_packing.packs_prefill) has flash_fwd_sm90_gqa's default
     timed beside the nearest tuned configs on its first call: the database holds its measurement, the
     lookup a packed entry for the bucket, and the output is right whichever won."""
     import torch
     import torch.nn.functional as F
 
-    import tuner
     from models import lookup_with_defaults
-    from tuner import autotune, dispatch
-    from tuner.db.engine import make_engine, session_factory
-    from tuner.db.queries import measurements
+    from tuner import dispatch
     from tuner.export import read_lookup
     from tuner.gpu import detect
     from tuner.gqa_packing import packs_prefill
@@ -643,30 +659,21 @@ def test_first_call_autotune_of_a_gqa_prefill_that_packs_times_the_packed_kernel
     gpu = detect()
     if gpu.major != 9:
         pytest.skip(f"flash_fwd_sm90_gqa runs on Hopper; this GPU is sm_{gpu.major}{gpu.minor}")
-    monkeypatch.setenv("TUNER_DB", f"sqlite:///{tmp_path / 'results.db'}")
-    path = tmp_path / "best.json"
+    path, measured = autotuning
     p = Problem(4, 16, 517, 8162, 128, "bf16", "causal_br", kv_heads=2)
     assert packs_prefill(p, gpu)
     lookup_with_defaults(path, [Problem(4, 16, 2048, 8192, 128, "bf16", "causal_br", kv_heads=2)], gpu)
     dispatch.reset(path)
-    autotune.set_autotune(True)
-    try:
-        q, k, v = (t.detach() for t in _inputs(p, "bnhd", 11))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message="flashtune")
-            o = tuner.attention(q, k, v, mask="causal_br")
-        visible = torch.ones(p.seqlen_q, p.seqlen_k, dtype=torch.bool, device="cuda").tril(p.seqlen_k - p.seqlen_q)
-        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=visible, enable_gqa=True)
-        assert float((o.double() - ref).norm() / ref.norm()) < FLOOR["bf16"]
-        with session_factory(make_engine(f"sqlite:///{tmp_path / 'results.db'}"))() as s:
-            rows = [r for r in measurements(s) if r["problem_key"] == p.key]
-        assert any(r["family"] == "flash_fwd_sm90_gqa" and r["status"] == "ok" for r in rows), rows
-        assert any(e["family"] == "flash_fwd_sm90_gqa" and e["bucket"] == p.bucket().key
-                   for e in read_lookup(path)["entries"])
-        torch.cuda.synchronize()
-    finally:
-        autotune.set_autotune(None)
-        dispatch.reset()
+    q, k, v = (t.detach() for t in _inputs(p, "bnhd", 11))
+    o = _first_call(q, k, v, mask="causal_br")
+    visible = torch.ones(p.seqlen_q, p.seqlen_k, dtype=torch.bool, device="cuda").tril(p.seqlen_k - p.seqlen_q)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=visible, enable_gqa=True)
+    assert float((o.double() - ref).norm() / ref.norm()) < FLOOR["bf16"]
+    rows = measured(p)
+    assert any(r["family"] == "flash_fwd_sm90_gqa" and r["status"] == "ok" for r in rows), rows
+    assert any(e["family"] == "flash_fwd_sm90_gqa" and e["bucket"] == p.bucket().key
+               for e in read_lookup(path)["entries"])
+    torch.cuda.synchronize()
 
 
 def test_the_sdpa_switch_runs_an_empty_batch_as_sdpa_does():
