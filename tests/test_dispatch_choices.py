@@ -364,6 +364,30 @@ def test_a_split_entry_that_would_pad_more_rows_unsplit_gives_way_to_the_plain_k
     assert d.select(b7, H100_SXM)["family"] == SPLIT.name
 
 
+def test_a_split_entry_tuned_where_sms_idled_gives_way_to_three_consumers_in_its_own_bucket(tmp_path):
+    """A d=64 bottom-right chunk bucket tuned at B1-H12 1024 x 32768 (96 query blocks: SMs idle, the
+    split won) also holds B1-H25 931 x 30369 (200 blocks of 128 rows: the GPU filled). There the defaults
+    weighed afresh take three consumers and serve (1.27-1.47x the entry on the H200, PERF_NOTES "x5");
+    the tuned shape itself, and a d=128 call whose defaults take two consumers, keep the entry."""
+    from tuner.untuned import prefill_default, split_default
+
+    tuned = Problem(1, 12, 1024, 32768, 64, "bf16", "causal_br")
+    split = dict(SPLIT.default(H100_SXM, tuned), Bc=128, cwg=2, stages=3, split=40, splits=0)
+    d = Dispatcher(lookup(tmp_path / "a.json", [entry(tuned, SPLIT.name, split, 400.0)]))
+    assert d.select(tuned, H100_SXM)["family"] == SPLIT.name
+    call = replace(tuned, heads=25, kv_heads=25, seqlen_q=931, seqlen_k=30369)
+    assert call.bucket() == tuned.bucket()
+    fresh = split_default(call, H100_SXM) or prefill_default(call, H100_SXM)
+    served = d.select(call, H100_SXM)
+    assert fresh["params"]["cwg"] == 3 and served["params"]["cwg"] == 3, served
+    assert configs_family(served["family"]) == configs_family(fresh["family"])
+    wide = replace(tuned, head_dim=128)
+    d = Dispatcher(lookup(tmp_path / "b.json", [entry(wide, SPLIT.name, dict(split, Bc=80), 400.0)]))
+    call = replace(wide, heads=25, kv_heads=25, seqlen_q=931, seqlen_k=30369)
+    assert (split_default(call, H100_SXM) or prefill_default(call, H100_SXM))["params"]["cwg"] == 2
+    assert d.select(call, H100_SXM)["family"] == SPLIT.name
+
+
 TILE = ("Bc", "stages", "cwg", "split")
 
 

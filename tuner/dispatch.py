@@ -216,8 +216,9 @@ class Dispatcher:
         that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`). A
         call that fills the GPU passes over borrowed entries that were tuned where query blocks left
         SMs idle (`_misfit`) to the nearest that was not, else flash_fwd_sm90's default; a borrowed
-        split entry (`_split_entry`) to the split default where it splits, else that default.
-        An entry that gives way at this call (KernelFamily.gives_way) serves its bucket's entry
+        split entry (`_split_entry`) to the split default where it splits, else that default; and
+        its own bucket's split entry, tuned where SMs idled, to those defaults where they take three
+        consumers (`_split_tuned_where_idle`). An entry that gives way at this call (KernelFamily.gives_way) serves its bucket's entry
         of the family it names instead."""
         near = next(self.candidates(problem, gpu), None)
         if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
@@ -229,6 +230,10 @@ class Dispatcher:
             else:
                 fit = next((e for dist, e in self.candidates(problem, gpu) if not _misfit(dist, e, problem, gpu)), None)
             near = (0, fit or prefill_default(problem, gpu) or near[1])
+        elif near is not None and fills_gpu(problem, gpu) and _split_tuned_where_idle(near[1], gpu):
+            fresh = split_default(problem, gpu) or prefill_default(problem, gpu)
+            if fresh is not None and fresh["params"]["cwg"] == 3:
+                near = (0, fresh)
         if near is None:
             return None
         entry = self._split_where_idle(self._given_way(near[1], problem, gpu), problem, gpu)
@@ -700,6 +705,20 @@ def _split_entry(entry: dict) -> bool:
     the split default against 370; the nearest plain entry read 0.78-0.90x the defaults on four,
     PERF_NOTES "b1", "b2")."""
     return entry["family"] == "flash_fwd_sm90_split"
+
+
+def _split_tuned_where_idle(entry: dict, gpu) -> bool:
+    """Whether `entry` is a split entry (`_split_entry`) tuned on a shape whose query blocks left SMs
+    idle: its search weighed splitting the keys of that shape, not of a call of its bucket that fills
+    the GPU. Such a call runs the defaults, weighed afresh, where they take three consumers (192-row
+    tiles, at d <= 96: flash_fwd_sm90.three_consumers_pay); elsewhere the entry still serves. On the
+    H200 (PERF_NOTES "x5"), 23 calls of seven buckets that fill the GPU, timed in turns: where the
+    defaults take three consumers (one d=64 bucket, 3 calls) 1.27-1.47x the entry (B1-H25 931 x 30369
+    bottom-right 527.2 TFLOP/s against 357.7; FA4 504.2 in another run), 8 more held out 1.20-1.36x;
+    where they take two, 0.87-1.16x, 6 of 20 under 0.97 (a tuned config at one split against the
+    plain default)."""
+    tuned = _tuned_problem(entry)
+    return _split_entry(entry) and tuned is not None and not fills_gpu(tuned, gpu)
 
 
 def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
