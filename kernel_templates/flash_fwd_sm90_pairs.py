@@ -16,9 +16,9 @@ resident at once (one CTA an SM, the grid at most the SMs: a cut tile's second h
 first).
 
 Not searched on its own: a persistent unmasked flash_fwd_sm90 config runs in this form where
-`pairs_form`'s rule says it pays (tiles 128 columns wide and up, S tiles over 128 x 128; 4096
-keys or more; few query blocks past a head's rows), both where the dispatcher serves it and where a
-search times it (FlashFwdSm90.served_form).
+`pairs_form`'s rule says it pays (tiles 128 columns wide and up; S tiles over 128 x 128 unless O is
+stored by TMA; 4096 keys or more; few query blocks past a head's rows), both where the
+dispatcher serves it and where a search times it (FlashFwdSm90.served_form).
 """
 
 from __future__ import annotations
@@ -39,12 +39,14 @@ CLUSTER = 2
 # pairs read 1.00-1.06x their plain form with three consumers, 0.95-1.07x with two (PERF_NOTES "j2").
 PAIRS_MIN_KEYS = 4096
 PAIRS_MIN_TILE_DIM = 128
-# A CTA's S tile a K/V tile (64 x cwg query rows by Bc keys) over 128 x 128: the cluster waits on both
-# CTAs once a K/V tile, a larger share of a smaller tile's work. Back to back at the power cap, pairs
-# of two consumers at Bc 128 ran 6-12% less work per clock than the single-CTA form against 0.7% at
-# Bc 176, which the 6-8% clock they gain does not repay: on the H200 0.94-0.99x on 7 calls, Bc 176
-# 0.99-1.13x, three consumers at Bc 128 (d=72-80) 1.00-1.06x (PERF_NOTES "j2", "x4", "x5"); on the
-# H100 two consumers at Bc 128 read 6.5% less per clock too (c2's bf16 B4-H16-N4096: 0.99-1.02x).
+# A config that stores O from registers (no TMA store) runs in pairs only where a CTA's S tile a K/V
+# tile (64 x cwg query rows by Bc keys) is over 128 x 128. Both CTAs of a cluster wait on each other
+# (a K/V stage is refilled once both freed it), and such configs lost: back to back at the power cap,
+# two consumers at Bc 128 ran 6-12% less work per clock in pairs than alone against 0.7% at Bc 176,
+# which the 6-8% clock pairs gain did not repay (H200: 0.94-0.99x on 7 calls, the 19 random calls the
+# rule moved 1.002-1.069x alone; three consumers at Bc 128, d=72-80, 1.00-1.06x in pairs; PERF_NOTES
+# "j2", "x4", "x5"). With O stored by TMA the same 128 x 128 tiles gain in pairs: fp16 Bc 128 entries
+# on the H200 1.014-1.034x ("x5"), on the H100 1.016x bf16 and 1.045x fp16 ("c2").
 PAIRS_MIN_S_TILE = 128 * 128 + 1
 # A head's last pair whose second query block lies past its rows leaves that CTA's turn idle: 1 in
 # blocks + 1 of the launch's CTA turns for an odd count of blocks. Pairs gain 2-5%, so an idle share
@@ -79,14 +81,15 @@ class PairsFlashFwdSm90(TailFlashFwdSm90):
     def pairs_form(self, plain: dict, gpu: GpuSpec, problem: Problem) -> dict | None:
         """flash_fwd_sm90's config `plain` as it serves `problem`, in this family: where it runs so
         (persistent, unchained, unmasked 16-bit, the registers a cut tail needs) and the rules above
-        say it pays (the tile's width, its S tile, the keys, the CTAs a head's odd query block leaves
+        say it pays (the tile's width, its S tile and O's store, the keys, the CTAs a head's odd query block leaves
         idle); else None. Every SM must pair up into a cluster of the launch, all resident at once (a cut tile's
         second half waits for its first): the driver's count of clusters of two (clusters_at_once)
         covers the SMs on the H100 measured (66 for 132, PERF_NOTES "s3"); a GPU whose GPCs leave an
         SM unpaired runs the plain form, which uses every SM."""
         blocks = ceil_div(problem.seqlen_q, 64 * plain["cwg"])
         turns = CLUSTER * ceil_div(blocks, CLUSTER)   # a head's CTA turns in pairs, the idle ones past its rows
-        if (tile_dim(problem) < PAIRS_MIN_TILE_DIM or 64 * plain["cwg"] * plain["Bc"] < PAIRS_MIN_S_TILE
+        small_tile = 64 * plain["cwg"] * plain["Bc"] < PAIRS_MIN_S_TILE
+        if (tile_dim(problem) < PAIRS_MIN_TILE_DIM or (small_tile and not plain["tma_store"])
                 or problem.seqlen_k < PAIRS_MIN_KEYS
                 or (turns - blocks) * PAIRS_MAX_IDLE > turns
                 or CLUSTER * clusters_at_once(gpu, CLUSTER) < gpu.sm_count

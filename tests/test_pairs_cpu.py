@@ -26,8 +26,9 @@ PERSISTENT = {"Bc": 176, "chain": 0, "cwg": 2, "overlap": 1, "persistent": 1, "p
 
 def test_pairs_serve_long_unmasked_calls_at_wide_head_dims_only():
     """The rule: tiles 128 columns wide and up (d = 72-80 and over 96) with PAIRS_MIN_KEYS keys or
-    more, S tiles (query rows by keys) over 128 x 128, a persistent unchained config the cut tail's
-    registers allow, 16-bit, unmasked; anything else keeps its single-CTA form."""
+    more, S tiles (query rows by keys) over 128 x 128 unless O is stored by TMA, a persistent
+    unchained config the cut tail's registers allow, 16-bit, unmasked; anything else keeps its
+    single-CTA form."""
     assert SM90.served_form(PERSISTENT, H100_SXM, D128_16K) == (PAIRS, PERSISTENT)
     assert SM90.served_form(PERSISTENT, H100_SXM, Problem(4, 16, 4096, 4096, 128, "fp16")) == (PAIRS, PERSISTENT)
     short = Problem(16, 16, 1024, PAIRS_MIN_KEYS - 1, 128, "bf16")
@@ -39,9 +40,11 @@ def test_pairs_serve_long_unmasked_calls_at_wide_head_dims_only():
     for params, problem in [(dict(PERSISTENT, persistent=0, split=24), D128_16K), (dict(PERSISTENT, chain=1), D128_16K),
                             (PERSISTENT, replace(D128_16K, mask="causal")), (PERSISTENT, replace(D128_16K, dtype="fp8"))]:
         assert PAIRS.pairs_form(params, H100_SXM, problem) is None, (params, problem)
-    for bc in (64, 128):   # S tiles of 128 x 128 or less: the cluster's wait a tile costs more than pairs save
+    for bc in (64, 128):   # S tiles of 128 x 128 or less, O stored from registers: pairs cost more than they save
         assert PAIRS.pairs_form(dict(PERSISTENT, Bc=bc), H100_SXM, D128_16K) is None
         assert SM90.served_form(dict(PERSISTENT, Bc=bc), H100_SXM, D128_16K)[0] is TAIL
+    stored = dict(PERSISTENT, Bc=128, tma_store=1)   # O by TMA: the same tile gains in pairs
+    assert PAIRS.pairs_form(stored, H100_SXM, D128_16K) == stored
     wide = dict(PERSISTENT, Bc=128, cwg=3, pingpong=1)   # 192 x 128
     assert PAIRS.pairs_form(wide, H100_SXM, Problem(1, 16, 16384, 16384, 80, "bf16")) == wide
     d80 = Problem(1, 16, 16384, 16384, 80, "bf16")   # a 128-column tile, 80 columns of products
