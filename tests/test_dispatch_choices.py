@@ -67,7 +67,7 @@ def test_a_peer_serves_only_calls_that_outlast_its_host_time(tmp_path):
     """A peer measured faster serves its bucket's calls whose work, scaled from what it was measured
     on, keeps it running PEER_MIN_MS or more; a shorter call of the same bucket (the same batch x
     heads class) runs the bucket's kernel, and one with no kernel in reach still runs the peer."""
-    from tuner.dispatch import PEER_MIN_MS, short_peer
+    from tuner.peer_choice import PEER_MIN_MS, short_peer
 
     big = Problem(32, 32, 1, 8192, 128, "bf16", "none", kv_heads=8)   # a decode step, 1024 batch-heads
     fd = get_family("flash_decode")
@@ -92,7 +92,7 @@ def test_a_decode_peer_s_time_scales_with_the_bytes_a_call_streams(tmp_path):
     host time, though the FLOPs say a third (over it: the H200 served cuDNN there at 0.85x of cuDNN
     pinned, PERF_NOTES "s5"), so the bucket's kernel serves it; B32 of those heads streams 2/3 of
     the measured bytes and keeps the peer. A prefill still scales by FLOPs."""
-    from tuner.dispatch import PEER_MIN_MS, short_peer
+    from tuner.peer_choice import PEER_MIN_MS, short_peer
 
     mha = Problem(32, 12, 1, 8192, 64, "bf16", "none")
     fd = get_family("flash_decode")
@@ -118,7 +118,7 @@ def test_a_peer_that_won_on_few_query_blocks_goes_after_the_kernels_on_more(tmp_
     split kernel; 28 heads of a chunk in the same bucket (84 blocks) are served by the kernel, as
     are more blocks still; the measured call itself, and a call of as few blocks, keep the peer. A
     peer measured on blocks that filled the GPU keeps its place at any count (PERF_NOTES "n1")."""
-    from tuner.dispatch import PEER_MIN_MS, idle_peer
+    from tuner.peer_choice import PEER_MIN_MS, idle_peer
 
     shard = Problem(1, 8, 512, 4096, 128, "bf16", "causal_br", kv_heads=1)
     ms = 4 * PEER_MIN_MS   # long enough that short_peer leaves it in place
@@ -146,7 +146,7 @@ def test_a_borrowed_peer_that_led_its_bucket_s_kernels_narrowly_goes_after_them(
     call's shape, so the kernel serves (on the H200 494.7 TFLOP/s against cuDNN's 394.5 on
     B4-H6-N7847, PERF_NOTES "n1"); a peer that led by PEER_MARGIN or more keeps its place, and so
     does a narrow one in the call's own bucket (distance 0) and at a decode step."""
-    from tuner.dispatch import PEER_MARGIN, narrow_peer
+    from tuner.peer_choice import PEER_MARGIN, narrow_peer
 
     tuned = Problem(2, 10, 4096, 4096, 64, "bf16", "none")
     params = SM90.default(H100_SXM, tuned)
@@ -309,7 +309,7 @@ def test_the_shipped_h100_lookup_serves_a_shard_s_chunks_with_what_measured_fast
     """A tensor-parallel shard's chunk (8 query heads, 1 K/V head): 32 work tiles of 128 rows at 512
     queries, so the keys split across CTAs (flash_fwd_sm90_split) where that measured fastest (512
     against 32k and 128k keys, 1024 against 64k; at 512 against 4k too, where SDPA flash measured
-    level with it but runs 43 us, under its own host time: dispatch.PEER_MIN_MS), and flash_fwd_sm90
+    level with it but runs 43 us, under its own host time: peer_choice.PEER_MIN_MS), and flash_fwd_sm90
     at 2048 against 16k (128 tiles already)."""
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
     dispatcher = Dispatcher(tmp_path / "absent.json")
@@ -880,7 +880,7 @@ def test_a_shipped_decode_bucket_serves_what_measured_fastest_in_it(tmp_path, mo
     than the call (the H200's B1 x 1024 keys, where cuDNN measured 4% ahead and served 0.3x)."""
     import json
 
-    from tuner.dispatch import PEER_MIN_MS, short_peer
+    from tuner.peer_choice import PEER_MIN_MS, short_peer
     from tuner.problem import Bucket
 
     monkeypatch.setenv(export.SHIPPED_ENV, "1")

@@ -233,7 +233,7 @@ def test_a_call_that_fills_the_gpu_passes_over_configs_tuned_on_few_heads(tmp_pa
     entry of a larger class instead, else flash_fwd_sm90's default (the served form of it), while
     the small class itself, short rows of keys, and entries borrowed from the medium class keep the
     lookup's."""
-    from tuner.dispatch import DEFAULT_KEYS
+    from tuner.borrowing import DEFAULT_KEYS
 
     sm90 = FAMILIES["flash_fwd_sm90"]
     few = Problem(1, 12, 1024, 32768, 64, "bf16", "causal_br")
@@ -270,7 +270,7 @@ def test_an_unmasked_call_passes_over_configs_tuned_under_one_wave(tmp_path):
     bucket that fills the GPU runs flash_fwd_sm90's default however few times its blocks are (1.25x
     here), while a masked call within MISFIT_BLOCKS, the entry's own bucket and rows under
     DEFAULT_KEYS keys keep borrowing it."""
-    from tuner.dispatch import DEFAULT_KEYS, FILL_ROWS, MISFIT_BLOCKS, fills_gpu
+    from tuner.borrowing import DEFAULT_KEYS, FILL_ROWS, MISFIT_BLOCKS, fills_gpu
 
     sm90 = FAMILIES["flash_fwd_sm90"]
     few = Problem(2, 8, 1024, 1024, 80, "bf16", "none")
@@ -298,7 +298,7 @@ def test_a_call_of_many_waves_passes_over_configs_tuned_on_few_blocks(tmp_path):
     rows on 132 SMs: a persistent schedule with a TMA store) gives way to the next entry tuned on more
     blocks, where the call has MISFIT_BLOCKS times as many, else to flash_fwd_sm90's default; within
     that factor, under DEFAULT_KEYS keys, and in its own bucket the entry serves."""
-    from tuner.dispatch import DEFAULT_KEYS, FEW_WAVES, FILL_ROWS, MISFIT_BLOCKS
+    from tuner.borrowing import DEFAULT_KEYS, FEW_WAVES, FILL_ROWS, MISFIT_BLOCKS
 
     sm90 = FAMILIES["flash_fwd_sm90"]
     few = Problem(1, 20, 1500, 1500, 64, "bf16", "none")
@@ -433,7 +433,7 @@ def test_a_call_of_long_key_rows_passes_over_configs_tuned_on_short_ones(tmp_pat
     TMA store, chosen where a short main loop leaves them exposed) gives way to flash_fwd_sm90's
     default where the call has MISFIT_KEYS times as many keys; under that factor, and in its own
     bucket, the entry serves."""
-    from tuner.dispatch import DEFAULT_KEYS, MISFIT_KEYS
+    from tuner.borrowing import DEFAULT_KEYS, MISFIT_KEYS
 
     sm90 = FAMILIES["flash_fwd_sm90"]
     short = Problem(16, 16, 1024, 1024, 128, "bf16", "none")

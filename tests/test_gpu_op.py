@@ -548,7 +548,7 @@ def test_a_head_dim_no_lookup_tunes_runs_the_hopper_default(dispatcher, d):
     import torch
 
     import tuner
-    from tuner import dispatch, varlen
+    from tuner import borrowing, dispatch, varlen
     from tuner.gpu import detect
 
     gpu = detect()
@@ -558,7 +558,7 @@ def test_a_head_dim_no_lookup_tunes_runs_the_hopper_default(dispatcher, d):
     rng = random.Random()
     p = Problem(2, 8, rng.choice([1500, 2047]), rng.choice([1500, 2100]), d, rng.choice(["bf16", "fp16"]),
                 rng.choice([False, True]), kv_heads=2)
-    assert dispatch.fills_gpu(p, gpu)
+    assert borrowing.fills_gpu(p, gpu)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="flashtune")   # a fallback says so: it must not happen
         _check_against_sdpa(p, rng, served=True)

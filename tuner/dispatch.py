@@ -28,7 +28,9 @@ import torch
 from . import autotune, recording
 from .gqa_packing import packed_gqa
 from .launch import Launcher, kernel_scale, launch_on
-from .problem import DECODE_QUERIES, TORCH_DTYPES, WORK_CLASSES, Bucket, Problem, mask_of, torch_dtype
+from .borrowing import fills_gpu, misfit, split_entry, split_tuned_where_idle, tuned_problem
+from .peer_choice import idle_peer, narrow_peer, short_peer
+from .problem import DECODE_QUERIES, TORCH_DTYPES, Bucket, Problem, mask_of, torch_dtype
 from .records import one_line
 from .untuned import decode_default, prefill_default, split_default
 
@@ -38,32 +40,6 @@ MASK_CODES = {False: 0, True: 1, "none": 0, "causal": 1, "causal_br": 2}
 # How far (tuner.nearest's octaves) a tuned bucket may be from an untuned one and still serve it:
 # a length up to 4x off, or 2x off in both, or the work two classes off.
 NEAREST_OCTAVES = 2.0
-# Past that, a prefill call whose work fills the GPU (a query block of FILL_ROWS rows per SM at
-# least) still borrows the nearest tuned bucket, at any distance (Dispatcher.select).
-FILL_ROWS = 128
-# Keys a call has at least where a config borrowed from the smallest work class gives way to a larger
-# class's or flash_fwd_sm90's default (_tuned_on_few_heads): "r2"'s rows were 1415-27143 keys long.
-DEFAULT_KEYS = 1024
-# A call that fills the GPU passes over a borrowed entry tuned on fewer than FEW_WAVES waves of query
-# blocks where it has MISFIT_BLOCKS times as many, and an unmasked one over an entry tuned under one
-# wave (_tuned_on_few_blocks).
-FEW_WAVES = 2
-MISFIT_BLOCKS = 4
-# A call that fills the GPU passes over a borrowed entry tuned on rows of DEFAULT_KEYS keys or fewer
-# where it has MISFIT_KEYS times as many (_tuned_on_short_keys).
-MISFIT_KEYS = 4
-# A measured SDPA backend serves by torch's Python path (the backend pinned, SDPA's own checks, an
-# LSE buffer), some 30-40 µs of host time a call where our kernels launch from C++; a call shorter
-# than that leaves the GPU idle behind it. So a peer whose entry, scaled to the call's work, runs
-# under PEER_MIN_MS goes after the kernels of its bucket (Dispatcher.candidates): on the H200 a B1
-# decode step of 1024 keys served cuDNN at 0.11 TB/s where pinned it read 0.37, B8 x 8192 keys at
-# 3.34 against 3.43 pinned and flash_decode's 3.50; from 160 µs served and pinned agreed within 1%
-# (benchmarks/PERF_NOTES.md, d10).
-PEER_MIN_MS = 0.05
-# A measured SDPA entry borrowed from a neighbouring bucket serves a prefill call before that bucket's
-# kernels only where it led them by this much at its own shape (narrow_peer).
-PEER_MARGIN = 1.10
-
 
 @dataclass
 class Plan:
@@ -215,22 +191,22 @@ class Dispatcher:
         (tuner.nearest: octaves of Nq, Nk and half the work), up to NEAREST_OCTAVES away; past
         that, for a prefill call that fills the GPU, the nearest at any distance (`fills_gpu`). A
         call that fills the GPU passes over borrowed entries that were tuned where query blocks left
-        SMs idle (`_misfit`) to the nearest that was not, else flash_fwd_sm90's default; a borrowed
-        split entry (`_split_entry`) to the split default where it splits, else that default; and
-        its own bucket's split entry, tuned where SMs idled, to those defaults where they take three
-        consumers (`_split_tuned_where_idle`). An entry that gives way at this call (KernelFamily.gives_way) serves its bucket's entry
-        of the family it names instead."""
+        SMs idle (`borrowing.misfit`) to the nearest that was not, else flash_fwd_sm90's default; a
+        borrowed split entry (`split_entry`) to the split default where it splits, else that
+        default; and its own bucket's split entry, tuned where SMs idled, to those defaults where
+        they take three consumers (`split_tuned_where_idle`). An entry that gives way at this call
+        (KernelFamily.gives_way) serves its bucket's entry of the family it names instead."""
         near = next(self.candidates(problem, gpu), None)
         if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
             near = next(((dist, e) for dist, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
-        if near is not None and fills_gpu(problem, gpu) and _misfit(*near, problem, gpu):
-            if _split_entry(near[1]):   # its keys' split weighed afresh: the split default, else the plain one
+        if near is not None and fills_gpu(problem, gpu) and misfit(*near, problem, gpu):
+            if split_entry(near[1]):   # its keys' split weighed afresh: the split default, else the plain one
                 fit = split_default(problem, gpu)
             else:
-                fit = next((e for dist, e in self.candidates(problem, gpu) if not _misfit(dist, e, problem, gpu)), None)
+                fit = next((e for dist, e in self.candidates(problem, gpu) if not misfit(dist, e, problem, gpu)), None)
             near = (0, fit or prefill_default(problem, gpu) or near[1])
-        elif near is not None and fills_gpu(problem, gpu) and _split_tuned_where_idle(near[1], gpu):
+        elif near is not None and fills_gpu(problem, gpu) and split_tuned_where_idle(near[1], gpu):
             fresh = split_default(problem, gpu) or prefill_default(problem, gpu)
             if fresh is not None and fresh["params"]["cwg"] == 3:
                 near = (0, fresh)
@@ -571,16 +547,6 @@ class Dispatcher:
         return o, lse.contiguous()
 
 
-def fills_gpu(problem: Problem, gpu) -> bool:
-    """Whether `problem` may borrow a tuned bucket of any distance: a prefill call (more queries
-    than decode takes: decode has flash_decode's default) with a query block of FILL_ROWS rows per
-    SM at least. A tuned config's work per CTA holds across lengths and batches (long prompts past
-    the tuned 16k, chunks after 64k keys: 1.9-2.5x SDPA where measured, PERF_NOTES "p1", "p2"); a
-    config tuned where the blocks filled the GPU is no guide where they leave SMs idle, and such a
-    call that nothing near serves runs a default (split_default, prefill_default)."""
-    return problem.seqlen_q > DECODE_QUERIES and problem.query_blocks(FILL_ROWS) >= gpu.sm_count
-
-
 def served_params(entry: dict, problem: Problem) -> dict:
     """A lookup entry's config as it serves `problem` (KernelFamily.adapt, from the shape it was
     tuned on; an SDPA backend's entry, or one that does not say, as it is)."""
@@ -606,53 +572,6 @@ def _served_form(entry: dict | None, problem: Problem, gpu) -> dict | None:
     return entry if runs is fam else {**entry, "family": runs.name, "params": params}
 
 
-def short_peer(entry: dict, problem: Problem) -> bool:
-    """Whether `entry` is a measured SDPA backend that would run `problem` for less than PEER_MIN_MS:
-    its measured time scaled by the work of `problem` against that of the problem it was measured on,
-    the bytes through memory for a decode step (which streams its K/V: 32 query heads on 8 K/V
-    heads read a quarter of what 32 on 32 do for the same FLOPs), the FLOPs otherwise."""
-    from .peers import DISPATCHED_PEERS
-
-    ms, measured = entry.get("median_ms"), _tuned_problem(entry)
-    if entry["family"] not in DISPATCHED_PEERS or not ms or measured is None:
-        return False
-    work = Problem.bytes_moved if problem.decode_step else Problem.flops
-    return ms * work(problem) / work(measured) < PEER_MIN_MS
-
-
-def narrow_peer(entry: dict, entries: list[dict], problem: Problem) -> bool:
-    """Whether `entry` is a measured SDPA backend that led the best kernel entry of its bucket (and
-    GPU), among `entries`, by less than PEER_MARGIN where both were measured, at a prefill call of
-    another bucket. Our kernels' configs carry across a bucket's neighbours by their work per CTA
-    (KernelFamily.adapt); SDPA's lead at one shape is no guide to another: the d=64 n4096/small
-    bucket's cuDNN entry, 6% ahead of its kernel entry at B2-H10-N4096, served B4-H6-N7847 at 399
-    TFLOP/s where FA4 read 520 (benchmarks/PERF_NOTES.md, "n1")."""
-    from .peers import DISPATCHED_PEERS
-
-    if entry["family"] not in DISPATCHED_PEERS or problem.seqlen_q <= DECODE_QUERIES:
-        return False
-    kernels = [e["tflops"] for e in entries if e["family"] not in DISPATCHED_PEERS
-               and e.get("bucket") == entry.get("bucket") and e.get("gpu_key") == entry.get("gpu_key")]
-    return bool(kernels) and max(kernels) * PEER_MARGIN > entry["tflops"]
-
-
-def idle_peer(entry: dict, gpu, problem: Problem) -> bool:
-    """Whether `entry` is a measured SDPA backend that won its bucket on a prefill call whose query
-    blocks left SMs idle, serving a call of more blocks. Where a kernel of ours runs few blocks, as
-    many SMs work as there are blocks and SDPA's kernels can match it (an 8-head shard's 512 x 4096
-    chunk, 32 blocks: SDPA flash 196 TFLOP/s against our split's 188 on the H200); with more blocks
-    ours gain and SDPA's do not keep up: 28 heads of a 350 x 3000 chunk (84 blocks), which that entry
-    served at 185, read 341 with the bucket's split entry (its keys split from the occupancy: one way)
-    and 340 with flash_fwd_sm90's default in the same turns (benchmarks/PERF_NOTES.md, "n1")."""
-    from .peers import DISPATCHED_PEERS
-
-    tuned = _tuned_problem(entry)
-    if entry["family"] not in DISPATCHED_PEERS or tuned is None or problem.seqlen_q <= DECODE_QUERIES:
-        return False
-    blocks = tuned.query_blocks(FILL_ROWS)
-    return tuned.seqlen_q > DECODE_QUERIES and blocks < gpu.sm_count and problem.query_blocks(FILL_ROWS) > blocks
-
-
 def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
     """`entry`, or where it is a flash_fwd_sm90 config of three consumers serving a call whose
     192-row blocks make under a wave of CTAs and where two consumers pay
@@ -670,112 +589,12 @@ def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
     if (fam is None or entry["family"] != fam.name or problem.query_blocks(192) >= gpu.sm_count
             or not (two_consumers_pay(gpu, problem) or rows_spread_idle(gpu, problem))):
         return entry
-    tuned = _tuned_problem(entry)
+    tuned = tuned_problem(entry)
     if served_params(entry, problem).get("cwg") != 3 or (
             tuned is not None and entry.get("bucket") == problem.bucket().key and tuned.query_blocks(192) < gpu.sm_count):
         return entry
     default = fam.default(gpu, problem)
     return {**entry, "params": default} if default["cwg"] == 2 else entry
-
-
-def _tuned_problem(entry: dict) -> Problem | None:
-    """The problem a lookup entry was tuned (a kernel) or measured (an SDPA backend) on; None where
-    it names none."""
-    measured = entry.get("problem")
-    return Problem.from_dict(measured) if isinstance(measured, dict) else None
-
-
-def _misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
-    """Whether `entry`, `dist` octaves away, is borrowed from a shape unlike a call that fills the GPU
-    over DEFAULT_KEYS keys: one whose query blocks left SMs idle, of the smallest work class
-    (`_tuned_on_few_heads`) or of under FEW_WAVES waves of blocks where the call has MISFIT_BLOCKS
-    times as many, or under one where the call is unmasked (`_tuned_on_few_blocks`), one of short rows
-    of keys where the call has MISFIT_KEYS times as many (`_tuned_on_short_keys`), or a split entry
-    (`_split_entry`). Its own bucket's entries always serve."""
-    return dist > 0 and (_tuned_on_few_heads(entry, problem) or _tuned_on_few_blocks(entry, problem, gpu)
-                         or _tuned_on_short_keys(entry, problem) or _split_entry(entry))
-
-
-def _split_entry(entry: dict) -> bool:
-    """Whether `entry` is flash_fwd_sm90_split's: its tile was chosen to split the keys of a call
-    whose blocks leave SMs idle (no persistence), and a call that fills the GPU runs it with one or
-    two splits: the split default weighs the keys' split for the call instead. On the H200 the 17
-    random calls it changed read 0.99-1.49x (B1-H12-N1536x4813 d=64: 303.9 TFLOP/s at
-    flash_fwd_sm90's default against 205.0 at two splits; B4-H3-N3144x18763: 453 in three splits of
-    the split default against 370; the nearest plain entry read 0.78-0.90x the defaults on four,
-    PERF_NOTES "b1", "b2")."""
-    return entry["family"] == "flash_fwd_sm90_split"
-
-
-def _split_tuned_where_idle(entry: dict, gpu) -> bool:
-    """Whether `entry` is a split entry (`_split_entry`) tuned on a shape whose query blocks left SMs
-    idle: its search weighed splitting the keys of that shape, not of a call of its bucket that fills
-    the GPU. Such a call runs the defaults, weighed afresh, where they take three consumers (192-row
-    tiles, at d <= 96: flash_fwd_sm90.three_consumers_pay); elsewhere the entry still serves. On the
-    H200 (PERF_NOTES "x5"), 23 calls of seven buckets that fill the GPU, timed in turns: where the
-    defaults take three consumers (one d=64 bucket, 3 calls) 1.27-1.47x the entry (B1-H25 931 x 30369
-    bottom-right 527.2 TFLOP/s against 357.7; FA4 504.2 in another run), 8 more held out 1.20-1.36x;
-    where they take two, 0.87-1.16x, 6 of 20 under 0.97 (a tuned config at one split against the
-    plain default)."""
-    tuned = _tuned_problem(entry)
-    return _split_entry(entry) and tuned is not None and not fills_gpu(tuned, gpu)
-
-
-def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
-    """Whether `entry` was tuned on fewer than FEW_WAVES waves of FILL_ROWS-row query blocks and
-    serves a call of MISFIT_BLOCKS times as many, or was tuned under one wave and serves an unmasked
-    call (which fills the GPU: `_misfit`), over DEFAULT_KEYS keys. A search on one or two
-    waves weighs the last wave's idle SMs (persistent schedules, a TMA store, split keys), which a
-    call of many waves does not have: on the H200 (PERF_NOTES "n2") B1-H25 6805 x 1639 keys at d=64
-    (1350 blocks) ran its neighbour's config tuned on 240 blocks at 373 TFLOP/s, the next bucket's
-    (640 blocks) at 479; causal 3588 x 11838 (725 blocks) the n1024 bucket's, tuned on 96, at 400,
-    flash_fwd_sm90's default at 506. Within 4x the borrowed config holds (B1-H25 2007 x 5137, 400
-    blocks: the 240-block entry read 399, the 96-block one 345). A search under one wave never
-    weighed a last wave at all, where all of an unmasked call's tiles are equal and the schedule
-    decides how many SMs the last wave idles: the d=80 n1024/small bucket's grid config (tuned on
-    128 blocks) served unmasked calls of 1.25-3.9x as many at 0.74-0.99x flash_fwd_sm90's default
-    (B1-H8 2505 x 3773: 299.8 against 405.2); of the 18 random calls this moves on the H200 17 read
-    1.01-1.56x what served before, one 0.90x (PERF_NOTES "x2"). Masked calls' tiles are not equal:
-    20 causal ones that the same rule would move read 0.95-1.05x, so they keep the 4x."""
-    tuned = _tuned_problem(entry)
-    if tuned is None or problem.seqlen_k < DEFAULT_KEYS:
-        return False
-    blocks = tuned.query_blocks(FILL_ROWS)
-    if blocks < gpu.sm_count and not problem.causal:
-        return True
-    return blocks < FEW_WAVES * gpu.sm_count and problem.query_blocks(FILL_ROWS) >= MISFIT_BLOCKS * blocks
-
-
-def _tuned_on_short_keys(entry: dict, problem: Problem) -> bool:
-    """Whether `entry` was tuned on rows of DEFAULT_KEYS keys or fewer and serves a call of
-    MISFIT_KEYS times as many and DEFAULT_KEYS at least (under that the call's rows are short too:
-    an entry tuned on cross-attention's 77 keys keeps serving calls of 300-400). A search on short
-    rows weighs what a short main loop leaves exposed (a persistent schedule, a TMA store, pairs of
-    tiles), which a long one hides: on the H200 the n1024/large bucket's pairs config, tuned on
-    1024 x 1024 self-attention, served B16-H32/kv8 315 x 4896 keys at 458 TFLOP/s where
-    flash_fwd_sm90's default read 643, B8-H32/kv4 79 x 6436 at 230 against 472; on 12 random calls
-    the default read 1.0-2.05x on 10, 0.97-0.99x on 2 (PERF_NOTES "j1", "j2")."""
-    tuned = _tuned_problem(entry)
-    return (tuned is not None and tuned.seqlen_k <= DEFAULT_KEYS <= problem.seqlen_k
-            and problem.seqlen_k >= MISFIT_KEYS * tuned.seqlen_k)
-
-
-def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
-    """Whether `entry` is borrowed from a bucket of the smallest work class (batch x heads under 32)
-    by a call of a larger one over DEFAULT_KEYS keys or more. A search there weighs configs for a
-    GPU its query blocks leave partly idle (persistent schedules, pairs, split keys) and keeps what
-    wins at that. On calls that fill the GPU (random shapes of the H200, PERF_NOTES "r1-r3") such
-    configs read 0.77-0.92x flash_fwd_sm90's default on all four d=64 and d=256 shapes timed (full
-    and bottom-right causal), while configs borrowed from the medium class read 0.98-1.08x of it
-    (1.06-1.08x for a d=64 N~1.5k call at B8, two octaves away). Short rows of keys keep the
-    borrowed config: its tile was fitted to them (cross-attention on 77 text tokens tuned Bc 80
-    where the default has 128), the default to swept rows of 4k-16k."""
-    smallest = WORK_CLASSES[0][0]
-    try:
-        tuned = Bucket.from_key(entry.get("bucket", ""))
-    except (TypeError, ValueError):   # an entry that names no bucket
-        return False
-    return tuned.work == smallest and problem.bucket().work != smallest and problem.seqlen_k >= DEFAULT_KEYS
 
 
 def _pinned(peer: str):
