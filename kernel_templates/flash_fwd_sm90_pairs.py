@@ -81,9 +81,10 @@ class PairsFlashFwdSm90(TailFlashFwdSm90):
     def pairs_form(self, plain: dict, gpu: GpuSpec, problem: Problem) -> dict | None:
         """flash_fwd_sm90's config `plain` as it serves `problem`, in this family: where it runs so
         (persistent, unchained, unmasked 16-bit, the registers a cut tail needs) and the rules above
-        say it pays (the tile's width, its S tile and O's store, the keys, the CTAs a head's odd query block leaves
-        idle); else None. Every SM must pair up into a cluster of the launch, all resident at once (a cut tile's
-        second half waits for its first): the driver's count of clusters of two (clusters_at_once)
+        say it pays (the tile's width, its S tile and O's store, the keys, the CTAs a head's odd
+        query block leaves idle); else None. Every SM must pair up into a cluster of the launch, all
+        resident at once (a cut tile's second half waits for its first): the driver's count of
+        clusters of two (clusters_at_once)
         covers the SMs on the H100 measured (66 for 132, PERF_NOTES "s3"); a GPU whose GPCs leave an
         SM unpaired runs the plain form, which uses every SM."""
         blocks = ceil_div(problem.seqlen_q, 64 * plain["cwg"])

@@ -196,22 +196,22 @@ class Dispatcher:
         default; and its own bucket's split entry, tuned where SMs idled, to those defaults where
         they take three consumers (`split_tuned_where_idle`). An entry that gives way at this call
         (KernelFamily.gives_way) serves its bucket's entry of the family it names instead."""
-        near = next(self.candidates(problem, gpu), None)
-        if near is None and fills_gpu(problem, gpu):   # a prefill's far neighbours: prefill buckets only
+        near, fills = next(self.candidates(problem, gpu), None), fills_gpu(problem, gpu)
+        if near is None and fills:   # a prefill's far neighbours: prefill buckets only
             near = next(((dist, e) for dist, e in self.candidates(problem, gpu, math.inf)
                          if e.get("problem", {}).get("seqlen_q", 0) > DECODE_QUERIES), None)
-        if near is not None and fills_gpu(problem, gpu) and misfit(*near, problem, gpu):
+        if near is None:
+            return None
+        if fills and misfit(*near, problem, gpu):
             if split_entry(near[1]):   # its keys' split weighed afresh: the split default, else the plain one
                 fit = split_default(problem, gpu)
             else:
                 fit = next((e for dist, e in self.candidates(problem, gpu) if not misfit(dist, e, problem, gpu)), None)
             near = (0, fit or prefill_default(problem, gpu) or near[1])
-        elif near is not None and fills_gpu(problem, gpu) and split_tuned_where_idle(near[1], gpu):
+        elif fills and split_tuned_where_idle(near[1], gpu):
             fresh = split_default(problem, gpu) or prefill_default(problem, gpu)
             if fresh is not None and fresh["params"]["cwg"] == 3:
                 near = (0, fresh)
-        if near is None:
-            return None
         entry = self._split_where_idle(self._given_way(near[1], problem, gpu), problem, gpu)
         return _served_form(_two_consumers_where_idle(entry, problem, gpu), problem, gpu)
 
