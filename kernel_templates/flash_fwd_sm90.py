@@ -32,7 +32,7 @@ from __future__ import annotations
 from tuner.family import ELEM_CODE, KernelFamily, VarlenVariant, ceil_div, padded_head_dim
 from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
-from tuner.problem import DTYPE_BYTES, Problem, visible_pairs
+from tuner.problem import DTYPE_BYTES, Problem, visible_keys, visible_pairs
 from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
 from tuner.kernel_templates.sm90_tma import O_BOX_ROWS, MapSlot, map_fields, maps_at, tail_cols, tile_cols, tile_panel, tile_width
 from tuner.kernel_templates.wgmma_gen import wrappers
@@ -121,6 +121,10 @@ MASK_SPREAD = 0.2
 # blocks (past them tiles of few rows even out the last wave: PERF_NOTES "b2").
 TWO_CONSUMER_MARGIN = 0.85
 TWO_CONSUMER_WAVES = 2
+# Two consumers at d=64 on K/V tiles of 176 keys (three stages) against 128, per key column loaded:
+# 1.04-1.08x, median 1.06, on eight H200 calls of 3.5k-19k keys, where whole tiles waste little
+# (PERF_NOTES "x6"); wide_keys_pay weighs it against the columns a wider tile loads past a block's keys.
+WIDE_KEYS_GAIN = 1.06
 
 
 def cta_rows(problem: Problem, cwg: int) -> int:
@@ -175,6 +179,23 @@ def two_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
     such blocks read 1.02-1.35x at two; at 400 blocks, where the waves model's margin held too, 0.93x."""
     return (problem.query_blocks(192) < TWO_CONSUMER_WAVES * gpu.sm_count
             and consumer_cost(gpu, problem, 2) < consumer_cost(gpu, problem, 3) * THREE_CONSUMER_COST * TWO_CONSUMER_MARGIN)
+
+
+def key_columns(problem: Problem, rows: int, bc: int) -> int:
+    """K/V columns one head's query blocks of `rows` rows load in tiles of `bc` keys: each block's
+    keys up to the last its last row sees (the mask's diagonal), in whole tiles."""
+    nq, nk = problem.seqlen_q, problem.seqlen_k
+    return sum(ceil_div(visible_keys(min(start + rows, nq) - 1, nq, nk, problem.mask), bc) * bc
+               for start in range(0, nq, rows))
+
+
+def wide_keys_pay(problem: Problem) -> bool:
+    """Whether the d=64 two-consumer default takes K/V tiles of 176 keys, not 128: where the columns
+    it loads, whole tiles past each block's keys, stay within WIDE_KEYS_GAIN of 128-key tiles'. On the
+    H200 (PERF_NOTES "x6") the 176-key tile read 1.00-1.08x on the 15 calls of 877-19k keys the model
+    gives it, 0.85-0.96x on 6 of the 7 of 326-710 keys it keeps at 128 (B1-H25 356 unmasked: 176-key
+    tiles load 528 columns for 356 keys) and 1.02x on the seventh."""
+    return key_columns(problem, 128, 176) < WIDE_KEYS_GAIN * key_columns(problem, 128, 128)
 
 
 def consumer_cost(gpu: GpuSpec, problem: Problem, cwg: int, cut: bool = False) -> float:
@@ -298,8 +319,9 @@ class FlashFwdSm90(KernelFamily):
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
-            if two_consumers_pay(gpu, problem):   # 192-row blocks leave a wave short: the first seed at two (j3, b2)
-                cands.insert(0, (128, 2, 2, 24, 1, 1, 0, 0))
+            if two_consumers_pay(gpu, problem):   # 192-row blocks leave a wave short: the first seed at two (j3, b2),
+                two = [(128, 2, 2, 24, 1, 1, 0, 0)]  # on 176-key tiles first where the keys fill them (x6)
+                cands = ([(176, 3, 2, 24, 1, 1, 0, 0)] if wide_keys_pay(problem) else []) + two + cands
         elif d <= 128 and half_panels(problem):   # d = 72-96: Bc 128 won its searches (w1, w2)
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]

@@ -113,6 +113,34 @@ def test_any_head_dim_matches_reference(family, d, mask):
     _check_configs(fam, gpu, problem, rng)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+def test_sm90_two_consumer_default_on_176_key_tiles(dtype, mask):
+    """flash_fwd_sm90's d=64 default where two consumers pay and the keys fill 176-key tiles
+    (wide_keys_pay: three stages of them): fresh ragged GQA shapes of few query blocks and more keys
+    than tiles of either width divide, both layouts, NaN-poisoned outputs."""
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.kernel_templates.flash_fwd_sm90 import two_consumers_pay, wide_keys_pay
+
+    fam, gpu, rng = get_family("flash_fwd_sm90"), detect(), random.Random()
+    for _ in range(1000):
+        kvh = rng.choice([1, 2, 3])
+        nq = rng.randrange(129, 1500)
+        nk = rng.randrange(nq + 1500, nq + 6000) if mask == "causal" else rng.randrange(1500, 7000)
+        nq = nk if mask == "causal" else nq   # top-left: a prompt, its rows see its own keys
+        problem = Problem(1, kvh * rng.choice([2, 4]), nq, nk, 64, dtype, mask, kvh)
+        if two_consumers_pay(gpu, problem) and wide_keys_pay(problem) and nk % 176 and nk % 128:
+            break
+    else:
+        pytest.fail("no shape drawn where the 176-key default serves")
+    params = fam.default(gpu, problem)
+    assert (params["cwg"], params["Bc"], params["stages"]) == (2, 176, 3), (problem.key, params)
+    for layout in ("bhnd", "bnhd"):
+        err = _run(fam, params, problem, rng.randrange(2**31), layout)
+        _assert_within_budget(err, problem, f"{problem.key} {params} {layout}")
+
+
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
 @pytest.mark.parametrize("d", [72, 80, 96])
 def test_sm90_p_through_shared_memory(d, mask):

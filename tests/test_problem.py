@@ -118,6 +118,17 @@ def test_visible_pairs_against_counting(mask):
         assert visible_pairs(nq, nk, mask) == want, (nq, nk)
 
 
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
+def test_visible_keys_are_the_rows_share_of_the_visible_pairs(mask):
+    from tuner.problem import visible_keys, visible_pairs
+
+    for nq, nk in itertools.product(range(1, 12), range(1, 12)):
+        shift = nk - nq if mask == "causal_br" else 0
+        for i in range(nq):   # the first keys, up to the row's diagonal
+            assert visible_keys(i, nq, nk, mask) == sum(mask == "none" or j <= i + shift for j in range(nk)), (i, nq, nk)
+        assert sum(visible_keys(i, nq, nk, mask) for i in range(nq)) == visible_pairs(nq, nk, mask)
+
+
 def test_bytes_moved_counts_gqa():
     p = Problem(1, 8, 100, 200, 64, "fp16", kv_heads=2)
     assert p.bytes_moved() == 2 * (2 * 8 * 100 * 64 + 2 * 2 * 200 * 64)

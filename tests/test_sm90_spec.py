@@ -188,6 +188,36 @@ def test_the_default_takes_two_consumers_where_192_row_blocks_leave_a_wave_short
         assert two_consumers_pay(H100_SXM, problem) == (cwg == 2)
 
 
+@pytest.mark.parametrize("shape,bc", [
+    ("2,25,390:4362,64,causal_br", 176),   # a chunk's rows see 3.9k-4.4k keys (x6: 1.06x at 176)
+    ("1,3,3636:4649,64", 176),             # unmasked, 4.7k keys: 37 tiles of 128 or 27 of 176 (1.04x)
+    ("1,25,202:877,64,causal_br", 176),    # 803 and 877 keys: 7 tiles of 128 each, 5 of 176 (1.03x)
+    ("1,25,356,64", 128),                  # 356 keys: 3 tiles of 128 (384 columns), 3 of 176 (528; 0.85x)
+    ("1,25,359,64,causal", 128),           # its blocks' 128, 256 and 359 keys (0.91x at 176)
+    ("2,6,710,64,causal", 128),            # (0.95x)
+])
+def test_the_two_consumer_default_takes_176_key_tiles_where_the_keys_fill_them(shape, bc):
+    """flash_fwd_sm90's d=64 default at two consumers loads K/V in tiles of 176 keys where the whole
+    tiles of the keys each query block sees come within WIDE_KEYS_GAIN of 128-key tiles' columns."""
+    from tuner.kernel_templates.flash_fwd_sm90 import key_columns, two_consumers_pay, wide_keys_pay
+
+    problem = Problem.parse(shape, "bf16")
+    assert two_consumers_pay(H100_SXM, problem)
+    default = SM90.default(H100_SXM, problem)
+    assert (default["cwg"], default["Bc"]) == (2, bc) and SM90.check(default, H100_SXM, problem) is None
+    assert wide_keys_pay(problem) == (bc == 176)
+    assert default["stages"] == (3 if bc == 176 else 2)
+    # the columns counted block by block, key by key
+    for tile in (128, 176):
+        want = 0
+        for start in range(0, problem.seqlen_q, 128):
+            last = min(start + 128, problem.seqlen_q) - 1
+            shift = problem.seqlen_k - problem.seqlen_q if problem.bottom_right else 0
+            seen = problem.seqlen_k if not problem.causal else min(problem.seqlen_k, max(0, last + shift + 1))
+            want += -(-seen // tile) * tile
+        assert key_columns(problem, 128, tile) == want
+
+
 @pytest.mark.parametrize("shape,cwg", [
     ("2,12,1122:17528,64,causal_br", 2),   # 216 blocks of 128 rows fill the SMs: the plain default's tile
     ("4,12,412:14602,64,causal_br", 2),    # 192 of 128 (b2: 304 TFLOP/s against 277 at three)

@@ -84,6 +84,14 @@ def visible_pairs(nq: int, nk: int, mask: str) -> int:
     return partial * (shift + 1) + partial * (first + full - 1) // 2 + (nq - full) * nk
 
 
+def visible_keys(row: int, nq: int, nk: int, mask: str) -> int:
+    """The keys query row `row` sees, as visible_pairs counts them: the first ones, up to its diagonal."""
+    if mask == "none":
+        return nk
+    shift = nk - nq if mask == "causal_br" else 0
+    return min(nk, max(0, row + shift + 1))
+
+
 @dataclass(frozen=True, order=True)
 class Problem:
     batch: int
