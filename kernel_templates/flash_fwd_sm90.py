@@ -123,8 +123,11 @@ TWO_CONSUMER_MARGIN = 0.85
 TWO_CONSUMER_WAVES = 2
 # Two consumers at d=64 on K/V tiles of 176 keys (three stages) against 128, per key column loaded:
 # 1.04-1.08x, median 1.06, on eight H200 calls of 3.5k-19k keys, where whole tiles waste little
-# (PERF_NOTES "x6"); wide_keys_pay weighs it against the columns a wider tile loads past a block's keys.
+# (PERF_NOTES "x6"); wide_keys_pay weighs it against the columns a wider tile loads past a block's keys,
+# on rows of WIDE_KEYS_MIN keys or more (on average over the mask): on shorter ones 176-key tiles read
+# 0.96-1.07x, 1.01x geomean on 22 calls, whatever the columns said.
 WIDE_KEYS_GAIN = 1.06
+WIDE_KEYS_MIN = 1536
 
 
 def cta_rows(problem: Problem, cwg: int) -> int:
@@ -190,12 +193,14 @@ def key_columns(problem: Problem, rows: int, bc: int) -> int:
 
 
 def wide_keys_pay(problem: Problem) -> bool:
-    """Whether the d=64 two-consumer default takes K/V tiles of 176 keys, not 128: where the columns
-    it loads, whole tiles past each block's keys, stay within WIDE_KEYS_GAIN of 128-key tiles'. On the
-    H200 (PERF_NOTES "x6") the 176-key tile read 1.00-1.08x on the 15 calls of 877-19k keys the model
-    gives it, 0.85-0.96x on 6 of the 7 of 326-710 keys it keeps at 128 (B1-H25 356 unmasked: 176-key
-    tiles load 528 columns for 356 keys) and 1.02x on the seventh."""
-    return key_columns(problem, 128, 176) < WIDE_KEYS_GAIN * key_columns(problem, 128, 128)
+    """Whether the d=64 two-consumer default takes K/V tiles of 176 keys, not 128: on rows of
+    WIDE_KEYS_MIN keys or more, where the columns it loads, whole tiles past each block's keys, stay
+    within WIDE_KEYS_GAIN of 128-key tiles'. On the H200 (PERF_NOTES "x6"), 53 calls timed in turns,
+    bf16 and fp16: on the 24 this gives 176, 0.99-1.08x, 1.04x geomean (B2-H25 565 x 18838 bottom-right 419.0 TFLOP/s
+    against 388.5); under WIDE_KEYS_MIN 0.96-1.07x, and where the columns say 128 (B1-H25 356
+    unmasked: 176-key tiles load 528 columns for 356 keys) 0.85-1.02x."""
+    mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q
+    return mean_keys >= WIDE_KEYS_MIN and key_columns(problem, 128, 176) < WIDE_KEYS_GAIN * key_columns(problem, 128, 128)
 
 
 def consumer_cost(gpu: GpuSpec, problem: Problem, cwg: int, cut: bool = False) -> float:

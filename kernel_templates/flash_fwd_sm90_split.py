@@ -150,11 +150,9 @@ class SplitFlashFwdSm90(FlashFwdSm90):
         SMs idle and splitting gains by the estimate (auto_splits > 1, the merge's tail counted).
         None where it would run one split, where its tiles fill the SMs (the plain config may be
         persistent, or pairs: on six such calls of 192-468 tiles split read 0.88-0.98x, "j3"), or
-        where the tile has no valid split form (d=256's Bc > 64 at split=40). The producer's split is
-        the grid's (`schedule`): a persistent producer's 32 (three consumers at d=64) is 24 there."""
+        where the tile has no valid split form (d=256's Bc > 64 at split=40)."""
         fixed = {k: v[0] for k, v in self.space.items() if len(v) == 1}
-        grid = self.schedule(plain, False, problem)
-        params = {**{k: grid[k] for k in ("Bc", "stages", "cwg", "split")}, **fixed, "splits": 0}
+        params = {**{k: plain[k] for k in ("Bc", "stages", "cwg", "split")}, **fixed, "splits": 0}
         if (self.check(params, gpu, problem) is not None or work_tiles(params, problem) >= gpu.sm_count
                 or self.splits(params, problem, gpu) < 2):
             return None

@@ -416,20 +416,6 @@ def test_a_plain_config_serving_a_call_that_leaves_sms_idle_splits_its_keys(tmp_
     assert SPLIT.split_form(plain, H100_SXM, short) is None
 
 
-def test_a_persistent_three_consumer_config_splits_on_the_grids_producer_split():
-    """FA3's persistent 192-row tile at d=64 keeps 32 producer registers, a split the grid (and so
-    flash_fwd_sm90_split) has not: its split form takes the grid's 24, as `schedule` maps it, where
-    it had found no split form at all (B1-H3 3636 x 4649 then ran two consumers unsplit)."""
-    call = Problem(1, 3, 3636, 4649, 64, "bf16", "none", 3)
-    persistent = SM90.schedule(dict(SM90.default(H100_SXM, replace(call, batch=16)), cwg=3, Bc=128, stages=2), True, call)
-    assert (persistent["persistent"], persistent["split"], persistent["cwg"]) == (1, 32, 3)
-    assert SPLIT.check(dict(SPLIT.default(H100_SXM, call), split=32), H100_SXM, call) is not None
-    params = SPLIT.split_form(persistent, H100_SXM, call)
-    assert params is not None and SPLIT.check(params, H100_SXM, call) is None
-    assert {k: params[k] for k in TILE} == {"Bc": 128, "stages": 2, "cwg": 3, "split": 24}
-    assert SPLIT.splits(params, call, H100_SXM) > 1
-
-
 def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it_splits(tmp_path):
     """Nothing tuned near a few heads of a 3k prompt (bottom-right, as a KV cache's prefill puts
     it): flash_fwd_sm90_split's default splits its 50 blocks' keys, where SDPA ran it on 50 SMs

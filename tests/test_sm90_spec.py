@@ -188,24 +188,27 @@ def test_the_default_takes_two_consumers_where_192_row_blocks_leave_a_wave_short
         assert two_consumers_pay(H100_SXM, problem) == (cwg == 2)
 
 
-@pytest.mark.parametrize("shape,bc", [
-    ("2,25,390:4362,64,causal_br", 176),   # a chunk's rows see 3.9k-4.4k keys (x6: 1.06x at 176)
-    ("1,3,3636:4649,64", 176),             # unmasked, 4.7k keys: 37 tiles of 128 or 27 of 176 (1.04x)
-    ("1,25,202:877,64,causal_br", 176),    # 803 and 877 keys: 7 tiles of 128 each, 5 of 176 (1.03x)
-    ("1,25,356,64", 128),                  # 356 keys: 3 tiles of 128 (384 columns), 3 of 176 (528; 0.85x)
-    ("1,25,359,64,causal", 128),           # its blocks' 128, 256 and 359 keys (0.91x at 176)
-    ("2,6,710,64,causal", 128),            # (0.95x)
+@pytest.mark.parametrize("shape,bc,columns", [
+    ("2,25,390:4362,64,causal_br", 176, 176),   # a chunk's rows see 3.9k-4.4k keys (x6: 1.06x at 176)
+    ("1,3,3636:4649,64", 176, 176),             # unmasked, 4.7k keys: 37 tiles of 128 or 27 of 176 (1.04x)
+    ("1,6,1618:2866,64,causal_br", 176, 176),   # 2058 keys a row on average (1.03x)
+    ("1,25,202:877,64,causal_br", 128, 176),    # 7 tiles of 128 a block, 5 of 176, on rows under WIDE_KEYS_MIN
+    ("1,25,356,64", 128, 128),                  # 356 keys: 3 tiles of 128 (384 columns), 3 of 176 (528; 0.85x)
+    ("1,25,359,64,causal", 128, 128),           # its blocks' 128, 256 and 359 keys (0.91x at 176)
+    ("2,6,710,64,causal", 128, 128),            # (0.95x)
 ])
-def test_the_two_consumer_default_takes_176_key_tiles_where_the_keys_fill_them(shape, bc):
-    """flash_fwd_sm90's d=64 default at two consumers loads K/V in tiles of 176 keys where the whole
-    tiles of the keys each query block sees come within WIDE_KEYS_GAIN of 128-key tiles' columns."""
-    from tuner.kernel_templates.flash_fwd_sm90 import key_columns, two_consumers_pay, wide_keys_pay
+def test_the_two_consumer_default_takes_176_key_tiles_where_the_keys_fill_them(shape, bc, columns):
+    """flash_fwd_sm90's d=64 default at two consumers loads K/V in tiles of 176 keys on rows of
+    WIDE_KEYS_MIN keys or more where the whole tiles of the keys each query block sees come within
+    WIDE_KEYS_GAIN of 128-key tiles' columns."""
+    from tuner.kernel_templates.flash_fwd_sm90 import WIDE_KEYS_GAIN, key_columns, two_consumers_pay, wide_keys_pay
 
     problem = Problem.parse(shape, "bf16")
     assert two_consumers_pay(H100_SXM, problem)
     default = SM90.default(H100_SXM, problem)
     assert (default["cwg"], default["Bc"]) == (2, bc) and SM90.check(default, H100_SXM, problem) is None
     assert wide_keys_pay(problem) == (bc == 176)
+    assert (key_columns(problem, 128, 176) < WIDE_KEYS_GAIN * key_columns(problem, 128, 128)) == (columns == 176)
     assert default["stages"] == (3 if bc == 176 else 2)
     # the columns counted block by block, key by key
     for tile in (128, 176):
