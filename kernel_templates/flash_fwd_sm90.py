@@ -196,11 +196,12 @@ def wide_keys_pay(problem: Problem) -> bool:
     """Whether the d=64 two-consumer default takes K/V tiles of 176 keys, not 128: on rows of
     WIDE_KEYS_MIN keys or more, where the columns it loads, whole tiles past each block's keys, stay
     within WIDE_KEYS_GAIN of 128-key tiles'. On the H200 (PERF_NOTES "x6"), 53 calls timed in turns,
-    bf16 and fp16: on the 24 this gives 176, 0.99-1.08x, 1.04x geomean (B2-H25 565 x 18838 bottom-right 419.0 TFLOP/s
-    against 388.5); under WIDE_KEYS_MIN 0.96-1.07x, and where the columns say 128 (B1-H25 356
-    unmasked: 176-key tiles load 528 columns for 356 keys) 0.85-1.02x."""
+    bf16 and fp16: on the 24 this gives 176, 0.99-1.08x, 1.04x geomean (B2-H25 565 x 18838
+    bottom-right 419.0 TFLOP/s against 388.5); under WIDE_KEYS_MIN 0.96-1.07x, and where the columns
+    say 128 (B1-H25 356 unmasked: 176-key tiles load 528 columns for 356 keys) 0.85-1.02x."""
     mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q
-    return mean_keys >= WIDE_KEYS_MIN and key_columns(problem, 128, 176) < WIDE_KEYS_GAIN * key_columns(problem, 128, 128)
+    return (mean_keys >= WIDE_KEYS_MIN
+            and key_columns(problem, 128, 176) < WIDE_KEYS_GAIN * key_columns(problem, 128, 128))
 
 
 def consumer_cost(gpu: GpuSpec, problem: Problem, cwg: int, cut: bool = False) -> float:
