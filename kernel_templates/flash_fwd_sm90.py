@@ -325,9 +325,9 @@ class FlashFwdSm90(KernelFamily):
         if d <= 64:
             cands = [(128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 3, 32, 1, 1, 1, 0), (128, 2, 2, 40, 1, 1, 1, 1), (96, 2, 3, 24, 1, 1, 0, 0),
                      (96, 2, 3, 40, 1, 1, 1, 0), (128, 3, 2, 40, 1, 1, 1, 1), (176, 2, 2, 24, 1, 1, 0, 0)]
-            if two_consumers_pay(gpu, problem):   # 192-row blocks leave a wave short: the first seed at two (j3, b2),
-                two = [(128, 2, 2, 24, 1, 1, 0, 0)]  # on 176-key tiles first where the keys fill them (x6)
-                cands = ([(176, 3, 2, 24, 1, 1, 0, 0)] if wide_keys_pay(problem) else []) + two + cands
+            if two_consumers_pay(gpu, problem):   # 192-row blocks leave a wave short: the first seeds at two (j3, b2),
+                wide = [(176, 3, 2, 24, 1, 1, 0, 0)] if wide_keys_pay(problem) else []   # where the keys fill 176 (x6)
+                cands = wide + [(128, 2, 2, 24, 1, 1, 0, 0)] + cands
         elif d <= 128 and half_panels(problem):   # d = 72-96: Bc 128 won its searches (w1, w2)
             cands = [(128, 2, 2, 40, 1, 1, 1, 0), (128, 2, 3, 24, 1, 1, 0, 0), (128, 2, 2, 24, 1, 0, 0, 0), (128, 2, 2, 24, 1, 1, 0, 0),
                      (64, 3, 3, 0, 1, 1, 0, 0), (176, 2, 2, 24, 1, 1, 0, 0)]

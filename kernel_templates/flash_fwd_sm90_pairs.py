@@ -84,9 +84,8 @@ class PairsFlashFwdSm90(TailFlashFwdSm90):
         say it pays (the tile's width, its S tile and O's store, the keys, the CTAs a head's odd
         query block leaves idle); else None. Every SM must pair up into a cluster of the launch, all
         resident at once (a cut tile's second half waits for its first): the driver's count of
-        clusters of two (clusters_at_once)
-        covers the SMs on the H100 measured (66 for 132, PERF_NOTES "s3"); a GPU whose GPCs leave an
-        SM unpaired runs the plain form, which uses every SM."""
+        clusters of two (clusters_at_once) covers the SMs on the H100 measured (66 for 132, PERF_NOTES
+        "s3"); a GPU whose GPCs leave an SM unpaired runs the plain form, which uses every SM."""
         blocks = ceil_div(problem.seqlen_q, 64 * plain["cwg"])
         turns = CLUSTER * ceil_div(blocks, CLUSTER)   # a head's CTA turns in pairs, the idle ones past its rows
         small_tile = 64 * plain["cwg"] * plain["Bc"] < PAIRS_MIN_S_TILE

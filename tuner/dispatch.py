@@ -237,9 +237,9 @@ class Dispatcher:
         from .kernel_templates import FAMILIES
 
         split = FAMILIES.get("flash_fwd_sm90_split")
-        if split is None or entry["family"] != split.gives_way_to or not isinstance(entry.get("problem"), dict):
+        tuned = tuned_problem(entry)
+        if split is None or entry["family"] != split.gives_way_to or tuned is None:
             return entry
-        tuned = Problem.from_dict(entry["problem"])
         if entry.get("bucket") == problem.bucket().key and split.tune_skip(gpu, tuned) is None:
             return entry
         params = split.split_form(served_params(entry, problem), gpu, problem)
@@ -552,10 +552,10 @@ def served_params(entry: dict, problem: Problem) -> dict:
     tuned on; an SDPA backend's entry, or one that does not say, as it is)."""
     from .kernel_templates import FAMILIES
 
-    fam, tuned = FAMILIES.get(entry["family"]), entry.get("problem")
-    if fam is None or not tuned:   # an SDPA backend's entry (no config), or one that does not say
+    fam, tuned = FAMILIES.get(entry["family"]), tuned_problem(entry)
+    if fam is None or tuned is None:   # an SDPA backend's entry (no config), or one that does not say
         return entry["params"]
-    return fam.adapt(entry["params"], Problem.from_dict(tuned), problem)
+    return fam.adapt(entry["params"], tuned, problem)
 
 
 def _served_form(entry: dict | None, problem: Problem, gpu) -> dict | None:

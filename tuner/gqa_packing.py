@@ -4,6 +4,7 @@ and how the dispatcher serves an entry in that form (`packed_gqa`)."""
 
 from __future__ import annotations
 
+from .borrowing import tuned_problem
 from .problem import DECODE_QUERIES, Problem
 from .untuned import decode_default, prefill_default
 
@@ -162,7 +163,5 @@ def _tuned_rows(entry: dict) -> int:
     """The packed rows (g x Nq) of the problem `entry` was tuned on; 0 where it names none."""
     from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
 
-    try:
-        return packed_rows(Problem.from_dict(entry["problem"]))
-    except (KeyError, TypeError, ValueError):
-        return 0
+    tuned = tuned_problem(entry)
+    return 0 if tuned is None else packed_rows(tuned)
