@@ -50,7 +50,8 @@ def matching(entries: list[dict], family: str, match: dict, head_dim: int | None
 
 
 def served_draws(entry: dict, dispatcher, gpu, count: int, max_seeds: int = 40) -> list:
-    """Up to `count` random calls (Problems) that `dispatcher` serves by `entry`, in the order drawn."""
+    """Up to `count` random calls (Problems) that `dispatcher` serves by `entry` as it is, in the order
+    drawn: not where a rule serves another config or family in its place (a cut tail, a split)."""
     import random_shapes
     from tuner.problem import Problem
 
