@@ -14,7 +14,7 @@ dtype) that the shipped lookup serves by this entry. An entry answers for its wh
 twin replaces it (`verdict`) where it is faster in the median of the repeats and, with draws, in
 their geometric mean; without draws, where it is faster in every repeat. --lookup-out writes the
 winning twins as a lookup (their median over the repeats at the entry's own problem), for
-`tuner.export.publish_lookup(doc, shipped, "merge")`: each replaces its entry's slot.
+`tuner.export.publish_lookup(doc, shipped_lookup(gpu_key), "merge")`: each replaces its entry's slot.
 """
 
 from __future__ import annotations
@@ -72,12 +72,10 @@ def served_draws(entry: dict, dispatcher, gpu, count: int, max_seeds: int = 40) 
 
 def _form(entry: dict, params: dict, problem, gpu) -> tuple:
     """(family, params) that a call of `problem` runs `entry` with `params` as (the dispatcher's form)."""
-    from tuner.dispatch import _served_form, served_params
+    from tuner.dispatch import served_params
     from tuner.kernel_templates import FAMILIES
 
-    e = dict(entry, params=params)
-    form = _served_form(e, problem, gpu)
-    return FAMILIES[form["family"]], (served_params(form, problem) if form is e else form["params"])
+    return FAMILIES[entry["family"]].served_form(served_params(dict(entry, params=params), problem), gpu, problem)
 
 
 def in_turns(entry: dict, twin: dict, problem, gpu, seeds, timer) -> dict[str, list[float]]:
@@ -126,24 +124,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lookup-out", type=Path)
     args = ap.parse_args(argv)
     from tuner import export
+    from tuner.borrowing import tuned_problem
     from tuner.dispatch import Dispatcher
     from tuner.gpu import detect
     from tuner.kernel_templates import FAMILIES
-    from tuner.problem import Problem
     from tuner.timing import Timer
 
     overrides = _assignments(args.overrides)
     if not overrides:
         raise SystemExit("--set names the twin: at least one NAME=VALUE")
     gpu = detect()
-    path = export.SHIPPED_DIR / f"{gpu.key.replace('/', '_')}.json"
+    path = export.shipped_lookup(gpu.key)
     entries = matching(export.read_lookup(path)["entries"], args.family, _assignments(args.match), args.head_dim, args.mask)
     print(f"{gpu.name}: {len(entries)} entries of {path.name} match", flush=True)
     dispatcher, timer = Dispatcher(path), Timer()
     rows, winners = [], []
     for e in entries:
         twin = dict(e["params"], **overrides)
-        problem = Problem.from_dict(e["problem"])
+        problem = tuned_problem(e)
         if why := FAMILIES[e["family"]].check(twin, gpu, problem):
             print(f"{e['bucket']}: twin refused: {why}")
             continue

@@ -84,10 +84,10 @@ def seeds(problem) -> list[dict]:
 def shipped_configs(gpu_key: str | None = None, family: str = "flash_fwd_sm90") -> list[tuple]:
     """(problem, params, lookup name) of every entry of `family` in the shipped lookups
     (tuner/lookups/), or in the one for `gpu_key`."""
-    from tuner.export import SHIPPED_DIR, read_lookup
+    from tuner.export import SHIPPED_DIR, read_lookup, shipped_lookup
     from tuner.problem import Problem
 
-    paths = [SHIPPED_DIR / f"{gpu_key.replace('/', '_')}.json"] if gpu_key else sorted(SHIPPED_DIR.glob("*.json"))
+    paths = [shipped_lookup(gpu_key)] if gpu_key else sorted(SHIPPED_DIR.glob("*.json"))
     return [(Problem.from_dict(e["problem"]), e["params"], path.stem) for path in paths if path.exists()
             for e in read_lookup(path)["entries"] if e["family"] == family]
 

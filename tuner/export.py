@@ -47,6 +47,11 @@ def shipped_lookups() -> list[Path]:
     return sorted(SHIPPED_DIR.glob("*.json"))
 
 
+def shipped_lookup(gpu_key: str) -> Path:
+    """Where flashtune ships the lookup tuned on `gpu_key`'s GPU (it may ship none)."""
+    return SHIPPED_DIR / f"{gpu_key.replace('/', '_')}.json"
+
+
 def shipped_entries(family: str) -> list[BestEntry]:
     """The shipped lookups' entries of one family, as stored bests (a search's warm starts)."""
     from .db.queries import BestEntry
