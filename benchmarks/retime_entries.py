@@ -126,14 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     from tuner import export
     from tuner.borrowing import tuned_problem
     from tuner.dispatch import Dispatcher
-    from tuner.gpu import detect
+    from tuner.gpu import NoGpuError, detect
     from tuner.kernel_templates import FAMILIES
     from tuner.timing import Timer
 
     overrides = _assignments(args.overrides)
     if not overrides:
         raise SystemExit("--set names the twin: at least one NAME=VALUE")
-    gpu = detect()
+    try:
+        gpu = detect()
+    except NoGpuError as e:   # a machine without a GPU: one line, not a traceback
+        raise SystemExit(f"retime_entries: {e}") from None
     path = export.shipped_lookup(gpu.key)
     entries = matching(export.read_lookup(path)["entries"], args.family, _assignments(args.match), args.head_dim, args.mask)
     print(f"{gpu.name}: {len(entries)} entries of {path.name} match", flush=True)
