@@ -98,17 +98,19 @@ def in_turns(entry: dict, twin: dict, problem, gpu, seeds, timer) -> dict[str, l
     return ms
 
 
-def verdict(entry_ms: list[float], twin_ms: list[float], draw_ratios: list[float] = ()) -> dict:
+def verdict(entry_ms: list[float], twin_ms: list[float], draw_ratios: list[float] = (), margin: float = 0.0) -> dict:
     """Whether the twin replaces the entry. A search's winner stood on one timing at one shape: the
-    twin replaces it where faster in the median of the repeats there and in the geometric mean of
-    the draws the entry serves; with no draws, only where faster in every repeat. (`ratio`: the
+    twin replaces it where faster by more than `margin` in the median of the repeats there and in
+    the geometric mean of the draws the entry serves; with no draws, only where faster in every
+    repeat. A margin keeps a tie within the timing's noise with the search's pick. (`ratio`: the
     median entry/twin at the entry's own problem; `draws`: the draws' geometric mean.)"""
     ratios = [e / t for e, t in zip(entry_ms, twin_ms, strict=True)]
     ratio = statistics.median(ratios)
+    floor = 1.0 + margin
     if not draw_ratios:
-        return dict(twin_wins=all(r > 1 for r in ratios), ratio=ratio, draws=None)
+        return dict(twin_wins=all(r > floor for r in ratios), ratio=ratio, draws=None)
     draws = math.exp(statistics.fmean(map(math.log, draw_ratios)))
-    return dict(twin_wins=ratio > 1 and draws > 1, ratio=ratio, draws=draws)
+    return dict(twin_wins=ratio > floor and draws > floor, ratio=ratio, draws=draws)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mask")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--draws", type=int, default=0, help="random calls the entry serves, timed once each")
+    ap.add_argument("--margin", type=float, default=0.0,
+                    help="how much faster the twin must be (0.005: half a percent), at the shape and over the draws")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--lookup-out", type=Path)
     args = ap.parse_args(argv)
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             d = in_turns(e, twin, p, gpu, [0], timer)
             draws[p.key] = d["entry"][0] / d["twin"][0]
         row = dict(bucket=e["bucket"], problem=problem.key, ms=ms, draw_ratios=draws,
-                   **verdict(ms["entry"], ms["twin"], list(draws.values())))
+                   **verdict(ms["entry"], ms["twin"], list(draws.values()), args.margin))
         rows.append(row)
         print(f"{row['bucket']} {row['problem']}: entry {' '.join(f'{x:.4f}' for x in ms['entry'])} ms, "
               f"twin {' '.join(f'{x:.4f}' for x in ms['twin'])} ms, entry/twin {row['ratio']:.3f}"

@@ -44,6 +44,15 @@ def test_with_draws_a_twin_wins_where_faster_in_the_median_and_over_the_draws():
     assert not retime.verdict([1.0, 0.99, 1.01], [1.0, 1.0, 1.0], [1.05])["twin_wins"]   # the median a tie
 
 
+def test_a_margin_keeps_a_tie_with_the_searchs_pick():
+    entry, twin = [1.004, 1.003, 1.004], [1.0, 1.0, 1.0]
+    assert retime.verdict(entry, twin, [1.02])["twin_wins"]
+    assert not retime.verdict(entry, twin, [1.02], margin=0.005)["twin_wins"]   # 0.4% at the shape
+    assert not retime.verdict([1.02] * 3, twin, [1.003], margin=0.005)["twin_wins"]   # 0.3% over the draws
+    assert retime.verdict([1.02] * 3, twin, [1.01], margin=0.005)["twin_wins"]
+    assert not retime.verdict(entry, twin, margin=0.005)["twin_wins"]   # no draws: every repeat past it
+
+
 def test_served_draws_are_calls_the_lookup_serves_by_the_entry(h200_entries):
     path = export.SHIPPED_DIR / "NVIDIA-H200_sm_90.json"
     dispatcher = Dispatcher(path)
