@@ -133,7 +133,9 @@ def test_a_peer_that_won_on_few_query_blocks_goes_after_the_kernels_on_more(tmp_
     d = Dispatcher(path)
     assert d.select(shard, H100_SXM)["family"] == "sdpa_flash"
     assert d.select(replace(shard, seqlen_k=3000), H100_SXM)["family"] == "sdpa_flash"   # as few blocks
-    assert d.select(more, H100_SXM)["family"] == SPLIT.name
+    # our kernel: the split entry's at a call it splits, the defaults where it would run one split
+    assert d.select(replace(more, heads=12, kv_heads=2), H100_SXM)["family"] == SPLIT.name
+    assert auto_splits(split, more, H100_SXM) == 1 and d.select(more, H100_SXM)["family"] == SM90.name
     wide = Problem(8, 32, 512, 4096, 128, "bf16", "causal_br", kv_heads=8)   # 1024 blocks: filled when measured
     filled = build_lookup([entry(wide, "sdpa_flash", {}, wide.flops() / ms / 1e9)])["entries"][0]
     assert not idle_peer(filled, H100_SXM, replace(wide, batch=16))
@@ -386,6 +388,34 @@ def test_a_split_entry_tuned_where_sms_idled_gives_way_to_three_consumers_in_its
     call = replace(wide, heads=25, kv_heads=25, seqlen_q=931, seqlen_k=30369)
     assert (split_default(call, H100_SXM) or prefill_default(call, H100_SXM))["params"]["cwg"] == 2
     assert d.select(call, H100_SXM)["family"] == SPLIT.name
+
+
+def test_a_split_entry_that_would_not_split_a_call_under_a_wave_serves_the_defaults(tmp_path):
+    """A d=64 chunk bucket's split entry (128-row tiles, tuned at B1-H8 512 x 16384: 32 blocks, its keys
+    split) is the nearest for B1-H25 chunks of 100 blocks under a wave, which its occupancy runs in one
+    split: the plain kernel on a tile chosen to split. There the defaults weighed afresh serve: flash_fwd_sm90's
+    where the split default would not split either (1.04-1.06x the entry on the H200, PERF_NOTES
+    "x8"), the split default where its 192-row tiles split the keys (1.08-1.14x). The tuned shape,
+    and a call the entry splits, keep it."""
+    from tuner.untuned import prefill_default, split_default
+
+    tuned = Problem(1, 8, 512, 16384, 64, "bf16", "causal_br")
+    split = dict(SPLIT.default(H100_SXM, tuned), Bc=128, cwg=2, stages=3, split=40, splits=0)
+    d = Dispatcher(lookup(tmp_path / "a.json", [entry(tuned, SPLIT.name, split, 250.0)]))
+    assert d.select(tuned, H100_SXM)["params"] == split
+    short = replace(tuned, heads=25, kv_heads=25, seqlen_q=496, seqlen_k=2183)
+    long = replace(short, seqlen_q=426, seqlen_k=18770)
+    for call in (short, long):
+        assert next(d.candidates(call, H100_SXM))[1]["params"] == split and auto_splits(split, call, H100_SXM) == 1
+    assert split_default(short, H100_SXM) is None
+    served = d.select(short, H100_SXM)
+    assert served["family"] == SM90.name and served["params"] == prefill_default(short, H100_SXM)["params"]
+    fresh = split_default(long, H100_SXM)
+    served = d.select(long, H100_SXM)
+    assert served["family"] == SPLIT.name and served["params"] == fresh["params"] and fresh["params"]["cwg"] == 3
+    assert SPLIT.splits(served["params"], long, H100_SXM) > 1
+    few = replace(long, heads=6, kv_heads=6)   # 24 blocks: the entry splits the keys
+    assert auto_splits(split, few, H100_SXM) > 1 and d.select(few, H100_SXM)["params"] == split
 
 
 TILE = ("Bc", "stages", "cwg", "split")

@@ -137,12 +137,12 @@ def test_served_as_times_the_served_params_in_another_familys_form(shipped, caps
 
 
 def test_a_tuned_split_count_is_listed_as_the_call_runs_it(shipped):
-    """The shipped entry tuned on an 8-head shard (32 blocks) splits 4 ways; served to 28 heads of a
-    chunk (84 blocks) it splits from the occupancy (KernelFamily.adapt), and "served" is that form,
+    """The shipped entry tuned on an 8-head shard (32 blocks) splits 4 ways; served to 12 heads of a
+    chunk (36 blocks) it splits from the occupancy (KernelFamily.adapt), and "served" is that form,
     the one a plan runs, not the stored count."""
     from tuner.dispatch import served_params
 
-    p = Problem.parse("1,28:4,350:3000,128,causal_br", "bf16")
+    p = Problem.parse("1,12:2,350:6000,128,causal_br", "bf16")
     entry = shipped.serving_entry(p, H200)
     assert entry["family"] == "flash_fwd_sm90_split" and entry["params"]["splits"] == 4
     alts = alt.alternatives(shipped, p, H200)

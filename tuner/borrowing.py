@@ -79,6 +79,24 @@ def split_tuned_where_idle(entry: dict, gpu) -> bool:
     return split_entry(entry) and tuned is not None and not fills_gpu(tuned, gpu)
 
 
+def split_runs_whole(entry: dict, problem: Problem, gpu) -> bool:
+    """Whether `entry` is a split entry (`split_entry`) that runs `problem`, a call whose query
+    blocks leave SMs idle (not `fills_gpu`), in one split: the plain Hopper kernel on a tile chosen
+    to split another shape's keys. Such a call runs the defaults weighed afresh (the split default
+    where it splits, else flash_fwd_sm90's). On the H200 (PERF_NOTES "x8"), of the 78 random calls
+    (seeds 0-299) that ran so, 24 timed in turns read 0.964-1.144x the entry under this rule (1.018x
+    geomean): level on 14 short rows (1-3.6k keys) of one d=128 bucket whose entry has Bc 128 and two
+    stages, 1.04-1.06x on d=64 calls at flash_fwd_sm90's default and 1.08-1.14x on three at the split
+    default's, 1.03-1.04x on 10-16k keys of a d=128 bucket of three stages; 30 held out read
+    0.923-1.151x (1.020x, 21 faster; the two under 0.97 had under 1.7k keys)."""
+    from .kernel_templates import FAMILIES
+
+    fam, tuned = FAMILIES.get(entry["family"]), tuned_problem(entry)
+    if not split_entry(entry) or fam is None or tuned is None or fills_gpu(problem, gpu):
+        return False
+    return fam.splits(fam.adapt(entry["params"], tuned, problem), problem, gpu) == 1
+
+
 def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
     """Whether `entry` was tuned on fewer than FEW_WAVES waves of FILL_ROWS-row query blocks and
     serves a call of MISFIT_BLOCKS times as many, or was tuned under one wave and serves an unmasked

@@ -28,7 +28,7 @@ import torch
 from . import autotune, recording
 from .gqa_packing import packed_gqa
 from .launch import Launcher, kernel_scale, launch_on
-from .borrowing import fills_gpu, misfit, split_entry, split_tuned_where_idle, tuned_problem
+from .borrowing import fills_gpu, misfit, split_entry, split_runs_whole, split_tuned_where_idle, tuned_problem
 from .peer_choice import idle_peer, narrow_peer, short_peer
 from .problem import DECODE_QUERIES, TORCH_DTYPES, Bucket, Problem, mask_of, torch_dtype
 from .records import one_line
@@ -194,7 +194,9 @@ class Dispatcher:
         SMs idle (`borrowing.misfit`) to the nearest that was not, else flash_fwd_sm90's default; a
         borrowed split entry (`split_entry`) to the split default where it splits, else that
         default; and its own bucket's split entry, tuned where SMs idled, to those defaults where
-        they take three consumers (`split_tuned_where_idle`). An entry that gives way at this call
+        they take three consumers (`split_tuned_where_idle`). A call that leaves SMs idle passes over
+        a split entry that would run it in one split (and does not give way) to those defaults
+        (`split_runs_whole`). An entry that gives way at this call
         (KernelFamily.gives_way) serves its bucket's entry of the family it names instead."""
         near, fills = next(self.candidates(problem, gpu), None), fills_gpu(problem, gpu)
         if near is None and fills:   # a prefill's far neighbours: prefill buckets only
@@ -212,7 +214,10 @@ class Dispatcher:
             fresh = split_default(problem, gpu) or prefill_default(problem, gpu)
             if fresh is not None and fresh["params"]["cwg"] == 3:
                 near = (0, fresh)
-        entry = self._split_where_idle(self._given_way(near[1], problem, gpu), problem, gpu)
+        entry = self._given_way(near[1], problem, gpu)
+        if split_runs_whole(entry, problem, gpu):   # a split entry that would not split this call
+            entry = split_default(problem, gpu) or prefill_default(problem, gpu) or entry
+        entry = self._split_where_idle(entry, problem, gpu)
         return _served_form(_two_consumers_where_idle(entry, problem, gpu), problem, gpu)
 
     def _given_way(self, entry: dict, problem: Problem, gpu) -> dict:
