@@ -166,12 +166,22 @@ def main(argv: list[str] | None = None) -> int:
                  if draws else "") + ("  -> twin" if row["twin_wins"] else ""), flush=True)
         if row["twin_wins"]:
             winners.append((problem, e["family"], twin, problem.tflops(statistics.median(ms["twin"]))))
-    if args.json:
-        args.json.write_text(json.dumps(dict(gpu=gpu.name, match=args.match, set=args.overrides, rows=rows), indent=1))
+        save(args, gpu, rows, winners)   # after every entry: a run cut short keeps what it measured
     if args.lookup_out and winners:
-        export.write_lookup(export.lookup_of(gpu.key, winners), args.lookup_out)
         print(f"{len(winners)} twins written to {args.lookup_out}")
     return 0
+
+
+def save(args, gpu, rows: list[dict], winners: list[tuple]) -> None:
+    """The rows so far to --json, the winning twins so far to --lookup-out (each file whole, atomic)."""
+    from tuner import export
+    from tuner.files import atomic_write
+
+    if args.json:
+        doc = dict(gpu=gpu.name, match=args.match, set=args.overrides, margin=args.margin, rows=rows)
+        atomic_write(args.json, json.dumps(doc, indent=1).encode())
+    if args.lookup_out and winners:
+        export.write_lookup(export.lookup_of(gpu.key, winners), args.lookup_out)
 
 
 if __name__ == "__main__":

@@ -71,3 +71,32 @@ def test_assignments_read_name_value_and_refuse_anything_else():
     assert retime._assignments(["chain=0", " stages = 3"]) == {"chain": 0, "stages": 3}
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         retime._assignments(["chain"])
+
+
+def test_a_run_cut_short_keeps_the_entries_it_timed(tmp_path, monkeypatch):
+    """The rows and winning twins are written after every entry: a run its time limit stops at the
+    second entry leaves the first in --json and --lookup-out."""
+    import json
+
+    import tuner.gpu
+    import tuner.timing
+
+    monkeypatch.setattr(tuner.gpu, "detect", lambda: H200)
+    monkeypatch.setattr(tuner.timing, "Timer", lambda: None)
+    calls = []
+
+    def in_turns(entry, twin, problem, gpu, seeds, timer):
+        calls.append(entry["bucket"])
+        if len(calls) > 1:
+            raise KeyboardInterrupt   # the limit, mid-way through the second entry
+        return {"entry": [1.02] * len(seeds), "twin": [1.0] * len(seeds)}
+
+    monkeypatch.setattr(retime, "in_turns", in_turns)
+    out, twins = tmp_path / "rows.json", tmp_path / "twins.json"
+    with pytest.raises(KeyboardInterrupt):
+        retime.main(["--match", "persistent=1", "--match", "cwg=2", "--set", "persistent=0", "--head-dim", "128",
+                     "--repeats", "3", "--json", str(out), "--lookup-out", str(twins)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["bucket"] for r in rows] == calls[:1] and rows[0]["twin_wins"]
+    (entry,) = export.read_lookup(twins)["entries"]
+    assert entry["bucket"] == calls[0] and entry["params"]["persistent"] == 0
