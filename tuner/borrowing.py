@@ -85,7 +85,7 @@ def split_runs_whole(entry: dict, problem: Problem, gpu) -> bool:
     to split another shape's keys. Such a call runs the defaults weighed afresh (the split default
     where it splits, else flash_fwd_sm90's). On the H200 (PERF_NOTES "x8"), of the 78 random calls
     (seeds 0-299) that ran so, 24 timed in turns read 0.964-1.144x the entry under this rule (1.018x
-    geomean): level on 14 short rows (1-3.6k keys) of one d=128 bucket whose entry has Bc 128 and two
+    geomean): level on 16 short rows (1-3.6k keys) of one d=128 bucket whose entry has Bc 128 and two
     stages, 1.04-1.06x on d=64 calls at flash_fwd_sm90's default and 1.08-1.14x on three at the split
     default's, 1.03-1.04x on 10-16k keys of a d=128 bucket of three stages; 30 held out read
     0.923-1.151x (1.020x, 21 faster; the two under 0.97 had under 1.7k keys)."""
