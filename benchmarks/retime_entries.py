@@ -3,7 +3,7 @@ winner stood within its run-to-run noise of a twin (one parameter apart), the tw
 on the entry's own problem in several repeats and, with --draws, on random calls the entry serves.
 
     python3 benchmarks/retime_entries.py --match chain=1 --set chain=0 [--head-dim 128] [--mask causal]
-        [--repeats 5] [--draws 8] [--json OUT] [--lookup-out LOOKUP]
+        [--repeats 5] [--draws 8] [--margin 0.005] [--json OUT] [--lookup-out LOOKUP]
 
 Each entry of this GPU's shipped lookup (tuner/lookups/) of --family whose params hold every
 --match is timed beside the same params with every --set applied, both in the form a call runs
@@ -11,10 +11,11 @@ them (the dispatcher's served_params and served_form), checked against float64 f
 (tuner.measure, the search's timer): on its own problem once per repeat on fresh inputs, and once on
 each of --draws random calls (random_shapes.py: prompts, chunks, cross-attention of the entry's
 dtype) that the shipped lookup serves by this entry. An entry answers for its whole bucket, so the
-twin replaces it (`verdict`) where it is faster in the median of the repeats and, with draws, in
-their geometric mean; without draws, where it is faster in every repeat. --lookup-out writes the
-winning twins as a lookup (their median over the repeats at the entry's own problem), for
-`tuner.export.publish_lookup(doc, shipped_lookup(gpu_key), "merge")`: each replaces its entry's slot.
+twin replaces it (`verdict`) where it is faster (by more than --margin) in the median of the
+repeats and, with draws, in their geometric mean; without draws, where it is faster in every repeat.
+--lookup-out writes the winning twins as a lookup (their median over the repeats at the entry's own
+problem), for `tuner.export.publish_lookup(doc, shipped_lookup(gpu_key), "merge")`: each replaces its
+entry's slot. Both files are written after every entry, so a run cut short keeps what it timed.
 """
 
 from __future__ import annotations
