@@ -89,12 +89,13 @@ def split_runs_whole(entry: dict, problem: Problem, gpu) -> bool:
     stages, 1.04-1.06x on d=64 calls at flash_fwd_sm90's default and 1.08-1.14x on three at the split
     default's, 1.03-1.04x on 10-16k keys of a d=128 bucket of three stages; 30 held out read
     0.923-1.151x (1.020x, 21 faster; the two under 0.97 had under 1.7k keys)."""
+    from .dispatch import served_params
     from .kernel_templates import FAMILIES
 
-    fam, tuned = FAMILIES.get(entry["family"]), tuned_problem(entry)
-    if not split_entry(entry) or fam is None or tuned is None or fills_gpu(problem, gpu):
+    fam = FAMILIES.get(entry["family"])
+    if not split_entry(entry) or fam is None or tuned_problem(entry) is None or fills_gpu(problem, gpu):
         return False
-    return fam.splits(fam.adapt(entry["params"], tuned, problem), problem, gpu) == 1
+    return fam.splits(served_params(entry, problem), problem, gpu) == 1
 
 
 def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
