@@ -418,6 +418,38 @@ def test_a_split_entry_that_would_not_split_a_call_under_a_wave_serves_the_defau
     assert auto_splits(split, few, H100_SXM) > 1 and d.select(few, H100_SXM)["params"] == split
 
 
+def test_a_two_consumer_entry_serves_the_defaults_where_three_consumers_pay_and_did_not_where_tuned(tmp_path):
+    """A d=80 unmasked bucket tuned at B2-H8 1024 (128 blocks of 128 rows, one wave; 192-row tiles
+    would make one wave of longer CTAs, so two consumers won there) serves B2-H16 593, whose 160
+    blocks of 128 rows make two waves and 128 of 192 one: the defaults weighed afresh serve, three
+    consumers (1.10-2.06x the entry on the H200, PERF_NOTES "x9"). The tuned shape, and a call whose
+    waves favour two (B4-H8 1024 x 77), keep the entry; so does a d=96 causal call, where the
+    three-consumer default runs on the grid (the persistent form spills) and the entry is persistent."""
+    from tuner.kernel_templates.flash_fwd_sm90 import three_consumers_pay
+    from tuner.untuned import prefill_default
+
+    tuned = Problem(2, 8, 1024, 1024, 80, "bf16", "none")
+    two = dict(SM90.default(H100_SXM, tuned), stages=3)
+    assert two["cwg"] == 2 and not three_consumers_pay(H100_SXM, tuned)
+    d = Dispatcher(lookup(tmp_path / "a.json", [entry(tuned, SM90.name, two, 300.0)]))
+    assert d.select(tuned, H100_SXM)["params"] == two
+    call = replace(tuned, heads=16, kv_heads=16, seqlen_q=593, seqlen_k=593)
+    assert next(d.candidates(call, H100_SXM))[1]["params"] == two and three_consumers_pay(H100_SXM, call)
+    served = d.select(call, H100_SXM)
+    assert served["params"] == prefill_default(call, H100_SXM)["params"] and served["params"]["cwg"] == 3
+    few = replace(tuned, batch=4, seqlen_k=77)   # one wave of 128-row blocks against two of 192
+    assert not three_consumers_pay(H100_SXM, few) and d.select(few, H100_SXM)["params"]["cwg"] == 2
+    # under a mask: at d=80 the default keeps the persistent schedule and serves; at d=96 it would not
+    for head_dim, cwg in ((80, 3), (96, 2)):
+        short = Problem(1, 32, 1500, 1500, head_dim, "bf16", "causal")   # 750 keys a row on average
+        grid = dict(SM90.default(H100_SXM, short), persistent=1)
+        assert grid["cwg"] == 2 and not three_consumers_pay(H100_SXM, short)
+        d = Dispatcher(lookup(tmp_path / f"d{head_dim}.json", [entry(short, SM90.name, grid, 300.0)]))
+        long = replace(short, seqlen_q=2260, seqlen_k=2260)
+        assert next(d.candidates(long, H100_SXM))[1]["params"] == grid and three_consumers_pay(H100_SXM, long)
+        assert d.select(long, H100_SXM)["params"]["cwg"] == cwg
+
+
 TILE = ("Bc", "stages", "cwg", "split")
 
 

@@ -285,7 +285,12 @@ def test_an_unmasked_call_passes_over_configs_tuned_under_one_wave(tmp_path):
     e = d.serving_entry(call, H100_SXM)
     assert (e["family"], e["params"]) == (default[0].name, default[1]) and "bucket" not in e
     assert d.select(replace(few, heads=12, kv_heads=12), H100_SXM)["params"] == tuned   # its own bucket
-    assert d.select(replace(call, seqlen_k=DEFAULT_KEYS - 1), H100_SXM)["bucket"] == few.bucket().key
+    # rows under DEFAULT_KEYS keys keep borrowing it, where 192-row tiles make as many waves (two, of
+    # 200 blocks of 128 rows and 136 of 192); 2505 queries would make one of 192 rows, and the
+    # three-consumer default serves them (borrowing.three_consumers_untried)
+    short = replace(call, seqlen_q=3136, seqlen_k=DEFAULT_KEYS - 1)
+    assert d.select(short, H100_SXM)["bucket"] == few.bucket().key
+    assert d.select(replace(short, seqlen_q=2505), H100_SXM)["params"]["cwg"] == 3
     # masked: tiles of unequal work; within MISFIT_BLOCKS the borrowed config serves
     few_c, call_c = replace(few, mask="causal"), replace(call, seqlen_k=call.seqlen_q, mask="causal")
     assert call_c.query_blocks(FILL_ROWS) < MISFIT_BLOCKS * blocks

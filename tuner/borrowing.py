@@ -153,3 +153,28 @@ def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
     except (TypeError, ValueError):   # an entry that names no bucket
         return False
     return tuned.work == smallest and problem.bucket().work != smallest and problem.seqlen_k >= DEFAULT_KEYS
+
+
+
+def three_consumers_untried(entry: dict, problem: Problem, gpu) -> bool:
+    """Whether `entry` is a flash_fwd_sm90 config of two consumers serving `problem`, a call where
+    the default takes three (flash_fwd_sm90.three_consumers_pay: 192-row tiles make fewer waves x
+    rows), tuned on a shape where it takes two: its search weighed three consumers where 128-row
+    tiles made the better waves, not at this call. Such a call runs the defaults weighed afresh,
+    but not where the default would trade the entry's persistent schedule for the grid (three
+    consumers under a mask at d=96, where the persistent form spills). On the H200 (PERF_NOTES
+    "x9") it moves 64 of 7200 random calls (seeds 0-299), all d=80; timed in turns against the
+    entry: 21 unmasked rows of 75-1021 keys 1.10-2.06x (1.31x geomean; B16-H8 7434 x 111: 273.0
+    TFLOP/s against 132.7), 34 held out 1.09-1.86x (1.36x), 9 causal 1.03-1.07x (1.06x). Nine d=96
+    causal calls the rule moved before the persistent test read 0.94-1.06x (1.006x)."""
+    from .dispatch import served_params
+    from .kernel_templates import FAMILIES
+    from .kernel_templates.flash_fwd_sm90 import three_consumers_pay
+
+    fam, tuned = FAMILIES.get("flash_fwd_sm90"), tuned_problem(entry)
+    if fam is None or entry["family"] != fam.name or tuned is None:
+        return False
+    params = served_params(entry, problem)
+    if params.get("cwg") != 2 or not three_consumers_pay(gpu, problem) or three_consumers_pay(gpu, tuned):
+        return False
+    return fam.default(gpu, problem)["persistent"] >= params["persistent"]

@@ -28,7 +28,8 @@ import torch
 from . import autotune, recording
 from .gqa_packing import packed_gqa
 from .launch import Launcher, kernel_scale, launch_on
-from .borrowing import fills_gpu, misfit, split_entry, split_runs_whole, split_tuned_where_idle, tuned_problem
+from .borrowing import (fills_gpu, misfit, split_entry, split_runs_whole, split_tuned_where_idle,
+                        three_consumers_untried, tuned_problem)
 from .peer_choice import idle_peer, narrow_peer, short_peer
 from .problem import DECODE_QUERIES, TORCH_DTYPES, Bucket, Problem, mask_of, torch_dtype
 from .records import one_line
@@ -215,7 +216,7 @@ class Dispatcher:
             if fresh is not None and fresh["params"]["cwg"] == 3:
                 near = (0, fresh)
         entry = self._given_way(near[1], problem, gpu)
-        if split_runs_whole(entry, problem, gpu):   # a split entry that would not split this call
+        if split_runs_whole(entry, problem, gpu) or three_consumers_untried(entry, problem, gpu):
             entry = split_default(problem, gpu) or prefill_default(problem, gpu) or entry
         entry = self._split_where_idle(entry, problem, gpu)
         return _served_form(_two_consumers_where_idle(entry, problem, gpu), problem, gpu)
