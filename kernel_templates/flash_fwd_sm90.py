@@ -101,17 +101,20 @@ def persistent_three_spill(params: dict, problem: Problem) -> bool:
 
 # Three consumers (192-row tiles) against two at d = 72-96 (tiles of 64-byte panels or, at d = 72-80, the
 # 128-column tile of tile_width), per query row and key: 0.89-0.93x the time on H200 calls whose waves
-# of CTAs come out even (PERF_NOTES "j2"); two keep serving causal rows shorter than THREE_CONSUMER_KEYS
-# keys (0.84x at 875 causal keys; unmasked short rows follow the waves, "x9") and calls whose 192-row
-# tiles make more waves (0.74x at B4-H16 488 x 3058: two waves of 192 rows for two of 128; at d=96 0.75x
-# on 27k-33k keys where 240 blocks of 128 rows made two waves and 160 of 192 did too). From 1024 keys (2048 before "z1", and only past 128 query rows): of
-# the 19 random calls (seeds 1-80) it changed at d=80 on the H200, the 18 that took three read 0.89-1.29x
-# two, 1.07x geometric mean, and one of 68 queries that took two read 1.10x three. At d=96 (PERF_NOTES
-# "x2") 12 of the 15 random calls where the model picks three read 1.01-1.43x two (B16-H32 159 x 8823
-# bottom-right: 424 TFLOP/s on the grid against 320, FA4 424); two of the losses (0.75x, 0.78x) are
-# `rows_spread_idle`'s, the third (0.94x, B1-H16 1151 x 5706, few blocks) the split default serves.
+# of CTAs come out even (PERF_NOTES "j2"); two keep serving calls whose 192-row tiles make more waves
+# (0.74x at B4-H16 488 x 3058: two waves of 192 rows for two of 128; at d=96 0.75x on 27k-33k keys where
+# 240 blocks of 128 rows made two waves and 160 of 192 did too), and calls of 128 query rows or fewer.
+# Rows of any length: a floor of 2048 keys (to "z1"), then 1024, held three off calls where the waves
+# said three; lowered to 1024, the 18 of 19 random calls (seeds 1-80, d=80, H200) that took three read
+# 0.89-1.29x two, 1.07x geomean, and one of 68 queries that took two read 1.10x three. Dropped ("x9",
+# with borrowing.three_consumers_untried), the 122 random calls of seeds 0-299 it moved read 0.99-2.06x
+# what served before, 1.18x geomean (95 unmasked of 65-1021 keys, 18 causal of 133-964 keys a row
+# 1.01-1.21x); the floor's causal call (0.84x at 875 keys) makes one wave either way: the waves say two.
+# At d=96 (PERF_NOTES "x2") 12 of the 15 random calls where the model picks three read 1.01-1.43x two
+# (B16-H32 159 x 8823 bottom-right: 424 TFLOP/s on the grid against 320, FA4 424); two of the losses
+# (0.75x, 0.78x) are `rows_spread_idle`'s, the third (0.94x, B1-H16 1151 x 5706, few blocks) the split
+# default serves.
 THREE_CONSUMER_COST = 0.93
-THREE_CONSUMER_KEYS = 1024
 # The share of a causal call's query-key pairs its mask hides from which a wave's blocks differ enough
 # in work that three consumers under a wave lose to two (rows_spread_idle): 32-50% where measured lost,
 # 8% gained (PERF_NOTES "x2").
@@ -141,22 +144,17 @@ def row_cost(cwg: int) -> float:
 
 
 def three_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
-    """Whether the untuned default takes three consumers: at d = 72-96 on more than 128 query rows
-    (two consumers' block), under a mask of THREE_CONSUMER_KEYS keys or more (on average), where
-    waves of CTAs x rows a CTA computes (consumers past the last query row skip the work) x
-    THREE_CONSUMER_COST come out below two consumers', with waves counted whole or, for both, as
-    they are where an unmasked persistent launch cuts its last rounds (consumer_cost's `cut`), and
-    not where the mask spreads a wave's work (`rows_spread_idle`). The cut count alone moved 30
-    random unmasked H200 calls: of the 21 it gives three, 19 read 1.01-1.17x (B1-H8 7781 at d=80:
-    579 TFLOP/s against 507); of the 9 it gives two, 6 read 0.89-0.98x, so it only adds three
-    (PERF_NOTES "x2"). Unmasked rows of any length follow the waves (the key floor came from a
-    causal call): the 40 random d=96 calls of 65-893 keys (seeds 0-299) it moved to three on the
-    H200, all timed in turns, read 0.99-1.19x two, 1.06x geomean (PERF_NOTES "x9")."""
+    """Whether the untuned default takes three consumers: at d = 72-96 on more than 128 query rows (two
+    consumers' block), where waves of CTAs x rows a CTA computes (consumers past the last query row skip
+    the work) x THREE_CONSUMER_COST come out below two consumers', with waves counted whole or, for
+    both, as they are where an unmasked persistent launch cuts its last rounds (consumer_cost's `cut`),
+    and not where the mask spreads a wave's work (`rows_spread_idle`). The cut count alone moved 30
+    random unmasked H200 calls: of the 21 it gives three, 19 read 1.01-1.17x (B1-H8 7781 at d=80: 579
+    TFLOP/s against 507); of the 9 it gives two, 6 read 0.89-0.98x, so it only adds three (PERF_NOTES
+    "x2"). Rows of any length follow the waves (a 1024-key floor until "x9": the 113 random H200 calls
+    under it that three consumers now serve read 0.99-2.06x two)."""
     if not half_panels(problem) or problem.seqlen_q <= 128 or rows_spread_idle(gpu, problem):
         return False   # (rows that two consumers' block holds: a third would share its K/V tiles with none)
-    mean_keys = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) / problem.seqlen_q
-    if problem.causal and mean_keys < THREE_CONSUMER_KEYS:
-        return False
     return any(consumer_cost(gpu, problem, 3, cut) * THREE_CONSUMER_COST < consumer_cost(gpu, problem, 2, cut)
                for cut in (False, True))
 

@@ -441,13 +441,13 @@ def test_a_two_consumer_entry_serves_the_defaults_where_three_consumers_pay_and_
     assert not three_consumers_pay(H100_SXM, few) and d.select(few, H100_SXM)["params"]["cwg"] == 2
     # under a mask: at d=80 the default keeps the persistent schedule and serves; at d=96 it would not
     for head_dim, cwg in ((80, 3), (96, 2)):
-        short = Problem(1, 32, 1500, 1500, head_dim, "bf16", "causal")   # 750 keys a row on average
-        grid = dict(SM90.default(H100_SXM, short), persistent=1)
-        assert grid["cwg"] == 2 and not three_consumers_pay(H100_SXM, short)
-        d = Dispatcher(lookup(tmp_path / f"d{head_dim}.json", [entry(short, SM90.name, grid, 300.0)]))
-        long = replace(short, seqlen_q=2260, seqlen_k=2260)
-        assert next(d.candidates(long, H100_SXM))[1]["params"] == grid and three_consumers_pay(H100_SXM, long)
-        assert d.select(long, H100_SXM)["params"]["cwg"] == cwg
+        tuned = Problem(1, 32, 1700, 1700, head_dim, "bf16", "causal")   # 4 waves of 128 rows, 3 of 192
+        persistent = dict(SM90.default(H100_SXM, tuned), persistent=1)
+        assert persistent["cwg"] == 2 and not three_consumers_pay(H100_SXM, tuned)
+        d = Dispatcher(lookup(tmp_path / f"d{head_dim}.json", [entry(tuned, SM90.name, persistent, 300.0)]))
+        call = replace(tuned, seqlen_q=2260, seqlen_k=2260)   # 5 waves of 128 rows, 3 of 192
+        assert next(d.candidates(call, H100_SXM))[1]["params"] == persistent and three_consumers_pay(H100_SXM, call)
+        assert d.select(call, H100_SXM)["params"]["cwg"] == cwg
 
 
 TILE = ("Bc", "stages", "cwg", "split")

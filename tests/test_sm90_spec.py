@@ -124,7 +124,8 @@ def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
     ("2,32,715:5389,80,causal_br", 3),   # 3 waves of 128 rows against 2 of 192: three consumers (1.07x, j2)
     ("4,32,147:3350,80,none", 3),        # two 128-row blocks a head against one of 192 (1.33x)
     ("4,16,488:3058,80,none", 2),        # two waves either way, of 192 rows for 128 (three: 0.74x)
-    ("1,8,875,80,causal", 2),            # short causal rows (three: 0.84x)
+    ("1,8,875,80,causal", 2),            # 56 blocks of 128 rows, 40 of 192: one wave either way (three: 0.84x)
+    ("4,32,925,80,causal", 3),           # 463 keys a row: 7.8 waves of 128 rows against 4.8 of 192 (1.10x, x9)
     ("2,16,593,80,none", 3),             # short unmasked rows: one wave of 192 rows against two of 128 (1.29x, x8)
     ("1,4,5146:251,80,none", 3),         # 251 keys: the same waves (1.24x, x8)
     ("16,8,7434:111,96,none", 3),        # 111 keys at d=96: 38 waves of 192 rows against 57 of 128 (x9: 0.99-1.19x on 15)
@@ -150,8 +151,8 @@ def test_launch_grid_per_tile_or_one_per_sm(cwg, n):
 ])
 def test_the_untuned_default_takes_three_consumers_on_long_rows_at_d72_96(shape, cwg):
     """flash_fwd_sm90's default at d = 72-96 (tiles of 64-byte panels, or at d = 72-80 the 128-column
-    tile): three consumers on more than 128 query rows (of 1024 keys or more on average under a
-    mask, of any length unmasked) where waves x rows a CTA computes x THREE_CONSUMER_COST come out lower, and not where a causal mask spreads the work of a
+    tile): three consumers on more than 128 query rows, of any length, where waves x rows a CTA
+    computes x THREE_CONSUMER_COST come out lower, and not where a causal mask spreads the work of a
     wave of 192-row blocks (rows_spread_idle), else two; an unmasked call's waves are counted whole and,
     where a persistent launch cuts its last rounds, as they are, and three take either count's
     verdict for them (two on a cut count alone read 0.89-0.98x three on 6 of 9 H200 calls, x2). It is

@@ -163,10 +163,10 @@ def three_consumers_untried(entry: dict, problem: Problem, gpu) -> bool:
     tiles made the better waves, not at this call. Such a call runs the defaults weighed afresh,
     but not where the default would trade the entry's persistent schedule for the grid (three
     consumers under a mask at d=96, where the persistent form spills). On the H200 (PERF_NOTES
-    "x9") it moves 64 of 7200 random calls (seeds 0-299), all d=80; timed in turns against the
-    entry: 21 unmasked rows of 75-1021 keys 1.10-2.06x (1.31x geomean; B16-H8 7434 x 111: 273.0
-    TFLOP/s against 132.7), 34 held out 1.09-1.86x (1.36x), 9 causal 1.03-1.07x (1.06x). Nine d=96
-    causal calls the rule moved before the persistent test read 0.94-1.06x (1.006x)."""
+    "x9") it moves 77 of 7200 random calls (seeds 0-299), all d=80, all timed in turns against the
+    entry: 55 unmasked of 74-1021 keys 1.09-2.06x (1.34x geomean; B16-H8 7434 x 111: 273.0 TFLOP/s
+    against 132.7), 22 causal 1.01-1.10x (1.06x). Nine d=96 causal calls it moved before the
+    persistent test read 0.94-1.06x (1.006x)."""
     from .dispatch import served_params
     from .kernel_templates import FAMILIES
     from .kernel_templates.flash_fwd_sm90 import three_consumers_pay
