@@ -45,9 +45,10 @@ def tuned_problem(entry: dict) -> Problem | None:
 
 def misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
     """Whether `entry`, `dist` octaves away, is borrowed from a shape unlike a call that fills the GPU
-    over DEFAULT_KEYS keys: one whose query blocks left SMs idle, of the smallest work class
-    (`_tuned_on_few_heads`) or of under FEW_WAVES waves of blocks where the call has MISFIT_BLOCKS
-    times as many, or under one where the call is unmasked (`_tuned_on_few_blocks`), one of short rows
+    (over DEFAULT_KEYS keys, but for an unmasked call's entry tuned under one wave): one whose query
+    blocks left SMs idle, of the smallest work class (`_tuned_on_few_heads`) or of under FEW_WAVES
+    waves of blocks where the call has MISFIT_BLOCKS times as many, or under one where the call is
+    unmasked (`_tuned_on_few_blocks`), one of short rows
     of keys where the call has MISFIT_KEYS times as many (`_tuned_on_short_keys`), or a split entry
     (`split_entry`). Its own bucket's entries always serve."""
     return dist > 0 and (_tuned_on_few_heads(entry, problem) or _tuned_on_few_blocks(entry, problem, gpu)
@@ -100,8 +101,8 @@ def split_runs_whole(entry: dict, problem: Problem, gpu) -> bool:
 
 def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
     """Whether `entry` was tuned on fewer than FEW_WAVES waves of FILL_ROWS-row query blocks and
-    serves a call of MISFIT_BLOCKS times as many, or was tuned under one wave and serves an unmasked
-    call (which fills the GPU: `misfit`), over DEFAULT_KEYS keys. A search on one or two
+    serves a call of MISFIT_BLOCKS times as many over DEFAULT_KEYS keys, or was tuned under one wave
+    and serves an unmasked call (which fills the GPU: `misfit`) of any length. A search on one or two
     waves weighs the last wave's idle SMs (persistent schedules, a TMA store, split keys), which a
     call of many waves does not have: on the H200 (PERF_NOTES "n2") B1-H25 6805 x 1639 keys at d=64
     (1350 blocks) ran its neighbour's config tuned on 240 blocks at 373 TFLOP/s, the next bucket's
@@ -112,15 +113,19 @@ def _tuned_on_few_blocks(entry: dict, problem: Problem, gpu) -> bool:
     decides how many SMs the last wave idles: the d=80 n1024/small bucket's grid config (tuned on
     128 blocks) served unmasked calls of 1.25-3.9x as many at 0.74-0.99x flash_fwd_sm90's default
     (B1-H8 2505 x 3773: 299.8 against 405.2); of the 18 random calls this moves on the H200 17 read
-    1.01-1.56x what served before, one 0.90x (PERF_NOTES "x2"). Masked calls' tiles are not equal:
-    20 causal ones that the same rule would move read 0.95-1.05x, so they keep the 4x."""
+    1.01-1.56x what served before, one 0.90x (PERF_NOTES "x2"). Short rows too (no DEFAULT_KEYS floor
+    since "x9"): the 33 random calls of 73-962 keys (seeds 0-299) it then moved read 0.99-1.41x, 1.15x
+    geomean (B16-H8 1024 x 77 cross-attention at d=80: 119.2 TFLOP/s against 89.8). Masked calls'
+    tiles are not equal: 20 causal ones that the same rule would move read 0.95-1.05x, so they keep
+    the 4x."""
     tuned = tuned_problem(entry)
-    if tuned is None or problem.seqlen_k < DEFAULT_KEYS:
+    if tuned is None:
         return False
     blocks = tuned.query_blocks(FILL_ROWS)
     if blocks < gpu.sm_count and not problem.causal:
         return True
-    return blocks < FEW_WAVES * gpu.sm_count and problem.query_blocks(FILL_ROWS) >= MISFIT_BLOCKS * blocks
+    return (problem.seqlen_k >= DEFAULT_KEYS and blocks < FEW_WAVES * gpu.sm_count
+            and problem.query_blocks(FILL_ROWS) >= MISFIT_BLOCKS * blocks)
 
 
 def _tuned_on_short_keys(entry: dict, problem: Problem) -> bool:
