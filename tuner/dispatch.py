@@ -197,8 +197,10 @@ class Dispatcher:
         default; and its own bucket's split entry, tuned where SMs idled, to those defaults where
         they take three consumers (`split_tuned_where_idle`). A call that leaves SMs idle passes over
         a split entry that would run it in one split (and does not give way) to those defaults
-        (`split_runs_whole`). An entry that gives way at this call
-        (KernelFamily.gives_way) serves its bucket's entry of the family it names instead."""
+        (`split_runs_whole`); any call where flash_fwd_sm90's default takes three consumers passes
+        over a two-consumer entry tuned where it took two (`three_consumers_untried`). An entry that
+        gives way at this call (KernelFamily.gives_way) serves its bucket's entry of the family it
+        names instead."""
         near, fills = next(self.candidates(problem, gpu), None), fills_gpu(problem, gpu)
         if near is None and fills:   # a prefill's far neighbours: prefill buckets only
             near = next(((dist, e) for dist, e in self.candidates(problem, gpu, math.inf)
