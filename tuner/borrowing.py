@@ -44,11 +44,10 @@ def tuned_problem(entry: dict) -> Problem | None:
 
 
 def misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
-    """Whether `entry`, `dist` octaves away, is borrowed from a shape unlike a call that fills the GPU
-    (over DEFAULT_KEYS keys, but for an unmasked call's entry tuned under one wave): one whose query
-    blocks left SMs idle, of the smallest work class (`_tuned_on_few_heads`) or of under FEW_WAVES
-    waves of blocks where the call has MISFIT_BLOCKS times as many, or under one where the call is
-    unmasked (`_tuned_on_few_blocks`), one of short rows
+    """Whether `entry`, `dist` octaves away, is borrowed from a shape unlike a call that fills the GPU:
+    over DEFAULT_KEYS keys, one of the smallest work class (`_tuned_on_few_heads`) or tuned on under
+    FEW_WAVES waves of query blocks where the call has MISFIT_BLOCKS times as many; at any length,
+    one tuned under one wave where the call is unmasked (`_tuned_on_few_blocks`); one of short rows
     of keys where the call has MISFIT_KEYS times as many (`_tuned_on_short_keys`), or a split entry
     (`split_entry`). Its own bucket's entries always serve."""
     return dist > 0 and (_tuned_on_few_heads(entry, problem) or _tuned_on_few_blocks(entry, problem, gpu)
@@ -158,7 +157,6 @@ def _tuned_on_few_heads(entry: dict, problem: Problem) -> bool:
     except (TypeError, ValueError):   # an entry that names no bucket
         return False
     return tuned.work == smallest and problem.bucket().work != smallest and problem.seqlen_k >= DEFAULT_KEYS
-
 
 
 def three_consumers_untried(entry: dict, problem: Problem, gpu) -> bool:
