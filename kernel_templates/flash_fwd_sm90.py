@@ -32,7 +32,7 @@ from __future__ import annotations
 from tuner.family import ELEM_CODE, KernelFamily, VarlenVariant, ceil_div, padded_head_dim
 from tuner.launch import AttentionArgs, Launch
 from tuner.gpu import GpuSpec
-from tuner.problem import DTYPE_BYTES, Problem, visible_keys, visible_pairs
+from tuner.problem import DECODE_QUERIES, DTYPE_BYTES, Problem, visible_keys, visible_pairs
 from tuner.kernel_templates.sm90_tile_counter import tile_counter_ptr
 from tuner.kernel_templates.sm90_tma import O_BOX_ROWS, MapSlot, map_fields, maps_at, tail_cols, tile_cols, tile_panel, tile_width
 from tuner.kernel_templates.wgmma_gen import wrappers
@@ -131,6 +131,13 @@ TWO_CONSUMER_WAVES = 2
 # 0.96-1.07x, 1.01x geomean on 22 calls, whatever the columns said.
 WIDE_KEYS_GAIN = 1.06
 WIDE_KEYS_MIN = 1536
+# One consumer (64-row blocks) where they make ONE_CONSUMER_WAVES wave of CTAs or less
+# (one_consumer_pays): there one CTA's rows x keys are the launch, and halving them halves it. On the
+# H200 (PERF_NOTES "x10", bf16, the default's tile at one consumer against what served, two or three
+# consumers, timed in turns with the peers): 26 calls of 8-128 such blocks read 1.03-1.39x (B1-H6 124 x
+# 1595 d=64 19.5 TFLOP/s against 14.0, SDPA flash 19.1), where 144-192 blocks read 0.94-1.03x and
+# 192-336 0.56-0.80x.
+ONE_CONSUMER_WAVES = 1
 
 
 def cta_rows(problem: Problem, cwg: int) -> int:
@@ -182,6 +189,12 @@ def two_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
     such blocks read 1.02-1.35x at two; at 400 blocks, where the waves model's margin held too, 0.93x."""
     return (problem.query_blocks(192) < TWO_CONSUMER_WAVES * gpu.sm_count
             and consumer_cost(gpu, problem, 2) < consumer_cost(gpu, problem, 3) * THREE_CONSUMER_COST * TWO_CONSUMER_MARGIN)
+
+
+def one_consumer_pays(gpu: GpuSpec, problem: Problem) -> bool:
+    """Whether a prefill call's 64-row blocks make ONE_CONSUMER_WAVES wave of CTAs or less, where one
+    consumer a CTA beats two or three (the dispatcher's one_consumer_where_idle)."""
+    return problem.seqlen_q > DECODE_QUERIES and problem.query_blocks(64) <= ONE_CONSUMER_WAVES * gpu.sm_count
 
 
 def key_columns(problem: Problem, rows: int, bc: int) -> int:

@@ -495,8 +495,9 @@ def test_an_untuned_prefill_that_leaves_sms_idle_runs_the_split_default_where_it
     assert d.select(shard, H100_SXM) is None and e["family"] == SPLIT.name
     assert e["params"] == SPLIT.default(H100_SXM, shard) and SPLIT.splits(e["params"], shard, H100_SXM) > 1
     assert _served(path, [shard], H100_SXM)[shard.key].family == SPLIT.name
-    short = replace(shard, seqlen_q=300, seqlen_k=300)
-    assert d.serving_entry(short, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, short)}
+    short = replace(shard, seqlen_q=300, seqlen_k=300)   # (10 blocks of 64 rows: at one consumer)
+    assert d.serving_entry(short, H100_SXM) == {"family": SM90.name, "params": dict(SM90.default(H100_SXM, short), cwg=1,
+                                                                                     pingpong=0, split=0)}
     assert d.serving_entry(replace(shard, dtype="fp32"), H100_SXM) is None
     full = replace(shard, batch=8, heads=32, kv_heads=8)
     assert d.serving_entry(full, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, full)}
@@ -533,10 +534,13 @@ def test_an_untuned_prefill_of_two_waves_of_default_tiles_runs_the_default_unspl
 
 def test_a_three_consumer_config_tuned_on_many_blocks_serves_a_call_under_a_wave_at_two(tmp_path):
     """The n1024/medium bucket's config, tuned on 1200 blocks of 192 rows (three consumers,
-    persistent), borrowed by 12 heads of a 548-query prompt (36 such blocks on 132 SMs), serves
+    persistent), borrowed by 12 heads of a 548-query prompt (36 such blocks on 132 SMs), served
     as flash_fwd_sm90's default, two consumers there: 35.1 TFLOP/s against 28.6 on the H200
-    (PERF_NOTES "j3"). Where the bucket's entry was tuned on a call of under a wave itself, it
-    stands; so does it at 1200 blocks."""
+    (PERF_NOTES "j3"); its 108 blocks of 64 rows make under a wave, so it runs at one consumer since
+    "x10". 24 heads (72 blocks of 192 rows, 216 of 64) run at two. Where the bucket's entry was tuned
+    on a call of under a wave itself, it stands; so does it at 1200 blocks."""
+    from tuner.untuned import one_consumer_default
+
     d64 = Problem(8, 25, 1024, 1024, 64, "bf16", "causal", 25)
     three = dict(SM90.default(H100_SXM, d64), persistent=1, split=32)
     assert three["cwg"] == 3 and SM90.check(three, H100_SXM, d64) is None
@@ -544,12 +548,48 @@ def test_a_three_consumer_config_tuned_on_many_blocks_serves_a_call_under_a_wave
     few = Problem(1, 12, 548, 548, 64, "bf16", "causal", 12)
     assert next(d.candidates(few, H100_SXM))[1]["params"] == three   # borrowed: the nearest bucket's
     e = d.serving_entry(few, H100_SXM)
-    assert e["family"] == SM90.name and e["params"] == SM90.default(H100_SXM, few) and e["params"]["cwg"] == 2
+    assert e == one_consumer_default(few, H100_SXM) and e["params"]["cwg"] == 1
+    wider = replace(few, heads=24, kv_heads=24)
+    assert next(d.candidates(wider, H100_SXM))[1]["params"] == three
+    e = d.serving_entry(wider, H100_SXM)
+    assert e["family"] == SM90.name and e["params"] == SM90.default(H100_SXM, wider) and e["params"]["cwg"] == 2
     assert d.serving_entry(d64, H100_SXM)["params"] == three
     idle = Problem(1, 12, 600, 600, 64, "bf16", "causal", 12)   # same bucket, tuned under a wave
     assert idle.bucket() == few.bucket()
     d = Dispatcher(lookup(tmp_path / "idle.json", [entry(idle, SM90.name, three, 30.0)]))
     assert d.serving_entry(few, H100_SXM)["params"] == three
+
+
+def test_a_call_whose_64_row_blocks_make_a_wave_or_less_runs_one_consumer(tmp_path):
+    """A two-consumer entry tuned on B4-H8 512 x 1536 (256 blocks of 64 rows), serving 4 heads of a
+    300 x 1500 chunk (20 such blocks on 132 SMs), gives way to flash_fwd_sm90's default at one
+    consumer: 1.03-1.39x on 26 such H200 calls, 1.18x geomean on 85 held out (PERF_NOTES "x10").
+    134 blocks of 64 rows (past a wave) keep the entry; so does an entry tuned in the call's own
+    bucket on a call of under a wave (a search there weighed one consumer), and a split form."""
+    from tuner.kernel_templates.flash_fwd_sm90 import ONE_CONSUMER_WAVES, one_consumer_pays
+    from tuner.untuned import one_consumer_default
+
+    tuned = Problem(4, 8, 512, 1536, 128, "bf16", "none", 8)
+    two = SM90.default(H100_SXM, tuned)
+    assert two["cwg"] == 2
+    d = Dispatcher(lookup(tmp_path / "a.json", [entry(tuned, SM90.name, two, 600.0)]))
+    chunk = Problem(1, 4, 300, 1500, 128, "bf16", "none", 4)
+    assert next(d.candidates(chunk, H100_SXM))[1]["params"] == two and one_consumer_pays(H100_SXM, chunk)
+    one = d.serving_entry(chunk, H100_SXM)
+    assert one == one_consumer_default(chunk, H100_SXM) and one["family"] == SM90.name
+    assert one["params"] == dict(SM90.default(H100_SXM, chunk), cwg=1, pingpong=0, split=0)
+    assert SM90.check(one["params"], H100_SXM, chunk) is None
+    wave = replace(chunk, heads=67, kv_heads=67, seqlen_q=128)   # 134 blocks of 64 rows: past one wave
+    assert wave.query_blocks(64) > ONE_CONSUMER_WAVES * H100_SXM.sm_count and not one_consumer_pays(H100_SXM, wave)
+    assert d.serving_entry(wave, H100_SXM)["params"]["cwg"] >= 2
+    assert not one_consumer_pays(H100_SXM, replace(chunk, seqlen_q=16))   # a decode step: not this rule
+    own = replace(chunk, seqlen_q=280)   # tuned in the call's bucket, on 20 blocks of 64 rows too
+    assert own.bucket() == chunk.bucket()
+    d = Dispatcher(lookup(tmp_path / "own.json", [entry(own, SM90.name, two, 60.0)]))
+    assert d.serving_entry(chunk, H100_SXM)["params"] == two
+    shard = Problem(1, 2, 300, 30000, 128, "bf16", "causal_br", 1)   # keys that split: the split form stands
+    assert d.serving_entry(shard, H100_SXM)["family"] in (SPLIT.name, "flash_fwd_sm90_gqa")
+    assert one_consumer_default(replace(chunk, dtype="fp8"), H100_SXM) is None
 
 
 def test_a_three_consumer_config_serves_a_causal_call_whose_blocks_differ_under_a_wave_at_two(tmp_path):
@@ -610,6 +650,7 @@ def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path
     split; a GPU without wgmma, or a head dim no kernel takes (84: not a multiple of 8) runs SDPA,
     and the plan's reason says which."""
     from tuner.cli import _served
+    from tuner.untuned import one_consumer_default
 
     monkeypatch.setenv(export.SHIPPED_ENV, "1")
     d_ = Dispatcher(tmp_path / "absent.json")
@@ -620,7 +661,8 @@ def test_an_untuned_head_dim_that_fills_the_gpu_runs_the_hopper_default(tmp_path
     assert _served(str(tmp_path / "absent.json"), [prefill], H100_SXM)[prefill.key].family == SM90.name
     few = replace(prefill, heads=8, seqlen_q=512, seqlen_k=512)   # 32 blocks: SMs idle, 512 keys too few to split
     decode = replace(prefill, seqlen_q=1, seqlen_k=8192)
-    assert d_.serving_entry(few, H100_SXM) == {"family": SM90.name, "params": SM90.default(H100_SXM, few)}
+    # (64 blocks of 64 rows: under a wave, so at one consumer)
+    assert d_.serving_entry(few, H100_SXM) == one_consumer_default(few, H100_SXM) != None
     for p, gpu in ((prefill, A100_SXM), (replace(prefill, head_dim=84), H100_SXM)):
         assert d_.serving_entry(p, gpu) is None, (p.key, gpu.name)
     step = d_.serving_entry(decode, H100_SXM)   # in its cluster form where its keys split 2-8 ways
@@ -796,7 +838,8 @@ def test_bench_times_what_a_lookup_serves_a_peer_among_the_peers(tmp_path, sm90_
     served = _served(path, [BF16, FP32, far, small, fp32], H100_SXM)
     assert served[BF16.key].family == SM90.name and served[BF16.key].params == sm90_params   # from the nearer bucket
     assert served[FP32.key].family == "sdpa_efficient" and fp32.key not in served
-    assert served[small.key].family == SM90.name and served[small.key].params == SM90.default(H100_SXM, small)
+    assert served[small.key].family == SM90.name   # (32 blocks of 64 rows: at one consumer)
+    assert served[small.key].params == dict(SM90.default(H100_SXM, small), cwg=1, pingpong=0, split=0)
     assert served[far.key].family == SM90.name and served[far.key].params == SM90.default(H100_SXM, far)
     # a split count tuned at B1 is timed as the dispatcher runs it at B3: from the occupancy
     shard = Problem(1, 8, 512, 32768, 128, "bf16", "causal_br", 1)

@@ -576,6 +576,32 @@ def test_a_head_dim_no_lookup_tunes_runs_the_hopper_default(dispatcher, d):
     _assert_packed_causal_matches(o, packed, cu)
 
 
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+def test_a_call_of_few_blocks_runs_one_consumer(dispatcher, d):
+    """A prefill whose 64-row blocks make under a wave of CTAs (a few heads of a short prompt) runs
+    flash_fwd_sm90's default at one consumer (dispatch._one_consumer_where_idle): a random such
+    shape, rows and keys off the tiles, GQA or not, causal or not, matches float64 as SDPA does,
+    gradients too, with no fallback."""
+    from tuner import dispatch
+    from tuner.gpu import detect
+    from tuner.kernel_templates.flash_fwd_sm90 import one_consumer_pays
+
+    gpu = detect()
+    if (gpu.major, gpu.minor) != (9, 0):
+        pytest.skip(f"flash_fwd_sm90 is Hopper's; {gpu.name} is {gpu.cc}")
+    dispatcher([])
+    rng = random.Random()
+    kvh = rng.choice([1, 2, 4])
+    p = Problem(1, kvh * rng.choice([1, 2]), rng.randrange(65, 400), rng.randrange(100, 1900), d,
+                rng.choice(["bf16", "fp16"]), rng.choice([False, True]), kvh)
+    assert one_consumer_pays(gpu, p)
+    entry = dispatch.default().serving_entry(p, gpu)
+    assert (entry["family"], entry["params"]["cwg"]) == ("flash_fwd_sm90", 1), (p.key, entry)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flashtune")
+        _check_against_sdpa(p, rng, served=True)
+
+
 @pytest.fixture
 def autotuning(tmp_path, monkeypatch):
     """First-call autotuning on, its measurements in a fresh database: (the lookup path to serve from,

@@ -33,7 +33,7 @@ from .borrowing import (fills_gpu, misfit, split_entry, split_runs_whole, split_
 from .peer_choice import idle_peer, narrow_peer, short_peer
 from .problem import DECODE_QUERIES, TORCH_DTYPES, Bucket, Problem, mask_of, torch_dtype
 from .records import one_line
-from .untuned import decode_default, prefill_default, split_default
+from .untuned import decode_default, one_consumer_default, prefill_default, split_default
 
 TORCH_TO_DTYPE = {name: dtype for dtype, name in TORCH_DTYPES.items()}  # "float8_e4m3fn" -> "fp8"
 # The C++ call path's mask codes (tuner/csrc/fast_call.cpp): a plan's `causal`, bool or mask name
@@ -257,11 +257,14 @@ class Dispatcher:
         """What a plan for `problem` runs: the lookup's entry (select), else, for a decode call,
         flash_decode's default, for a prefill call that leaves SMs idle, flash_fwd_sm90_split's
         where it splits the keys, else flash_fwd_sm90's; None where no kernel of ours runs it (a
-        dtype, head dim or GPU they do not take: SDPA then does). A GQA decode step of many
-        packed rows runs flash_fwd_sm90_gqa where flash_decode would, and so does a GQA prefill of
-        short query rows where the Hopper prefill kernels would (packed_gqa)."""
+        dtype, head dim or GPU they do not take: SDPA then does). A prefill whose 64-row blocks make a
+        wave or less runs flash_fwd_sm90's default at one consumer where a plain entry of two or three
+        would (_one_consumer_where_idle). A GQA
+        decode step of many packed rows runs flash_fwd_sm90_gqa where flash_decode would, and so does
+        a GQA prefill of short query rows where the Hopper prefill kernels would (packed_gqa)."""
         entry = self.select(problem, gpu) or _served_form(decode_default(problem, gpu) or split_default(problem, gpu)
                                                           or prefill_default(problem, gpu), problem, gpu)
+        entry = _one_consumer_where_idle(entry, problem, gpu)
         return packed_gqa(entry, problem, gpu, self._timed_packed(entry, gpu))
 
     def _timed_packed(self, entry: dict | None, gpu) -> bool:
@@ -603,6 +606,25 @@ def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
         return entry
     default = fam.default(gpu, problem)
     return {**entry, "params": default} if default["cwg"] == 2 else entry
+
+
+def _one_consumer_where_idle(entry: dict | None, problem: Problem, gpu) -> dict | None:
+    """`entry`, or where it runs a flash_fwd_sm90 config of two or three consumers on a 16-bit prefill
+    whose 64-row blocks make a wave of CTAs or less, flash_fwd_sm90's default at one consumer
+    (untuned.one_consumer_default): twice the CTAs, each with half the rows, on SMs that would idle.
+    Not where the entry was tuned in this bucket on such a call too (a search there weighed one
+    consumer against it), nor in another form (split keys, packed rows, pairs): only the plain kernel
+    was timed so. On the H200 26 calls of 8-128 such blocks read 1.03-1.39x what served, and 144-336
+    blocks 0.56-1.03x (PERF_NOTES "x10")."""
+    from .kernel_templates.flash_fwd_sm90 import one_consumer_pays
+
+    if (entry is None or entry["family"] != "flash_fwd_sm90" or not one_consumer_pays(gpu, problem)
+            or served_params(entry, problem).get("cwg", 1) < 2):
+        return entry
+    tuned = tuned_problem(entry)
+    if tuned is not None and entry.get("bucket") == problem.bucket().key and one_consumer_pays(gpu, tuned):
+        return entry
+    return one_consumer_default(problem, gpu) or entry
 
 
 def _pinned(peer: str):

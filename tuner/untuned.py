@@ -81,3 +81,19 @@ def prefill_default(problem: Problem, gpu) -> dict | None:
     if fam is None or problem.seqlen_q <= DECODE_QUERIES or fam.supports(gpu, problem):
         return None
     return {"family": fam.name, "params": fam.default(gpu, problem)}
+
+
+def one_consumer_default(problem: Problem, gpu) -> dict | None:
+    """flash_fwd_sm90's default at one consumer (64-row blocks, no ping-pong, the registers all the
+    consumer's) for a 16-bit prefill whose 64-row blocks make a wave of CTAs or less
+    (flash_fwd_sm90.one_consumer_pays): there one CTA's rows x keys are the launch, and one consumer
+    halves them on twice the CTAs. None elsewhere, or where that config does not run the call."""
+    from .kernel_templates import FAMILIES
+    from .kernel_templates.flash_fwd_sm90 import one_consumer_pays
+
+    fam = FAMILIES.get("flash_fwd_sm90")
+    if (fam is None or problem.dtype not in ("fp16", "bf16") or fam.supports(gpu, problem)
+            or not one_consumer_pays(gpu, problem)):
+        return None
+    params = {**fam.default(gpu, problem), "cwg": 1, "pingpong": 0, "split": 0}
+    return None if fam.check(params, gpu, problem) is not None else {"family": fam.name, "params": params}
