@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from tuner.family import ceil_div
 from tuner.gpu import GpuSpec
-from tuner.kernel_templates.flash_fwd_sm90 import map_panel
+from tuner.kernel_templates.flash_fwd_sm90 import consumer_cost, map_panel
 from tuner.kernel_templates.flash_fwd_sm90_split import SplitFlashFwdSm90, _SplitArgs, auto_splits
 from tuner.kernel_templates.sm90_tma import MapSlot
 from tuner.launch import Launch
@@ -68,6 +68,14 @@ def fill_gain(problem: Problem) -> float:
     query head leave the plain kernel's 128-row blocks: 1.185 for 8 heads of 417 queries (96.5%
     against 81.4%), 1.0 where Nq fills its blocks."""
     return block_fill(problem) / (problem.seqlen_q / (ceil_div(problem.seqlen_q, 128) * 128))
+
+
+def wave_gain(problem: Problem, gpu: GpuSpec) -> float:
+    """How many times the plain kernel's waves of two consumers' CTAs x their rows (consumer_cost)
+    come out over the packed blocks': the fill gain where the CTAs make many waves, none where both
+    make one (B2-H28/kv4 162 x 1274: 112 plain CTAs, 72 packed, one wave each)."""
+    two = dict(cwg=2)
+    return consumer_cost(gpu, problem, 2) / consumer_cost(gpu, packed_problem(two, problem), 2)
 
 
 def packed_problem(params: dict, problem: Problem) -> Problem:

@@ -16,10 +16,11 @@ from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.gqa_packing import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FEW_CTAS_KEYS, PACK_PREFILL_FILL_GAIN,
                                PACK_PREFILL_KEYS, PACK_PREFILL_L2_FILL_GAIN, PACK_PREFILL_L2_TIMES,
-                               PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE, packed_gqa, packs, packs_prefill)
+                               PACK_PREFILL_SHORT_KEYS, PACK_PREFILL_SHORT_WAVE_GAIN, PACK_PREFILL_WAVES, PACK_ROWS,
+                               PACK_ROWS_WIDE, packed_gqa, packs, packs_prefill)
 from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90_gqa import (block_fill, block_rows, fill_gain, group_of, packed_blocks,
-                                                       packed_problem, packed_rows)
+                                                       packed_problem, packed_rows, wave_gain)
 from tuner.problem import Problem
 
 GQA = get_family("flash_fwd_sm90_gqa")
@@ -165,8 +166,8 @@ def test_a_wide_head_step_packs_from_fewer_rows_on_a_full_grid(shipped, shape, p
 
 
 # (call, packs): short GQA query rows whose packed rows fill two consumers' blocks 15% better, in two
-# waves of CTAs (in fewer, over 6144 keys), over 1536 keys, at d <= 128, as the H200 measured them
-# (PERF_NOTES "y1", "x3")
+# waves of CTAs (in fewer, over 6144 keys), over 1536 keys (over 700 where they make 30% fewer waves
+# x rows), at d <= 128, as the H200 measured them (PERF_NOTES "y1", "x3", "x10")
 PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLOP/s packed against 622.6
             ("4,16:2,517:8162,128,causal_br", "bf16", True),        # 743.6 against 543.7
             ("8,28:4,194:4839,128,none", "bf16", True),             # 7 heads a group: blocks of 126 rows
@@ -187,6 +188,13 @@ PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLO
             ("16,16:4,1779:5661,128,none", "bf16", False),          # fill gain 1.0, 177 MB: level (0.98-1.03x on 15)
             ("16,8:2,2169:2169,128,causal", "bf16", False),         # 34 MB in L2: packed 533.1 against 628.8
             ("8,32:8,1536:1536,128,none", "bf16", False),           # 48 MB: packed 646.8 against 734.9
+            ("16,32:4,169:718,128,causal_br", "bf16", True),        # 8 waves plain, 6 packed: 1.15x ("x10")
+            ("16,14:2,129:1251,128,causal_br", "bf16", True),       # 4 waves, 2: 1.41x
+            ("4,28:4,136:824,128,causal_br", "bf16", True),         # 2 waves, 1: 1.42x
+            ("8,28:4,166:898,128,none", "bf16", True),              # 4 waves, 3: 1.12x
+            ("4,16:4,397:1270,128,causal_br", "bf16", False),       # 2 waves either way: packed 0.95x
+            ("1,28:4,210:783,128,causal_br", "bf16", False),        # 1 wave either way: 0.98x (one consumer 1.22x)
+            ("8,14:2,162:77,128,none", "bf16", False),              # 77 keys: packed 0.78x
             ("16,64,417:6683,128,none", "bf16", False),             # one query head a K/V head
             ("16,64:8,417:6683,128", "fp8", False)]
 
@@ -201,8 +209,9 @@ def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped,
     A100, and every other call keep what they had."""
     p = Problem.parse(shape, dtype)
     assert packs_prefill(p, H100_SXM) == packed
-    if packed:
-        assert p.seqlen_k >= PACK_PREFILL_KEYS
+    if packed and p.seqlen_k < PACK_PREFILL_KEYS:   # short rows of keys: fewer waves of CTAs x rows
+        assert p.seqlen_k >= PACK_PREFILL_SHORT_KEYS and wave_gain(p, H100_SXM) >= PACK_PREFILL_SHORT_WAVE_GAIN
+    elif packed:
         assert fill_gain(p) >= PACK_PREFILL_FILL_GAIN or (
             fill_gain(p) >= PACK_PREFILL_L2_FILL_GAIN and p.kv_bytes >= PACK_PREFILL_L2_TIMES * H100_SXM.l2_bytes)
         ctas = packed_blocks(dict(cwg=2), p) * p.batch * p.kv_heads
