@@ -177,6 +177,12 @@ def rows_spread_idle(gpu: GpuSpec, problem: Problem) -> bool:
     keys keeps three (B1-H32 688 x 4442, 8% hidden: two read 0.76x; PERF_NOTES "j2", "x2")."""
     if not problem.causal or problem.seqlen_q <= 192 or problem.query_blocks(192) >= gpu.sm_count:
         return False
+    return mask_spreads(problem)
+
+
+def mask_spreads(problem: Problem) -> bool:
+    """Whether the mask hides MASK_SPREAD of the call's query-key pairs or more: a head's blocks then
+    differ in work, and whole waves of them say little (rows_spread_idle; gqa_packing.packs_prefill)."""
     pairs = problem.seqlen_q * problem.seqlen_k
     return visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) <= (1 - MASK_SPREAD) * pairs
 
@@ -193,7 +199,7 @@ def two_consumers_pay(gpu: GpuSpec, problem: Problem) -> bool:
 
 def one_consumer_pays(gpu: GpuSpec, problem: Problem) -> bool:
     """Whether a prefill call's 64-row blocks make ONE_CONSUMER_WAVES wave of CTAs or less, where one
-    consumer a CTA beats two or three (the dispatcher's one_consumer_where_idle)."""
+    consumer a CTA beats two or three (dispatch._one_consumer_where_idle)."""
     return problem.seqlen_q > DECODE_QUERIES and problem.query_blocks(64) <= ONE_CONSUMER_WAVES * gpu.sm_count
 
 

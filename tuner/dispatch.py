@@ -259,9 +259,9 @@ class Dispatcher:
         where it splits the keys, else flash_fwd_sm90's; None where no kernel of ours runs it (a
         dtype, head dim or GPU they do not take: SDPA then does). A prefill whose 64-row blocks make a
         wave or less runs flash_fwd_sm90's default at one consumer where a plain entry of two or three
-        would (_one_consumer_where_idle). A GQA
-        decode step of many packed rows runs flash_fwd_sm90_gqa where flash_decode would, and so does
-        a GQA prefill of short query rows where the Hopper prefill kernels would (packed_gqa)."""
+        would (_one_consumer_where_idle). A GQA decode step of many packed rows runs flash_fwd_sm90_gqa
+        where flash_decode would, and so does a GQA prefill of short query rows where the Hopper
+        prefill kernels would (packed_gqa)."""
         entry = self.select(problem, gpu) or _served_form(decode_default(problem, gpu) or split_default(problem, gpu)
                                                           or prefill_default(problem, gpu), problem, gpu)
         entry = _one_consumer_where_idle(entry, problem, gpu)

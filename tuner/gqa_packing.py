@@ -5,7 +5,7 @@ and how the dispatcher serves an entry in that form (`packed_gqa`)."""
 from __future__ import annotations
 
 from .borrowing import tuned_problem
-from .problem import DECODE_QUERIES, Problem, visible_pairs
+from .problem import DECODE_QUERIES, Problem
 from .untuned import decode_default, prefill_default
 
 # Packed rows (query heads of a K/V head x queries) from which a GQA decode step's kernel entry runs
@@ -64,7 +64,7 @@ PACK_PREFILL_L2_FILL_GAIN = 1.05
 # H200, d=128 chunks and cross-attention of 129-397 queries over 718-1419 keys: a wave gain of 2.0 read
 # 1.41-1.44x, 1.33-1.4 1.06-1.21x, 1.0 (the same waves, fewer rows) 0.91-1.03x). FA4, which packs such
 # rows, read 1.16-1.29x what served on the chunks (B16-H32/kv4 169 x 718 bottom-right 378.8 TFLOP/s
-# against 291.9; packed, 347.4). Under 300 keys the packed kernel lost at any fill gain (0.72-0.85x at
+# against 291.9; packed, 336.7). Under 300 keys the packed kernel lost at any fill gain (0.72-0.85x at
 # 1.2-1.6); a top-left causal self-attention ("x3": 265-544 queries, 0.64-0.89x) spreads its blocks' work.
 PACK_PREFILL_SHORT_KEYS = 700
 PACK_PREFILL_SHORT_WAVE_GAIN = 1.3
@@ -132,9 +132,9 @@ def packs_prefill(problem: Problem, gpu) -> bool:
     PACK_PREFILL_L2_TIMES times the L2), in PACK_PREFILL_WAVES waves of CTAs or more, or in fewer over
     PACK_PREFILL_FEW_CTAS_KEYS keys (its splits of them fill the GPU); over PACK_PREFILL_SHORT_KEYS
     keys, where the plain kernel's waves come out PACK_PREFILL_SHORT_WAVE_GAIN times the packed ones' and
-    the mask hides under MASK_SPREAD of the pairs (whole waves say little where a head's blocks differ)."""
+    the mask does not spread the blocks' work (flash_fwd_sm90.mask_spreads)."""
     from .kernel_templates import FAMILIES
-    from .kernel_templates.flash_fwd_sm90 import MASK_SPREAD
+    from .kernel_templates.flash_fwd_sm90 import mask_spreads
     from .kernel_templates.flash_fwd_sm90_gqa import fill_gain, packed_blocks, wave_gain
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
@@ -143,9 +143,8 @@ def packs_prefill(problem: Problem, gpu) -> bool:
         return False
     ctas = packed_blocks(dict(cwg=2), problem) * problem.batch * problem.kv_heads
     gain = fill_gain(problem)
-    if problem.seqlen_k < PACK_PREFILL_KEYS:   # (counted in whole waves: not where the mask makes blocks differ)
-        spread = visible_pairs(problem.seqlen_q, problem.seqlen_k, problem.mask) <= (1 - MASK_SPREAD) * problem.seqlen_q * problem.seqlen_k
-        return not spread and wave_gain(problem, gpu) >= PACK_PREFILL_SHORT_WAVE_GAIN
+    if problem.seqlen_k < PACK_PREFILL_KEYS:   # counted in whole waves: not where the mask makes blocks differ
+        return not mask_spreads(problem) and wave_gain(problem, gpu) >= PACK_PREFILL_SHORT_WAVE_GAIN
     fills = gain >= PACK_PREFILL_FILL_GAIN or (
         gain >= PACK_PREFILL_L2_FILL_GAIN and problem.kv_bytes >= PACK_PREFILL_L2_TIMES * gpu.l2_bytes)
     return fills and (ctas >= PACK_PREFILL_WAVES * gpu.sm_count or problem.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS)
