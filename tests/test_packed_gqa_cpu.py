@@ -274,6 +274,16 @@ def test_a_bucket_search_that_timed_the_packed_family_keeps_its_plain_winner(tmp
     assert alone == {"family": GQA.name, "params": GQA.default(H100_SXM, p)}
 
 
+def test_wave_gain_counts_whole_waves_of_ctas_x_rows():
+    """Plain blocks of 128 rows against packed ones, in waves of 132 SMs: 1024 CTAs (8 waves) against
+    704 (6); 448 (4) against 256 (2); one wave either way (112 against 72) gains nothing, though the
+    packed rows fill their blocks 1.56x as well."""
+    assert wave_gain(Problem(16, 32, 169, 718, 128, "bf16", "causal_br", 4), H100_SXM) == pytest.approx(8 / 6)
+    assert wave_gain(Problem(16, 14, 129, 1251, 128, "bf16", "causal_br", 2), H100_SXM) == pytest.approx(2.0)
+    one = Problem(2, 28, 162, 1274, 128, "bf16", "causal_br", 4)
+    assert wave_gain(one, H100_SXM) == pytest.approx(1.0) and fill_gain(one) > 1.5
+
+
 def test_fill_gain_counts_whole_groups_of_query_heads():
     assert fill_gain(Problem(1, 64, 417, 6683, 128, "bf16", "none", 8)) == pytest.approx((3336 / 3456) / (417 / 512))
     assert fill_gain(Problem(1, 28, 194, 4839, 128, "bf16", "none", 4)) == pytest.approx((1358 / (11 * 128)) / (194 / 256))
