@@ -43,6 +43,13 @@ def tuned_problem(entry: dict) -> Problem | None:
     return Problem.from_dict(measured) if isinstance(measured, dict) else None
 
 
+def tuned_here(entry: dict, problem: Problem) -> Problem | None:
+    """The problem `entry` was tuned on where that is in `problem`'s own bucket (its search there
+    weighed the alternatives a served-form rule would offer at such a call); None otherwise."""
+    tuned = tuned_problem(entry)
+    return tuned if tuned is not None and entry.get("bucket") == problem.bucket().key else None
+
+
 def misfit(dist: float, entry: dict, problem: Problem, gpu) -> bool:
     """Whether `entry`, `dist` octaves away, is borrowed from a shape unlike a call that fills the GPU:
     over DEFAULT_KEYS keys, one of the smallest work class (`_tuned_on_few_heads`) or tuned on under

@@ -29,7 +29,7 @@ from . import autotune, recording
 from .gqa_packing import packed_gqa
 from .launch import Launcher, kernel_scale, launch_on
 from .borrowing import (fills_gpu, misfit, split_entry, split_runs_whole, split_tuned_where_idle,
-                        three_consumers_untried, tuned_problem)
+                        three_consumers_untried, tuned_here, tuned_problem)
 from .peer_choice import idle_peer, narrow_peer, short_peer
 from .problem import DECODE_QUERIES, TORCH_DTYPES, Bucket, Problem, mask_of, torch_dtype
 from .records import one_line
@@ -248,7 +248,7 @@ class Dispatcher:
         tuned = tuned_problem(entry)
         if split is None or entry["family"] != split.gives_way_to or tuned is None:
             return entry
-        if entry.get("bucket") == problem.bucket().key and split.tune_skip(gpu, tuned) is None:
+        if tuned_here(entry, problem) is not None and split.tune_skip(gpu, tuned) is None:
             return entry
         params = split.split_form(served_params(entry, problem), gpu, problem)
         return entry if params is None else {**entry, "family": split.name, "params": params}
@@ -600,9 +600,8 @@ def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
     if (fam is None or entry["family"] != fam.name or problem.query_blocks(192) >= gpu.sm_count
             or not (two_consumers_pay(gpu, problem) or rows_spread_idle(gpu, problem))):
         return entry
-    tuned = tuned_problem(entry)
-    if served_params(entry, problem).get("cwg") != 3 or (
-            tuned is not None and entry.get("bucket") == problem.bucket().key and tuned.query_blocks(192) < gpu.sm_count):
+    here = tuned_here(entry, problem)
+    if served_params(entry, problem).get("cwg") != 3 or (here is not None and here.query_blocks(192) < gpu.sm_count):
         return entry
     default = fam.default(gpu, problem)
     return {**entry, "params": default} if default["cwg"] == 2 else entry
@@ -621,10 +620,8 @@ def _one_consumer_where_idle(entry: dict | None, problem: Problem, gpu) -> dict 
     if (entry is None or entry["family"] != "flash_fwd_sm90" or not one_consumer_pays(gpu, problem)
             or served_params(entry, problem).get("cwg", 1) < 2):
         return entry
-    tuned = tuned_problem(entry)
-    if tuned is not None and entry.get("bucket") == problem.bucket().key and one_consumer_pays(gpu, tuned):
-        return entry
-    return one_consumer_default(problem, gpu) or entry
+    here = tuned_here(entry, problem)
+    return entry if here is not None and one_consumer_pays(gpu, here) else (one_consumer_default(problem, gpu) or entry)
 
 
 def _pinned(peer: str):

@@ -141,10 +141,10 @@ def packs_prefill(problem: Problem, gpu) -> bool:
     if (fam is None or problem.seqlen_q <= DECODE_QUERIES or problem.head_dim > 128
             or problem.seqlen_k < PACK_PREFILL_SHORT_KEYS or fam.supports(gpu, problem)):
         return False
-    ctas = packed_blocks(dict(cwg=2), problem) * problem.batch * problem.kv_heads
-    gain = fill_gain(problem)
     if problem.seqlen_k < PACK_PREFILL_KEYS:   # counted in whole waves: not where the mask makes blocks differ
         return not mask_spreads(problem) and wave_gain(problem, gpu) >= PACK_PREFILL_SHORT_WAVE_GAIN
+    ctas = packed_blocks(dict(cwg=2), problem) * problem.batch * problem.kv_heads
+    gain = fill_gain(problem)
     fills = gain >= PACK_PREFILL_FILL_GAIN or (
         gain >= PACK_PREFILL_L2_FILL_GAIN and problem.kv_bytes >= PACK_PREFILL_L2_TIMES * gpu.l2_bytes)
     return fills and (ctas >= PACK_PREFILL_WAVES * gpu.sm_count or problem.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS)
