@@ -74,7 +74,7 @@
 // phase cannot complete while the post's arrival is pending). A stage is refilled once both CTAs'
 // consumers have freed it: each consumer thread frees it in its own CTA, and each consumer warp's
 // lane 0 in the other CTA too (MULTICAST_FREES more arrivals there).
-// PACK_GQA (a grid, 16-bit, O by ordinary stores; split keys or not): a work tile's rows are the
+// PACK_GQA (16-bit, O by ordinary stores; a grid, split keys or not, or persistent): a work tile's rows are the
 // queries of all the query heads that share one K/V head, interleaved as FlashAttention-3 packs
 // them: row r is query r / g of head hk * g + r % g (g = kv_group), so a decode or speculative step
 // of a few queries fills the tile's rows and each K/V head is read once for all g heads. Q comes by
@@ -204,8 +204,8 @@ static_assert(!TAIL_SPLIT || (PERSISTENT && !IS_CAUSAL && !VARLEN && !CHAIN && !
               "a cut tail: persistent, unmasked, unchained, 16-bit inputs");
 static_assert(!MULTICAST || (CLUSTER == 2 && PERSISTENT && !IS_CAUSAL && !VARLEN && !CHAIN && !FP8 && !SPLIT_KV),
               "K/V multicast: pairs of persistent CTAs on the same K/V tiles (unmasked, unchained, 16-bit)");
-static_assert(!PACK_GQA || (!PERSISTENT && !VARLEN && !TMA_STORE && !CHAIN && !FP8 && !TAIL_SPLIT && !MULTICAST),
-              "packed GQA rows: a grid of 16-bit tiles, O by ordinary stores (split keys or not)");
+static_assert(!PACK_GQA || (!VARLEN && !TMA_STORE && !CHAIN && !FP8 && !TAIL_SPLIT && !MULTICAST),
+              "packed GQA rows: 16-bit tiles of a dense batch, O by ordinary stores (a grid, split keys or not, or persistent)");
 constexpr bool KEY_RANGES = SPLIT_KV || TAIL_SPLIT;   // a work tile may run a range of its K/V tiles
 #if SPLIT_KV
 constexpr int MERGE_BAR = 1 + CWG;   // the consumers' named barrier for the merge (ping-pong's are 1..CWG)

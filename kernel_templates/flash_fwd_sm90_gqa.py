@@ -18,7 +18,9 @@ more on 6 of 8 steps ("n2"). A prefill of short query rows whose packed rows fil
 runs it too (gqa_packing.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"; from 1536 keys, 1.07-1.37x on
 11 more and 1.14x geomean on 15 held out, "x3"; where its K/V outgrow two L2s from a fill gain of 1.05,
 1.07x geomean on 16 and 1.02x on 16 held out, "x4"), and a search of such a prefill times it beside the
-plain families (tune_skip).
+plain families (tune_skip). Such a prefill under PERSISTENT_KEYS keys that its grid would run at one
+split runs persistent (`persistent_pays`: one CTA an SM drawing work tiles from the tile counter, as
+flash_fwd_sm90's persistent form does; 1.04x geomean on 28 held-out H200 calls, "x11").
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import replace
 
 from tuner.family import ceil_div
 from tuner.gpu import GpuSpec
-from tuner.kernel_templates.flash_fwd_sm90 import consumer_cost, map_panel
+from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args, consumer_cost, map_panel
 from tuner.kernel_templates.flash_fwd_sm90_split import SplitFlashFwdSm90, _SplitArgs, auto_splits
 from tuner.kernel_templates.sm90_tma import MapSlot
 from tuner.launch import Launch
@@ -78,6 +80,24 @@ def wave_gain(problem: Problem, gpu: GpuSpec) -> float:
     return consumer_cost(gpu, problem, 2) / consumer_cost(gpu, packed_problem(two, problem), 2)
 
 
+# A packed prefill whose grid runs one split runs persistent (one CTA an SM, the next work tile's Q and
+# K/V loaded under this one's last products and epilogue) under PERSISTENT_KEYS keys, where a work
+# tile's main loop is short beside what a grid CTA spends starting and ending one. On the H200 (bf16,
+# d=128, PERF_NOTES "x11"; Bc 128, two consumers taking turns, split 40) against the grid default (Bc
+# 176, split 24), timed in turns on 26 random draws it served: under 4096 keys 1.01-1.18x on 13 of 13
+# (B16-H16/kv4 162 x 717 386 TFLOP/s against 327; 5 chunks and cross-attentions of 129-180 queries
+# over 718-1419 keys 1.06-1.19x), from 4483 keys 0.95-1.02x (long chunks' bottom-right masks, 0.97x
+# geomean over 13k keys).
+PERSISTENT_KEYS = 4096
+
+
+def persistent_pays(grid: dict, problem: Problem, gpu: GpuSpec) -> bool:
+    """Whether a packed prefill runs persistent: under PERSISTENT_KEYS keys, where its `grid` config's
+    occupancy would run one split (a persistent launch splits no keys)."""
+    return (problem.seqlen_q > DECODE_QUERIES and problem.seqlen_k < PERSISTENT_KEYS
+            and auto_splits(grid, packed_problem(grid, problem), gpu) == 1)
+
+
 def packed_problem(params: dict, problem: Problem) -> Problem:
     """`problem` as the packed kernel's grid sees it (for counting its blocks, not for its mask): one
     head per K/V head, as many 64 x cwg-row query blocks as the g x Nq packed rows fill."""
@@ -95,7 +115,7 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         "split": (0, 24, 40),
         "overlap": (1,),
         "pingpong": (0, 1),
-        "persistent": (0,),
+        "persistent": (0, 1),
         "tma_store": (0,),
         "chain": (0,),
         "splits": (0, 2, 4, 8, 16),
@@ -120,6 +140,8 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
             return f"a tile of {rows} rows holds whole groups of query heads: not one of {g}"
         if params["cwg"] > 1 and not params["split"]:
             return "two or three consumers take the producer's registers (split 24 or 40); without, ptxas spills"
+        if params["persistent"] and params["splits"]:
+            return "a persistent packed launch runs each work tile's keys whole: splits 0"
         if problem.head_dim > 128 and (params["Bc"] > 64 or params["split"] > 24):
             return ("past d=128 the packed rows' bounds and diagonals leave Bc > 64, or consumers under split 40, "
                     "short of registers (ptxas spills)")
@@ -149,6 +171,8 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
             # ("j1"), and served so 1.02-1.37x the plain kernel's configs on 18 of 19 ("y1").
             first = seed((176, 2, 2, 24, 1))
             seeds = [first] + [s for s in seeds if s != first]
+            if persistent_pays(first, problem, gpu):
+                seeds.insert(0, dict(seed((128, 2, 2, 40, 1)), persistent=1))
         elif 64 < d <= 128:
             # Timed in turns on the H200 (d=128, 19 decode steps of 48-256 packed rows, PERF_NOTES
             # "g4"): K/V tiles as narrow as the blocks are empty. Half full or less (48, 64 rows): Bc 64
@@ -166,26 +190,45 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         return seeds
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
-        return {**super().defines(params, problem), "PACK_GQA": 1, "GQA_GROUP": group_of(problem)}
+        packed = {**super().defines(params, problem), "PACK_GQA": 1, "GQA_GROUP": group_of(problem)}
+        return {**packed, "SPLIT_KV": 0} if params["persistent"] else packed
 
     def splits(self, params: dict, problem: Problem, gpu: GpuSpec) -> int:
+        if params["persistent"]:
+            return 1
         return params["splits"] or auto_splits(params, packed_problem(params, problem), gpu)
 
     def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
-        return Launch(grid=(packed_blocks(params, problem), problem.batch * problem.kv_heads,
-                            self.splits(params, problem, gpu)),
-                      block=(128 * (params["cwg"] + 1), 1, 1), smem_bytes=self.smem_bytes(params, problem))
+        tiles = packed_blocks(params, problem) * problem.batch * problem.kv_heads
+        grid = ((min(tiles, gpu.sm_count), 1, 1) if params["persistent"] else
+                (packed_blocks(params, problem), problem.batch * problem.kv_heads, self.splits(params, problem, gpu)))
+        return Launch(grid=grid, block=(128 * (params["cwg"] + 1), 1, 1), smem_bytes=self.smem_bytes(params, problem))
+
+    def param_kinds(self, params: dict) -> tuple[str, ...]:
+        # persistent: flash_fwd_sm90's (no split workspace)
+        return FlashFwdSm90.param_kinds(self, params) if params["persistent"] else super().param_kinds(params)
 
     def arg_maker(self, params: dict):
+        if params["persistent"]:
+            return _PersistentPackedArgs(64 * params["cwg"], params["Bc"], False, True)
         return _PackedArgs(self, params)
 
 
-class _PackedArgs(_SplitArgs):
-    """flash_fwd_sm90_split's arguments with Q's map the 5-d one of packed rows (sm90_tma: boxes of
-    the g query heads x BR / g queries of one K/V head)."""
+class _PackedQ:
+    """Q's map the 5-d one of packed rows (sm90_tma: boxes of the g query heads x BR / g queries of
+    one K/V head)."""
 
     def q_slot(self, q, k) -> MapSlot:
         return MapSlot(q, self._rows[0], map_panel(q), group=q.shape[1] // k.shape[1])
+
+
+class _PackedArgs(_PackedQ, _SplitArgs):
+    """flash_fwd_sm90_split's arguments with Q's map of packed rows."""
+
+
+class _PersistentPackedArgs(_PackedQ, _Sm90Args):
+    """flash_fwd_sm90's persistent arguments (the tile counter, no split workspace) with Q's map of
+    packed rows."""
 
 
 FAMILY = PackedGqaFlashFwdSm90()

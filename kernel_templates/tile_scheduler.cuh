@@ -216,7 +216,7 @@ struct DrawnTile {
 template <int ROWS, int COLS, bool CAUSAL, bool FROM_END, bool BOTTOM_RIGHT, bool DYNAMIC, bool PACKED, bool TAIL = false,
           bool PAIRS = false, bool HEAD_ROWS = false>
 struct TileScheduler {
-  static_assert(!HEAD_ROWS || (!DYNAMIC && !PACKED), "packed GQA rows: one work tile a CTA, a dense batch");
+  static_assert(!HEAD_ROWS || (!PACKED && !TAIL && !PAIRS), "packed GQA rows: a dense batch, whole work tiles of one CTA");
   static_assert(!TAIL || (DYNAMIC && !PACKED && !CAUSAL), "a cut tail: persistent, equal (unmasked) work tiles");
   static_assert(!PAIRS || (DYNAMIC && !PACKED && !CAUSAL), "pairs of CTAs: persistent, equal (unmasked) work tiles");
   int qblk, bh;              // the grid's tile (not DYNAMIC)

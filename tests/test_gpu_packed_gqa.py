@@ -35,7 +35,8 @@ def _packed_problem(rng: random.Random, mask: str, d: int) -> Problem:
 @pytest.mark.parametrize("mask", ["none", "causal", "causal_br"])
 def test_packed_rows_match_reference(mask, d):
     """The default (splits from the occupancy) and random valid configs at one split and at each
-    explicit split count the keys allow, both layouts, launched twice on fresh NaN-poisoned outputs."""
+    explicit split count the keys allow, and a persistent one (the tile counter, each tile's keys
+    whole), both layouts, launched twice on fresh NaN-poisoned outputs."""
     from tuner.gpu import detect
     from tuner.kernel_templates import get_family
 
@@ -45,8 +46,11 @@ def test_packed_rows_match_reference(mask, d):
     assert valid, f"no valid config for {problem.key}"
     configs = [fam.default(gpu, problem)]
     for splits in fam.space["splits"]:
-        with_count = [p for p in valid if p["splits"] == splits]
+        with_count = [p for p in valid if p["splits"] == splits and not p["persistent"]]
         configs += rng.sample(with_count, min(1, len(with_count)))
+    persistent = [p for p in valid if p["persistent"]]
+    assert persistent or d > 128, f"no persistent config for {problem.key}"   # (past d=128: split 24 only)
+    configs += rng.sample(persistent, min(1, len(persistent)))
     for params in configs:
         for layout in ("bhnd", "bnhd"):
             err = _run(fam, params, problem, rng.randrange(2**31), layout)
@@ -68,6 +72,26 @@ def test_packed_launch_replays_in_a_cuda_graph():
     assert fam.launch(params, problem, gpu).grid == (1, 4, 4)
     q = torch.randn(2, 16, 5, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 3001, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = poisoned_outputs(problem, q)
+    graph, _ = capture(lambda: _run_inputs(fam, params, problem, q, k, v, sync=False, out=out))
+    assert_replays_match_reference(graph, (q, k, v), out, problem)
+
+
+def test_persistent_packed_launch_replays_in_a_cuda_graph():
+    """A captured persistent packed prefill (a short chunk: more work tiles than SMs, drawn from the
+    tile counter, which resets itself within each replay), replayed on new inputs."""
+    import torch
+
+    from tuner.gpu import detect
+    from tuner.kernel_templates import get_family
+    from tuner.measure import poisoned_outputs
+
+    fam, gpu = get_family("flash_fwd_sm90_gqa"), detect()
+    problem = Problem(16, 32, 169, 718, 128, "bf16", "causal_br", 4)
+    params = fam.default(gpu, problem)
+    assert params["persistent"] and fam.launch(params, problem, gpu).grid == (gpu.sm_count, 1, 1)
+    q = torch.randn(16, 32, 169, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(16, 4, 718, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out = poisoned_outputs(problem, q)
     graph, _ = capture(lambda: _run_inputs(fam, params, problem, q, k, v, sync=False, out=out))
     assert_replays_match_reference(graph, (q, k, v), out, problem)
@@ -146,14 +170,17 @@ def test_compiled_forward_and_backward_through_a_packed_step():
         dispatch.reset()
 
 
-@pytest.mark.parametrize("shape", ["4,32:4,417:5000,96,causal", "8,28:4,194:4839,128,none"])
+@pytest.mark.parametrize("shape", ["4,32:4,417:5000,96,causal", "8,28:4,194:4839,128,none", "16,32:4,169:718,128,causal_br"])
 def test_attention_packs_a_short_gqa_prefill(shape):
     """A GQA prefill of short query rows (a chunk, a cross-attention) whose packed rows fill the blocks
     better runs flash_fwd_sm90_gqa through the dispatcher (gqa_packing.packs_prefill), the model's
-    (B, N, H, D) views, against float64; the same call with one query head per K/V head does not pack."""
+    (B, N, H, D) views, against float64, persistent under PERSISTENT_KEYS keys; the same call with
+    one query head per K/V head does not pack."""
     import torch
 
     from tuner import dispatch
+    from tuner.gpu import detect
+    from tuner.kernel_templates.flash_fwd_sm90_gqa import PERSISTENT_KEYS
     from tuner.reference import attention_fp64, compare
 
     p = Problem.parse(shape, "bf16")
@@ -164,6 +191,9 @@ def test_attention_packs_a_short_gqa_prefill(shape):
             k, v = (torch.randn(p.batch, p.seqlen_k, kvh, p.head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                     for _ in range(2))
             assert (d.plan(q, k, v, p.mask).family == "flash_fwd_sm90_gqa") == packed, (shape, kvh)
+            if packed:
+                served = d.serving_entry(dispatch.problem_of(q, k, v, p.mask), detect())["params"]
+                assert served["persistent"] == (p.seqlen_k < PERSISTENT_KEYS), (shape, served)
             o, lse = d(q, k, v, p.mask, return_lse=True)
             ref_o, ref_lse = attention_fp64(q, k, v, p.mask, 1.0 / math.sqrt(p.head_dim))
             problem = dispatch.problem_of(q, k, v, p.mask)

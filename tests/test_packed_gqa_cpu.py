@@ -20,7 +20,7 @@ from tuner.gqa_packing import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FEW_CTAS_KEY
                                PACK_ROWS_WIDE, packed_gqa, packs, packs_prefill)
 from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90_gqa import (block_fill, block_rows, fill_gain, group_of, packed_blocks,
-                                                       packed_problem, packed_rows, wave_gain)
+                                                       packed_problem, packed_rows, persistent_pays, wave_gain)
 from tuner.problem import Problem
 
 GQA = get_family("flash_fwd_sm90_gqa")
@@ -39,7 +39,9 @@ def test_a_block_holds_whole_groups_of_query_heads():
     for params in GQA.valid_points(H100_SXM, qwen)[::7]:
         rows = block_rows(params, qwen)
         assert rows == 64 * params["cwg"] // 7 * 7 and rows % 7 == 0 and 64 * params["cwg"] - rows < 7
-        assert GQA.launch(params, qwen, H100_SXM).grid[:2] == (-(-112 // rows), 8 * 4)
+        tiles = (-(-112 // rows), 8 * 4)   # packed blocks x (batch x K/V heads): the grid, or a persistent launch's tiles
+        grid = GQA.launch(params, qwen, H100_SXM).grid
+        assert grid == (min(tiles[0] * tiles[1], H100_SXM.sm_count), 1, 1) if params["persistent"] else grid[:2] == tiles
     wide = Problem(1, 96, 4, 8192, 128, "bf16", "none", 1)   # 96 heads on one K/V head: no group in 64 rows
     assert {p["cwg"] for p in GQA.valid_points(H100_SXM, wide)} == {2, 3}
 
@@ -92,6 +94,32 @@ def test_one_cubin_per_tile_the_split_count_a_launch_parameter():
     assert "#define PACK_GQA 1" in lines and "#define SPLIT_KV 1" in lines
     assert GQA.define_lines(dict(a, splits=4), SPEC) == lines
     assert GQA.param_kinds(a) == get_family("flash_fwd_sm90_split").param_kinds(a)
+
+
+@pytest.mark.parametrize("shape,persistent", [
+    ("16,32:4,169:718,128,causal_br", True),     # 704 packed tiles over 718 keys: 1.19x the grid (x11)
+    ("4,8:1,1038:713,128,none", True),
+    ("8,16:4,416:3761,128,causal_br", True),     # under PERSISTENT_KEYS
+    ("8,16:4,416:6679,128,causal_br", False),    # from it the grid read level or ahead (0.95-1.02x)
+    ("16,14:2,138:25196,128,causal_br", False),
+    ("1,16:4,153:3000,128,none", False),         # 12 packed CTAs: the grid splits the keys
+])
+def test_a_short_packed_prefill_runs_persistent(shape, persistent):
+    """A packed prefill under PERSISTENT_KEYS keys whose grid would run one split runs persistent: one
+    CTA an SM (at most one a work tile), the tile counter in place of the split workspace, no SPLIT_KV."""
+    p = Problem.parse(shape, "bf16")
+    params = GQA.default(H100_SXM, p)
+    assert bool(params["persistent"]) == persistent == persistent_pays(GQA.seeds(H100_SXM, p)[persistent], p, H100_SXM)
+    grid = GQA.launch(params, p, H100_SXM).grid
+    tiles = packed_blocks(params, p) * p.batch * p.kv_heads
+    if persistent:
+        assert (params["Bc"], params["split"], params["splits"]) == (128, 40, 0)
+        assert grid == (min(tiles, H100_SXM.sm_count), 1, 1) and GQA.splits(params, p, H100_SXM) == 1
+        assert "#define SPLIT_KV 0" in GQA.define_lines(params, p) and "#define PACK_GQA 1" in GQA.define_lines(params, p)
+        assert GQA.param_kinds(params) == get_family("flash_fwd_sm90").param_kinds(params)
+        assert "splits 0" in GQA.check(dict(params, splits=2), H100_SXM, p)
+    else:
+        assert grid[:2] == (packed_blocks(params, p), p.batch * p.kv_heads)
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
@@ -318,15 +346,18 @@ def test_seeds_compile_for_sm90a_without_spills(d, mask):
 
 @pytest.mark.parametrize("d,mask,heads,kvh", [(128, "causal_br", 16, 8), (96, "causal", 28, 4), (64, "none", 32, 4)])
 def test_the_packed_prefill_config_compiles_without_spills(d, mask, heads, kvh):
-    """The default of a short GQA prefill, Bc 176 and split 24, as it runs (groups of 2, 7 and 8)."""
+    """The default of a short GQA prefill as it runs (groups of 2, 7 and 8): Bc 176 and split 24 on
+    the grid, and under PERSISTENT_KEYS keys persistent, Bc 128 and split 40."""
     from tuner.compile import compile_kernel
 
-    p = Problem(2, heads, 300, 8192, d, "bf16", mask, kvh)
-    params = GQA.default(H100_SXM, p)
-    assert (params["Bc"], params["split"], params["cwg"]) == (176, 24, 2) and GQA.check(params, H100_SXM, p) is None
-    ck = compile_kernel(GQA, params, p, H100_SXM.arch)
-    assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), ck.resources
-    assert "warning" not in ck.log and "C75" not in ck.log, ck.log
+    for nk, want in ((8192, (176, 24, 2, 0)), (2000, (128, 40, 2, 1))):
+        p = Problem(8, heads, 300, nk, d, "bf16", mask, kvh)
+        params = GQA.default(H100_SXM, p)
+        assert (params["Bc"], params["split"], params["cwg"], params["persistent"]) == want
+        assert GQA.check(params, H100_SXM, p) is None
+        ck = compile_kernel(GQA, params, p, H100_SXM.arch)
+        assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), ck.resources
+        assert "warning" not in ck.log and "C75" not in ck.log, ck.log
 
 
 def test_a_packed_entry_tuned_on_many_rows_gives_way_to_flash_decode_on_few():
