@@ -16,8 +16,9 @@ from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
 from tuner.gqa_packing import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FEW_CTAS_KEYS, PACK_PREFILL_FILL_GAIN,
                                PACK_PREFILL_KEYS, PACK_PREFILL_L2_FILL_GAIN, PACK_PREFILL_L2_TIMES,
-                               PACK_PREFILL_SHORT_KEYS, PACK_PREFILL_SHORT_WAVE_GAIN, PACK_PREFILL_WAVES, PACK_ROWS,
-                               PACK_ROWS_WIDE, packed_gqa, packs, packs_prefill)
+                               PACK_PERSISTENT_KEYS, PACK_PERSISTENT_WAVE_GAIN, PACK_PREFILL_SHORT_KEYS,
+                               PACK_PREFILL_SHORT_WAVE_GAIN, PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE, packed_gqa,
+                               packs, packs_prefill)
 from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90_gqa import (block_fill, block_rows, fill_gain, group_of, packed_blocks,
                                                        packed_problem, packed_rows, persistent_pays, wave_gain)
@@ -195,7 +196,8 @@ def test_a_wide_head_step_packs_from_fewer_rows_on_a_full_grid(shipped, shape, p
 
 # (call, packs): short GQA query rows whose packed rows fill two consumers' blocks 15% better, in two
 # waves of CTAs (in fewer, over 6144 keys), over 1536 keys (over 700 where they make 30% fewer waves
-# x rows), at d <= 128, as the H200 measured them (PERF_NOTES "y1", "x3", "x10")
+# x rows; over 300 where 10% fewer and the packed form runs persistent), at d <= 128, as the H200
+# measured them (PERF_NOTES "y1", "x3", "x10", "x11")
 PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLOP/s packed against 622.6
             ("4,16:2,517:8162,128,causal_br", "bf16", True),        # 743.6 against 543.7
             ("8,28:4,194:4839,128,none", "bf16", True),             # 7 heads a group: blocks of 126 rows
@@ -223,6 +225,13 @@ PREFILLS = [("16,64:8,417:6683,128,none", "bf16", True),            # 738.3 TFLO
             ("4,16:4,397:1270,128,causal_br", "bf16", False),       # 2 waves either way: packed 0.95x
             ("1,28:4,210:783,128,causal_br", "bf16", False),        # 1 wave either way: 0.98x (one consumer 1.22x)
             ("8,14:2,162:77,128,none", "bf16", False),              # 77 keys: packed 0.78x
+            ("8,7:1,532:532,128,none", "bf16", True),               # persistent packed from 300 keys, wave gain 1.1: 1.22x ("x11")
+            ("16,28:4,317:317,128,none", "bf16", True),             # wave gain 1.22: 1.05x
+            ("4,64:8,279:1230,128,causal_br", "bf16", True),        # 1.20x
+            ("8,64:8,436:2730,128,none", "bf16", True),             # fill gain under 1.15, wave gain 1.14: 1.13x
+            ("1,32:4,1104:2229,128,none", "bf16", False),           # wave gain 1.0: persistent packed 0.86x
+            ("16,64:8,513:169,128,none", "bf16", False),            # 169 keys: 0.997x
+            ("16,28:4,341:341,128,causal", "bf16", False),          # the mask spreads the work: 0.945x
             ("16,64,417:6683,128,none", "bf16", False),             # one query head a K/V head
             ("16,64:8,417:6683,128", "fp8", False)]
 
@@ -237,7 +246,10 @@ def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped,
     A100, and every other call keep what they had."""
     p = Problem.parse(shape, dtype)
     assert packs_prefill(p, H100_SXM) == packed
-    if packed and p.seqlen_k < PACK_PREFILL_KEYS:   # short rows of keys: fewer waves of CTAs x rows
+    persistent = packed and GQA.default(H100_SXM, p)["persistent"] and wave_gain(p, H100_SXM) >= PACK_PERSISTENT_WAVE_GAIN
+    if persistent:   # the persistent form: fewer waves of CTAs x rows from 300 keys
+        assert p.seqlen_k >= PACK_PERSISTENT_KEYS
+    elif packed and p.seqlen_k < PACK_PREFILL_KEYS:   # short rows of keys: fewer waves of CTAs x rows
         assert p.seqlen_k >= PACK_PREFILL_SHORT_KEYS and wave_gain(p, H100_SXM) >= PACK_PREFILL_SHORT_WAVE_GAIN
     elif packed:
         assert fill_gain(p) >= PACK_PREFILL_FILL_GAIN or (

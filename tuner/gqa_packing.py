@@ -68,6 +68,15 @@ PACK_PREFILL_L2_FILL_GAIN = 1.05
 # 1.2-1.6); a top-left causal self-attention ("x3": 265-544 queries, 0.64-0.89x) spreads its blocks' work.
 PACK_PREFILL_SHORT_KEYS = 700
 PACK_PREFILL_SHORT_WAVE_GAIN = 1.3
+# Where the packed default runs persistent (flash_fwd_sm90_gqa.persistent_pays: under its
+# PERSISTENT_KEYS keys, one split) it packs from PACK_PERSISTENT_KEYS keys and a wave gain of
+# PACK_PERSISTENT_WAVE_GAIN, the mask not spreading the blocks' work. On the H200 (PERF_NOTES "x11",
+# bf16, d=128, 40 random GQA prefills the rules above left plain, timed in turns): persistent packed
+# read 1.05-1.22x what served on all 16 of 317-2775 keys with a wave gain of 1.11-1.5 (B4-H64/kv8 279
+# x 1230 bottom-right 1.20x), 0.86-1.01x on 6 of wave gain 1.0 (B1-H32/kv4 1104 x 2229: 0.86x), 0.997x
+# at 169 keys; where the mask spreads the work, 0.95-1.09x whatever the gain.
+PACK_PERSISTENT_KEYS = 300
+PACK_PERSISTENT_WAVE_GAIN = 1.1
 
 
 def packed_gqa(entry: dict | None, problem: Problem, gpu, timed_packed: bool = False) -> dict | None:
@@ -132,17 +141,24 @@ def packs_prefill(problem: Problem, gpu) -> bool:
     PACK_PREFILL_L2_TIMES times the L2), in PACK_PREFILL_WAVES waves of CTAs or more, or in fewer over
     PACK_PREFILL_FEW_CTAS_KEYS keys (its splits of them fill the GPU); over PACK_PREFILL_SHORT_KEYS
     keys, where the plain kernel's waves come out PACK_PREFILL_SHORT_WAVE_GAIN times the packed ones' and
-    the mask does not spread the blocks' work (flash_fwd_sm90.mask_spreads)."""
+    the mask does not spread the blocks' work (flash_fwd_sm90.mask_spreads); and from PACK_PERSISTENT_KEYS keys
+    at a wave gain of PACK_PERSISTENT_WAVE_GAIN where the packed default runs persistent."""
     from .kernel_templates import FAMILIES
     from .kernel_templates.flash_fwd_sm90 import mask_spreads
     from .kernel_templates.flash_fwd_sm90_gqa import fill_gain, packed_blocks, wave_gain
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
     if (fam is None or problem.seqlen_q <= DECODE_QUERIES or problem.head_dim > 128
-            or problem.seqlen_k < PACK_PREFILL_SHORT_KEYS or fam.supports(gpu, problem)):
+            or problem.seqlen_k < PACK_PERSISTENT_KEYS or fam.supports(gpu, problem)):
         return False
-    if problem.seqlen_k < PACK_PREFILL_KEYS:   # counted in whole waves: not where the mask makes blocks differ
-        return not mask_spreads(problem) and wave_gain(problem, gpu) >= PACK_PREFILL_SHORT_WAVE_GAIN
+    # counted in whole waves: not where the mask makes blocks differ
+    waves = 0.0 if mask_spreads(problem) else wave_gain(problem, gpu)
+    if waves >= PACK_PERSISTENT_WAVE_GAIN and fam.default(gpu, problem)["persistent"]:
+        return True
+    if problem.seqlen_k < PACK_PREFILL_SHORT_KEYS:
+        return False
+    if problem.seqlen_k < PACK_PREFILL_KEYS:
+        return waves >= PACK_PREFILL_SHORT_WAVE_GAIN
     ctas = packed_blocks(dict(cwg=2), problem) * problem.batch * problem.kv_heads
     gain = fill_gain(problem)
     fills = gain >= PACK_PREFILL_FILL_GAIN or (
