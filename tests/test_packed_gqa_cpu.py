@@ -110,17 +110,18 @@ def test_a_short_packed_prefill_runs_persistent(shape, persistent):
     CTA an SM (at most one a work tile), the tile counter in place of the split workspace, no SPLIT_KV."""
     p = Problem.parse(shape, "bf16")
     params = GQA.default(H100_SXM, p)
-    assert bool(params["persistent"]) == persistent == persistent_pays(GQA.seeds(H100_SXM, p)[persistent], p, H100_SXM)
-    grid = GQA.launch(params, p, H100_SXM).grid
+    grid = next(s for s in GQA.seeds(H100_SXM, p) if not s["persistent"])   # the grid default it weighs
+    assert bool(params["persistent"]) == persistent == persistent_pays(grid, p, H100_SXM)
+    launch = GQA.launch(params, p, H100_SXM).grid
     tiles = packed_blocks(params, p) * p.batch * p.kv_heads
     if persistent:
         assert (params["Bc"], params["split"], params["splits"]) == (128, 40, 0)
-        assert grid == (min(tiles, H100_SXM.sm_count), 1, 1) and GQA.splits(params, p, H100_SXM) == 1
+        assert launch == (min(tiles, H100_SXM.sm_count), 1, 1) and GQA.splits(params, p, H100_SXM) == 1
         assert "#define SPLIT_KV 0" in GQA.define_lines(params, p) and "#define PACK_GQA 1" in GQA.define_lines(params, p)
         assert GQA.param_kinds(params) == get_family("flash_fwd_sm90").param_kinds(params)
         assert "splits 0" in GQA.check(dict(params, splits=2), H100_SXM, p)
     else:
-        assert grid[:2] == (packed_blocks(params, p), p.batch * p.kv_heads)
+        assert launch[:2] == (packed_blocks(params, p), p.batch * p.kv_heads)
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
