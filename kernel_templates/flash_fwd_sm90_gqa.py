@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tuner.family import ceil_div
+from tuner.family import KernelFamily, ceil_div
 from tuner.gpu import GpuSpec
 from tuner.kernel_templates.flash_fwd_sm90 import FlashFwdSm90, _Sm90Args, consumer_cost, map_panel
 from tuner.kernel_templates.flash_fwd_sm90_split import SplitFlashFwdSm90, _SplitArgs, auto_splits
@@ -203,6 +203,16 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         grid = ((min(tiles, gpu.sm_count), 1, 1) if params["persistent"] else
                 (packed_blocks(params, problem), problem.batch * problem.kv_heads, self.splits(params, problem, gpu)))
         return Launch(grid=grid, block=(128 * (params["cwg"] + 1), 1, 1), smem_bytes=self.smem_bytes(params, problem))
+
+    def served_form(self, params: dict, gpu: GpuSpec, problem: Problem) -> tuple[KernelFamily, dict]:
+        # A persistent config splits no keys: where its grid form would split them (a call of fewer
+        # packed tiles than the one it was tuned on, e.g. a smaller batch of the same bucket), the grid
+        # form runs, its splits from the occupancy
+        if params["persistent"]:
+            grid = dict(params, persistent=0, splits=0)
+            if self.check(grid, gpu, problem) is None and self.splits(grid, problem, gpu) > 1:
+                return self, grid
+        return self, params
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         # persistent: flash_fwd_sm90's (no split workspace)

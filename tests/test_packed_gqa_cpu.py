@@ -315,6 +315,24 @@ def test_a_bucket_search_that_timed_the_packed_family_keeps_its_plain_winner(tmp
     assert alone == {"family": GQA.name, "params": GQA.default(H100_SXM, p)}
 
 
+def test_a_persistent_packed_entry_runs_on_the_grid_where_its_keys_would_split(tmp_path):
+    """A persistent packed entry tuned on a speculative batch of 32 (256 packed tiles) serves the same
+    bucket's batch of 8 (64 tiles) on the grid, its keys split from the occupancy: a persistent launch
+    splits none; at the batch it was tuned on it stays as it is."""
+    from test_dispatch_choices import entry, lookup
+
+    tuned, small = (Problem(b, 32, 16, 8192, 128, "bf16", "causal_br", 8) for b in (32, 8))
+    assert tuned.bucket().key == small.bucket().key
+    params = dict(GQA.default(H100_SXM, tuned), Bc=128, split=40, persistent=1, splits=0)
+    assert GQA.check(params, H100_SXM, tuned) is None and GQA.check(params, H100_SXM, small) is None
+    d = Dispatcher(lookup(tmp_path / "spec.json", [entry(tuned, GQA.name, params, 300.0)]))
+    assert d.serving_entry(tuned, H100_SXM)["params"] == params
+    served = d.serving_entry(small, H100_SXM)
+    assert served["family"] == GQA.name and served["params"] == dict(params, persistent=0)
+    assert GQA.splits(served["params"], small, H100_SXM) > 1
+    assert GQA.launch(served["params"], small, H100_SXM).grid[2] > 1
+
+
 def test_wave_gain_counts_whole_waves_of_ctas_x_rows():
     """Plain blocks of 128 rows against packed ones, in waves of 132 SMs: 1024 CTAs (8 waves) against
     704 (6); 448 (4) against 256 (2); one wave either way (112 against 72) gains nothing, though the

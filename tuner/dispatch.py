@@ -573,14 +573,16 @@ def _served_form(entry: dict | None, problem: Problem, gpu) -> dict | None:
     """`entry` in the form a call of `problem` runs it (KernelFamily.served_form, as a search timed
     it): a persistent flash_fwd_sm90 config on an unmasked call whose last round of work tiles would
     leave SMs idle runs its last two rounds cut into one segment of equal work per SM
-    (flash_fwd_sm90_tail), the same tile and schedule."""
+    (flash_fwd_sm90_tail), the same tile and schedule; a persistent flash_fwd_sm90_gqa config runs on
+    the grid where that form would split the keys (the same family, other params)."""
     from .kernel_templates import FAMILIES
 
     fam = FAMILIES.get(entry["family"]) if entry else None
     if fam is None:   # none, or an SDPA backend's entry
         return entry
-    runs, params = fam.served_form(served_params(entry, problem), gpu, problem)
-    return entry if runs is fam else {**entry, "family": runs.name, "params": params}
+    served = served_params(entry, problem)
+    runs, params = fam.served_form(served, gpu, problem)
+    return entry if runs is fam and params is served else {**entry, "family": runs.name, "params": params}
 
 
 def _two_consumers_where_idle(entry: dict, problem: Problem, gpu) -> dict:
