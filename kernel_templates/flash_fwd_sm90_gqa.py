@@ -199,9 +199,9 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         return params["splits"] or auto_splits(params, packed_problem(params, problem), gpu)
 
     def launch(self, params: dict, problem: Problem, gpu: GpuSpec) -> Launch:
-        tiles = packed_blocks(params, problem) * problem.batch * problem.kv_heads
-        grid = ((min(tiles, gpu.sm_count), 1, 1) if params["persistent"] else
-                (packed_blocks(params, problem), problem.batch * problem.kv_heads, self.splits(params, problem, gpu)))
+        blocks, heads = packed_blocks(params, problem), problem.batch * problem.kv_heads
+        grid = ((min(blocks * heads, gpu.sm_count), 1, 1) if params["persistent"] else
+                (blocks, heads, self.splits(params, problem, gpu)))
         return Launch(grid=grid, block=(128 * (params["cwg"] + 1), 1, 1), smem_bytes=self.smem_bytes(params, problem))
 
     def served_form(self, params: dict, gpu: GpuSpec, problem: Problem) -> tuple[KernelFamily, dict]:

@@ -539,6 +539,16 @@ def test_a_head_dim_no_kernel_takes_runs_sdpa_with_one_warning(dispatcher, d):
     _assert_packed_causal_matches(o, packed, cu)
 
 
+def _hopper():
+    """This GPU, where flash_fwd_sm90 runs (sm_90); elsewhere the test skips."""
+    from tuner.gpu import detect
+
+    gpu = detect()
+    if (gpu.major, gpu.minor) != (9, 0):
+        pytest.skip(f"flash_fwd_sm90 is Hopper's; {gpu.name} is {gpu.cc}")
+    return gpu
+
+
 @pytest.mark.parametrize("d", [80, 96, 192])
 def test_a_head_dim_no_lookup_tunes_runs_the_hopper_default(dispatcher, d):
     """Phi-3's 96, Stable Diffusion's 80, 192: lookups borrow only within a head dim and tune none of
@@ -549,11 +559,8 @@ def test_a_head_dim_no_lookup_tunes_runs_the_hopper_default(dispatcher, d):
 
     import tuner
     from tuner import borrowing, dispatch, varlen
-    from tuner.gpu import detect
 
-    gpu = detect()
-    if (gpu.major, gpu.minor) != (9, 0):
-        pytest.skip(f"flash_fwd_sm90 is Hopper's; {gpu.name} is {gpu.cc}")
+    gpu = _hopper()
     dispatcher([])
     rng = random.Random()
     p = Problem(2, 8, rng.choice([1500, 2047]), rng.choice([1500, 2100]), d, rng.choice(["bf16", "fp16"]),
@@ -583,12 +590,9 @@ def test_a_call_of_few_blocks_runs_one_consumer(dispatcher, d):
     shape, rows and keys off the tiles, GQA or not, causal or not, matches float64 as SDPA does,
     gradients too, with no fallback."""
     from tuner import dispatch
-    from tuner.gpu import detect
     from tuner.kernel_templates.flash_fwd_sm90 import one_consumer_pays
 
-    gpu = detect()
-    if (gpu.major, gpu.minor) != (9, 0):
-        pytest.skip(f"flash_fwd_sm90 is Hopper's; {gpu.name} is {gpu.cc}")
+    gpu = _hopper()
     dispatcher([])
     rng = random.Random()
     kvh = rng.choice([1, 2, 4])
