@@ -202,16 +202,22 @@ def test_attention_packs_a_short_gqa_prefill(shape):
         dispatch.reset()
 
 
-def test_compiled_forward_and_backward_through_a_packed_prefill():
+@pytest.mark.parametrize("keys", [2000, 4100])
+def test_compiled_forward_and_backward_through_a_packed_prefill(keys):
     """torch.compile(fullgraph=True) of `attention` on a GQA prefill the dispatcher packs (517 queries
-    x 8 query heads a K/V head against 4100 keys, unmasked), then the backward from the
-    packed kernel's LSE: O and dq, dk, dv against float64 autograd, as close as SDPA's."""
+    x 8 query heads a K/V head, unmasked), persistent under PERSISTENT_KEYS keys and the grid form
+    past them, then the backward from the packed kernel's LSE: O and dq, dk, dv against float64
+    autograd, as close as SDPA's."""
     from test_gpu_op import compiled_as_close_as_sdpa
 
     from tuner import dispatch
+    from tuner.gpu import detect
+    from tuner.kernel_templates.flash_fwd_sm90_gqa import PERSISTENT_KEYS
 
     try:
-        compiled_as_close_as_sdpa(Problem(4, 16, 517, 4100, 128, "bf16", "none", 2), dispatch.reset(),
-                                  "flash_fwd_sm90_gqa")
+        d = dispatch.reset()
+        q, k, v = compiled_as_close_as_sdpa(Problem(4, 16, 517, keys, 128, "bf16", "none", 2), d, "flash_fwd_sm90_gqa")
+        served = d.serving_entry(dispatch.problem_of(q, k, v, "none"), detect())["params"]
+        assert served["persistent"] == (keys < PERSISTENT_KEYS), served
     finally:
         dispatch.reset()
