@@ -202,6 +202,37 @@ def test_attention_packs_a_short_gqa_prefill(shape):
         dispatch.reset()
 
 
+@pytest.mark.parametrize("shape", ["1,8:2,122:4596,128,none", "1,7:1,192:3138,128,causal_br", "1,16:4,101:3039,64,causal",
+                                   "1,8:2,150:4000,96,none"])
+def test_attention_runs_a_few_block_gqa_prefill_packed_on_one_consumer(shape):
+    """A GQA prefill of few blocks whose keys the split form would split (gqa_packing.one_consumer_packed:
+    shares of PACK_ONE_CONSUMER_KEYS keys or fewer) runs flash_fwd_sm90_gqa at one consumer through the
+    dispatcher, the model's (B, N, H, D) views, against float64, its keys split two ways or more."""
+    import torch
+
+    from tuner import dispatch
+    from tuner.gpu import detect
+    from tuner.gqa_packing import one_consumer_packed
+    from tuner.kernel_templates import get_family
+    from tuner.reference import attention_fp64, compare
+
+    p = Problem.parse(shape, "bf16")
+    d, gpu = dispatch.reset(), detect()
+    try:
+        q = torch.randn(p.batch, p.seqlen_q, p.heads, p.head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(p.batch, p.seqlen_k, p.kv_heads, p.head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                for _ in range(2))
+        problem = dispatch.problem_of(q, k, v, p.mask)
+        served = d.serving_entry(problem, gpu)
+        assert served["family"] == "flash_fwd_sm90_gqa" and served["params"] == one_consumer_packed(problem, gpu), served
+        assert get_family("flash_fwd_sm90_gqa").launch(served["params"], problem, gpu).grid[2] >= 2
+        o, lse = d(q, k, v, p.mask, return_lse=True)
+        ref_o, ref_lse = attention_fp64(q, k, v, p.mask, 1.0 / math.sqrt(p.head_dim))
+        assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+    finally:
+        dispatch.reset()
+
+
 @pytest.mark.parametrize("keys", [2000, 4100])
 def test_compiled_forward_and_backward_through_a_packed_prefill(keys):
     """torch.compile(fullgraph=True) of `attention` on a GQA prefill the dispatcher packs (517 queries

@@ -14,11 +14,11 @@ from test_split_kv_cpu import assert_seeds_compile_clean
 from tuner.dispatch import Dispatcher
 from tuner.export import SHIPPED_DIR
 from tuner.gpu import A100_SXM, H100_SXM
-from tuner.gqa_packing import (PACK_FEW_ROWS_SM_SHARE, PACK_PREFILL_FEW_CTAS_KEYS, PACK_PREFILL_FILL_GAIN,
-                               PACK_PREFILL_KEYS, PACK_PREFILL_L2_FILL_GAIN, PACK_PREFILL_L2_TIMES,
+from tuner.gqa_packing import (PACK_FEW_ROWS_SM_SHARE, PACK_ONE_CONSUMER_KEYS, PACK_PREFILL_FEW_CTAS_KEYS,
+                               PACK_PREFILL_FILL_GAIN, PACK_PREFILL_KEYS, PACK_PREFILL_L2_FILL_GAIN, PACK_PREFILL_L2_TIMES,
                                PACK_PERSISTENT_KEYS, PACK_PERSISTENT_WAVE_GAIN, PACK_PREFILL_SHORT_KEYS,
                                PACK_PREFILL_SHORT_WAVE_GAIN, PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE, packed_gqa,
-                               packs, packs_prefill)
+                               one_consumer_packed, packs, packs_prefill)
 from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90_gqa import (block_fill, block_rows, fill_gain, group_of, packed_blocks,
                                                        packed_problem, packed_rows, persistent_pays, wave_gain)
@@ -269,6 +269,66 @@ def test_a_gqa_prefill_of_short_rows_packs_where_the_blocks_fill_better(shipped,
     peer = {"family": "sdpa_cudnn", "params": {}}
     assert packed_gqa(peer, p, H100_SXM) is peer
     assert not packs_prefill(p, A100_SXM)
+
+
+FEW_BLOCKS = [("1,4:1,178:4410,128,none", True),          # 1.16x on the H200
+              ("1,7:1,192:3138,128,causal_br", True),     # 1.15x
+              ("1,16:4,221:3712,128,none", True),         # 0.97x, two splits of 1856 keys
+              ("1,4:1,1172:25966,128,causal_br", False),  # shares of 8655 keys: 0.72x
+              ("1,4:4,178:4410,128,none", False),         # one query head a K/V head
+              ("1,4:1,178:4410,256,none", False),         # d=256
+              ("1,4:1,4:4410,128,none", False)]           # a decode step (packs, flash_decode)
+
+
+@pytest.mark.parametrize("shape,packed", FEW_BLOCKS, ids=[s for s, _ in FEW_BLOCKS])
+def test_a_split_gqa_prefill_of_short_key_shares_runs_packed_on_one_consumer(shape, packed):
+    """Where the split form serves a GQA prefill (few blocks) and one consumer's packed blocks split its
+    keys into shares of PACK_ONE_CONSUMER_KEYS or fewer, the packed grid's tile at one consumer serves it
+    (one_consumer_packed); the split entry stays elsewhere, a plain entry (its blocks fill the SMs)
+    and a measured SDPA backend stay, and so does a split entry its own bucket's search timed beside a
+    packed one."""
+    p = Problem.parse(shape, "bf16")
+    params = one_consumer_packed(p, H100_SXM)
+    assert (params is not None) == packed
+    split = {"family": "flash_fwd_sm90_split", "params": {}, "bucket": p.bucket().key}
+    got = packed_gqa(split, p, H100_SXM)
+    if not packed:
+        assert got is split or p.decode_step
+        return
+    assert (params["cwg"], params["pingpong"], params["split"], params["persistent"], params["splits"]) == (1, 0, 0, 0, 0)
+    assert GQA.check(params, H100_SXM, p) is None
+    splits = GQA.launch(params, p, H100_SXM).grid[2]
+    assert splits >= 2 and p.seqlen_k / splits <= PACK_ONE_CONSUMER_KEYS
+    assert got == {"family": GQA.name, "params": params}
+    assert packed_gqa(split, p, H100_SXM, timed_packed=True) is split   # its bucket's search timed packing
+    plain = {"family": "flash_fwd_sm90", "params": {}}
+    assert packed_gqa(plain, p, H100_SXM) is plain
+    peer = {"family": "sdpa_flash", "params": {}}
+    assert packed_gqa(peer, p, H100_SXM) is peer
+    assert one_consumer_packed(p, A100_SXM) is None
+
+
+def test_the_one_consumer_packed_prefill_is_what_the_dispatcher_serves():
+    """Through a dispatcher with no lookup: the split default that a few-block GQA prefill took now
+    runs packed on one consumer, and its MHA twin keeps the split default."""
+    d = Dispatcher(None)
+    p = Problem.parse("1,8:2,122:4596,128,none", "bf16")
+    got = d.serving_entry(p, H100_SXM)
+    assert got == {"family": GQA.name, "params": one_consumer_packed(p, H100_SXM)}
+    twin = replace(p, kv_heads=p.heads)
+    assert d.serving_entry(twin, H100_SXM)["family"] == "flash_fwd_sm90_split"
+
+
+@pytest.mark.parametrize("d,mask", [(64, "none"), (96, "causal"), (128, "causal_br")])
+def test_the_one_consumer_packed_config_compiles_without_spills(d, mask):
+    from tuner.compile import compile_kernel
+
+    p = Problem(1, 8, 150, 4000, d, "bf16", mask, 2)
+    params = one_consumer_packed(p, H100_SXM)
+    assert params is not None and params["cwg"] == 1
+    ck = compile_kernel(GQA, params, p, H100_SXM.arch)
+    assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), ck.resources
+    assert "warning" not in ck.log and "C75" not in ck.log, ck.log
 
 
 def test_a_search_weighs_packing_on_the_prefills_the_rule_takes():

@@ -77,6 +77,16 @@ PACK_PREFILL_SHORT_WAVE_GAIN = 1.3
 # at 169 keys; where the mask spreads the work, 0.95-1.09x whatever the gain.
 PACK_PERSISTENT_KEYS = 300
 PACK_PERSISTENT_WAVE_GAIN = 1.1
+# A GQA prefill the split form serves (its blocks leave SMs idle, flash_fwd_sm90_split) runs packed on one
+# consumer (`one_consumer_packed`: the packed grid's tile, 64-row blocks, keys split from the occupancy)
+# where that form splits the keys into shares of PACK_ONE_CONSUMER_KEYS or fewer: a call of a few
+# thousand keys and few blocks, whose time is a CTA's short walk, the merge and the launch. On the H200
+# (PERF_NOTES "x12", bf16, d=128, timed in turns against what served) all 38 random draws it moves (seeds
+# 0-299) read 0.965-1.157x, 1.075x geomean, 35 faster (B1-H4/kv1 178 x 4410 1.16x, B1-H7/kv1 192 x 3138
+# bottom-right 1.15x); the 28 drawn after the threshold was set 1.074x, 26 faster. Longer shares lost
+# (B1-H4/kv1 1172 x 25966, 8655 keys a split: 0.72x), and calls the plain grid serves (it fills the
+# SMs) 0.61x.
+PACK_ONE_CONSUMER_KEYS = 2000
 
 
 def packed_gqa(entry: dict | None, problem: Problem, gpu, timed_packed: bool = False) -> dict | None:
@@ -119,17 +129,19 @@ def _packed_prefill(entry: dict, problem: Problem, gpu, timed_packed: bool = Fal
     `packs_prefill`, flash_fwd_sm90_gqa's default. A measured SDPA backend keeps its bucket, and so
     does an entry of the call's own bucket where that bucket's search timed the packed family beside
     it (`timed_packed`: the bucket holds a packed entry too). Not inferred from the rule: a lookup
-    tuned before the rule took the bucket's problems never timed it. The other way round, a packed
-    entry borrowed for a prefill that does not pack serves flash_fwd_sm90's default."""
+    tuned before the rule took the bucket's problems never timed it. A split entry of a call that
+    does not pack serves `one_consumer_packed` where that form takes the call. The other way round, a
+    packed entry borrowed for a prefill that does not pack serves flash_fwd_sm90's default."""
     from .kernel_templates import FAMILIES, configs_family
 
     fam = FAMILIES["flash_fwd_sm90_gqa"]
     if entry["family"] == fam.name:
         return entry if packs_prefill(problem, gpu) else (prefill_default(problem, gpu) or entry)
-    if configs_family(entry["family"]) not in ("flash_fwd_sm90", "flash_fwd_sm90_split") or not packs_prefill(problem, gpu):
-        return entry
     if timed_packed and entry.get("bucket") == problem.bucket().key:
         return entry
+    if configs_family(entry["family"]) not in ("flash_fwd_sm90", "flash_fwd_sm90_split") or not packs_prefill(problem, gpu):
+        few = entry["family"] == "flash_fwd_sm90_split" and one_consumer_packed(problem, gpu)
+        return {"family": fam.name, "params": few} if few else entry
     params = fam.default(gpu, problem)
     return entry if fam.check(params, gpu, problem) is not None else {"family": fam.name, "params": params}
 
@@ -164,6 +176,24 @@ def packs_prefill(problem: Problem, gpu) -> bool:
     fills = gain >= PACK_PREFILL_FILL_GAIN or (
         gain >= PACK_PREFILL_L2_FILL_GAIN and problem.kv_bytes >= PACK_PREFILL_L2_TIMES * gpu.l2_bytes)
     return fills and (ctas >= PACK_PREFILL_WAVES * gpu.sm_count or problem.seqlen_k >= PACK_PREFILL_FEW_CTAS_KEYS)
+
+
+def one_consumer_packed(problem: Problem, gpu) -> dict | None:
+    """flash_fwd_sm90_gqa's grid seed for a prefill at one consumer (no ping-pong, the registers all
+    the consumer's), where it splits the call's keys into shares of PACK_ONE_CONSUMER_KEYS or fewer
+    (the occupancy's count, two or more); None elsewhere, at d > 128, or where it does not run the call."""
+    from .kernel_templates import FAMILIES
+
+    fam = FAMILIES.get("flash_fwd_sm90_gqa")
+    if (fam is None or problem.seqlen_q <= DECODE_QUERIES or problem.head_dim > 128
+            or fam.supports(gpu, problem)):
+        return None
+    grid = next(s for s in fam.seeds(gpu, problem) if not s["persistent"])
+    params = {**grid, "cwg": 1, "pingpong": 0, "split": 0}
+    if fam.check(params, gpu, problem) is not None:
+        return None
+    splits = fam.splits(params, problem, gpu)
+    return params if splits >= 2 and problem.seqlen_k <= PACK_ONE_CONSUMER_KEYS * splits else None
 
 
 def pack_rows(problem: Problem) -> int:
