@@ -20,7 +20,9 @@ runs it too (gqa_packing.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"; from
 1.07x geomean on 16 and 1.02x on 16 held out, "x4"), and a search of such a prefill times it beside the
 plain families (tune_skip). Such a prefill under PERSISTENT_KEYS keys that its grid would run at one
 split runs persistent (`persistent_pays`: one CTA an SM drawing work tiles from the tile counter, as
-flash_fwd_sm90's persistent form does; 1.04x geomean on 28 held-out H200 calls, "x11").
+flash_fwd_sm90's persistent form does; 1.04x geomean on 28 held-out H200 calls, "x11"). A GQA prefill
+of few blocks that the split form would serve runs it at one consumer where its keys split into short
+shares (gqa_packing.one_consumer_packed: 1.075x geomean on the 38 random H200 calls it moves, "x12").
 """
 
 from __future__ import annotations
