@@ -261,7 +261,7 @@ class Dispatcher:
         wave or less runs flash_fwd_sm90's default at one consumer where a plain entry of two or three
         would (_one_consumer_where_idle). A GQA decode step of many packed rows runs flash_fwd_sm90_gqa
         where flash_decode would, and so does a GQA prefill of short query rows where the Hopper
-        prefill kernels would (packed_gqa)."""
+        prefill kernels would, or of few blocks where the split kernel would (packed_gqa)."""
         entry = self.select(problem, gpu) or _served_form(decode_default(problem, gpu) or split_default(problem, gpu)
                                                           or prefill_default(problem, gpu), problem, gpu)
         entry = _one_consumer_where_idle(entry, problem, gpu)

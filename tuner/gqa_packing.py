@@ -140,8 +140,8 @@ def _packed_prefill(entry: dict, problem: Problem, gpu, timed_packed: bool = Fal
     if timed_packed and entry.get("bucket") == problem.bucket().key:
         return entry
     if configs_family(entry["family"]) not in ("flash_fwd_sm90", "flash_fwd_sm90_split") or not packs_prefill(problem, gpu):
-        few = entry["family"] == "flash_fwd_sm90_split" and one_consumer_packed(problem, gpu)
-        return {"family": fam.name, "params": few} if few else entry
+        one = entry["family"] == "flash_fwd_sm90_split" and one_consumer_packed(problem, gpu)
+        return {"family": fam.name, "params": one} if one else entry
     params = fam.default(gpu, problem)
     return entry if fam.check(params, gpu, problem) is not None else {"family": fam.name, "params": params}
 
