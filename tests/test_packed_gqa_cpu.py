@@ -293,7 +293,8 @@ def test_a_split_gqa_prefill_of_short_key_shares_runs_packed_on_one_consumer(sha
     split = {"family": "flash_fwd_sm90_split", "params": {}, "bucket": p.bucket().key}
     got = packed_gqa(split, p, H100_SXM)
     if not packed:
-        assert got is split or p.decode_step
+        if not p.decode_step:   # (a decode step follows `packs`)
+            assert got is split
         return
     assert (params["cwg"], params["pingpong"], params["split"], params["persistent"], params["splits"]) == (1, 0, 0, 0, 0)
     assert GQA.check(params, H100_SXM, p) is None
