@@ -203,6 +203,12 @@ def one_consumer_pays(gpu: GpuSpec, problem: Problem) -> bool:
     return problem.seqlen_q > DECODE_QUERIES and problem.query_blocks(64) <= ONE_CONSUMER_WAVES * gpu.sm_count
 
 
+def at_one_consumer(params: dict) -> dict:
+    """`params` on one consumer a CTA: 64-row blocks, no ping-pong (no other consumer to take turns
+    with), the registers all the consumer's (no split)."""
+    return {**params, "cwg": 1, "pingpong": 0, "split": 0}
+
+
 def key_columns(problem: Problem, rows: int, bc: int) -> int:
     """K/V columns one head's query blocks of `rows` rows load in tiles of `bc` keys: each block's
     keys up to the last its last row sees (the mask's diagonal), in whole tiles."""

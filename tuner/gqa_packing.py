@@ -183,13 +183,13 @@ def one_consumer_packed(problem: Problem, gpu) -> dict | None:
     the consumer's), where it splits the call's keys into shares of PACK_ONE_CONSUMER_KEYS or fewer
     (the occupancy's count, two or more); None elsewhere, at d > 128, or where it does not run the call."""
     from .kernel_templates import FAMILIES
+    from .kernel_templates.flash_fwd_sm90 import at_one_consumer
 
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
     if (fam is None or problem.seqlen_q <= DECODE_QUERIES or problem.head_dim > 128
             or fam.supports(gpu, problem)):
         return None
-    grid = next(s for s in fam.seeds(gpu, problem) if not s["persistent"])
-    params = {**grid, "cwg": 1, "pingpong": 0, "split": 0}
+    params = at_one_consumer(next(s for s in fam.seeds(gpu, problem) if not s["persistent"]))
     if fam.check(params, gpu, problem) is not None:
         return None
     splits = fam.splits(params, problem, gpu)

@@ -89,11 +89,11 @@ def one_consumer_default(problem: Problem, gpu) -> dict | None:
     (flash_fwd_sm90.one_consumer_pays): there one CTA's rows x keys are the launch, and one consumer
     halves them on twice the CTAs. None elsewhere, or where that config does not run the call."""
     from .kernel_templates import FAMILIES
-    from .kernel_templates.flash_fwd_sm90 import one_consumer_pays
+    from .kernel_templates.flash_fwd_sm90 import at_one_consumer, one_consumer_pays
 
     fam = FAMILIES.get("flash_fwd_sm90")
     if (fam is None or problem.dtype not in ("fp16", "bf16") or fam.supports(gpu, problem)
             or not one_consumer_pays(gpu, problem)):
         return None
-    params = {**fam.default(gpu, problem), "cwg": 1, "pingpong": 0, "split": 0}
+    params = at_one_consumer(fam.default(gpu, problem))
     return None if fam.check(params, gpu, problem) is not None else {"family": fam.name, "params": params}
