@@ -205,7 +205,7 @@ def test_export_carries_the_sdpa_backends_the_dispatcher_runs_at_their_latest_ti
 def test_a_prefill_that_fills_the_gpu_borrows_a_tuned_bucket_at_any_distance(tmp_path, sm90_params):
     """Past NEAREST_OCTAVES a call still runs the nearest tuned config where its query blocks fill
     the GPU (a long prompt past the tuned lengths, a chunk after far more keys); not where few
-    blocks would idle most SMs (SDPA serves), and not a decode call (flash_decode's default)."""
+    blocks would idle most SMs (SDPA serves), and not a decode call (its decode kernel's default)."""
     d = Dispatcher(lookup(tmp_path / "l.json", [entry(BF16, SM90.name, sm90_params, 300.0)]))   # N=8192 causal
     for far in (replace(BF16, seqlen_q=131072, seqlen_k=131072), replace(BF16, batch=16, seqlen_q=1024, seqlen_k=1024),
                 replace(BF16, batch=8, seqlen_q=100, seqlen_k=100)):
@@ -213,10 +213,10 @@ def test_a_prefill_that_fills_the_gpu_borrows_a_tuned_bucket_at_any_distance(tmp
         e = d.select(far, H100_SXM)
         assert e is not None and e["params"] == sm90_params, far.key
     few_blocks = replace(BF16, heads=8, kv_heads=8, seqlen_q=1024, seqlen_k=1024)     # 8 x 8 = 64 blocks on 132 SMs
-    decode = replace(BF16, batch=64, seqlen_q=8, seqlen_k=65536, mask="causal_br")   # 32 packed rows: flash_decode
+    decode = replace(BF16, batch=64, seqlen_q=8, seqlen_k=65536, mask="causal_br")   # 32 packed rows on a long cache
     for p in (few_blocks, decode):
         assert d.select(p, H100_SXM) is None, p.key
-    assert d.serving_entry(decode, H100_SXM)["family"] == "flash_decode"
+    assert d.serving_entry(decode, H100_SXM)["family"] == "flash_fwd_sm90_gqa"   # gqa_packing.PACK_ROWS_LONG
     # a decode bucket is no far neighbour of a prefill: a chunk after a long cache, with only decode
     # steps of its mask tuned (here SDPA flash's), runs SDPA unpinned, not a decode measurement's pick
     step = Problem(32, 32, 4, 8192, 128, "bf16", "causal_br", 8)   # 4 queries: a speculative step

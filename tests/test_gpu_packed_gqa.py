@@ -156,6 +156,36 @@ def test_attention_packs_a_wide_head_step_from_fewer_rows():
         dispatch.reset()
 
 
+# (B, H, KVH, queries, keys, head dim, packs): 28-32 packed rows pack over PACK_ROWS_LONG_KEYS keys
+LONG_CACHE_STEPS = [(2, 28, 4, 4, 5003, 128, True), (2, 16, 4, 8, 3001, 128, True), (2, 32, 4, 4, 4097, 64, True),
+                    (3, 24, 4, 5, 3001, 80, True), (2, 16, 4, 8, 2999, 128, False), (2, 32, 4, 3, 9001, 128, False)]
+
+
+@pytest.mark.parametrize("b,h,kvh,nq,nk,dim,packed", LONG_CACHE_STEPS)
+def test_attention_packs_a_step_of_few_rows_on_a_long_cache(b, h, kvh, nq, nk, dim, packed):
+    """A GQA step of 28-32 packed rows (4-8 queries x 4-8 query heads a K/V head) over 3000 keys or
+    more runs flash_fwd_sm90_gqa (gqa_packing.PACK_ROWS_LONG); the same rows over fewer keys, and 24
+    rows, stay with flash_decode; each agrees with float64 on an odd-length cache, fp16 and bf16."""
+    import torch
+
+    from tuner import dispatch
+    from tuner.reference import attention_fp64, compare
+
+    d = dispatch.reset()
+    try:
+        for dtype in (torch.bfloat16, torch.float16):
+            q = torch.randn(b, h, nq, dim, device="cuda", dtype=dtype)
+            k, v = (torch.randn(b, kvh, nk, dim, device="cuda", dtype=dtype) for _ in range(2))
+            served = d.plan(q, k, v, "causal_br").family   # the shipped lookups serve our kernels here
+            assert (served == "flash_fwd_sm90_gqa") == packed, (nq, nk, served)
+            o, lse = d(q, k, v, "causal_br", return_lse=True)
+            ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(dim))
+            problem = dispatch.problem_of(q, k, v, "causal_br")
+            assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+    finally:
+        dispatch.reset()
+
+
 def test_compiled_forward_and_backward_through_a_packed_step():
     """torch.compile(fullgraph=True) of `attention` on a GQA step the dispatcher packs (16 queries x 8
     query heads a K/V head, 5003 keys, the model's (B, N, H, D) views), then the backward from the

@@ -17,7 +17,8 @@ from tuner.gpu import A100_SXM, H100_SXM
 from tuner.gqa_packing import (PACK_FEW_ROWS_SM_SHARE, PACK_ONE_CONSUMER_KEYS, PACK_PREFILL_FEW_CTAS_KEYS,
                                PACK_PREFILL_FILL_GAIN, PACK_PREFILL_KEYS, PACK_PREFILL_L2_FILL_GAIN, PACK_PREFILL_L2_TIMES,
                                PACK_PERSISTENT_KEYS, PACK_PERSISTENT_WAVE_GAIN, PACK_PREFILL_SHORT_KEYS,
-                               PACK_PREFILL_SHORT_WAVE_GAIN, PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_WIDE, packed_gqa,
+                               PACK_PREFILL_SHORT_WAVE_GAIN, PACK_PREFILL_WAVES, PACK_ROWS, PACK_ROWS_LONG,
+                               PACK_ROWS_LONG_KEYS, PACK_ROWS_WIDE, packed_gqa,
                                one_consumer_packed, packs, packs_prefill)
 from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90_gqa import (block_fill, block_rows, fill_gain, group_of, packed_blocks,
@@ -154,13 +155,17 @@ def shipped():
     return Dispatcher(SHIPPED_DIR / "NVIDIA-H100-80GB-HBM3_sm_90.json")
 
 
-@pytest.mark.parametrize("nq,g,packed", [(16, 8, True), (8, 8, True), (16, 4, True), (32, 2, True), (64, 2, True), (16, 7, True),
-                                         (8, 7, True), (12, 4, True), (4, 8, False), (8, 4, False), (1, 16, False),
-                                         (5, 8, False), (23, 2, False)])
-def test_a_decode_step_packs_from_a_consumer_s_rows(shipped, nq, g, packed):
-    p = Problem(8, 8 * g, nq, 8192, 128, "bf16", "causal_br", 8)
+@pytest.mark.parametrize("nq,g,nk,packed", [(16, 8, 8192, True), (8, 8, 2048, True), (16, 4, 1200, True), (32, 2, 8192, True),
+                                            (64, 2, 2048, True), (16, 7, 8192, True), (8, 7, 2048, True), (12, 4, 1200, True),
+                                            (4, 8, 8192, True), (8, 4, 3000, True), (4, 7, 20000, True), (5, 8, 4097, True),
+                                            (4, 8, 2999, False), (8, 4, 2048, False), (23, 2, 1200, False), (1, 16, 8192, False),
+                                            (3, 8, 8192, False), (2, 8, 65536, False)])
+def test_a_decode_step_packs_from_a_consumer_s_rows(shipped, nq, g, nk, packed):
+    """A step packs from PACK_ROWS packed rows, and from PACK_ROWS_LONG over PACK_ROWS_LONG_KEYS keys."""
+    p = Problem(8, 8 * g, nq, nk, 128, "bf16", "causal_br", 8)
     entry = shipped.serving_entry(p, H100_SXM)
-    assert (entry["family"] == GQA.name) == packed == (g * nq >= PACK_ROWS)
+    rows = g * nq
+    assert (entry["family"] == GQA.name) == packed == (rows >= PACK_ROWS or (rows >= PACK_ROWS_LONG and nk >= PACK_ROWS_LONG_KEYS))
     if packed:
         assert GQA.check(entry["params"], H100_SXM, p) is None
 
@@ -456,7 +461,7 @@ def test_a_packed_entry_tuned_on_many_rows_gives_way_to_flash_decode_on_few():
     tuned = Problem(16, 40, 16, 8192, 128, "bf16", "causal_br", 8)   # 80 rows
     entry = {"family": GQA.name, "params": GQA.default(H100_SXM, tuned), "bucket": tuned.bucket().key,
              "problem": tuned.to_dict()}
-    few = Problem(16, 16, 16, 8192, 128, "bf16", "causal_br", 8)     # 32 rows, the same bucket (groups mix)
+    few = Problem(16, 16, 12, 8192, 128, "bf16", "causal_br", 8)     # 24 rows, the same bucket (groups mix)
     assert few.bucket() == tuned.bucket()
     got = packed_gqa(entry, few, H100_SXM)
     assert got["family"] == "flash_decode" and got["params"] == get_family("flash_decode").default(H100_SXM, few)

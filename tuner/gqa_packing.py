@@ -18,6 +18,13 @@ PACK_ROWS = 48
 # d=256, PERF_NOTES "n2") 16 rows read 1.10-1.48x what served before on three steps, 24-40 rows
 # 1.59-2.28x on four.
 PACK_ROWS_WIDE = 16
+# At d <= 128 a step of PACK_ROWS_LONG packed rows or more packs over PACK_ROWS_LONG_KEYS keys: its
+# K/V stream then outweighs the packed tile's idle rows. On the H200 (PERF_NOTES "x13", bf16, d=128,
+# 44 random steps of 28-32 rows that flash_decode served, timed in turns) the 32 over 3000 keys read
+# 1.12x geomean packed (0.75-1.83x, 27 of 32 at or above 1: B64-H16/kv4 8 x 28897 138.8 TFLOP/s
+# against 113.9, B1-H14/kv2 4 x 13430 1.83x), the 12 under it 0.93x (0.64-1.17x).
+PACK_ROWS_LONG = 28
+PACK_ROWS_LONG_KEYS = 3000
 # Past d=128 under PACK_ROWS_WIDE rows, a step packs where the packed grid (K/V heads x splits) makes
 # this share of the SMs' CTAs or more. Once the maps streamed token-major K/V at full bandwidth
 # ("i1"), 2-8 rows read 1.03-1.24x what served on 24 of the 2003 random calls whose grid was that
@@ -92,12 +99,13 @@ PACK_ONE_CONSUMER_KEYS = 2000
 def packed_gqa(entry: dict | None, problem: Problem, gpu, timed_packed: bool = False) -> dict | None:
     """`entry`, or where it is a kernel of ours (flash_decode's, tuned or default, or the plain or
     split Hopper kernel's) serving a GQA decode step whose query heads x queries make PACK_ROWS packed
-    rows or more (past d=128 PACK_ROWS_WIDE, or fewer on a grid that fills the GPU: `packs`),
+    rows or more (PACK_ROWS_LONG over PACK_ROWS_LONG_KEYS keys; past d=128 PACK_ROWS_WIDE, or fewer
+    on a grid that fills the GPU: `packs`),
     flash_fwd_sm90_gqa's default: the Hopper kernel with those rows in its wgmma tile, each K/V tile
     loaded once for them. On the H200 (PERF_NOTES "g1-g3", bf16, against the entries they had): 16
     queries x 8 heads 3.0x flash_decode (0.89x FlashAttention-4, 1.49x at B8), 64 queries x 4 heads
-    1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads 1.84-2.35x; at 32 rows
-    level with flash_decode (0.98-1.03x), which keeps them. A measured SDPA
+    1.30x flash_fwd_sm90's borrowed prefill config, 16 queries x 5-7 heads 1.84-2.35x; 28-32 rows
+    1.12x over 3000 keys ("x13"), 0.93x under, where flash_decode keeps them. A measured SDPA
     backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
     head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
     flash_fwd_sm90_gqa entry tuned on `pack_rows` or more (a user's search of a decode bucket may
@@ -203,15 +211,19 @@ def pack_rows(problem: Problem) -> int:
 
 
 def packs(problem: Problem, gpu) -> bool:
-    """Whether a GQA decode step runs packed (packed_gqa): from `pack_rows` packed rows, or past
-    d=128 from fewer where flash_fwd_sm90_gqa's default grid fills PACK_FEW_ROWS_SM_SHARE of the SMs."""
+    """Whether a GQA decode step runs packed (packed_gqa): from `pack_rows` packed rows; at d <= 128
+    from PACK_ROWS_LONG over PACK_ROWS_LONG_KEYS keys; past d=128 from fewer where
+    flash_fwd_sm90_gqa's default grid fills PACK_FEW_ROWS_SM_SHARE of the SMs."""
     from .kernel_templates import FAMILIES
     from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
 
-    if packed_rows(problem) >= pack_rows(problem):
+    rows = packed_rows(problem)
+    if rows >= pack_rows(problem):
         return True
+    if problem.head_dim <= 128:
+        return rows >= PACK_ROWS_LONG and problem.seqlen_k >= PACK_ROWS_LONG_KEYS
     fam = FAMILIES.get("flash_fwd_sm90_gqa")
-    if problem.head_dim <= 128 or fam is None or fam.supports(gpu, problem):
+    if fam is None or fam.supports(gpu, problem):
         return False
     try:
         grid = fam.launch(fam.default(gpu, problem), problem, gpu).grid
