@@ -470,6 +470,10 @@ def test_a_packed_entry_tuned_on_many_rows_gives_way_to_flash_decode_on_few():
     nameless = {k: v for k, v in entry.items() if k != "problem"}
     assert packed_gqa(nameless, few, H100_SXM) is nameless   # what it was tuned on unknown: as it is
     assert packed_gqa(entry, tuned, H100_SXM) is entry   # enough rows: served as tuned
+    long32 = Problem(16, 16, 16, 8192, 128, "bf16", "causal_br", 8)   # 32 rows on a long cache pack (PACK_ROWS_LONG)
+    tuned32 = {**entry, "problem": long32.to_dict()}
+    got = packed_gqa(tuned32, few, H100_SXM)
+    assert got["family"] == "flash_decode" and got["params"] == get_family("flash_decode").default(H100_SXM, few)
     prefill = Problem(16, 40, 512, 8192, 128, "bf16", "causal_br", 8)   # 512 queries fill their blocks: no packing
     got = packed_gqa(entry, prefill, H100_SXM)
     assert got == {"family": "flash_fwd_sm90", "params": get_family("flash_fwd_sm90").default(H100_SXM, prefill)}

@@ -108,7 +108,7 @@ def packed_gqa(entry: dict | None, problem: Problem, gpu, timed_packed: bool = F
     1.12x over 3000 keys ("x13"), 0.93x under, where flash_decode keeps them. A measured SDPA
     backend keeps its bucket; where flash_fwd_sm90_gqa cannot run the call (one query head per K/V
     head, not Hopper, 8-bit, a group wider than its tiles), `entry` as it is. The other way round, a
-    flash_fwd_sm90_gqa entry tuned on `pack_rows` or more (a user's search of a decode bucket may
+    flash_fwd_sm90_gqa entry tuned on a problem that packs (a user's search of a decode bucket may
     have kept one) serves a step that does not pack with flash_decode's default. A prefill call:
     `_packed_prefill` (`timed_packed`: whether the entry's bucket search timed the packed family)."""
     from .kernel_templates import FAMILIES, configs_family
@@ -119,8 +119,9 @@ def packed_gqa(entry: dict | None, problem: Problem, gpu, timed_packed: bool = F
     if not problem.decode_step:
         return _packed_prefill(entry, problem, gpu, timed_packed)
     few = not packs(problem, gpu)
-    if entry["family"] == fam.name and few and _tuned_rows(entry) >= pack_rows(problem):
-        # tuned on more packed rows (a bucket mixes groups): under `pack_rows` flash_decode reads level or ahead
+    if entry["family"] == fam.name and few and _tuned_packs(entry, gpu):
+        # tuned on a step that packs (a bucket mixes groups and lengths): where this one does not,
+        # flash_decode reads level or ahead
         return decode_default(problem, gpu) or entry
     if (configs_family(entry["family"]) not in ("flash_decode", "flash_fwd_sm90", "flash_fwd_sm90_split")
             or few or fam.supports(gpu, problem)):
@@ -232,9 +233,8 @@ def packs(problem: Problem, gpu) -> bool:
     return grid[0] * grid[1] * grid[2] >= PACK_FEW_ROWS_SM_SHARE * gpu.sm_count
 
 
-def _tuned_rows(entry: dict) -> int:
-    """The packed rows (g x Nq) of the problem `entry` was tuned on; 0 where it names none."""
-    from .kernel_templates.flash_fwd_sm90_gqa import packed_rows
-
+def _tuned_packs(entry: dict, gpu) -> bool:
+    """Whether the problem `entry` was tuned on packs by the decode rule (`packs`: a prefill's many
+    rows do); False where it names none."""
     tuned = tuned_problem(entry)
-    return 0 if tuned is None else packed_rows(tuned)
+    return tuned is not None and packs(tuned, gpu)
