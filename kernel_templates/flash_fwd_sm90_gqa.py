@@ -11,9 +11,10 @@ the (batch x K/V heads) tiles leave SMs idle, as flash_fwd_sm90_split does.
 Its calls: GQA (heads > K/V heads) in 16-bit, a dense batch; a block holds whole groups of query
 heads (64 x cwg // g x g rows: 63 of 64 at 7 heads a group). The dispatcher serves a decode step's
 kernel entry (flash_decode's, or the plain Hopper kernel's) in this form where its packed rows are
-PACK_ROWS (48) or more, past d=128 PACK_ROWS_WIDE (16) or fewer on a grid that fills the GPU
-(gqa_packing.packs); a search of every family tunes it on decode steps. On the H200 that read 1.3-8.6x
-what served before, 0.89-3.8x FA4 (PERF_NOTES "g1-g3"); at d=256 from 16 rows 0.93-2.28x, 1.10x or
+PACK_ROWS (48) or more, PACK_ROWS_LONG (28) or more over PACK_ROWS_LONG_KEYS (3000) keys, past d=128
+PACK_ROWS_WIDE (16) or fewer on a grid that fills the GPU (gqa_packing.packs); a search of every family
+tunes it on decode steps. On the H200 that read 1.3-8.6x what served before, 0.89-3.8x FA4 (PERF_NOTES
+"g1-g3"); 28-32 rows over 3000 keys 1.14x geomean on 62 steps ("x13"); at d=256 from 16 rows 0.93-2.28x, 1.10x or
 more on 6 of 8 steps ("n2"). A prefill of short query rows whose packed rows fill the blocks better
 runs it too (gqa_packing.packs_prefill: 1.02-1.37x on 18 of 19 calls, "y1"; from 1536 keys, 1.07-1.37x on
 11 more and 1.14x geomean on 15 held out, "x3"; where its K/V outgrow two L2s from a fill gain of 1.05,

@@ -207,7 +207,8 @@ def one_consumer_packed(problem: Problem, gpu) -> dict | None:
 
 def pack_rows(problem: Problem) -> int:
     """The packed rows (query heads of a K/V head x queries) from which a GQA decode step of
-    `problem`'s head dim runs packed (packed_gqa): PACK_ROWS, past d=128 PACK_ROWS_WIDE."""
+    `problem`'s head dim runs packed (packed_gqa) at any length: PACK_ROWS, past d=128
+    PACK_ROWS_WIDE (`packs` adds the steps of fewer rows that pack)."""
     return PACK_ROWS_WIDE if problem.head_dim > 128 else PACK_ROWS
 
 
