@@ -301,6 +301,8 @@ def test_causal_spellings():
     with pytest.raises(ValueError, match="exclude each other"):
         tuner.attention(*_inputs(1, 1, 1, 4, 8, 64, grad=False), attn_mask=torch.ones(4, 8, dtype=torch.bool),
                         mask="causal_br")
+    with pytest.raises(ValueError, match=r"attn_mask takes a tensor; a mask name goes in mask= \(mask='causal_br'\)"):
+        tuner.attention(*_inputs(1, 1, 1, 4, 8, 64, grad=False), "causal_br")   # the dispatcher's positional mask
 
 
 @pytest.mark.parametrize("kw,mask", [({}, "none"), ({"is_causal": True}, "causal"), ({"causal": True}, "causal"),

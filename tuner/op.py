@@ -190,6 +190,8 @@ def attention(q, k, v, attn_mask=None, dropout_p: float = 0.0, is_causal: bool =
     (total, H, D) as FlashAttention's varlen API takes them, each masked on its own
     (tuner.varlen_attention, which says more); O is (total_q, H, D).
     """
+    if isinstance(attn_mask, str):   # SDPA's fourth argument; the dispatcher's call takes a mask name there
+        raise ValueError(f"attn_mask takes a tensor; a mask name goes in mask= (mask={attn_mask!r})")
     if causal is not None:
         if is_causal and not causal:
             raise ValueError("is_causal=True and causal=False disagree: pass one of them")
