@@ -97,6 +97,18 @@ def test_persistent_packed_launch_replays_in_a_cuda_graph():
     assert_replays_match_reference(graph, (q, k, v), out, problem)
 
 
+def _served_matches_reference(d, q, k, v, mask: str):
+    """O and the LSE `d` serves for the call, against float64 within the problem's budgets; O returned."""
+    from tuner import dispatch
+    from tuner.reference import attention_fp64, compare
+
+    o, lse = d(q, k, v, mask, return_lse=True)
+    ref_o, ref_lse = attention_fp64(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]))
+    problem = dispatch.problem_of(q, k, v, mask)
+    assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+    return o
+
+
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 def test_attention_serves_a_speculative_gqa_step_packed(layout):
     """`attention` on a speculative step of a GQA-8 model (16 queries x 8 query heads a K/V head,
@@ -105,7 +117,6 @@ def test_attention_serves_a_speculative_gqa_step_packed(layout):
     import torch
 
     from tuner import dispatch
-    from tuner.reference import attention_fp64, compare
 
     d = dispatch.reset()
     try:
@@ -116,16 +127,13 @@ def test_attention_serves_a_speculative_gqa_step_packed(layout):
             k, v = (torch.randn(*kv_shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             if layout == "bnhd":
                 q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-            o, lse = d(q, k, v, "causal_br", return_lse=True)
+            o = _served_matches_reference(d, q, k, v, "causal_br")
             served = d.plan(q, k, v, "causal_br").family
             if family:
                 assert served == family
             else:
                 assert served != "flash_fwd_sm90_gqa"
             assert o.stride() == dispatch.out_layout(q)[1]
-            ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(128))
-            problem = dispatch.problem_of(q, k, v, "causal_br")
-            assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
     finally:
         dispatch.reset()
 
@@ -138,7 +146,6 @@ def test_attention_packs_a_wide_head_step_from_fewer_rows():
     import torch
 
     from tuner import dispatch
-    from tuner.reference import attention_fp64, compare
 
     d = dispatch.reset()
     try:
@@ -148,10 +155,7 @@ def test_attention_packs_a_wide_head_step_from_fewer_rows():
             k, v = (torch.randn(b, kvh, nk, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             served = d.plan(q, k, v, "causal_br").family   # the shipped lookups serve our kernels here
             assert (served == "flash_fwd_sm90_gqa") == packed, (dim, nq, served)
-            o, lse = d(q, k, v, "causal_br", return_lse=True)
-            ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(dim))
-            problem = dispatch.problem_of(q, k, v, "causal_br")
-            assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+            _served_matches_reference(d, q, k, v, "causal_br")
     finally:
         dispatch.reset()
 
@@ -169,7 +173,6 @@ def test_attention_packs_a_step_of_few_rows_on_a_long_cache(b, h, kvh, nq, nk, d
     import torch
 
     from tuner import dispatch
-    from tuner.reference import attention_fp64, compare
 
     d = dispatch.reset()
     try:
@@ -178,10 +181,7 @@ def test_attention_packs_a_step_of_few_rows_on_a_long_cache(b, h, kvh, nq, nk, d
             k, v = (torch.randn(b, kvh, nk, dim, device="cuda", dtype=dtype) for _ in range(2))
             served = d.plan(q, k, v, "causal_br").family   # the shipped lookups serve our kernels here
             assert (served == "flash_fwd_sm90_gqa") == packed, (nq, nk, served)
-            o, lse = d(q, k, v, "causal_br", return_lse=True)
-            ref_o, ref_lse = attention_fp64(q, k, v, "causal_br", 1.0 / math.sqrt(dim))
-            problem = dispatch.problem_of(q, k, v, "causal_br")
-            assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+            _served_matches_reference(d, q, k, v, "causal_br")
     finally:
         dispatch.reset()
 
@@ -211,7 +211,6 @@ def test_attention_packs_a_short_gqa_prefill(shape):
     from tuner import dispatch
     from tuner.gpu import detect
     from tuner.kernel_templates.flash_fwd_sm90_gqa import PERSISTENT_KEYS
-    from tuner.reference import attention_fp64, compare
 
     p = Problem.parse(shape, "bf16")
     d = dispatch.reset()
@@ -224,10 +223,7 @@ def test_attention_packs_a_short_gqa_prefill(shape):
             if packed:
                 served = d.serving_entry(dispatch.problem_of(q, k, v, p.mask), detect())["params"]
                 assert served["persistent"] == (p.seqlen_k < PERSISTENT_KEYS), (shape, served)
-            o, lse = d(q, k, v, p.mask, return_lse=True)
-            ref_o, ref_lse = attention_fp64(q, k, v, p.mask, 1.0 / math.sqrt(p.head_dim))
-            problem = dispatch.problem_of(q, k, v, p.mask)
-            assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+            _served_matches_reference(d, q, k, v, p.mask)
     finally:
         dispatch.reset()
 
@@ -244,7 +240,6 @@ def test_attention_runs_a_few_block_gqa_prefill_packed_on_one_consumer(shape):
     from tuner.gpu import detect
     from tuner.gqa_packing import one_consumer_packed
     from tuner.kernel_templates import get_family
-    from tuner.reference import attention_fp64, compare
 
     p = Problem.parse(shape, "bf16")
     d, gpu = dispatch.reset(), detect()
@@ -256,9 +251,7 @@ def test_attention_runs_a_few_block_gqa_prefill_packed_on_one_consumer(shape):
         served = d.serving_entry(problem, gpu)
         assert served["family"] == "flash_fwd_sm90_gqa" and served["params"] == one_consumer_packed(problem, gpu), served
         assert get_family("flash_fwd_sm90_gqa").launch(served["params"], problem, gpu).grid[2] >= 2
-        o, lse = d(q, k, v, p.mask, return_lse=True)
-        ref_o, ref_lse = attention_fp64(q, k, v, p.mask, 1.0 / math.sqrt(p.head_dim))
-        assert compare(o, lse, ref_o, ref_lse).within(problem.rel_budget, problem.lse_budget)
+        _served_matches_reference(d, q, k, v, p.mask)
     finally:
         dispatch.reset()
 
