@@ -186,6 +186,22 @@ FT_DEVICE float fast_exp2(float x) {
 #define FT_VARLEN_PARAMS
 #endif
 
+// CACHE_LENS (a define, 0 where absent): a dense KV cache whose sequences each hold their own number
+// of keys, cache_lens[b] of the nk rows the cache has (tuner/kvcache.py). Its rows past a sequence's
+// length are not keys and may hold anything, NaN included, which a masked P of 0 would still carry
+// into O: a kernel loads no such row (flash_fwd_sm90: the last K/V tile ends at the last held key).
+// A kernel appends FT_CACHE_PARAMS to its parameters and reads sequence b's length as FT_HELD_KEYS(b).
+#ifndef CACHE_LENS
+#define CACHE_LENS 0
+#endif
+#if CACHE_LENS
+#define FT_CACHE_PARAMS , const int* __restrict__ cache_lens
+#define FT_HELD_KEYS(b) min(nk, max(0, cache_lens[(b)]))
+#else
+#define FT_CACHE_PARAMS
+#define FT_HELD_KEYS(b) nk
+#endif
+
 // One sequence of the batch: its lengths and its first rows in the packed tensors (0 unless VARLEN).
 struct Sequence {
   int nq, nk, q0, k0;

@@ -204,6 +204,8 @@ static_assert(!TAIL_SPLIT || (PERSISTENT && !IS_CAUSAL && !VARLEN && !CHAIN && !
               "a cut tail: persistent, unmasked, unchained, 16-bit inputs");
 static_assert(!MULTICAST || (CLUSTER == 2 && PERSISTENT && !IS_CAUSAL && !VARLEN && !CHAIN && !FP8 && !SPLIT_KV),
               "K/V multicast: pairs of persistent CTAs on the same K/V tiles (unmasked, unchained, 16-bit)");
+static_assert(!CACHE_LENS || (!PERSISTENT && !VARLEN && !TAIL_SPLIT && !MULTICAST && !FP8),
+              "a KV cache's own lengths: one work tile per CTA (its sequence's length read once), 16-bit inputs");
 static_assert(!PACK_GQA || (!VARLEN && !TMA_STORE && !CHAIN && !FP8 && !TAIL_SPLIT && !MULTICAST),
               "packed GQA rows: 16-bit tiles of a dense batch, O by ordinary stores (a grid, split keys or not, or persistent)");
 constexpr bool KEY_RANGES = SPLIT_KV || TAIL_SPLIT;   // a work tile may run a range of its K/V tiles
@@ -289,6 +291,13 @@ template <class W> FT_DEVICE int kv_end(const W& w, const Sequence& seq) {
   if constexpr (KEY_RANGES) return w.kv_end;
   else return seq.nk;
 }
+// The first key of K/V tile t as loaded: the tile's own, but with CACHE_LENS a tile past the held
+// keys ends at the last one (its first columns repeat the tile before's keys, which the consumers
+// mask; before key 0, TMA's zeros), so no row past the sequence's length is read (common.cuh).
+FT_DEVICE int loaded_key(int t, const Sequence& seq) {
+  if constexpr (CACHE_LENS) return min(t * BC, seq.nk - BC);
+  else return seq.k0 + t * BC;
+}
 
 // ---- the producer: each work tile's Q and K/V tiles, by TMA ----
 
@@ -309,7 +318,7 @@ FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing
   T* stage = ring + p.index() * R::STAGE_ELEMS;
   auto box = [&](T* dst, const TmaMap* map, int col) {
     if constexpr (MULTICAST) tma_load_4d_multicast(dst, map, bars.full_bar(p), col, seq.k0 + t * BC, w.hk, w.b, 0x3);
-    else tma_load_4d(dst, map, bars.full_bar(p), col, seq.k0 + t * BC, w.hk, VARLEN ? 0 : w.b);
+    else tma_load_4d(dst, map, bars.full_bar(p), col, loaded_key(t, seq), w.hk, VARLEN ? 0 : w.b);
   };
   constexpr int panels = R::TAIL ? TAIL_PANELS : PANELS;
 #pragma unroll
@@ -525,19 +534,25 @@ struct Consumer {
   FT_DEVICE unsigned long long v_desc(const KvState& p) const { return desc_advance(desc_v, p.index() * VRing::STAGE); }
 
   // -inf on the keys of K/V tile t that rows of this warp may not see: past N, or past the diagonal
+  // (CACHE_LENS: and on the columns of a tile loaded ending at the last held key that repeat the keys
+  // of the tile before, loaded_key)
   FT_DEVICE void mask(int t) {
-    const int k0 = kv_tile(w, t) * BC;
+    const int k0 = kv_tile(w, t) * BC, c0 = CACHE_LENS ? loaded_key(kv_tile(w, t), tile.seq) : k0;
     if constexpr (PACK_GQA) {   // each row half's own diagonal (the warp's first row's is the lowest)
       const int end = kv_end(w, tile.seq), r = w.q0 + wrow0 + lane / 4;
       if (k0 + BC > end || (IS_CAUSAL && k0 + BC - 1 > last_key(w.q0 + wrow0, tile.seq, sched.group))) {
         const int last[2] = {IS_CAUSAL ? last_key(r, tile.seq, sched.group) : end - 1,
                              IS_CAUSAL ? last_key(r + 8, tile.seq, sched.group) : end - 1};
-        mask_slab_to<NTILES>(acc.s, lane, last, k0, end);
+        mask_slab_to<NTILES>(acc.s, lane, last, c0, end);
+        if (CACHE_LENS && c0 < k0) mask_below<NTILES>(acc.s, lane, c0, k0);
       }
       return;
     }
     const int diag0 = w.q0 + wrow0 + (MASK_BR ? tile.seq.nk - tile.seq.nq : 0);   // the warp's first row's last key (the batch's: params, no register held)
-    if (k0 + BC > kv_end(w, tile.seq) || (IS_CAUSAL && k0 + BC - 1 > diag0)) mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, k0, kv_end(w, tile.seq));
+    if (k0 + BC > kv_end(w, tile.seq) || (IS_CAUSAL && k0 + BC - 1 > diag0)) {
+      mask_slab<NTILES, IS_CAUSAL>(acc.s, lane, diag0, c0, kv_end(w, tile.seq));
+      if (CACHE_LENS && c0 < k0) mask_below<NTILES>(acc.s, lane, c0, k0);
+    }
   }
   // This thread is done with a K/V stage (MULTICAST: and, from lane 0, this warp in the other CTA,
   // whose copy fills this stage's twin there).
@@ -817,7 +832,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
     flash_fwd_sm90(FT_ATTENTION_PARAMS(T), const __grid_constant__ TmaMap tmap_q, const __grid_constant__ TmaMap tmap_k,
                    const __grid_constant__ TmaMap tmap_v, const __grid_constant__ TmaMap tmap_o,
                    const __grid_constant__ TmaMap tmap_kt, int batch,
-                   int* __restrict__ tile_counter FT_VARLEN_PARAMS FT_SPLIT_PARAMS) {
+                   int* __restrict__ tile_counter FT_VARLEN_PARAMS FT_SPLIT_PARAMS FT_CACHE_PARAMS) {
   extern __shared__ unsigned char smem_raw[];
   const Tiles sm(smem_raw);
   Barriers& bar = *sm.bar;
@@ -858,7 +873,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
                            ? causal_tile(blockIdx.x + blockIdx.y * gridDim.x, gridDim.x, bhs, sec, last)
                            : make_int2(blockIdx.x, blockIdx.y);
   const int qblk = grid_at.x, bh = grid_at.y;
-  const Sequence seq{rows, nk, 0, 0};
+  const Sequence seq{rows, FT_HELD_KEYS(bh / tile_heads), 0, 0};   // CACHE_LENS: the keys batch b holds
   const int total = PERSISTENT ? n_qblk * bhs : 1;
   const int *offsets_q = nullptr, *offsets_k = nullptr, packed = 0;
 #endif

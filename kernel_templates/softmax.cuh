@@ -47,6 +47,18 @@ FT_DEVICE void mask_slab_to(float (&s)[NTILES][4], int lane, const int (&last)[2
       if (nt * 8 + (e & 1) > lim[e / 2]) s[nt][e] = FT_NEG_INF;
 }
 
+// -inf on the columns before key `lo` of a slab whose first column is key `col0`: a K/V tile loaded
+// ending at a KV cache's last held key (CACHE_LENS), whose first columns are the tile before's keys.
+template <int NTILES>
+FT_DEVICE void mask_below(float (&s)[NTILES][4], int lane, int col0, int lo) {
+  const int lim = lo - col0 - frag_col(lane, 0, 0);   // the thread's columns under this are masked
+#pragma unroll
+  for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (nt * 8 + (e & 1) < lim) s[nt][e] = FT_NEG_INF;
+}
+
 // t[0] <- max(t), pairs STRIDE apart at each level (a template, so every index is a constant).
 template <int N, int STRIDE = 1> FT_DEVICE void max_tree(float (&t)[N]) {
   if constexpr (STRIDE < N) {

@@ -55,7 +55,7 @@ FT_DEVICE WorkTile work_tile(int qidx, int bh, int heads, int kv_group, int nq, 
   if constexpr (PACK && CAUSAL)
     kv_end = min(nk, (w.q0 + packed_rows<ROWS>(group) - 1) / group + 1 + (BOTTOM_RIGHT ? nk - nq / group : 0));
   w.ntiles = (kv_end + COLS - 1) / COLS;
-  if constexpr (BOTTOM_RIGHT) w.ntiles = max(1, w.ntiles);
+  if constexpr (BOTTOM_RIGHT || CACHE_LENS) w.ntiles = max(1, w.ntiles);   // (a cache's sequence may hold no key)
   return w;
 }
 

@@ -504,3 +504,71 @@ def test_a_decode_step_in_a_cluster_is_deterministic_and_compiles():
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
     compiled = torch.compile(step, fullgraph=True)(q, k, v, lens)
     assert torch.equal(compiled[0], first[0]) and torch.equal(compiled[1], first[1])
+
+
+# (B, H, K/V heads, Nq, d, the cache's keys): steps of 48-112 packed GQA rows (flash_fwd_sm90_gqa's
+# rule), one over keys split across CTAs, chunks of a prompt (GQA and not) past flash_decode's queries
+HELD_KEYS_CASES = [(5, 32, 8, 16, 128, 5000), (4, 64, 8, 8, 64, 3000), (3, 28, 4, 16, 128, 20000),
+                   (4, 16, 2, 150, 128, 3000), (2, 8, 8, 333, 64, 9000), (1, 8, 1, 16, 80, 7001)]
+
+
+@pytest.mark.parametrize("case", HELD_KEYS_CASES, ids=lambda c: "B{}-H{}/kv{}-{}x{}-d{}".format(*c[:4], c[5], c[4]))
+def test_kvcache_runs_attentions_hopper_kernel_on_the_held_keys(case, tmp_path):
+    """A dense cache's call that attention serves with flash_fwd_sm90, its split or its packed-GQA
+    form (nothing tuned: the defaults' rules) runs that config's variant reading each sequence's
+    length (the plan names it): ragged lengths (0, 1, a tile's edge and either side of it, the
+    capacity; NaN past each, which a tile loaded past the length would carry into O), bottom-right
+    causal or not, fp16 and bf16, against float64, with no per-sequence warning; then captured in a
+    CUDA graph and replayed on new values and lengths."""
+    import warnings
+
+    import torch
+
+    from tuner import dispatch, kvcache_attention
+    from tuner.gpu import detect
+    from tuner.kernel_templates.flash_fwd_sm90_cache import CACHE_VARIANTS
+    from tuner.kvcache import _plans
+
+    gpu = detect()
+    if (gpu.major, gpu.minor) != (9, 0):
+        pytest.skip(f"flash_fwd_sm90's variants run on Hopper; this is {gpu.name}")
+    b, h, kvh, nq, d, cap = case
+    rng = random.Random()
+    served = dispatch.reset(tmp_path / "none.json")   # nothing tuned: the defaults' rules
+    _plans.clear()
+    try:
+        for dtype, causal in (("bf16", True), ("fp16", False)):
+            entry = served.serving_entry(Problem(b, h, nq, cap, d, dtype, "causal_br" if causal else "none", kvh), gpu)
+            variant = CACHE_VARIANTS.get(configs_family(entry["family"]))
+            assert variant is not None, f"{case}: attention serves {entry['family']}, which no variant runs"
+            dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+            edges = [1, 63, 64, 65, 177, nq - 1, nq + 1, rng.randint(2, cap - 1)]
+            lens = [0, cap] + rng.sample([n for n in edges if 0 < n < cap], b - 2) if b > 2 else [cap, rng.randint(0, 63)][:b]
+            rng.shuffle(lens)
+            k, v, _ = _cache(rng, torch, b, kvh, d, cap, 0, dt)
+            _poison_past(torch, k, v, None, lens, 0)
+            q = torch.randn(b, nq, h, d, device="cuda", dtype=dt).transpose(1, 2)
+            seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                o, lse = kvcache_attention(q, k, v, seqlens, causal=causal, return_lse=True)
+            assert not [w for w in seen if "flashtune" in str(w.message)], [str(w.message) for w in seen]
+            plan = next(p for key, p in _plans.items() if key[0] == q.shape and key[1] == k.shape and key[-1])
+            assert plan.family is not None and plan.family.name == variant.name, (entry["family"], plan.reason)
+            check_cached_sequences(o, lse, q, k, v, seqlens, None, lens, cap, causal, dtype,
+                                   f"{variant.name} {plan.params} {case} {dtype} causal {causal} lens {lens}")
+        graph, captured = capture(lambda: kvcache_attention(q, k, v, seqlens, causal=causal, return_lse=True))
+        for _ in range(2):
+            lens = [rng.randint(0, cap) for _ in range(b)]
+            seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            _poison_past(torch, k, v, None, lens, 0)
+            captured[0].fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check_cached_sequences(captured[0], captured[1], q, k, v, seqlens, None, lens, cap, causal, "fp16",
+                                   f"graph replay of {variant.name} {case}, lens {lens}")
+    finally:
+        _plans.clear()
+        dispatch.reset()

@@ -4,11 +4,14 @@ vLLM and FlashAttention lay it out).
 
 Served by flash_decode (kernel_templates/flash_decode.py): the config the lookup holds for the
 call's bucket (the dense problem of the same shape: a paged cache reads the same bytes), else the
-family's default, which needs no tuning to be right. Where flash_decode cannot serve (more than
-its MAX_QUERIES queries, as a prompt's prefill into the cache; fp32; a head dim it lacks; a GPU
-before sm_80) attention's dispatcher answers (`through_attention`): the tuned prefill kernels on
-the held keys, one call where a dense cache's sequences hold every key, else per sequence after
-one read of the lengths (a host sync, with one warning).
+family's default, which needs no tuning to be right. A dense cache's call that attention would
+serve with a Hopper kernel (a speculative step of many packed GQA rows, a chunk of a prompt) runs
+that kernel's config on the held keys instead (`_held_keys_plan`: flash_fwd_sm90's variants that
+read each sequence's length). Where neither can serve (more than MAX_QUERIES queries on a paged
+cache or before Hopper; fp32; a head dim flash_decode lacks) attention's dispatcher answers
+(`through_attention`): the tuned prefill kernels on the held keys, one call where a dense cache's
+sequences hold every key, else per sequence after one read of the lengths (a host sync, with one
+warning).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class _Plan:
     params: dict | None = None
     launch: Launch | None = None
     reason: str = ""
+    make_args: object = None   # a Hopper kernel on the held keys (CACHE_LENS): its family's arg maker
 
 
 _plans: dict[tuple, _Plan] = {}
@@ -77,22 +81,28 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens=None, block_table=None, m
     b, h, nq, d = q.shape
     problem = Problem(b, h, nq, nk, d, TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")], mask, k_cache.shape[1])
     paged = block_table is not None
-    key = (q.shape, k_cache.shape, q.dtype, q.device, mask, paged, block_table.shape if paged else None)
+    lens = cache_seqlens is not None
+    key = (q.shape, k_cache.shape, q.dtype, q.device, mask, paged, block_table.shape if paged else None, lens)
     plan = _plans.get(key)
     if plan is None:
         with _lock:
             plan = _plans.get(key) or _plans.setdefault(key, _plan(problem, k_cache.shape[2] if paged else 0,
-                                                                   q.device.index or 0))
+                                                                   q.device.index or 0, lens))
     if plan.launcher is None:
         return through_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk, mask, scale, plan.reason)
     size, stride = out_layout(q)
     o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    args = plan.family.cache_args(plan.params, plan.launch, q, k_cache, v_cache, o, lse, scale, nk, cache_seqlens,
-                                  block_table)
+    if plan.make_args is not None:
+        def cache_args(q, k, v):
+            return plan.family.cache_args(plan.make_args, q, k, v, o, lse, scale, cache_seqlens)
+    else:
+        def cache_args(q, k, v):
+            return plan.family.cache_args(plan.params, plan.launch, q, k, v, o, lse, scale, nk, cache_seqlens,
+                                          block_table)
+    args = cache_args(q, k_cache, v_cache)
     if args is None:   # misaligned rows or a strided last dim: copies the kernel can read
-        args = plan.family.cache_args(plan.params, plan.launch, q.contiguous(), k_cache.contiguous(),
-                                      v_cache.contiguous(), o, lse, scale, nk, cache_seqlens, block_table)
+        args = cache_args(q.contiguous(), k_cache.contiguous(), v_cache.contiguous())
     launch_on(plan.launcher, q.device.index or 0, *args)
     return o, lse
 
@@ -135,15 +145,18 @@ def check_cache_inputs(q, k, v, cache_seqlens, block_table, *, cuda: bool = True
     return block_table.shape[1] * k.shape[2], k.shape[2]
 
 
-def _plan(problem: Problem, page_size: int, device_index: int) -> _Plan:
+def _plan(problem: Problem, page_size: int, device_index: int, lens: bool = True) -> _Plan:
     """The launch for a cache call: dense (`page_size` 0), or pages, as tensor-map boxes where
-    their size fits a stage's rows (PAGED_BOXES.page_fits), else row by row."""
+    their size fits a stage's rows (PAGED_BOXES.page_fits), else row by row. A dense cache's call
+    that the lookup serves with a Hopper prefill or packed kernel runs that (_held_keys_plan)."""
     from .compile import compile_kernel
     from .kernel_templates.flash_decode import FAMILY, PAGED, PAGED_BOXES
     from .launch import LoadedKernel
 
     dispatcher = default()
     gpu = dispatcher._gpu(device_index)
+    if not page_size and (held := _held_keys_plan(dispatcher, problem, gpu, device_index, lens)) is not None:
+        return held
     if why := FAMILY.supports(gpu, problem):
         return _Plan(None, reason=why)
     tuned = [e for _, e in dispatcher.candidates(problem, gpu) if e["family"] == FAMILY.name]
@@ -158,6 +171,49 @@ def _plan(problem: Problem, page_size: int, device_index: int) -> _Plan:
     except Exception as exc:
         return _Plan(None, reason=f"{fam.name} {params} cannot be used ({one_line(exc)})")
     return _Plan(launcher, fam, params, launch)
+
+
+def _held_keys_plan(dispatcher, problem: Problem, gpu, device_index: int, lens: bool) -> _Plan | None:
+    """Where attention would serve the cache call's dense problem with a Hopper kernel
+    (held_keys_config), that config's variant on the held keys; with no lengths (every key held)
+    attention itself, one call on the cache (`through_attention`). None elsewhere, and where the
+    variant does not build (flash_decode's plan then answers, with one warning)."""
+    from .compile import compile_kernel
+    from .launch import LoadedKernel
+
+    config = held_keys_config(dispatcher, problem, gpu)
+    if config is None:
+        return None
+    variant, params = config
+    if not lens:
+        return _Plan(None, reason=f"attention serves {problem.key} with a Hopper kernel: one call on the cache")
+    try:
+        ck = compile_kernel(variant, params, problem, gpu.arch)
+        launch = variant.launch(params, problem, gpu)
+        launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, variant.param_kinds(params))
+    except Exception as exc:
+        _warn(f"{variant.name} {params} cannot be used ({one_line(exc)}); flash_decode's plan serves the cache")
+        return None
+    return _Plan(launcher, variant, params, launch, make_args=variant.arg_maker(params))
+
+
+def held_keys_config(dispatcher, problem: Problem, gpu) -> tuple[object, dict] | None:
+    """(variant, params) where attention would serve the cache call's dense problem (the cache's
+    capacity as Nk) with flash_fwd_sm90, its split or its packed-GQA form: that config as the
+    variant reading each sequence's length runs it (kernel_templates/flash_fwd_sm90_cache.py, on the
+    grid). A speculative step of 48 GQA rows or more then runs packed, as attention's does
+    (PERF_NOTES "g1-g3": 1.3-3.0x flash_decode on the H200), and a chunk of a prompt in one launch,
+    where it went through attention a sequence at a time. None where flash_decode or a peer serves,
+    or the variant does not take the config."""
+    from .kernel_templates import configs_family
+    from .kernel_templates.flash_fwd_sm90_cache import CACHE_VARIANTS
+
+    entry = dispatcher.serving_entry(problem, gpu)
+    variant = CACHE_VARIANTS.get(configs_family(entry["family"])) if entry is not None else None
+    if variant is None:
+        return None
+    params = variant.cache_form(served_params(entry, problem), problem)
+    return None if variant.check(params, gpu, problem) is not None else (variant, params)
 
 
 def through_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk: int, mask: str, scale, why: str):

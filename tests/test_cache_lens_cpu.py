@@ -1,0 +1,108 @@
+"""Without a GPU: flash_fwd_sm90's variants on a dense KV cache of per-sequence lengths
+(kernel_templates/flash_fwd_sm90_cache.py, CACHE_LENS) compile for sm_90a without spills, run their
+family's configs on the grid, and serve exactly the cache calls attention serves with a Hopper
+kernel (tuner.kvcache.held_keys_config)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from tuner.compile import compile_kernel, sass_listing
+from tuner.dispatch import Dispatcher
+from tuner.gpu import H100_SXM
+from tuner.kernel_templates import FAMILIES, configs_family
+from tuner.kernel_templates.flash_fwd_sm90_cache import CACHE_VARIANTS
+from tuner.kvcache import held_keys_config
+from tuner.problem import Problem
+
+H200 = replace(H100_SXM, name="NVIDIA H200", memory_bytes=141 * 2**30, l2_bytes=60 * 2**20)
+
+# cache calls (the cache's capacity as Nk): speculative GQA steps of 48-128 packed rows, d=64-256, and
+# chunks of a prompt, GQA and not
+CACHE_PROBLEMS = [Problem(8, 32, 16, 8192, 128, "bf16", "causal_br", 8), Problem(4, 64, 8, 3000, 64, "fp16", "causal_br", 8),
+                  Problem(2, 16, 8, 20000, 256, "bf16", "none", 2), Problem(1, 8, 16, 7001, 80, "bf16", "causal_br", 1),
+                  Problem(4, 16, 150, 3000, 128, "bf16", "causal_br", 2), Problem(2, 8, 333, 9000, 64, "fp16", "none", 8)]
+
+
+@pytest.mark.parametrize("problem", CACHE_PROBLEMS, ids=lambda p: p.key)
+def test_variants_compile_for_sm90a_without_spills(problem):
+    """Each variant's family seeds that take the call, in the variant's grid form: CACHE_LENS among
+    the defines, the lengths one more parameter, no spills or local memory, Q, K and V by TMA."""
+    built = 0
+    for base, variant in CACHE_VARIANTS.items():
+        fam = FAMILIES[base]
+        if variant.supports(H100_SXM, problem) is not None:
+            continue
+        for seed in fam.seeds(H100_SXM, problem)[:3]:
+            params = variant.cache_form(seed, problem)
+            if variant.check(params, H100_SXM, problem) is not None:
+                continue
+            assert variant.defines(params, problem) == {**fam.defines(params, problem), "CACHE_LENS": 1}
+            assert variant.param_kinds(params) == fam.param_kinds(params) + ("ptr",)
+            ck = compile_kernel(variant, params, problem, H100_SXM.arch)
+            assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (variant.name, params, ck.resources)
+            sass = sass_listing(ck.cubin)
+            assert re.search(r"\bUTMALDG(\.\w+)*\b", sass) and re.search(r"\bHGMMA\.64x", sass), (variant.name, params)
+            assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), f"local memory (spills) in SASS: {variant.name} {params}"
+            built += 1
+    assert built >= 2, problem.key
+
+
+def test_cache_form_is_a_grid_launch_of_the_familys_keys():
+    """A persistent, chained config (or a served form's, with keys of its own) runs on the grid,
+    unchained, its producer split as the grid takes it; a persistent packed config's splits come from
+    the occupancy. The variants are not served by name: no lookup entry or family list holds them."""
+    problem = Problem(4, 32, 16, 8192, 128, "bf16", "causal_br", 8)
+    for base, variant in CACHE_VARIANTS.items():
+        assert variant.name not in FAMILIES and variant.name.startswith(base)
+        params = dict(FAMILIES[base].seeds(H100_SXM, problem)[0], persistent=1, chain=1, split=32, cut=3)
+        if base == "flash_fwd_sm90_gqa":
+            params["splits"] = 4
+        form = variant.cache_form(params, problem)
+        assert set(form) == set(variant.space) and form["persistent"] == 0 and form["chain"] == 0, form
+        assert form["split"] == 24, form
+        if base == "flash_fwd_sm90_gqa":
+            assert form["splits"] == 0
+        assert variant.check(form, H100_SXM, problem) is None, form
+        assert variant.check(dict(form, persistent=1), H100_SXM, problem) is not None
+
+
+@pytest.mark.parametrize("gpu", [H100_SXM, H200], ids=["H100", "H200"])
+def test_held_keys_config_follows_what_attention_serves(gpu, tmp_path):
+    """Under the shipped lookups and under none: a cache call gets the variant of the family
+    attention serves its dense problem with, in that config's grid form, and none where flash_decode
+    or an SDPA backend serves it (a step of few packed rows stays on flash_decode)."""
+    from tuner.dispatch import served_params
+
+    seen = set()
+    for dispatcher in (Dispatcher(), Dispatcher(tmp_path / "none.json")):
+        for problem in CACHE_PROBLEMS + [Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 8),
+                                         Problem(32, 8, 2, 4096, 128, "fp16", "causal_br", 2)]:
+            entry = dispatcher.serving_entry(problem, gpu)
+            config = held_keys_config(dispatcher, problem, gpu)
+            variant = CACHE_VARIANTS.get(configs_family(entry["family"]))
+            if variant is None:
+                assert config is None, (problem.key, entry["family"])
+                continue
+            assert config is not None and config[0] is variant, (problem.key, entry["family"])
+            assert config[1] == variant.cache_form(served_params(entry, problem), problem)
+            seen.add(variant.name)
+    none = Dispatcher(tmp_path / "none.json")
+    assert held_keys_config(none, Problem(8, 32, 16, 8192, 128, "bf16", "causal_br", 8), gpu)[0].name == "flash_fwd_sm90_gqa_cache"
+    assert held_keys_config(none, Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 8), gpu) is None   # 4 rows: flash_decode
+    assert {"flash_fwd_sm90_gqa_cache", "flash_fwd_sm90_cache"} <= seen, seen
+
+
+def test_the_benchmark_says_it_needs_a_gpu(capsys):
+    """benchmarks/kvcache_steps.py without a GPU: one clear line and exit status 2, no traceback."""
+    import torch
+
+    from benchmark_scripts import script
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benchmark would run")
+    assert script("kvcache_steps").main([]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
