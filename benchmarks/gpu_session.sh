@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|varlen|varlen-ship|fa4bench|alternatives|ab|ab-tree|sweep|profile|profile-fa4|power|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|kvcache|varlen|varlen-ship|fa4bench|alternatives|ab|ab-tree|sweep|profile|profile-fa4|power|all]...
 # `tests` runs `pytest -m gpu` as ten processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -165,6 +165,11 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
         # tar -x -C .ab`, carried) and from this tree, timed in turns (benchmarks/ab_kernel.py)
         python3 benchmarks/ab_kernel.py --templates "${AB_TEMPLATES:-.ab/kernel_templates}" ${AB_ARGS:---lookup} \
           --json "$OUT/ab.json" 2>&1 | grep -v Warning | tee "$OUT/ab.log" ;;&
+    kvcache) # kvcache_attention on dense caches of ragged lengths: now (the Hopper kernel attention serves, on the
+             # held keys) against before (flash_decode, or a sequence at a time), FA4 and SDPA masked beside;
+             # KVCACHE_CASES (B,H:KVH,NQ:CAP,D ...) for other calls than benchmarks/kvcache_steps.py's
+          python3 benchmarks/kvcache_steps.py $KVCACHE_CASES --json "$OUT/kvcache_steps.json" 2>&1 | grep -v -i warn \
+            | tee "$OUT/kvcache_steps.log" ;;&
     varlen) # issue 23's varlen figure: packed sequences against the same padded, beside FA2's and FA4's varlen
             python3 benchmarks/varlen_bench.py --json "$OUT/varlen.json" 2>&1 | grep -v Warning | tee "$OUT/varlen.log" ;;&
     varlen-ship) # issue 23: the varlen variants tuned on the padded problems of varlen_bench's batches (each
