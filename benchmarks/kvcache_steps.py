@@ -1,7 +1,7 @@
 """kvcache_attention on a dense cache of ragged lengths: what it serves now against what it served
 before, timed in turns, with the peers that take each sequence's length beside them.
 
-    python3 benchmarks/kvcache_steps.py [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
+    python3 benchmarks/kvcache_steps.py [--fill LO:HI] [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
 
 "now": the Hopper kernel attention would serve the call's dense problem with, as the variant that
 reads each sequence's length (tuner.kvcache.held_keys_config), where it does; else flash_decode.
@@ -9,7 +9,9 @@ reads each sequence's length (tuner.kvcache.held_keys_config), where it does; el
 sequence at a time (one host read of the lengths). Peers: FlashAttention-4's flash_attn_varlen_func
 with seqused_k (where installed; its refusal is printed), and SDPA on the whole cache with a boolean
 mask of the held keys (what a model without a length-aware kernel runs). Bottom-right causal, bf16,
-lengths drawn between half the capacity and all of it (seeded), NaN past each. The default cases
+lengths drawn between LO and HI times the capacity (--fill, default 0.5:1; seeded), NaN past each:
+a server's cache sized for its longest sequence holds far fewer keys in most (0.03:0.25, say), and
+both plans choose their config (and split count) for the capacity. The default cases
 are speculative steps (8-16 queries) of Llama-3-8B (32:8), Qwen2-7B (28:4) and Llama-3-70B at TP8
 (8:1) heads, and chunks of 256-512 queries. Every output is checked against float64 on the first
 two sequences (tests/test_gpu_decode.py holds the full check).
@@ -62,8 +64,12 @@ def fa4_call(q, k, v, seqlens):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="*", default=CASES, help="B,H:KVH,NQ:CAP,D (default: %(default)s)")
+    ap.add_argument("--fill", default="0.5:1", help="the lengths' range, as fractions of the capacity: LO:HI")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    lo, hi = map(float, args.fill.split(":"))
+    if not 0 <= lo <= hi <= 1:
+        ap.error(f"--fill takes LO:HI with 0 <= LO <= HI <= 1, not {args.fill}")
     import torch
 
     if not torch.cuda.is_available():
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = case.split(",")
         b, (h, kvh), (nq, cap), d = int(parts[0]), map(int, parts[1].split(":")), map(int, parts[2].split(":")), int(parts[3])
         rng = random.Random(f"{case}")
-        lens = [rng.randint(cap // 2, cap) for _ in range(b)]
+        lens = [rng.randint(int(lo * cap), max(int(lo * cap), int(hi * cap))) for _ in range(b)]
         g = torch.Generator(device="cuda").manual_seed(len(case))
         q = torch.randn(b, nq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
         k, v = (torch.randn(b, cap, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2) for _ in range(2))
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         times = timer.interleaved(fns)
         held = sum(lens) * kvh * d * 2 * 2   # K and V bytes the sequences hold
         us = {n: t.median_ms * 1e3 for n, t in times.items()}
-        row = dict(case=case, lens=lens, served=names["now"], params=plans["now"].params, before=names["before"], us=us,
+        row = dict(case=case, fill=args.fill, lens=lens, served=names["now"], params=plans["now"].params, before=names["before"], us=us,
                    tb_s={n: held / (x * 1e-6) / 1e12 for n, x in us.items()}, rel_err=errs)
         rows.append(row)
         peer = min((x for n, x in us.items() if n not in ("now", "before")), default=float("nan"))

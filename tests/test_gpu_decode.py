@@ -569,6 +569,14 @@ def test_kvcache_runs_attentions_hopper_kernel_on_the_held_keys(case, tmp_path):
             torch.cuda.synchronize()
             check_cached_sequences(captured[0], captured[1], q, k, v, seqlens, None, lens, cap, causal, "fp16",
                                    f"graph replay of {variant.name} {case}, lens {lens}")
+        if case == HELD_KEYS_CASES[0]:   # a model's step under torch.compile: the eager call's bits
+            def step(q, k, v, seqlens):
+                o, lse = kvcache_attention(q, k, v, seqlens, causal=causal, return_lse=True)
+                return o * 2, lse
+
+            eager = step(q, k, v, seqlens)
+            compiled = torch.compile(step, fullgraph=True)(q, k, v, seqlens)
+            assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
     finally:
         _plans.clear()
         dispatch.reset()
