@@ -106,3 +106,35 @@ def test_the_benchmark_says_it_needs_a_gpu(capsys):
         pytest.skip("a GPU is here: the benchmark would run")
     assert script("kvcache_steps").main([]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+
+
+def test_plans_are_chosen_again_after_a_reset(tmp_path):
+    """kvcache's and varlen's plans are made once per key, threads racing on a miss share one, and
+    after tuner.dispatch.reset (another lookup) they are made again from the new dispatcher's."""
+    import threading
+
+    from tuner import dispatch, kvcache, varlen
+    from tuner.plan_cache import DispatcherPlans
+
+    assert isinstance(kvcache._plans, DispatcherPlans) and isinstance(varlen._plans, DispatcherPlans)
+    plans, made = DispatcherPlans(), []
+
+    def make():
+        made.append(dispatch.default())
+        return object()
+
+    try:
+        dispatch.reset(tmp_path / "a.json")
+        got = []
+        threads = [threading.Thread(target=lambda: got.append(plans.plan("k", make))) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(made) == 1 and all(g is got[0] for g in got)
+        assert plans.plan("k", make) is got[0] and len(made) == 1
+        dispatch.reset(tmp_path / "b.json")
+        again = plans.plan("k", make)
+        assert again is not got[0] and len(made) == 2 and made[1] is dispatch.default()
+    finally:
+        dispatch.reset()

@@ -16,7 +16,6 @@ warning).
 
 from __future__ import annotations
 
-import threading
 import warnings
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ import torch
 
 from .dispatch import TORCH_TO_DTYPE, default, out_layout, served_params
 from .launch import Launch, Launcher, kernel_scale, launch_on
+from .plan_cache import DispatcherPlans
 from .problem import Problem, mask_of
 from .records import one_line
 
@@ -38,8 +38,7 @@ class _Plan:
     make_args: object = None   # a Hopper kernel on the held keys (CACHE_LENS): its family's arg maker
 
 
-_plans: dict[tuple, _Plan] = {}
-_lock = threading.Lock()
+_plans = DispatcherPlans()   # a call's layout -> _Plan, chosen from the dispatcher's lookup
 _warned: set[str] = set()
 
 
@@ -83,11 +82,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens=None, block_table=None, m
     paged = block_table is not None
     lens = cache_seqlens is not None
     key = (q.shape, k_cache.shape, q.dtype, q.device, mask, paged, block_table.shape if paged else None, lens)
-    plan = _plans.get(key)
-    if plan is None:
-        with _lock:
-            plan = _plans.get(key) or _plans.setdefault(key, _plan(problem, k_cache.shape[2] if paged else 0,
-                                                                   q.device.index or 0, lens))
+    plan = _plans.plan(key, lambda: _plan(problem, k_cache.shape[2] if paged else 0, q.device.index or 0, lens))
     if plan.launcher is None:
         return through_attention(q, k_cache, v_cache, cache_seqlens, block_table, nk, mask, scale, plan.reason)
     size, stride = out_layout(q)

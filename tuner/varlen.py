@@ -18,7 +18,6 @@ backward on our O and LSE where it takes the case, else each sequence through fl
 
 from __future__ import annotations
 
-import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -27,6 +26,7 @@ import torch
 from .dispatch import TORCH_TO_DTYPE
 from .dispatch import default as default_dispatcher
 from .launch import Launch, Launcher, LoadedKernel, kernel_scale, launch_on
+from .plan_cache import DispatcherPlans
 from .backward import like
 from .problem import Problem, mask_of
 from .records import one_line
@@ -46,9 +46,7 @@ class _Plan:
     launchers: dict = field(default_factory=dict)   # grid -> Launcher
 
 
-_plans: dict[tuple, _Plan] = {}
-_owner: list = [None]   # the dispatcher whose lookup the plans were chosen from
-_lock = threading.Lock()
+_plans = DispatcherPlans()   # (bucket, device) -> _Plan, chosen from the dispatcher's lookup
 _warned: set[str] = set()
 
 
@@ -128,19 +126,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, mask: str = "non
 def _plan_for(problem: Problem, q) -> _Plan:
     """The plan of the padded problem's bucket, made once per dispatcher (tuner.dispatch.reset,
     a new lookup, makes them again)."""
-    from .dispatch import default
-
-    dispatcher = default()
-    if _owner[0] is not dispatcher:
-        with _lock:
-            _plans.clear()
-            _owner[0] = dispatcher
-    key = (problem.bucket().key, q.device.index or 0)
-    plan = _plans.get(key)
-    if plan is None:
-        with _lock:
-            plan = _plans.get(key) or _plans.setdefault(key, _plan(problem, q.device.index or 0))
-    return plan
+    return _plans.plan((problem.bucket().key, q.device.index or 0), lambda: _plan(problem, q.device.index or 0))
 
 
 def _plan(problem: Problem, device_index: int) -> _Plan:
