@@ -1,7 +1,7 @@
 """kvcache_attention on a dense cache of ragged lengths: what it serves now against what it served
 before, timed in turns, with the peers that take each sequence's length beside them.
 
-    python3 benchmarks/kvcache_steps.py [--fill LO:HI] [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
+    python3 benchmarks/kvcache_steps.py [--fill LO:HI] [--tail nan|zero] [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
 
 "now": the Hopper kernel attention would serve the call's dense problem with, as the variant that
 reads each sequence's length (tuner.kvcache.held_keys_config), where it does; else flash_decode.
@@ -11,7 +11,9 @@ with seqused_k (where installed; its refusal is printed), and SDPA on the whole 
 mask of the held keys (what a model without a length-aware kernel runs). Bottom-right causal, bf16,
 lengths drawn between LO and HI times the capacity (--fill, default 0.5:1; seeded), NaN past each:
 a server's cache sized for its longest sequence holds far fewer keys in most (0.03:0.25, say), and
-both plans choose their config (and split count) for the capacity. The default cases
+both plans choose their config (and split count) for the capacity. `--tail zero` fills the rows past
+the lengths with zeros instead: a kernel that reads them (FA4's O was not finite on NaN there) is
+then timed on a right answer. The default cases
 are speculative steps (8-16 queries) of Llama-3-8B (32:8), Qwen2-7B (28:4) and Llama-3-70B at TP8
 (8:1) heads, and chunks of 256-512 queries. Every output is checked against float64 on the first
 two sequences (tests/test_gpu_decode.py holds the full check).
@@ -65,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="*", default=CASES, help="B,H:KVH,NQ:CAP,D (default: %(default)s)")
     ap.add_argument("--fill", default="0.5:1", help="the lengths' range, as fractions of the capacity: LO:HI")
+    ap.add_argument("--tail", choices=("nan", "zero"), default="nan", help="what the rows past each length hold")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     lo, hi = map(float, args.fill.split(":"))
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn(b, nq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
         k, v = (torch.randn(b, cap, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2) for _ in range(2))
         for i, n in enumerate(lens):
-            k[i, :, n:], v[i, :, n:] = float("nan"), float("nan")
+            k[i, :, n:], v[i, :, n:] = (float("nan"),) * 2 if args.tail == "nan" else (0.0, 0.0)
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
         outs = {}
         kvcache._plans.clear()
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         times = timer.interleaved(fns)
         held = sum(lens) * kvh * d * 2 * 2   # K and V bytes the sequences hold
         us = {n: t.median_ms * 1e3 for n, t in times.items()}
-        row = dict(case=case, fill=args.fill, lens=lens, served=names["now"], params=plans["now"].params, before=names["before"], us=us,
+        row = dict(case=case, fill=args.fill, tail=args.tail, lens=lens, served=names["now"], params=plans["now"].params, before=names["before"], us=us,
                    tb_s={n: held / (x * 1e-6) / 1e12 for n, x in us.items()}, rel_err=errs)
         rows.append(row)
         peer = min((x for n, x in us.items() if n not in ("now", "before")), default=float("nan"))
