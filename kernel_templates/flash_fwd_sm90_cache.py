@@ -40,9 +40,10 @@ class CacheLensVariant:
 
     def cache_form(self, params: dict, problem: Problem) -> dict:
         """`params` (its family's, or a served form's of it) as this variant runs them: the family's
-        keys only, on the grid (FlashFwdSm90.schedule), unchained."""
+        keys only, on the grid (FlashFwdSm90.schedule), unchained, O by ordinary stores (a TMA store
+        pays only where a persistent warp has a next tile to start: the family's rule)."""
         own = {k: v for k, v in params.items() if k in self.space}
-        return self.schedule(dict(own, chain=0), False, problem)
+        return self.schedule(dict(own, chain=0, tma_store=0), False, problem)
 
     def cache_args(self, make_args, q, k, v, o, lse, scale, cache_seqlens) -> tuple | None:
         """The kernel's values: its family's for q and the (B, Hk, N, D) cache views (`make_args`,

@@ -52,17 +52,18 @@ def test_variants_compile_for_sm90a_without_spills(problem):
 
 
 def test_cache_form_is_a_grid_launch_of_the_familys_keys():
-    """A persistent, chained config (or a served form's, with keys of its own) runs on the grid,
-    unchained, its producer split as the grid takes it; a persistent packed config's splits come from
-    the occupancy. The variants are not served by name: no lookup entry or family list holds them."""
+    """A persistent, chained config storing O by TMA (or a served form's, with keys of its own) runs
+    on the grid, unchained, O by ordinary stores, its producer split as the grid takes it; a
+    persistent packed config's splits come from the occupancy. The variants are not served by name:
+    no lookup entry or family list holds them."""
     problem = Problem(4, 32, 16, 8192, 128, "bf16", "causal_br", 8)
     for base, variant in CACHE_VARIANTS.items():
         assert variant.name not in FAMILIES and variant.name.startswith(base)
-        params = dict(FAMILIES[base].seeds(H100_SXM, problem)[0], persistent=1, chain=1, split=32, cut=3)
+        params = dict(FAMILIES[base].seeds(H100_SXM, problem)[0], persistent=1, chain=1, split=32, cut=3, tma_store=1)
         if base == "flash_fwd_sm90_gqa":
             params["splits"] = 4
         form = variant.cache_form(params, problem)
-        assert set(form) == set(variant.space) and form["persistent"] == 0 and form["chain"] == 0, form
+        assert set(form) == set(variant.space) and form["persistent"] == form["chain"] == form["tma_store"] == 0, form
         assert form["split"] == 24, form
         if base == "flash_fwd_sm90_gqa":
             assert form["splits"] == 0
@@ -71,23 +72,30 @@ def test_cache_form_is_a_grid_launch_of_the_familys_keys():
 
 
 @pytest.mark.parametrize("gpu", [H100_SXM, H200], ids=["H100", "H200"])
-def test_held_keys_config_follows_what_attention_serves(gpu, tmp_path):
+def test_held_keys_config_follows_what_attention_serves(gpu, tmp_path, monkeypatch):
     """Under the shipped lookups and under none: a cache call gets the variant of the family
     attention serves its dense problem with, in that config's grid form, and none where flash_decode
     or an SDPA backend serves it (a step of few packed rows stays on flash_decode)."""
     from tuner.dispatch import served_params
+    from tuner.export import SHIPPED_ENV
 
     seen = set()
-    for dispatcher in (Dispatcher(), Dispatcher(tmp_path / "none.json")):
+    for shipped in ("1", "0"):   # (the tests' default leaves the shipped lookups out)
+        monkeypatch.setenv(SHIPPED_ENV, shipped)
+        dispatcher = Dispatcher(tmp_path / "none.json")
+        # (two more steps; and prompts into an empty cache, which the H100's shipped lookup serves
+        # persistent with O stored by TMA, whose grid form stores it plainly)
         for problem in CACHE_PROBLEMS + [Problem(8, 32, 1, 8192, 128, "bf16", "causal_br", 8),
-                                         Problem(32, 8, 2, 4096, 128, "fp16", "causal_br", 2)]:
+                                         Problem(32, 8, 2, 4096, 128, "fp16", "causal_br", 2),
+                                         Problem(32, 16, 197, 197, 64, "bf16", "none", 16),
+                                         Problem(1, 20, 1500, 1500, 64, "bf16", "none", 20)]:
             entry = dispatcher.serving_entry(problem, gpu)
             config = held_keys_config(dispatcher, problem, gpu)
             variant = CACHE_VARIANTS.get(configs_family(entry["family"]))
             if variant is None:
                 assert config is None, (problem.key, entry["family"])
                 continue
-            assert config is not None and config[0] is variant, (problem.key, entry["family"])
+            assert config is not None and config[0] is variant, (problem.key, entry["family"], served_params(entry, problem))
             assert config[1] == variant.cache_form(served_params(entry, problem), problem)
             seen.add(variant.name)
     none = Dispatcher(tmp_path / "none.json")
