@@ -183,8 +183,9 @@ def test_decode_any_head_dim_matches_reference(d, tmp_path):
 @pytest.mark.parametrize("page", [0, 64], ids=["dense", "page64"])
 def test_kvcache_prefill_past_decode_queries_through_attention(page):
     """More new queries than flash_decode serves (a prompt's prefill into the cache): attention's
-    kernels on each sequence's held keys (lengths 0, 1, fewer than the queries, thousands; rows past
-    them NaN), bottom-right causal or not; against float64. A dense cache with no lengths is one
+    kernels on each sequence's held keys (on Hopper a dense cache's in one launch, the held-keys
+    variant; pages a sequence at a time), lengths 0, 1, fewer than the queries, thousands, rows past
+    them NaN, bottom-right causal or not; against float64. A dense cache with no lengths is one
     dispatcher call: none of kvcache's per-sequence warning, and a CUDA graph captures it."""
     import warnings
 
