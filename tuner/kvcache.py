@@ -88,18 +88,20 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens=None, block_table=None, m
     size, stride = out_layout(q)
     o = torch.empty_strided(size, stride, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    if plan.make_args is not None:
-        def cache_args(q, k, v):
-            return plan.family.cache_args(plan.make_args, q, k, v, o, lse, scale, cache_seqlens)
-    else:
-        def cache_args(q, k, v):
-            return plan.family.cache_args(plan.params, plan.launch, q, k, v, o, lse, scale, nk, cache_seqlens,
-                                          block_table)
-    args = cache_args(q, k_cache, v_cache)
+    args = _args(plan, q, k_cache, v_cache, o, lse, scale, nk, cache_seqlens, block_table)
     if args is None:   # misaligned rows or a strided last dim: copies the kernel can read
-        args = cache_args(q.contiguous(), k_cache.contiguous(), v_cache.contiguous())
+        args = _args(plan, q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), o, lse, scale, nk,
+                     cache_seqlens, block_table)
     launch_on(plan.launcher, q.device.index or 0, *args)
     return o, lse
+
+
+def _args(plan: _Plan, q, k, v, o, lse, scale, nk: int, cache_seqlens, block_table) -> tuple | None:
+    """The plan's kernel values for these views: a held-keys variant's (its plan's arg maker, then
+    the lengths), else flash_decode's; None where the views are not kernel-ready."""
+    if plan.make_args is not None:
+        return plan.family.cache_args(plan.make_args, q, k, v, o, lse, scale, cache_seqlens)
+    return plan.family.cache_args(plan.params, plan.launch, q, k, v, o, lse, scale, nk, cache_seqlens, block_table)
 
 
 def check_cache_inputs(q, k, v, cache_seqlens, block_table, *, cuda: bool = True) -> tuple[int, int]:
@@ -144,9 +146,7 @@ def _plan(problem: Problem, page_size: int, device_index: int, lens: bool = True
     """The launch for a cache call: dense (`page_size` 0), or pages, as tensor-map boxes where
     their size fits a stage's rows (PAGED_BOXES.page_fits), else row by row. A dense cache's call
     that the lookup serves with a Hopper prefill or packed kernel runs that (_held_keys_plan)."""
-    from .compile import compile_kernel
     from .kernel_templates.flash_decode import FAMILY, PAGED, PAGED_BOXES
-    from .launch import LoadedKernel
 
     dispatcher = default()
     gpu = dispatcher._gpu(device_index)
@@ -160,12 +160,20 @@ def _plan(problem: Problem, page_size: int, device_index: int, lens: bool = True
     fam = FAMILY if not page_size else PAGED_BOXES if boxes else PAGED
     fam, params = fam.served_form(params, gpu, problem)   # a dense cache's splits merged in a cluster
     try:
-        ck = compile_kernel(fam, params, problem, gpu.arch)
-        launch = fam.launch(params, problem, gpu)
-        launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, fam.param_kinds(params))
+        return _built(fam, params, problem, gpu, device_index)
     except Exception as exc:
         return _Plan(None, reason=f"{fam.name} {params} cannot be used ({one_line(exc)})")
-    return _Plan(launcher, fam, params, launch)
+
+
+def _built(fam, params: dict, problem: Problem, gpu, device_index: int, **extra) -> _Plan:
+    """A plan launching `fam`'s `params` for `problem` (compiled, or from the cubin cache; loaded)."""
+    from .compile import compile_kernel
+    from .launch import LoadedKernel
+
+    ck = compile_kernel(fam, params, problem, gpu.arch)
+    launch = fam.launch(params, problem, gpu)
+    launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, fam.param_kinds(params))
+    return _Plan(launcher, fam, params, launch, **extra)
 
 
 def _held_keys_plan(dispatcher, problem: Problem, gpu, device_index: int, lens: bool) -> _Plan | None:
@@ -173,9 +181,6 @@ def _held_keys_plan(dispatcher, problem: Problem, gpu, device_index: int, lens: 
     (held_keys_config), that config's variant on the held keys; with no lengths (every key held)
     attention itself, one call on the cache (`through_attention`). None elsewhere, and where the
     variant does not build (flash_decode's plan then answers, with one warning)."""
-    from .compile import compile_kernel
-    from .launch import LoadedKernel
-
     config = held_keys_config(dispatcher, problem, gpu)
     if config is None:
         return None
@@ -183,13 +188,10 @@ def _held_keys_plan(dispatcher, problem: Problem, gpu, device_index: int, lens: 
     if not lens:
         return _Plan(None, reason=f"attention serves {problem.key} with a Hopper kernel: one call on the cache")
     try:
-        ck = compile_kernel(variant, params, problem, gpu.arch)
-        launch = variant.launch(params, problem, gpu)
-        launcher = LoadedKernel.load(ck, launch.smem_bytes, device_index).launcher(launch, variant.param_kinds(params))
+        return _built(variant, params, problem, gpu, device_index, make_args=variant.arg_maker(params))
     except Exception as exc:
         _warn(f"{variant.name} {params} cannot be used ({one_line(exc)}); flash_decode's plan serves the cache")
         return None
-    return _Plan(launcher, variant, params, launch, make_args=variant.arg_maker(params))
 
 
 def held_keys_config(dispatcher, problem: Problem, gpu) -> tuple[object, dict] | None:
