@@ -191,10 +191,22 @@ FT_DEVICE float fast_exp2(float x) {
 // length are not keys and may hold anything, NaN included, which a masked P of 0 would still carry
 // into O: a kernel loads no such row (flash_fwd_sm90: the last K/V tile ends at the last held key).
 // A kernel appends FT_CACHE_PARAMS to its parameters and reads sequence b's length as FT_HELD_KEYS(b).
+// CACHE_PAGES (with CACHE_LENS; 0 where absent): the cache is paged, CACHE_PAGES rows a page, as vLLM
+// and FlashAttention lay it out: key j of sequence b is row j % CACHE_PAGES of page
+// block_table[b * bt_stride + j / CACHE_PAGES] of the (num_pages, Hk, CACHE_PAGES, D) K and V; nk is
+// the keys a table row can name (its pages x CACHE_PAGES), which a null cache_lens gives every
+// sequence. Only a sequence's first ceil(length / CACHE_PAGES) table entries are read.
 #ifndef CACHE_LENS
 #define CACHE_LENS 0
 #endif
-#if CACHE_LENS
+#ifndef CACHE_PAGES
+#define CACHE_PAGES 0
+#endif
+static_assert(!CACHE_PAGES || CACHE_LENS, "a paged cache comes with its lengths");
+#if CACHE_PAGES
+#define FT_CACHE_PARAMS , const int* __restrict__ cache_lens, const int* __restrict__ block_table, int bt_stride
+#define FT_HELD_KEYS(b) (cache_lens ? min(nk, max(0, cache_lens[(b)])) : nk)
+#elif CACHE_LENS
 #define FT_CACHE_PARAMS , const int* __restrict__ cache_lens
 #define FT_HELD_KEYS(b) min(nk, max(0, cache_lens[(b)]))
 #else

@@ -431,13 +431,18 @@ class _DecodeArgs(AttentionArgs):
         return None if maps is None else super().address_fields(bound) + maps
 
 
-def call_grid(family: KernelFamily, params: dict, q, k) -> tuple[tuple[int, int, int], int]:
+def call_grid(family: KernelFamily, params: dict, q, k, held: int | None = None) -> tuple[tuple[int, int, int], int]:
     """The grid `family.launch` sizes for a call on these (B, H, N, D) tensors (splits on z), and
-    the call's query rows (B x H x Nq): what the splits' workspace is sized by."""
-    from tuner.dispatch import problem_of
+    the call's query rows (B x H x Nq): what the splits' workspace is sized by. `held`: k is a paged
+    KV cache's pages, of which a sequence can hold that many keys."""
+    from tuner.dispatch import TORCH_TO_DTYPE, problem_of
     from tuner.gpu import _from_torch
 
-    problem = problem_of(q, k, k, False)
+    if held is None:
+        problem = problem_of(q, k, k, False)
+    else:
+        b, h, nq, d = q.shape
+        problem = Problem(b, h, nq, held, d, TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")], "none", k.shape[1])
     grid = family.launch(params, problem, _gpu(q.device.index or 0, _from_torch)).grid
     return grid, problem.batch * problem.heads * problem.seqlen_q
 

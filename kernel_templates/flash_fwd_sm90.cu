@@ -206,6 +206,7 @@ static_assert(!MULTICAST || (CLUSTER == 2 && PERSISTENT && !IS_CAUSAL && !VARLEN
               "K/V multicast: pairs of persistent CTAs on the same K/V tiles (unmasked, unchained, 16-bit)");
 static_assert(!CACHE_LENS || (!PERSISTENT && !VARLEN && !TAIL_SPLIT && !MULTICAST && !FP8),
               "a KV cache's own lengths: one work tile per CTA (its sequence's length read once), 16-bit inputs");
+static_assert(CACHE_PAGES % 8 == 0, "pages of whole 8-row swizzle atoms, so that a page's box lands on one");
 static_assert(!PACK_GQA || (!VARLEN && !TMA_STORE && !CHAIN && !FP8 && !TAIL_SPLIT && !MULTICAST),
               "packed GQA rows: 16-bit tiles of a dense batch, O by ordinary stores (a grid, split keys or not, or persistent)");
 constexpr bool KEY_RANGES = SPLIT_KV || TAIL_SPLIT;   // a work tile may run a range of its K/V tiles
@@ -299,6 +300,35 @@ FT_DEVICE int loaded_key(int t, const Sequence& seq) {
   else return seq.k0 + t * BC;
 }
 
+// CACHE_PAGES: a K/V tile comes as BC / PAGE_BOX boxes ("slots") of PAGE_BOX rows, each within one
+// page (PAGE_BOX divides the page and the tile). In the tile that holds the sequence's last key the
+// slot holding it is loaded ending at that key, its first `shift` rows the page's rows before the
+// slot (keys already run: masked) or, before the page, TMA's zeros; the slots after it are zeros
+// (their page coordinate -1 lies outside the map). So no row past the length is read, no table
+// entry past its pages either, and every row the tile's products read holds a finite value.
+template <int A, int B> struct Gcd { static constexpr int value = Gcd<B, A % B>::value; };
+template <int A> struct Gcd<A, 0> { static constexpr int value = A; };
+constexpr int PAGE_BOX = Gcd<BC, CACHE_PAGES>::value;   // (BC where CACHE_PAGES is 0)
+constexpr int PAGE_SLOTS = BC / PAGE_BOX;
+// Slots smaller than the tile: the producer's whole warp loads them, a lane a slot, so their table
+// reads go out together (one thread read 8 in turn, each a round trip to L2, and at pages of 16
+// rows ran 1.2-1.6x the dense cache's time on the H200); lane 0 alone posts the stage's bytes.
+constexpr bool WARP_PAGES = PAGE_SLOTS > 1;
+struct PagedTail {
+  int seg, shift;   // the slot holding the last key starts at column seg, `shift` rows early
+};
+// The last K/V tile's (k0: its first key; nk: the keys held, k0 < nk <= k0 + BC, or none: nk 0)
+FT_DEVICE PagedTail paged_tail(int k0, int nk) {
+  const int e = nk - k0, j = max(e - 1, 0) / PAGE_BOX;
+  return PagedTail{j * PAGE_BOX, (j + 1) * PAGE_BOX - e};
+}
+// The sequence's row of the block table (empty without CACHE_PAGES)
+struct Pages {
+#if CACHE_PAGES
+  const int* row;
+#endif
+};
+
 // ---- the producer: each work tile's Q and K/V tiles, by TMA ----
 
 // K/V tile t of work tile w (at `p` in its ring) into `ring`, once the consumers freed the stage
@@ -306,10 +336,16 @@ FT_DEVICE int loaded_key(int t, const Sequence& seq) {
 // its tail panel (KRing with K_TAIL) by `tail`. R: the ring (KRing, VRing).
 template <class R>
 FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing<STAGES>& bars, const KvState& p, int t,
-                       const RunTile& w, const Sequence& seq, bool leader, unsigned source) {
+                       const RunTile& w, const Sequence& seq, bool leader, unsigned source, const Pages& pages) {
   bars.acquire(p);
+#if CACHE_PAGES
+  if (leader) bars.expect(p, R::BYTES);
+  if constexpr (WARP_PAGES) __syncwarp();   // (lanes' bytes may land before the post: its arrival is pending)
+  else if (!leader) return;
+#else
   if (!leader) return;
   bars.expect(p, R::BYTES);
+#endif
   if (MULTICAST && cluster_rank() != source) return;   // the other CTA's copy brings the tile here too
 #if SPLIT_KV || TAIL_SPLIT
   t += w.t0;   // the split's tile t (not through kv_tile: where that folds to t, ptxas still placed the
@@ -321,16 +357,38 @@ FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing
     else tma_load_4d(dst, map, bars.full_bar(p), col, loaded_key(t, seq), w.hk, VARLEN ? 0 : w.b);
   };
   constexpr int panels = R::TAIL ? TAIL_PANELS : PANELS;
+#if CACHE_PAGES
+  // each slot from its page (PagedTail): a box per panel
+  const int k0 = t * BC;
+#pragma unroll 1
+  for (int slot = WARP_PAGES ? threadIdx.x % 32 : 0; slot < PAGE_SLOTS; slot += WARP_PAGES ? 32 : 1) {
+    const int ks = k0 + slot * PAGE_BOX;
+    int page = -1, row = 0;
+    if (ks < seq.nk) {
+      page = __ldg(pages.row + ks / CACHE_PAGES);
+      row = ks % CACHE_PAGES - max(0, ks + PAGE_BOX - seq.nk);
+    }
+    const int rows = slot * PAGE_BOX;
+#pragma unroll
+    for (int panel = 0; panel < panels; ++panel)
+      tma_load_4d(stage + panel * BC * PANEL_COLS + rows * PANEL_COLS, tmap, bars.full_bar(p), panel * PANEL_COLS, row,
+                  w.hk, page);
+    if constexpr (R::TAIL > 0)
+      tma_load_4d(stage + TAIL_PANELS * BC * PANEL_COLS + rows * K_TAIL, tail, bars.full_bar(p), TAIL_PANELS * PANEL_COLS, row,
+                  w.hk, page);
+  }
+#else
 #pragma unroll
   for (int panel = 0; panel < panels; ++panel) box(stage + panel * BC * PANEL_COLS, tmap, panel * PANEL_COLS);
   if constexpr (R::TAIL > 0) box(stage + TAIL_PANELS * BC * PANEL_COLS, tail, TAIL_PANELS * PANEL_COLS);
+#endif
 }
 
 // WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps them in
 // uniform registers (the persistent loop then fits split=32; one thread needs 40), and (VARLEN) its
 // lanes find each drawn tile's sequence together; lane 0 issues. Otherwise one thread does it all.
 FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, const TmaMap* tq, const TmaMap* tk,
-                        const TmaMap* tv, const TmaMap* tkt, int* tile_counter, bool leader) {
+                        const TmaMap* tv, const TmaMap* tkt, int* tile_counter, bool leader, const Pages pages) {
   if (leader) {
     tmap_prefetch(*tq);
     tmap_prefetch(*tk);
@@ -347,7 +405,7 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     const Sequence& seq = d.seq;
     // The first K goes ahead of Q: it only needs a free stage, while Q waits for the previous work
     // tile's last S. Then V runs one tile behind K, the order the consumers use them in.
-    load_kv<KRing>(sm.k, tk, tkt, bar.k, kv, 0, w, seq, leader, 0);
+    load_kv<KRing>(sm.k, tk, tkt, bar.k, kv, 0, w, seq, leader, 0, pages);
     const QState q{it};
     bar.q.acquire(q);
     if (leader) {
@@ -363,10 +421,10 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     // the cost of this body (two configs spilled 108 B when it grew, others halved their unroll).
 #pragma unroll 1
     for (int t = 1; t < w.ntiles; ++t) {
-      load_kv<KRing>(sm.k, tk, tkt, bar.k, kv + t, t, w, seq, leader, 0);
-      load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1);
+      load_kv<KRing>(sm.k, tk, tkt, bar.k, kv + t, t, w, seq, leader, 0, pages);
+      load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1, pages);
     }
-    load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1);
+    load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1, pages);
     kv.advance(w.ntiles);
   }
 }
@@ -537,7 +595,21 @@ struct Consumer {
   // (CACHE_LENS: and on the columns of a tile loaded ending at the last held key that repeat the keys
   // of the tile before, loaded_key)
   FT_DEVICE void mask(int t) {
-    const int k0 = kv_tile(w, t) * BC, c0 = CACHE_LENS ? loaded_key(kv_tile(w, t), tile.seq) : k0;
+    const int k0 = kv_tile(w, t) * BC, c0 = CACHE_LENS && !CACHE_PAGES ? loaded_key(kv_tile(w, t), tile.seq) : k0;
+    if constexpr (CACHE_PAGES) {
+      if (k0 + BC > tile.seq.nk) {   // the last tile: its slots as loaded (PagedTail)
+        const PagedTail tail = paged_tail(k0, tile.seq.nk);
+        const int end = kv_end(w, tile.seq), r = w.q0 + wrow0 + lane / 4;
+        int last[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          last[hh] = end - 1;
+          if constexpr (IS_CAUSAL) last[hh] = min(last[hh], last_key(r + 8 * hh, tile.seq, sched.group));
+        }
+        mask_paged_tail<NTILES>(acc.s, lane, last, k0, tail.seg, tail.shift);
+        return;
+      }
+    }
     if constexpr (PACK_GQA) {   // each row half's own diagonal (the warp's first row's is the lowest)
       const int end = kv_end(w, tile.seq), r = w.q0 + wrow0 + lane / 4;
       if (k0 + BC > end || (IS_CAUSAL && k0 + BC - 1 > last_key(w.q0 + wrow0, tile.seq, sched.group))) {
@@ -898,8 +970,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
 
   if (wg == 0) {
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
-    if (WARP_PRODUCER ? tid < 32 : tid == 0) {
-      producer(sm, bar, sched, &tmap_q, &tmap_k, &tmap_v, &tmap_kt, tile_counter, !WARP_PRODUCER || tid == 0);
+    if (WARP_PRODUCER || WARP_PAGES ? tid < 32 : tid == 0) {
+#if CACHE_PAGES
+      const Pages pages{block_table + static_cast<long long>(bh / tile_heads) * bt_stride};
+#else
+      const Pages pages{};
+#endif
+      producer(sm, bar, sched, &tmap_q, &tmap_k, &tmap_v, &tmap_kt, tile_counter, !(WARP_PRODUCER || WARP_PAGES) || tid == 0, pages);
     } else if (FP8 && tid >= 128 - TRANSPOSERS) {
       transpose_v(sm, bar, sched, tid / 32 - (4 - TRANSPOSERS / 32));
     }

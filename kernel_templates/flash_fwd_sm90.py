@@ -479,6 +479,13 @@ class _Sm90Args(AttentionArgs):
                  MapSlot(k, kv_rows, tail) if tail else None)
         return shared, slots, q.shape[0]
 
+    def paged(self, box_rows: int, held: int) -> _Sm90Args:
+        """These arguments on a paged KV cache (flash_fwd_sm90_cache, CACHE_PAGES): k and v are its
+        (num_pages, Hk, page, D) views, whose maps take boxes of `box_rows` (a slot of a page), and
+        a sequence can hold `held` keys (the kernel's nk)."""
+        self._rows, self.held = (self._rows[0], box_rows), held
+        return self
+
     def q_slot(self, q, k) -> MapSlot:
         """Q's maps: boxes of a query block's rows of one head."""
         return MapSlot(q, self._rows[0], map_panel(q))

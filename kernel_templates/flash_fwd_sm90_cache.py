@@ -1,6 +1,7 @@
-"""The Hopper kernels on a dense KV cache whose sequences each hold their own number of keys
+"""The Hopper kernels on a KV cache whose sequences each hold their own number of keys
 (CACHE_LENS, kernel_templates/common.cuh): flash_fwd_sm90, its split and its packed-GQA forms with
-the cache's lengths (B,) int32 as one more parameter. tuner/kvcache.py runs one where the lookup
+the cache's lengths (B,) int32 as one more parameter; on a paged cache (CACHE_PAGES: `paged`) its
+block table and row stride too, each K/V tile then a box per slot of a page. tuner/kvcache.py runs one where the lookup
 serves the cache call's dense problem (the cache's capacity as Nk) with one of those families:
 a speculative step of many packed GQA rows (flash_fwd_sm90_gqa, which flash_decode's m16 row blocks
 trail), or a chunk of a prompt against the cache, which flash_decode does not take.
@@ -11,6 +12,9 @@ grid form).
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 from tuner.family import KernelFamily
 from tuner.gpu import GpuSpec
@@ -26,17 +30,32 @@ class CacheLensVariant:
     before the family it varies."""
 
     dtypes: tuple[str, ...] = ("fp16", "bf16")
+    pages: int = 0   # a paged cache's rows a page (CACHE_PAGES); 0: dense
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
-        return {**super().defines(params, problem), "CACHE_LENS": 1}
+        own = {"CACHE_LENS": 1, "CACHE_PAGES": self.pages} if self.pages else {"CACHE_LENS": 1}
+        return {**super().defines(params, problem), **own}
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
-        return super().param_kinds(params) + ("ptr",)   # cache_lens
+        # cache_lens; paged: the block table and its row stride
+        return super().param_kinds(params) + (("ptr", "ptr", "i32") if self.pages else ("ptr",))
 
     def _check(self, params: dict, gpu: GpuSpec, problem: Problem) -> str | None:
         if params["persistent"] or params["chain"]:
             return "a KV cache's lengths are read once per CTA: a grid launch (persistent 0, chain 0)"
+        if self.pages % 8:
+            return f"pages of {self.pages} rows: the K/V tiles come a box per page, in whole 8-row swizzle atoms"
         return super()._check(params, gpu, problem)
+
+    def paged(self, page_rows: int) -> CacheLensVariant:
+        """This variant on a paged cache of `page_rows` rows a page."""
+        return _paged(type(self), page_rows)
+
+    def cache_arg_maker(self, params: dict, problem: Problem):
+        """The plan's arg maker: its family's, on a paged cache with K/V boxes of a slot of a page
+        (the rows the page and the tile share) and the capacity (`problem`'s Nk) as the kernel's nk."""
+        make = self.arg_maker(params)
+        return make.paged(math.gcd(params["Bc"], self.pages), problem.seqlen_k) if self.pages else make
 
     def cache_form(self, params: dict, problem: Problem) -> dict:
         """`params` (its family's, or a served form's of it) as this variant runs them: the family's
@@ -45,11 +64,17 @@ class CacheLensVariant:
         own = {k: v for k, v in params.items() if k in self.space}
         return self.schedule(dict(own, chain=0, tma_store=0), False, problem)
 
-    def cache_args(self, make_args, q, k, v, o, lse, scale, cache_seqlens) -> tuple | None:
-        """The kernel's values: its family's for q and the (B, Hk, N, D) cache views (`make_args`,
-        the plan's arg_maker), then the lengths; None where the views are not kernel-ready."""
+    def cache_args(self, make_args, q, k, v, o, lse, scale, cache_seqlens, block_table=None) -> tuple | None:
+        """The kernel's values: its family's for q and the cache views (`make_args`, the plan's
+        cache_arg_maker; (B, Hk, N, D), or paged (num_pages, Hk, page, D)), then the lengths and
+        (paged) the block table; None where the views are not kernel-ready."""
         args = make_args(q, k, v, o, lse, scale)
-        return None if args is None else args + (cache_seqlens.data_ptr(),)
+        if args is None:
+            return None
+        if self.pages:   # (no lengths: a null pointer, every sequence its table row's keys)
+            lens = 0 if cache_seqlens is None else cache_seqlens.data_ptr()
+            return args + (lens, block_table.data_ptr(), block_table.stride(0))
+        return args + (cache_seqlens.data_ptr(),)
 
 
 class CacheFlashFwdSm90(CacheLensVariant, FlashFwdSm90):
@@ -80,6 +105,13 @@ class CachePackedGqaFlashFwdSm90(CacheLensVariant, PackedGqaFlashFwdSm90):
         # a persistent packed config splits no keys; its grid form's come from the occupancy
         form = super().cache_form(params, problem)
         return dict(form, splits=0) if params.get("persistent") else form
+
+
+@functools.cache
+def _paged(cls: type, page_rows: int) -> CacheLensVariant:
+    variant = cls()
+    variant.pages, variant.name = page_rows, f"{cls.name}_paged{page_rows}"
+    return variant
 
 
 # the variant of each family whose configs a cache call may be served (tuner.kernel_templates.configs_family)

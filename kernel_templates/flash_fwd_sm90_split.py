@@ -221,7 +221,7 @@ class _SplitArgs(_Sm90Args):
         inner = super().bind(q, k, v, o, scale)
         if inner is None:
             return None
-        return (inner, *call_grid(self._family, self._params, q, k))
+        return (inner, *call_grid(self._family, self._params, q, k, self.held))
 
     def values(self, bound, pointers, q):
         inner, grid, rows = bound

@@ -59,6 +59,23 @@ FT_DEVICE void mask_below(float (&s)[NTILES][4], int lane, int col0, int lo) {
       if (nt * 8 + (e & 1) < lim) s[nt][e] = FT_NEG_INF;
 }
 
+// -inf on the columns of a paged KV cache's last K/V tile (CACHE_PAGES, flash_fwd_sm90's PagedTail)
+// that rows may not see. Its columns before `seg` are keys col0 + col; the box at `seg` was loaded
+// `shift` rows early (those columns are keys already run, or zeros), so its columns are keys
+// col0 + col - shift; columns past it are zeros (keys past the length). last[hh]: the last key the
+// thread's row of half hh may see (the length's last key, or its causal diagonal's).
+template <int NTILES>
+FT_DEVICE void mask_paged_tail(float (&s)[NTILES][4], int lane, const int (&last)[2], int col0, int seg, int shift) {
+  const int c0 = frag_col(lane, 0, 0);
+#pragma unroll
+  for (int nt = 0; nt < NTILES; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = c0 + nt * 8 + (e & 1), late = col >= seg;
+      if ((late && col < seg + shift) || col0 + col - (late ? shift : 0) > last[e / 2]) s[nt][e] = FT_NEG_INF;
+    }
+}
+
 // t[0] <- max(t), pairs STRIDE apart at each level (a template, so every index is a constant).
 template <int N, int STRIDE = 1> FT_DEVICE void max_tree(float (&t)[N]) {
   if constexpr (STRIDE < N) {

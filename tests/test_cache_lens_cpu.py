@@ -27,6 +27,15 @@ CACHE_PROBLEMS = [Problem(8, 32, 16, 8192, 128, "bf16", "causal_br", 8), Problem
                   Problem(4, 16, 150, 3000, 128, "bf16", "causal_br", 2), Problem(2, 8, 333, 9000, 64, "fp16", "none", 8)]
 
 
+def _assert_builds_clean(variant, params: dict, problem: Problem) -> None:
+    """`params` of `variant` compile for sm_90a with no spills or local memory, Q, K and V by TMA."""
+    ck = compile_kernel(variant, params, problem, H100_SXM.arch)
+    assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (variant.name, params, ck.resources)
+    sass = sass_listing(ck.cubin)
+    assert re.search(r"\bUTMALDG(\.\w+)*\b", sass) and re.search(r"\bHGMMA\.64x", sass), (variant.name, params)
+    assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), f"local memory (spills) in SASS: {variant.name} {params}"
+
+
 @pytest.mark.parametrize("problem", CACHE_PROBLEMS, ids=lambda p: p.key)
 def test_variants_compile_for_sm90a_without_spills(problem):
     """Each variant's family seeds that take the call, in the variant's grid form: CACHE_LENS among
@@ -42,13 +51,47 @@ def test_variants_compile_for_sm90a_without_spills(problem):
                 continue
             assert variant.defines(params, problem) == {**fam.defines(params, problem), "CACHE_LENS": 1}
             assert variant.param_kinds(params) == fam.param_kinds(params) + ("ptr",)
-            ck = compile_kernel(variant, params, problem, H100_SXM.arch)
-            assert (ck.resources.spill_bytes, ck.resources.stack_bytes) == (0, 0), (variant.name, params, ck.resources)
-            sass = sass_listing(ck.cubin)
-            assert re.search(r"\bUTMALDG(\.\w+)*\b", sass) and re.search(r"\bHGMMA\.64x", sass), (variant.name, params)
-            assert not re.search(r"\b(LDL|STL)(\.\w+)*\b", sass), f"local memory (spills) in SASS: {variant.name} {params}"
+            _assert_builds_clean(variant, params, problem)
             built += 1
     assert built >= 2, problem.key
+
+
+# a page of several slots of a tile (16), of a whole tile's (256), of slots of their common rows (48)
+@pytest.mark.parametrize("page", [16, 48, 256])
+@pytest.mark.parametrize("problem", CACHE_PROBLEMS[::2], ids=lambda p: p.key)
+def test_paged_variants_compile_for_sm90a_without_spills(problem, page):
+    """On a paged cache (CACHE_PAGES): the page's rows among the defines, the block table and its row
+    stride two more parameters, no spills or local memory, K and V still by TMA (a box a slot)."""
+    built = 0
+    for base, dense in CACHE_VARIANTS.items():
+        fam, variant = FAMILIES[base], dense.paged(page)
+        assert variant is dense.paged(page) and variant.name == f"{dense.name}_paged{page}" and variant.pages == page
+        if variant.supports(H100_SXM, problem) is not None:
+            continue
+        for seed in fam.seeds(H100_SXM, problem)[:2]:
+            params = variant.cache_form(seed, problem)
+            if variant.check(params, H100_SXM, problem) is not None:
+                continue
+            assert variant.defines(params, problem) == {**dense.defines(params, problem), "CACHE_PAGES": page}
+            assert variant.param_kinds(params) == dense.param_kinds(params) + ("ptr", "i32")
+            _assert_builds_clean(variant, params, problem)
+            built += 1
+    assert built >= 2, problem.key
+
+
+def test_paged_caches_take_the_variant_where_pages_are_whole_swizzle_atoms(tmp_path):
+    """held_keys_config on a paged cache: the paged form of the variant the dense problem gets, for
+    any page of whole 8-row atoms (also those sharing only part of a tile's rows: 48, 80); none for
+    pages of 12 rows, which flash_decode (row by row) or attention serves."""
+    none = Dispatcher(tmp_path / "none.json")
+    step, chunk = Problem(8, 32, 16, 8192, 128, "bf16", "causal_br", 8), Problem(4, 16, 150, 3040, 128, "bf16", "causal_br", 2)
+    for problem in (step, chunk):
+        dense = held_keys_config(none, problem, H100_SXM)
+        for page in (8, 16, 48, 80, 256, 1024):
+            variant, params = held_keys_config(none, problem, H100_SXM, page)
+            assert variant is dense[0].paged(page) and params == dense[1], (problem.key, page)
+        assert held_keys_config(none, problem, H100_SXM, 12) is None
+        assert "8-row" in dense[0].paged(12).check(dense[1], H100_SXM, problem)
 
 
 def test_cache_form_is_a_grid_launch_of_the_familys_keys():

@@ -4,6 +4,7 @@ cache lengths (0 and 1 among them), dense and paged caches of several page sizes
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from dataclasses import replace
@@ -183,8 +184,8 @@ def test_decode_any_head_dim_matches_reference(d, tmp_path):
 @pytest.mark.parametrize("page", [0, 64], ids=["dense", "page64"])
 def test_kvcache_prefill_past_decode_queries_through_attention(page):
     """More new queries than flash_decode serves (a prompt's prefill into the cache): attention's
-    kernels on each sequence's held keys (on Hopper a dense cache's in one launch, the held-keys
-    variant; pages a sequence at a time), lengths 0, 1, fewer than the queries, thousands, rows past
+    kernels on each sequence's held keys (on Hopper in one launch, the held-keys variant, on the
+    pages too; elsewhere a sequence at a time), lengths 0, 1, fewer than the queries, thousands, rows past
     them NaN, bottom-right causal or not; against float64. A dense cache with no lengths is one
     dispatcher call: none of kvcache's per-sequence warning, and a CUDA graph captures it."""
     import warnings
@@ -507,6 +508,32 @@ def test_a_decode_step_in_a_cluster_is_deterministic_and_compiles():
     assert torch.equal(compiled[0], first[0]) and torch.equal(compiled[1], first[1])
 
 
+@contextlib.contextmanager
+def _untuned(tmp_path):
+    """attention's dispatcher with nothing tuned (the defaults' rules) and kvcache's plans made
+    afresh under it; the default dispatcher and fresh plans again after."""
+    from tuner import dispatch
+    from tuner.kvcache import _plans
+
+    served = dispatch.reset(tmp_path / "none.json")
+    _plans.clear()
+    try:
+        yield served
+    finally:
+        _plans.clear()
+        dispatch.reset()
+
+
+def _hopper():
+    """This GPU's spec, or the test skipped where it is not Hopper (flash_fwd_sm90's variants)."""
+    from tuner.gpu import detect
+
+    gpu = detect()
+    if (gpu.major, gpu.minor) != (9, 0):
+        pytest.skip(f"flash_fwd_sm90's variants run on Hopper; this is {gpu.name}")
+    return gpu
+
+
 # (B, H, K/V heads, Nq, d, the cache's keys): steps of 48-112 packed GQA rows (flash_fwd_sm90_gqa's
 # rule), one over keys split across CTAs, chunks of a prompt (GQA and not) past flash_decode's queries
 HELD_KEYS_CASES = [(5, 32, 8, 16, 128, 5000), (4, 64, 8, 8, 64, 3000), (3, 28, 4, 16, 128, 20000),
@@ -525,19 +552,14 @@ def test_kvcache_runs_attentions_hopper_kernel_on_the_held_keys(case, tmp_path):
 
     import torch
 
-    from tuner import dispatch, kvcache_attention
-    from tuner.gpu import detect
+    from tuner import kvcache_attention
     from tuner.kernel_templates.flash_fwd_sm90_cache import CACHE_VARIANTS
     from tuner.kvcache import _plans
 
-    gpu = detect()
-    if (gpu.major, gpu.minor) != (9, 0):
-        pytest.skip(f"flash_fwd_sm90's variants run on Hopper; this is {gpu.name}")
+    gpu = _hopper()
     b, h, kvh, nq, d, cap = case
     rng = random.Random()
-    served = dispatch.reset(tmp_path / "none.json")   # nothing tuned: the defaults' rules
-    _plans.clear()
-    try:
+    with _untuned(tmp_path) as served:
         for dtype, causal in (("bf16", True), ("fp16", False)):
             entry = served.serving_entry(Problem(b, h, nq, cap, d, dtype, "causal_br" if causal else "none", kvh), gpu)
             variant = CACHE_VARIANTS.get(configs_family(entry["family"]))
@@ -578,6 +600,65 @@ def test_kvcache_runs_attentions_hopper_kernel_on_the_held_keys(case, tmp_path):
             eager = step(q, k, v, seqlens)
             compiled = torch.compile(step, fullgraph=True)(q, k, v, seqlens)
             assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
-    finally:
-        _plans.clear()
-        dispatch.reset()
+
+
+# each held-keys case on pages: of 16 rows (several a K/V tile), 256 (several tiles a page), 48 and
+# 80 (a tile's slots of their common rows), 32 and 128
+PAGED_HELD_KEYS_CASES = list(zip(HELD_KEYS_CASES, (16, 256, 48, 80, 32, 128)))
+
+
+@pytest.mark.parametrize("case,page", PAGED_HELD_KEYS_CASES,
+                         ids=lambda c: "page{}".format(c) if isinstance(c, int) else "B{}-H{}/kv{}-{}x{}-d{}".format(*c[:4], c[5], c[4]))
+def test_kvcache_runs_attentions_hopper_kernel_on_pages(case, page, tmp_path):
+    """The held-keys variants on a paged cache (a shuffled block table, spare pages): the plan names
+    the paged variant; ragged lengths at the pages' and tiles' edges (0, 1, page - 1, page + 1, a
+    tile either side, the capacity), NaN in every page row past them, bottom-right causal in bf16 and
+    unmasked in fp16, against float64, with no per-sequence warning; the call without lengths (every
+    page row held); a CUDA graph replayed on new lengths."""
+    import warnings
+
+    import torch
+
+    from tuner import kvcache_attention
+    from tuner.kernel_templates.flash_fwd_sm90_cache import CACHE_VARIANTS
+    from tuner.kvcache import _plans
+
+    gpu = _hopper()
+    b, h, kvh, nq, d, cap = case
+    cap = -(-cap // page) * page   # the keys a table row names
+    rng = random.Random()
+    with _untuned(tmp_path) as served:
+        for dtype, causal in (("bf16", True), ("fp16", False)):
+            entry = served.serving_entry(Problem(b, h, nq, cap, d, dtype, "causal_br" if causal else "none", kvh), gpu)
+            variant = CACHE_VARIANTS[configs_family(entry["family"])].paged(page)
+            dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+            edges = [1, page - 1, page + 1, 63, 65, 129, 177, nq + 1, rng.randint(2, cap - 1)]
+            lens = [0, cap] + rng.sample([n for n in edges if 0 < n < cap], b - 2) if b > 2 else [cap, rng.choice(edges)][:b]
+            rng.shuffle(lens)
+            k, v, table = _cache(rng, torch, b, kvh, d, cap, page, dt)
+            _poison_past(torch, k, v, table, lens, page)
+            q = torch.randn(b, nq, h, d, device="cuda", dtype=dt).transpose(1, 2)
+            seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                o, lse = kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True)
+            assert not [w for w in seen if "flashtune" in str(w.message)], [str(w.message) for w in seen]
+            plan = next(p for key, p in _plans.items() if key[0] == q.shape and key[1] == k.shape and key[-1])
+            assert plan.family is not None and plan.family.name == variant.name, (entry["family"], plan.reason)
+            what = f"{variant.name} {plan.params} {case} {dtype} causal {causal} lens {lens}"
+            check_cached_sequences(o, lse, q, k, v, seqlens, table, lens, cap, causal, dtype, what)
+        full_k, full_v = (torch.randn_like(t) for t in (k, v))   # no lengths: every row of a sequence's pages
+        o, lse = kvcache_attention(q, full_k, full_v, None, table, causal=causal, return_lse=True)
+        check_cached_sequences(o, lse, q, full_k, full_v, None, table, [cap] * b, cap, causal, "fp16",
+                               f"{variant.name} {case} without lengths")
+        graph, captured = capture(lambda: kvcache_attention(q, k, v, seqlens, table, causal=causal, return_lse=True))
+        lens = [rng.randint(0, cap) for _ in range(b)]
+        seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        _poison_past(torch, k, v, table, lens, page)
+        captured[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_cached_sequences(captured[0], captured[1], q, k, v, seqlens, table, lens, cap, causal, "fp16",
+                               f"graph replay of {variant.name} {case}, lens {lens}")

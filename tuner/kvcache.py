@@ -4,11 +4,12 @@ vLLM and FlashAttention lay it out).
 
 Served by flash_decode (kernel_templates/flash_decode.py): the config the lookup holds for the
 call's bucket (the dense problem of the same shape: a paged cache reads the same bytes), else the
-family's default, which needs no tuning to be right. A dense cache's call that attention would
-serve with a Hopper kernel (a speculative step of many packed GQA rows, a chunk of a prompt) runs
-that kernel's config on the held keys instead (`_held_keys_plan`: flash_fwd_sm90's variants that
-read each sequence's length). Where neither can serve (more than MAX_QUERIES queries on a paged
-cache or before Hopper; fp32; a head dim flash_decode lacks) attention's dispatcher answers
+family's default, which needs no tuning to be right. A call that attention would serve, on the
+dense problem of the cache's capacity, with a Hopper kernel (a speculative step of many packed GQA
+rows, a chunk of a prompt) runs that kernel's config on the held keys instead (`_held_keys_plan`:
+flash_fwd_sm90's variants that read each sequence's length, and on a paged cache its pages).
+Where neither can serve (more than MAX_QUERIES queries on a paged cache of pages that are not whole
+8-row atoms, or before Hopper; fp32; a head dim flash_decode lacks) attention's dispatcher answers
 (`through_attention`): the tuned prefill kernels on the held keys, one call where a dense cache's
 sequences hold every key, else per sequence after one read of the lengths (a host sync, with one
 warning).
@@ -100,7 +101,7 @@ def _args(plan: _Plan, q, k, v, o, lse, scale, nk: int, cache_seqlens, block_tab
     """The plan's kernel values for these views: a held-keys variant's (its plan's arg maker, then
     the lengths), else flash_decode's; None where the views are not kernel-ready."""
     if plan.make_args is not None:
-        return plan.family.cache_args(plan.make_args, q, k, v, o, lse, scale, cache_seqlens)
+        return plan.family.cache_args(plan.make_args, q, k, v, o, lse, scale, cache_seqlens, block_table)
     return plan.family.cache_args(plan.params, plan.launch, q, k, v, o, lse, scale, nk, cache_seqlens, block_table)
 
 
@@ -144,13 +145,13 @@ def check_cache_inputs(q, k, v, cache_seqlens, block_table, *, cuda: bool = True
 
 def _plan(problem: Problem, page_size: int, device_index: int, lens: bool = True) -> _Plan:
     """The launch for a cache call: dense (`page_size` 0), or pages, as tensor-map boxes where
-    their size fits a stage's rows (PAGED_BOXES.page_fits), else row by row. A dense cache's call
-    that the lookup serves with a Hopper prefill or packed kernel runs that (_held_keys_plan)."""
+    their size fits a stage's rows (PAGED_BOXES.page_fits), else row by row. A call that the lookup
+    serves with a Hopper prefill or packed kernel runs that (_held_keys_plan)."""
     from .kernel_templates.flash_decode import FAMILY, PAGED, PAGED_BOXES
 
     dispatcher = default()
     gpu = dispatcher._gpu(device_index)
-    if not page_size and (held := _held_keys_plan(dispatcher, problem, gpu, device_index, lens)) is not None:
+    if (held := _held_keys_plan(dispatcher, problem, gpu, device_index, lens, page_size)) is not None:
         return held
     if why := FAMILY.supports(gpu, problem):
         return _Plan(None, reason=why)
@@ -176,29 +177,33 @@ def _built(fam, params: dict, problem: Problem, gpu, device_index: int, **extra)
     return _Plan(launcher, fam, params, launch, **extra)
 
 
-def _held_keys_plan(dispatcher, problem: Problem, gpu, device_index: int, lens: bool) -> _Plan | None:
+def _held_keys_plan(dispatcher, problem: Problem, gpu, device_index: int, lens: bool,
+                    page_size: int = 0) -> _Plan | None:
     """Where attention would serve the cache call's dense problem with a Hopper kernel
-    (held_keys_config), that config's variant on the held keys; with no lengths (every key held)
-    attention itself, one call on the cache (`through_attention`). None elsewhere, and where the
-    variant does not build (flash_decode's plan then answers, with one warning)."""
-    config = held_keys_config(dispatcher, problem, gpu)
+    (held_keys_config), that config's variant on the held keys (of `page_size`-row pages, where
+    given); a dense cache with no lengths (every key held) goes to attention itself, one call on the
+    cache (`through_attention`), a paged one to the variant (no lengths: every sequence holds its
+    table row's keys). None elsewhere, and where the variant does not build (flash_decode's plan then
+    answers, with one warning)."""
+    config = held_keys_config(dispatcher, problem, gpu, page_size)
     if config is None:
         return None
     variant, params = config
-    if not lens:
+    if not lens and not page_size:
         return _Plan(None, reason=f"attention serves {problem.key} with a Hopper kernel: one call on the cache")
     try:
-        return _built(variant, params, problem, gpu, device_index, make_args=variant.arg_maker(params))
+        return _built(variant, params, problem, gpu, device_index, make_args=variant.cache_arg_maker(params, problem))
     except Exception as exc:
         _warn(f"{variant.name} {params} cannot be used ({one_line(exc)}); flash_decode's plan serves the cache")
         return None
 
 
-def held_keys_config(dispatcher, problem: Problem, gpu) -> tuple[object, dict] | None:
+def held_keys_config(dispatcher, problem: Problem, gpu, page_size: int = 0) -> tuple[object, dict] | None:
     """(variant, params) where attention would serve the cache call's dense problem (the cache's
     capacity as Nk) with flash_fwd_sm90, its split or its packed-GQA form: that config as the
-    variant reading each sequence's length runs it (kernel_templates/flash_fwd_sm90_cache.py, on the
-    grid). A speculative step of 48 GQA rows or more then runs packed, as attention's does
+    variant reading each sequence's length (and, `page_size` > 0, its pages) runs it
+    (kernel_templates/flash_fwd_sm90_cache.py, on the grid). A speculative step of 48 GQA rows or
+    more then runs packed, as attention's does
     (PERF_NOTES "g1-g3": 1.3-3.0x flash_decode on the H200), and a chunk of a prompt in one launch,
     where it went through attention a sequence at a time. None where flash_decode or a peer serves,
     or the variant does not take the config."""
@@ -209,6 +214,8 @@ def held_keys_config(dispatcher, problem: Problem, gpu) -> tuple[object, dict] |
     variant = CACHE_VARIANTS.get(configs_family(entry["family"])) if entry is not None else None
     if variant is None:
         return None
+    if page_size:
+        variant = variant.paged(page_size)
     params = variant.cache_form(served_params(entry, problem), problem)
     return None if variant.check(params, gpu, problem) is not None else (variant, params)
 

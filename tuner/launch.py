@@ -381,11 +381,12 @@ def attention_args(q, k, v, o, lse, scale: float | None) -> tuple | None:
     return (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr()) + fixed
 
 
-def layout_args(q, k, v, o, scale: float | None) -> tuple | None:
+def layout_args(q, k, v, o, scale: float | None, nk: int | None = None) -> tuple | None:
     """ATTENTION_PARAMS' values after the five pointers (what a layout and a scale fix), or None
-    where the strides are not as the kernels read them (attention_args)."""
+    where the strides are not as the kernels read them (attention_args). `nk`: the keys a sequence
+    has where k's rows are not them (a paged KV cache's pages); else k's rows."""
     _, h, nq, d = q.shape
-    _, hk, nk, _ = k.shape
+    hk, nk = k.shape[1], k.shape[2] if nk is None else nk
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
     chunk = 16 // q.element_size() - 1
     if ((qs[0] | qs[1] | qs[2] | ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & chunk
@@ -409,6 +410,7 @@ class AttentionArgs:
     (a varlen plan's packed views change them call to call), the strides and the scale."""
 
     _LAYOUTS = 64   # a plan sees a handful (layouts, scales); more are worked out again
+    held: int | None = None   # a paged KV cache's keys a sequence can hold (k and v are its pages)
 
     def __init__(self) -> None:
         self._layouts: dict[tuple, object] = {}
@@ -453,7 +455,7 @@ class AttentionArgs:
 
     def bind(self, q, k, v, o, scale: float | None):
         """What a layout fixes (None: not as the kernel reads it); layout_args' values here."""
-        return layout_args(q, k, v, o, scale)
+        return layout_args(q, k, v, o, scale, self.held)
 
     def values(self, bound, pointers: tuple[int, int, int, int, int], q) -> tuple:
         """One call's values from its layout's `bound` and its five pointers (q, k, v, o, lse)."""
