@@ -169,8 +169,9 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
           --json "$OUT/ab.json" 2>&1 | grep -v Warning | tee "$OUT/ab.log" ;;&
     kvcache) # kvcache_attention on dense caches of ragged lengths: now (the Hopper kernel attention serves, on the
              # held keys) against before (flash_decode, or a sequence at a time), FA4 and SDPA masked beside;
-             # KVCACHE_CASES (B,H:KVH,NQ:CAP,D ...) for other calls than benchmarks/kvcache_steps.py's
-          python3 benchmarks/kvcache_steps.py $KVCACHE_CASES --json "$OUT/kvcache_steps.json" 2>&1 | grep -v -i warn \
+             # KVCACHE_CASES (B,H:KVH,NQ:CAP,D ...) for other calls than benchmarks/kvcache_steps.py's;
+             # KVCACHE_ARGS its options (e.g. "--page 16 --tail zero": the same keys in pages)
+          python3 benchmarks/kvcache_steps.py $KVCACHE_ARGS $KVCACHE_CASES --json "$OUT/kvcache_steps.json" 2>&1 | grep -v -i warn \
             | tee "$OUT/kvcache_steps.log" ;;&
     varlen) # issue 23's varlen figure: packed sequences against the same padded, beside FA2's and FA4's varlen
             python3 benchmarks/varlen_bench.py --json "$OUT/varlen.json" 2>&1 | grep -v Warning | tee "$OUT/varlen.log" ;;&
