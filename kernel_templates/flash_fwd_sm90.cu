@@ -312,7 +312,8 @@ constexpr int PAGE_BOX = Gcd<BC, CACHE_PAGES>::value;   // (BC where CACHE_PAGES
 constexpr int PAGE_SLOTS = BC / PAGE_BOX;
 // Slots smaller than the tile: the producer's whole warp loads them, a lane a slot, so their table
 // reads go out together (one thread read 8 in turn, each a round trip to L2, and at pages of 16
-// rows ran 1.2-1.6x the dense cache's time on the H200); lane 0 alone posts the stage's bytes.
+// rows ran 1.15-1.89x the dense cache's time on the H200, 1.10-1.39x a lane a slot: PERF_NOTES "x15");
+// lane 0 alone posts the stage's bytes.
 constexpr bool WARP_PAGES = PAGE_SLOTS > 1;
 struct PagedTail {
   int seg, shift;   // the slot holding the last key starts at column seg, `shift` rows early
