@@ -435,14 +435,14 @@ def call_grid(family: KernelFamily, params: dict, q, k, held: int | None = None)
     """The grid `family.launch` sizes for a call on these (B, H, N, D) tensors (splits on z), and
     the call's query rows (B x H x Nq): what the splits' workspace is sized by. `held`: k is a paged
     KV cache's pages, of which a sequence can hold that many keys."""
-    from tuner.dispatch import TORCH_TO_DTYPE, problem_of
+    from tuner.dispatch import dtype_name, problem_of
     from tuner.gpu import _from_torch
 
     if held is None:
         problem = problem_of(q, k, k, False)
     else:
         b, h, nq, d = q.shape
-        problem = Problem(b, h, nq, held, d, TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")], "none", k.shape[1])
+        problem = Problem(b, h, nq, held, d, dtype_name(q), "none", k.shape[1])
     grid = family.launch(params, problem, _gpu(q.device.index or 0, _from_torch)).grid
     return grid, problem.batch * problem.heads * problem.seqlen_q
 

@@ -85,7 +85,7 @@ def check_inputs(q, k, v, max_error: float | None = None, *, cuda: bool = True) 
         raise ValueError(f"q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
-    dtype = TORCH_TO_DTYPE.get(str(q.dtype).removeprefix("torch."))
+    dtype = dtype_name(q)
     if dtype is None:
         raise ValueError(f"unsupported dtype {q.dtype}; use one of {', '.join(TORCH_TO_DTYPE)}")
     b, h, nq, d = q.shape
@@ -100,6 +100,11 @@ def check_inputs(q, k, v, max_error: float | None = None, *, cuda: bool = True) 
     if max_error is not None and not (isinstance(max_error, (int, float)) and 0 < max_error < 1):
         raise ValueError(f"max_error must be a number in (0, 1), got {max_error!r}")
     return dtype
+
+
+def dtype_name(t) -> str | None:
+    """The problem dtype ("bf16", "fp8", ...) of tensor `t`, None where no kernel takes it."""
+    return TORCH_TO_DTYPE.get(str(t.dtype).removeprefix("torch."))
 
 
 def problem_of(q, k, v, causal: bool | str, max_error: float | None = None) -> Problem:

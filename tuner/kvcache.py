@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dispatch import TORCH_TO_DTYPE, default, out_layout, served_params
+from .dispatch import default, dtype_name, out_layout, served_params
 from .launch import Launch, Launcher, kernel_scale, launch_on
 from .plan_cache import DispatcherPlans
 from .problem import Problem, mask_of
@@ -79,7 +79,7 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens=None, block_table=None, m
     nk, _ = check_cache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     q, scale = kernel_scale(q, scale)
     b, h, nq, d = q.shape
-    problem = Problem(b, h, nq, nk, d, TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")], mask, k_cache.shape[1])
+    problem = Problem(b, h, nq, nk, d, dtype_name(q), mask, k_cache.shape[1])
     paged = block_table is not None
     lens = cache_seqlens is not None
     key = (q.shape, k_cache.shape, q.dtype, q.device, mask, paged, block_table.shape if paged else None, lens)

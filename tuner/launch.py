@@ -386,7 +386,8 @@ def layout_args(q, k, v, o, scale: float | None, nk: int | None = None) -> tuple
     where the strides are not as the kernels read them (attention_args). `nk`: the keys a sequence
     has where k's rows are not them (a paged KV cache's pages); else k's rows."""
     _, h, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2] if nk is None else nk
+    hk = k.shape[1]
+    nk = k.shape[2] if nk is None else nk
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
     chunk = 16 // q.element_size() - 1
     if ((qs[0] | qs[1] | qs[2] | ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) & chunk

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dispatch import TORCH_TO_DTYPE
+from .dispatch import dtype_name
 from .dispatch import default as default_dispatcher
 from .launch import Launch, Launcher, LoadedKernel, kernel_scale, launch_on
 from .plan_cache import DispatcherPlans
@@ -78,7 +78,7 @@ def check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k, *, cuda: bool = True)
     for name, n in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
         if isinstance(n, bool) or not isinstance(n, (int, torch.SymInt)) or n < 0:
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-    return TORCH_TO_DTYPE[str(q.dtype).removeprefix("torch.")]
+    return dtype_name(q)
 
 
 def longest(cu: torch.Tensor) -> int:
