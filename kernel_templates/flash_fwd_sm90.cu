@@ -329,6 +329,32 @@ struct Pages {
   const int* row;
 #endif
 };
+static_assert(PAGE_SLOTS <= 32, "a lane of the producer's warp a slot");
+// This lane's slot of a K/V tile (empty without CACHE_PAGES): its page (-1 past the held keys: TMA's
+// zeros) and its first row there (PagedTail). The producer reads it a tile ahead of the load, so the
+// table's round trip to L2 overlaps the wait for a free stage instead of following it, and V's load
+// takes K's (the same pages: one read a tile, not two).
+struct SlotPlace {
+#if CACHE_PAGES
+  int page, row;
+#endif
+};
+FT_DEVICE SlotPlace place_slot(int t, const RunTile& w, const Sequence& seq, const Pages& pages) {
+#if CACHE_PAGES
+#if SPLIT_KV || TAIL_SPLIT
+  t += w.t0;   // (as load_kv)
+#endif
+  const int slot = WARP_PAGES ? threadIdx.x % 32 : 0, ks = t * BC + slot * PAGE_BOX;
+  SlotPlace at{-1, 0};
+  if (slot < PAGE_SLOTS && ks < seq.nk) {
+    at.page = __ldg(pages.row + ks / CACHE_PAGES);
+    at.row = ks % CACHE_PAGES - max(0, ks + PAGE_BOX - seq.nk);
+  }
+  return at;
+#else
+  return {};
+#endif
+}
 
 // ---- the producer: each work tile's Q and K/V tiles, by TMA ----
 
@@ -337,7 +363,7 @@ struct Pages {
 // its tail panel (KRing with K_TAIL) by `tail`. R: the ring (KRing, VRing).
 template <class R>
 FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing<STAGES>& bars, const KvState& p, int t,
-                       const RunTile& w, const Sequence& seq, bool leader, unsigned source, const Pages& pages) {
+                       const RunTile& w, const Sequence& seq, bool leader, unsigned source, const SlotPlace& at) {
   bars.acquire(p);
 #if CACHE_PAGES
   if (leader) bars.expect(p, R::BYTES);
@@ -359,24 +385,16 @@ FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing
   };
   constexpr int panels = R::TAIL ? TAIL_PANELS : PANELS;
 #if CACHE_PAGES
-  // each slot from its page (PagedTail): a box per panel
-  const int k0 = t * BC;
-#pragma unroll 1
-  for (int slot = WARP_PAGES ? threadIdx.x % 32 : 0; slot < PAGE_SLOTS; slot += WARP_PAGES ? 32 : 1) {
-    const int ks = k0 + slot * PAGE_BOX;
-    int page = -1, row = 0;
-    if (ks < seq.nk) {
-      page = __ldg(pages.row + ks / CACHE_PAGES);
-      row = ks % CACHE_PAGES - max(0, ks + PAGE_BOX - seq.nk);
-    }
-    const int rows = slot * PAGE_BOX;
+  // this lane's slot from its page (`at`, place_slot): a box per panel
+  const int slot = WARP_PAGES ? threadIdx.x % 32 : 0, rows = slot * PAGE_BOX;
+  if (slot < PAGE_SLOTS) {
 #pragma unroll
     for (int panel = 0; panel < panels; ++panel)
-      tma_load_4d(stage + panel * BC * PANEL_COLS + rows * PANEL_COLS, tmap, bars.full_bar(p), panel * PANEL_COLS, row,
-                  w.hk, page);
+      tma_load_4d(stage + panel * BC * PANEL_COLS + rows * PANEL_COLS, tmap, bars.full_bar(p), panel * PANEL_COLS, at.row,
+                  w.hk, at.page);
     if constexpr (R::TAIL > 0)
-      tma_load_4d(stage + TAIL_PANELS * BC * PANEL_COLS + rows * K_TAIL, tail, bars.full_bar(p), TAIL_PANELS * PANEL_COLS, row,
-                  w.hk, page);
+      tma_load_4d(stage + TAIL_PANELS * BC * PANEL_COLS + rows * K_TAIL, tail, bars.full_bar(p), TAIL_PANELS * PANEL_COLS,
+                  at.row, w.hk, at.page);
   }
 #else
 #pragma unroll
@@ -406,7 +424,8 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     const Sequence& seq = d.seq;
     // The first K goes ahead of Q: it only needs a free stage, while Q waits for the previous work
     // tile's last S. Then V runs one tile behind K, the order the consumers use them in.
-    load_kv<KRing>(sm.k, tk, tkt, bar.k, kv, 0, w, seq, leader, 0, pages);
+    SlotPlace k_at = place_slot(0, w, seq, pages);
+    load_kv<KRing>(sm.k, tk, tkt, bar.k, kv, 0, w, seq, leader, 0, k_at);
     const QState q{it};
     bar.q.acquire(q);
     if (leader) {
@@ -420,12 +439,16 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     }
     // Not unrolled: the producer keeps 24-40 registers, and the compiler's own unroll factor followed
     // the cost of this body (two configs spilled 108 B when it grew, others halved their unroll).
+    SlotPlace v_at = k_at;
+    if (w.ntiles > 1) k_at = place_slot(1, w, seq, pages);
 #pragma unroll 1
     for (int t = 1; t < w.ntiles; ++t) {
-      load_kv<KRing>(sm.k, tk, tkt, bar.k, kv + t, t, w, seq, leader, 0, pages);
-      load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1, pages);
+      load_kv<KRing>(sm.k, tk, tkt, bar.k, kv + t, t, w, seq, leader, 0, k_at);
+      load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1, v_at);
+      v_at = k_at;
+      if (t + 1 < w.ntiles) k_at = place_slot(t + 1, w, seq, pages);
     }
-    load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1, pages);
+    load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1, v_at);
     kv.advance(w.ntiles);
   }
 }
