@@ -5,6 +5,7 @@ kernel (tuner.kvcache.held_keys_config)."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import replace
 
@@ -80,18 +81,41 @@ def test_paged_variants_compile_for_sm90a_without_spills(problem, page):
 
 
 def test_paged_caches_take_the_variant_where_pages_are_whole_swizzle_atoms(tmp_path):
-    """held_keys_config on a paged cache: the paged form of the variant the dense problem gets, for
-    any page of whole 8-row atoms (also those sharing only part of a tile's rows: 48, 80); none for
-    pages of 12 rows, which flash_decode (row by row) or attention serves."""
+    """held_keys_config on a paged cache: the paged form of the variant and config the dense problem
+    gets (a smaller Bc where it shares more rows with a page: page_tile), for any page of whole
+    8-row atoms (also those sharing only part of a tile's rows: 48, 80); none for pages of 12 rows,
+    which flash_decode (row by row) or attention serves."""
     none = Dispatcher(tmp_path / "none.json")
     step, chunk = Problem(8, 32, 16, 8192, 128, "bf16", "causal_br", 8), Problem(4, 16, 150, 3040, 128, "bf16", "causal_br", 2)
+    # the chunk's Bc 176 on pages it shares fewer rows with than a smaller tile does: that tile
+    tiles = {(chunk, 48): 96, (chunk, 80): 80, (chunk, 256): 128, (chunk, 1024): 128}
     for problem in (step, chunk):
         dense = held_keys_config(none, problem, H100_SXM)
+        assert dense[1]["Bc"] == (64 if problem is step else 176), dense
         for page in (8, 16, 48, 80, 256, 1024):
             variant, params = held_keys_config(none, problem, H100_SXM, page)
-            assert variant is dense[0].paged(page) and params == dense[1], (problem.key, page)
+            assert variant is dense[0].paged(page), (problem.key, page)
+            assert params == dict(dense[1], Bc=tiles.get((problem, page), dense[1]["Bc"])), (problem.key, page)
         assert held_keys_config(none, problem, H100_SXM, 12) is None
         assert "8-row" in dense[0].paged(12).check(dense[1], H100_SXM, problem)
+
+
+def test_paged_tiles_take_the_largest_boxes_a_smaller_bc_gives():
+    """On pages a tile shares few rows with (Bc 176 on 256: eleven 16-row boxes), the form takes the
+    largest smaller Bc of the family with the most rows a box (128: one); on pages every Bc shares
+    alike (16) or that the tile divides, the tuned Bc stays; a dense cache keeps it always."""
+    problem = Problem(2, 28, 256, 16384, 128, "bf16", "causal_br", 4)
+    for base, dense in CACHE_VARIANTS.items():
+        seed = dict(FAMILIES[base].seeds(H100_SXM, problem)[0], Bc=176)
+        assert dense.cache_form(seed, problem)["Bc"] == 176
+        for page, bc in ((16, 176), (32, 128), (256, 128), (1024, 128), (8, 176)):
+            assert dense.paged(page).cache_form(seed, problem)["Bc"] == bc, (base, page)
+        for page in (16, 32, 48, 64, 80, 256):
+            for b in dense.space["Bc"]:
+                got = dense.paged(page).page_tile(b)
+                assert got <= b and got in dense.space["Bc"], (base, page, b)
+                assert math.gcd(got, page) >= max(math.gcd(c, page) for c in dense.space["Bc"] if c <= b), (base, page, b)
+                assert got == b or math.gcd(got, page) > math.gcd(b, page), (base, page, b)
 
 
 def test_cache_form_is_a_grid_launch_of_the_familys_keys():
