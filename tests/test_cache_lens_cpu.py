@@ -87,15 +87,18 @@ def test_paged_caches_take_the_variant_where_pages_are_whole_swizzle_atoms(tmp_p
     which flash_decode (row by row) or attention serves."""
     none = Dispatcher(tmp_path / "none.json")
     step, chunk = Problem(8, 32, 16, 8192, 128, "bf16", "causal_br", 8), Problem(4, 16, 150, 3040, 128, "bf16", "causal_br", 2)
-    # the chunk's Bc 176 on pages it shares fewer rows with than a smaller tile does: that tile
+    # the chunk's Bc 176 on pages it shares fewer rows with than a smaller tile does: that tile; and
+    # the producer's 40 registers, not 24, where a tile is several slots (all but these: whole tiles)
     tiles = {(chunk, 48): 96, (chunk, 80): 80, (chunk, 256): 128, (chunk, 1024): 128}
+    whole = {(step, 256), (step, 1024), (chunk, 80), (chunk, 256), (chunk, 1024)}
     for problem in (step, chunk):
         dense = held_keys_config(none, problem, H100_SXM)
-        assert dense[1]["Bc"] == (64 if problem is step else 176), dense
+        assert dense[1]["Bc"] == (64 if problem is step else 176) and dense[1]["split"] == 24, dense
         for page in (8, 16, 48, 80, 256, 1024):
             variant, params = held_keys_config(none, problem, H100_SXM, page)
             assert variant is dense[0].paged(page), (problem.key, page)
-            assert params == dict(dense[1], Bc=tiles.get((problem, page), dense[1]["Bc"])), (problem.key, page)
+            assert params == dict(dense[1], Bc=tiles.get((problem, page), dense[1]["Bc"]),
+                                  split=24 if (problem, page) in whole else 40), (problem.key, page)
         assert held_keys_config(none, problem, H100_SXM, 12) is None
         assert "8-row" in dense[0].paged(12).check(dense[1], H100_SXM, problem)
 
@@ -116,6 +119,25 @@ def test_paged_tiles_take_the_largest_boxes_a_smaller_bc_gives():
                 assert got <= b and got in dense.space["Bc"], (base, page, b)
                 assert math.gcd(got, page) >= max(math.gcd(c, page) for c in dense.space["Bc"] if c <= b), (base, page, b)
                 assert got == b or math.gcd(got, page) > math.gcd(b, page), (base, page, b)
+
+
+def test_producer_keeps_40_registers_where_a_tile_is_several_slots():
+    """split 24 becomes 40 on pages of several slots a tile, up to d=128 and where the consumers'
+    estimate fits their 232 registers; a whole-tile page, a dense cache, d=256 and three consumers
+    keep 24 (or whatever else the config has)."""
+    chunk = Problem(2, 28, 256, 16384, 128, "bf16", "causal_br", 4)
+    wide = Problem(2, 16, 300, 20000, 256, "bf16", "causal_br", 2)
+    variant = CACHE_VARIANTS["flash_fwd_sm90"]
+    seed = dict(FAMILIES["flash_fwd_sm90"].seeds(H100_SXM, chunk)[0], Bc=176, split=24, cwg=2)
+    assert variant.cache_form(seed, chunk)["split"] == 24                      # dense
+    assert variant.paged(16).cache_form(seed, chunk)["split"] == 40            # 11 slots
+    assert variant.paged(256).cache_form(seed, chunk)["split"] == 24           # Bc 128: one slot
+    assert variant.paged(16).cache_form(dict(seed, split=0), chunk)["split"] == 0
+    assert variant.paged(16).cache_form(dict(seed, Bc=64), wide)["split"] == 24   # d=256: spills in 232
+    three = dict(seed, Bc=128, cwg=3)
+    assert variant.paged(16).cache_form(three, Problem(2, 8, 333, 9000, 64, "fp16", "none", 8))["split"] == 24
+    for form in (variant.paged(16).cache_form(seed, chunk), variant.paged(8).cache_form(dict(seed, Bc=64), chunk)):
+        assert variant.paged(16).check(form, H100_SXM, chunk) is None, form
 
 
 def test_cache_form_is_a_grid_launch_of_the_familys_keys():

@@ -603,8 +603,11 @@ def test_kvcache_runs_attentions_hopper_kernel_on_the_held_keys(case, tmp_path):
 
 
 # each held-keys case on pages: of 16 rows (several a K/V tile), 256 (several tiles a page), 48 and
-# 80 (a tile's slots of their common rows), 32 and 128
-PAGED_HELD_KEYS_CASES = list(zip(HELD_KEYS_CASES, (16, 256, 48, 80, 32, 128)))
+# 80 (a tile's slots of their common rows), 32 and 128; and slots of 8 rows (a chunk at d=128 on
+# pages of 8: 22 a tile), of 16 rows of pages of 112 (a packed step at d=64), a packed step at d=256
+# on pages of 16
+PAGED_HELD_KEYS_CASES = list(zip(HELD_KEYS_CASES, (16, 256, 48, 80, 32, 128))) + [
+    (HELD_KEYS_CASES[3], 8), (HELD_KEYS_CASES[1], 112), ((2, 16, 2, 8, 256, 6000), 16)]
 
 
 @pytest.mark.parametrize("case,page", PAGED_HELD_KEYS_CASES,
