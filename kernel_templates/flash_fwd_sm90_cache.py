@@ -55,7 +55,12 @@ class CacheLensVariant:
         """The plan's arg maker: its family's, on a paged cache with K/V boxes of a slot of a page
         (the rows the page and the tile share) and the capacity (`problem`'s Nk) as the kernel's nk."""
         make = self.arg_maker(params)
-        return make.paged(math.gcd(params["Bc"], self.pages), problem.seqlen_k) if self.pages else make
+        return make.paged(self.slot_rows(params["Bc"]), problem.seqlen_k) if self.pages else make
+
+    def slot_rows(self, bc: int) -> int:
+        """The rows of a slot, a K/V tile of `bc` keys on this variant's pages: those the page and
+        the tile share (PAGE_BOX in the kernel), each slot one TMA box per panel."""
+        return math.gcd(bc, self.pages)
 
     def cache_form(self, params: dict, problem: Problem) -> dict:
         """`params` (its family's, or a served form's of it) as this variant runs them: the family's
@@ -77,7 +82,7 @@ class CacheLensVariant:
         ran 209.6 us against 223.2 with 24, on pages of 8 343.5 against 354.4; Bc 64 steps alike
         (H200, x16). At d=256 (causal) the consumers spilled 104 B in 232."""
         raised = dict(form, split=40)
-        if (self.pages and math.gcd(form["Bc"], self.pages) < form["Bc"] and form["split"] == 24 and problem.head_dim <= 128
+        if (self.pages and self.slot_rows(form["Bc"]) < form["Bc"] and form["split"] == 24 and problem.head_dim <= 128
                 and self.register_estimate(raised, problem) <= consumer_regs(raised["cwg"], 40)):
             return raised
         return form
@@ -85,11 +90,11 @@ class CacheLensVariant:
     def page_tile(self, bc: int) -> int:
         """A K/V tile's keys on this variant's pages: `bc`, or the largest smaller Bc of the family
         whose tile shares more rows with a page. A tile comes as a box per slot of gcd(Bc, page)
-        rows: Bc 176 on pages of 256 took eleven 16-row boxes a panel and ran 1.26x the dense cache
-        (H200, x16), where Bc 128 takes one. Pages every Bc shares alike (16 rows) keep `bc`."""
+        rows: Bc 176 on pages of 256 took eleven 16-row boxes a panel and ran 1.28x the dense cache
+        (H200, x15), where Bc 128 takes one (1.02x, x16). Pages every Bc shares alike (16 rows) keep `bc`."""
         if not self.pages:
             return bc
-        return max((b for b in self.space["Bc"] if b <= bc), key=lambda b: (math.gcd(b, self.pages), b))
+        return max((b for b in self.space["Bc"] if b <= bc), key=lambda b: (self.slot_rows(b), b))
 
     def cache_args(self, make_args, q, k, v, o, lse, scale, cache_seqlens, block_table=None) -> tuple | None:
         """The kernel's values: its family's for q and the cache views (`make_args`, the plan's
