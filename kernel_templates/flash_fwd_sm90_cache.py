@@ -20,7 +20,7 @@ from tuner.family import KernelFamily
 from tuner.gpu import GpuSpec
 from tuner.problem import Problem
 
-from .flash_fwd_sm90 import FlashFwdSm90, consumer_regs
+from .flash_fwd_sm90 import FlashFwdSm90, consumer_regs, p_in_smem
 from .flash_fwd_sm90_gqa import PackedGqaFlashFwdSm90
 from .flash_fwd_sm90_split import SplitFlashFwdSm90
 
@@ -80,9 +80,11 @@ class CacheLensVariant:
         is several slots of a page, up to d=128 where the consumers' estimate fits their 232: the
         producer's warp then issues a box per slot and panel, and Bc 176 on pages of 16 (eleven slots)
         ran 209.6 us against 223.2 with 24, on pages of 8 343.5 against 354.4; Bc 64 steps alike
-        (H200, x16). At d=256 (causal) the consumers spilled 104 B in 232."""
+        (H200, x16). At d=256 (causal) the consumers spilled 104 B in 232; three consumers with P through
+        shared memory (d=72-96) 80 B in 152, where the estimate read 144."""
         raised = dict(form, split=40)
         if (self.pages and self.slot_rows(form["Bc"]) < form["Bc"] and form["split"] == 24 and problem.head_dim <= 128
+                and not p_in_smem(raised, problem)
                 and self.register_estimate(raised, problem) <= consumer_regs(raised["cwg"], 40)):
             return raised
         return form

@@ -136,6 +136,8 @@ def test_producer_keeps_40_registers_where_a_tile_is_several_slots():
     assert variant.paged(16).cache_form(dict(seed, Bc=64), wide)["split"] == 24   # d=256: spills in 232
     three = dict(seed, Bc=128, cwg=3)
     assert variant.paged(16).cache_form(three, Problem(2, 8, 333, 9000, 64, "fp16", "none", 8))["split"] == 24
+    # three consumers with P through shared memory (d=96): 80 B spilled under 40, the estimate fitting
+    assert variant.paged(16).cache_form(three, Problem(2, 16, 200, 9000, 96, "bf16", "causal_br", 4))["split"] == 24
     for form in (variant.paged(16).cache_form(seed, chunk), variant.paged(8).cache_form(dict(seed, Bc=64), chunk)):
         assert variant.paged(16).check(form, H100_SXM, chunk) is None, form
 
