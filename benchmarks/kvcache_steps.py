@@ -1,7 +1,7 @@
 """kvcache_attention on a dense or paged cache of ragged lengths: what it serves now against what it
 served before, timed in turns, with the peers that take each sequence's length beside them.
 
-    python3 benchmarks/kvcache_steps.py [--fill LO:HI] [--tail nan|zero] [--page ROWS] [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
+    python3 benchmarks/kvcache_steps.py [--fill LO:HI] [--tail nan|zero] [--page ROWS [--boxes]] [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
 
 "now": the Hopper kernel attention would serve the call's dense problem with, as the variant that
 reads each sequence's length (tuner.kvcache.held_keys_config), where it does; else flash_decode.
@@ -15,7 +15,9 @@ both plans choose their config (and split count) for the capacity. `--tail zero`
 the lengths with zeros instead: a kernel that reads them (FA4's O was not finite on NaN there) is
 then timed on a right answer. `--page ROWS`: the same keys in pages of ROWS rows (a shuffled block
 table, CAP rounded up to whole pages), "now" and "before" on the pages, "dense" the dense cache's
-plan beside them (what the pages cost), FA4 with its page_table. The default cases
+plan beside them (what the pages cost), FA4 with its page_table; `--boxes` adds "boxes", the paged
+plan with its K/V tiles by a TMA box per slot and panel (its variant's `gather` off: what the
+producer's cp.async copies, GATHER_KV, gain where a tile is several slots). The default cases
 are speculative steps (8-16 queries) of Llama-3-8B (32:8), Qwen2-7B (28:4) and Llama-3-70B at TP8
 (8:1) heads, and chunks of 256-512 queries. Every output is checked against float64 on the first
 two sequences (tests/test_gpu_decode.py holds the full check).
@@ -100,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fill", default="0.5:1", help="the lengths' range, as fractions of the capacity: LO:HI")
     ap.add_argument("--tail", choices=("nan", "zero"), default="nan", help="what the rows past each length hold")
     ap.add_argument("--page", type=int, default=0, help="a paged cache of this many rows a page (0: dense)")
+    ap.add_argument("--boxes", action="store_true", help="with --page: the paged plan with K/V by TMA boxes too")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if args.page < 0:
         ap.error(f"--page takes a page's rows (0: dense), not {args.page}")
+    if args.boxes and not args.page:
+        ap.error("--boxes compares K/V copies on pages: give --page ROWS")
     lo, hi = map(float, args.fill.split(":"))
     if not 0 <= lo <= hi <= 1:
         ap.error(f"--fill takes LO:HI with 0 <= LO <= HI <= 1, not {args.fill}")
@@ -152,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
             plans["before"] = kvcache._plans[key]
         finally:
             kvcache.held_keys_config = config
+        variant = plans["now"].family
+        if args.boxes and getattr(variant, "gather", None):   # the same form with TMA boxes
+            kvcache._plans.clear()
+            variant.gather = False
+            try:
+                outs["boxes"] = kvcache_attention(q, kc, vc, seqlens, table)
+                plans["boxes"] = kvcache._plans[key]
+            finally:
+                variant.gather = True
 
         def with_plan(plan):   # the two plans share a key: each call puts its own in place
             def call():
@@ -188,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         row = dict(case=case, fill=args.fill, tail=args.tail, page=args.page, lens=lens, served=names["now"], params=plans["now"].params, before=names["before"], us=us,
                    tb_s={n: held / (x * 1e-6) / 1e12 for n, x in us.items()}, rel_err=errs)
         rows.append(row)
-        peer = min((x for n, x in us.items() if n not in ("now", "before", "dense")), default=float("nan"))
+        peer = min((x for n, x in us.items() if n not in ("now", "before", "dense", "boxes")), default=float("nan"))
         print(f"{case:<22} {names['now']:<26} " + "  ".join(f"{n} {x:8.1f} us" for n, x in us.items())
               + f"  | now/before {us['before'] / us['now']:.2f}x now/best peer {peer / us['now']:.2f}x"
               + "  err " + " ".join(f"{n} {e:.2g}" for n, e in errs.items()), flush=True)

@@ -89,6 +89,14 @@
 // reads it as wgmma's A operand; the BC / 4 registers P held are what three consumers lack at
 // Bc = 128 (O 48 + S 64 + P 32 + 32 of their 160 at d = 96).
 //
+// GATHER_KV (CACHE_PAGES, 16-bit, pages that hold less than a K/V tile): the producer's whole warpgroup
+// copies each K/V tile by cp.async, 16 bytes a thread at a time into the swizzled layout the boxes
+// would give, each row from its page, and each thread's arrival on the stage's barrier lands with its
+// copies (cp.async.mbarrier.arrive.noinc), so no thread waits for its own; the consumers fence the
+// generic proxy's writes before their products read the stage. TMA takes a box per slot and panel
+// (two per 16 rows at d=128), and the copy engine's per-box cost set the paged cache's time at pages
+// of 16: 1.15x the dense cache's (benchmarks/PERF_NOTES.md, "x16").
+//
 // Set by the family spec: BC HEAD_DIM D_VALID PROD_COLS (flash_fwd_sm90.prod_cols) PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV, TAIL_SPLIT,
 // CLUSTER (1 where unset), PACK_GQA (0 where unset), K_TAIL (0 where unset);
@@ -116,6 +124,9 @@
 #endif
 #ifndef K_TAIL
 #define K_TAIL 0
+#endif
+#ifndef GATHER_KV
+#define GATHER_KV 0
 #endif
 
 constexpr bool FP8 = IN_DTYPE == FT_E4M3;
@@ -148,6 +159,7 @@ constexpr int TAIL_KSTEP0 = TAIL_PANELS * PANEL_KSTEPS;   // S's first k step in
 // One ring's tiles (IS_K: K's, else V's): its columns, bytes as the copy engine brings them, and the
 // bytes between its stages (each on the swizzle's 1 KB)
 template <bool IS_K> struct Ring {
+  static constexpr bool KEYS = IS_K;
   static constexpr int TAIL = IS_K ? K_TAIL : 0;
   static constexpr int COLS = TAIL ? PROD_COLS : HEAD_DIM;
   static constexpr unsigned BYTES = BC * COLS * sizeof(T);
@@ -207,6 +219,7 @@ static_assert(!MULTICAST || (CLUSTER == 2 && PERSISTENT && !IS_CAUSAL && !VARLEN
 static_assert(!CACHE_LENS || (!PERSISTENT && !VARLEN && !TAIL_SPLIT && !MULTICAST && !FP8),
               "a KV cache's own lengths: one work tile per CTA (its sequence's length read once), 16-bit inputs");
 static_assert(CACHE_PAGES % 8 == 0, "pages of whole 8-row swizzle atoms, so that a page's box lands on one");
+static_assert(!GATHER_KV || (CACHE_PAGES && !FP8 && !MULTICAST), "K/V by cp.async: a paged cache's 16-bit tiles");
 static_assert(!PACK_GQA || (!VARLEN && !TMA_STORE && !CHAIN && !FP8 && !TAIL_SPLIT && !MULTICAST),
               "packed GQA rows: 16-bit tiles of a dense batch, O by ordinary stores (a grid, split keys or not, or persistent)");
 constexpr bool KEY_RANGES = SPLIT_KV || TAIL_SPLIT;   // a work tile may run a range of its K/V tiles
@@ -323,10 +336,18 @@ FT_DEVICE PagedTail paged_tail(int k0, int nk) {
   const int e = nk - k0, j = max(e - 1, 0) / PAGE_BOX;
   return PagedTail{j * PAGE_BOX, (j + 1) * PAGE_BOX - e};
 }
-// The sequence's row of the block table (empty without CACHE_PAGES)
+// GATHER_KV: where K's or V's rows are, a (num_pages, Hk, page, D) view: its first element and strides
+struct KvSource {
+  const T* base;
+  int page, head, row;   // (a page's rows x heads x head dim: far under 2^31 elements)
+};
+// The sequence's row of the block table (empty without CACHE_PAGES); GATHER_KV: K's and V's pages
 struct Pages {
 #if CACHE_PAGES
   const int* row;
+#endif
+#if GATHER_KV
+  KvSource k, v;
 #endif
 };
 static_assert(PAGE_SLOTS <= 32, "a lane of the producer's warp a slot");
@@ -334,8 +355,16 @@ static_assert(PAGE_SLOTS <= 32, "a lane of the producer's warp a slot");
 // zeros) and its first row there (PagedTail). The producer reads it a tile ahead of the load, so the
 // table's round trip to L2 overlaps the wait for a free stage instead of following it, and V's load
 // takes K's (the same pages: one read a tile, not two).
+// GATHER_KV: producer warp w copies the tile's rows [w, w + 1) x GATHER_ROWS, and its lane l reads the
+// place (page, row; page -1: zeros) of the warp's rows l, l + 32, ...
+#if GATHER_KV
+constexpr int GATHER_ROWS = BC / 4;
+constexpr int GATHER_OWN = (GATHER_ROWS + 31) / 32;
+#endif
 struct SlotPlace {
-#if CACHE_PAGES
+#if GATHER_KV
+  int page[GATHER_OWN], row[GATHER_OWN];
+#elif CACHE_PAGES
   int page, row;
 #endif
 };
@@ -344,28 +373,99 @@ FT_DEVICE SlotPlace place_slot(int t, const RunTile& w, const Sequence& seq, con
 #if SPLIT_KV || TAIL_SPLIT
   t += w.t0;   // (as load_kv)
 #endif
+#if GATHER_KV
+  SlotPlace at;
+#pragma unroll
+  for (int o = 0; o < GATHER_OWN; ++o) {
+    const int rw = o * 32 + threadIdx.x % 32, row = threadIdx.x / 32 * GATHER_ROWS + rw;
+    const int ks = t * BC + row / PAGE_BOX * PAGE_BOX;   // its slot's first key
+    const int r = ks % CACHE_PAGES - max(0, ks + PAGE_BOX - seq.nk) + row % PAGE_BOX;   // (< 0: before the page)
+    const bool held = rw < GATHER_ROWS && ks < seq.nk && r >= 0;
+    at.page[o] = held ? __ldg(pages.row + ks / CACHE_PAGES) : -1;
+    at.row[o] = held ? r : 0;
+  }
+#else
   const int slot = WARP_PAGES ? threadIdx.x % 32 : 0, ks = t * BC + slot * PAGE_BOX;
   SlotPlace at{-1, 0};
   if (slot < PAGE_SLOTS && ks < seq.nk) {
     at.page = __ldg(pages.row + ks / CACHE_PAGES);
     at.row = ks % CACHE_PAGES - max(0, ks + PAGE_BOX - seq.nk);
   }
+#endif
   return at;
 #else
   return {};
 #endif
 }
 
-// ---- the producer: each work tile's Q and K/V tiles, by TMA ----
+// a * b for a, b >= 0 as one widening multiply (IMAD.WIDE.U32), not a 64-bit one
+FT_DEVICE unsigned long long wide_mul(int a, int b) {
+  return static_cast<unsigned long long>(static_cast<unsigned>(a)) * static_cast<unsigned>(b);
+}
+// GATHER_KV: this producer warp's rows of a K/V tile into `stage` as the boxes would land them. Lane
+// l copies chunk l % 8 (16 bytes) of each 128-byte segment of a row, four rows a step, each row's
+// source a pointer shuffled from the lane that read its place (place_slot: bit 0 set where the row is
+// not held, which then lands zeros, as TMA gives past a length or before a page). The destination's
+// swizzle (chunk c of row r in b-byte rows at c ^ ((r * b / 128) % (b / 16))) repeats every 8 rows and
+// flips by b / 32 every 4, so each lane's two offsets, its rows of even and odd steps, and the
+// compile-time rows between its steps place every copy. Every copy costs a step's share of two
+// shuffles, its address and the LDGSTS: the issue slots it takes are the consumers' (PERF_NOTES "x17").
+template <class R>
+FT_DEVICE void gather_tile(T* stage, const KvSource& src, int hk, const SlotPlace& at) {
+#if GATHER_KV
+  constexpr int ELEMS = 16 / static_cast<int>(sizeof(T));
+  constexpr int CH = R::COLS / ELEMS;    // chunks a row
+  constexpr int SEGS = (CH + 7) / 8;     // 128-byte segments a row
+  constexpr int CPP = ROW_BYTES / 16;    // chunks a panel's row
+  constexpr int STEPS = GATHER_ROWS / 4;
+  static_assert(!R::TAIL && GATHER_OWN == 1 && GATHER_ROWS % 4 == 0,
+                "GATHER_KV: no K tail panel, a lane's own row per tile (Bc <= 128), whole steps of four rows");
+  const int lane = threadIdx.x % 32, c8 = lane % 8, sub = lane / 8;
+  const int row0 = threadIdx.x / 32 * GATHER_ROWS + sub;   // this lane's row of step 0
+  const T* own = src.base + wide_mul(hk, src.head) + wide_mul(max(at.page[0], 0), src.page) + wide_mul(at.row[0], src.row);
+  const unsigned long long tagged = reinterpret_cast<unsigned long long>(own) | (at.page[0] < 0 ? 1ull : 0ull);
+  const unsigned x0 = (row0 * ROW_BYTES >> 7) & (CPP - 1);
+  unsigned dst[SEGS][2];
+  bool col_ok[SEGS];
+#pragma unroll
+  for (int s = 0; s < SEGS; ++s) {
+    const int c = s * 8 + c8;
+    const unsigned at_row = smem_u32(stage) + (c / CPP) * BC * ROW_BYTES + row0 * ROW_BYTES;
+    dst[s][0] = at_row + (((c % CPP) ^ x0) << 4);
+    dst[s][1] = at_row + (((c % CPP) ^ x0 ^ (ROW_BYTES / 32)) << 4);
+    col_ok[s] = c < CH && c * ELEMS < D_VALID;
+  }
+#pragma unroll
+  for (int j = 0; j < STEPS; ++j) {
+    const unsigned long long p = __shfl_sync(0xffffffffu, tagged, j * 4 + sub);
+    const bool held = !(p & 1);
+    const char* from = reinterpret_cast<const char*>(p & ~1ull) + c8 * 16;
+#pragma unroll
+    for (int s = 0; s < SEGS; ++s) {
+      if (s * 8 + 8 > CH && c8 >= CH - s * 8) continue;   // (lanes past a short last segment: none)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst[s][j & 1] + j * 4 * ROW_BYTES),
+                   "l"(from + s * 128), "r"(held && col_ok[s] ? 16 : 0) : "memory");
+    }
+  }
+#endif
+}
+
+// ---- the producer: each work tile's Q and K/V tiles, by TMA (GATHER_KV: K/V by cp.async) ----
 
 // K/V tile t of work tile w (at `p` in its ring) into `ring`, once the consumers freed the stage
 // (MULTICAST: the copy into both CTAs comes from cluster CTA `source`): its whole panels by `tmap`,
 // its tail panel (KRing with K_TAIL) by `tail`. R: the ring (KRing, VRing).
 template <class R>
 FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing<STAGES>& bars, const KvState& p, int t,
-                       const RunTile& w, const Sequence& seq, bool leader, unsigned source, const SlotPlace& at) {
+                       const RunTile& w, const Sequence& seq, bool leader, unsigned source, const SlotPlace& at,
+                       const Pages& pages) {
   bars.acquire(p);
-#if CACHE_PAGES
+#if GATHER_KV
+  gather_tile<R>(ring + p.index() * R::STAGE_ELEMS, R::KEYS ? pages.k : pages.v, w.hk, at);
+  bars.commit_copies(p);
+  return;
+#endif
+#if CACHE_PAGES && !GATHER_KV
   if (leader) bars.expect(p, R::BYTES);
   if constexpr (WARP_PAGES) __syncwarp();   // (lanes' bytes may land before the post: its arrival is pending)
   else if (!leader) return;
@@ -384,7 +484,7 @@ FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing
     else tma_load_4d(dst, map, bars.full_bar(p), col, loaded_key(t, seq), w.hk, VARLEN ? 0 : w.b);
   };
   constexpr int panels = R::TAIL ? TAIL_PANELS : PANELS;
-#if CACHE_PAGES
+#if CACHE_PAGES && !GATHER_KV
   // this lane's slot from its page (`at`, place_slot): a box per panel
   const int slot = WARP_PAGES ? threadIdx.x % 32 : 0, rows = slot * PAGE_BOX;
   if (slot < PAGE_SLOTS) {
@@ -425,7 +525,7 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     // The first K goes ahead of Q: it only needs a free stage, while Q waits for the previous work
     // tile's last S. Then V runs one tile behind K, the order the consumers use them in.
     SlotPlace k_at = place_slot(0, w, seq, pages);
-    load_kv<KRing>(sm.k, tk, tkt, bar.k, kv, 0, w, seq, leader, 0, k_at);
+    load_kv<KRing>(sm.k, tk, tkt, bar.k, kv, 0, w, seq, leader, 0, k_at, pages);
     const QState q{it};
     bar.q.acquire(q);
     if (leader) {
@@ -443,12 +543,12 @@ FT_DEVICE void producer(const Tiles& sm, Barriers& bar, const Scheduler& sched, 
     if (w.ntiles > 1) k_at = place_slot(1, w, seq, pages);
 #pragma unroll 1
     for (int t = 1; t < w.ntiles; ++t) {
-      load_kv<KRing>(sm.k, tk, tkt, bar.k, kv + t, t, w, seq, leader, 0, k_at);
-      load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1, v_at);
+      load_kv<KRing>(sm.k, tk, tkt, bar.k, kv + t, t, w, seq, leader, 0, k_at, pages);
+      load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (t - 1), t - 1, w, seq, leader, 1, v_at, pages);
       v_at = k_at;
       if (t + 1 < w.ntiles) k_at = place_slot(t + 1, w, seq, pages);
     }
-    load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1, v_at);
+    load_kv<VRing>(sm.v, tv, nullptr, bar.v, kv + (w.ntiles - 1), w.ntiles - 1, w, seq, leader, 1, v_at, pages);
     kv.advance(w.ntiles);
   }
 }
@@ -650,6 +750,11 @@ struct Consumer {
       if (CACHE_LENS && c0 < k0) mask_below<NTILES>(acc.s, lane, c0, k0);
     }
   }
+  // Until a K/V stage has landed (GATHER_KV: its copies' writes then made visible to the tensor cores)
+  FT_DEVICE void wait_kv(MbarRing<STAGES>& ring, const KvState& p) {
+    ring.wait(p);
+    if constexpr (GATHER_KV) fence_proxy_async_smem();
+  }
   // This thread is done with a K/V stage (MULTICAST: and, from lane 0, this warp in the other CTA,
   // whose copy fills this stage's twin there).
   FT_DEVICE void free_kv(MbarRing<STAGES>& ring, const KvState& p) {
@@ -765,8 +870,8 @@ struct Consumer {
   // longer ran under P V (ncu on the H100: 13% of the consumers' stall samples on that wait, and
   // 0.1% on FA4's, whose loop has no mask either; benchmarks/PERF_NOTES.md, "m1").
   template <bool MASKED> FT_DEVICE void overlapped_tile(int t) {
-    bar.k.wait(kv + t);
-    pv.wait(kv + (t - 1));
+    wait_kv(bar.k, kv + t);
+    wait_kv(pv, kv + (t - 1));
     turn_begin();
     wgmma_pin(acc.o);
     wgmma_fence();
@@ -791,7 +896,7 @@ struct Consumer {
   // `next` (taken here) names.
   FT_DEVICE void overlapped(int it, bool chained, DrawnTile& next) {
     if (!chained) {
-      bar.k.wait(kv);
+      wait_kv(bar.k, kv);
       turn_begin();
       wgmma_fence();
       issue_s(acc.s, q_desc(q), k_desc(kv));          // S of tile 0
@@ -811,9 +916,9 @@ struct Consumer {
     if (CHAIN) next = sched.take(bar.tiles, it + 1);
     if (CHAIN && !sched.done(next)) {
       bar.q.wait(q_next);
-      bar.k.wait(kv + n);
+      wait_kv(bar.k, kv + n);
     }
-    pv.wait(kv + (n - 1));
+    wait_kv(pv, kv + (n - 1));
     turn_begin();
     wgmma_pin(acc.o);
     wgmma_fence();
@@ -828,7 +933,7 @@ struct Consumer {
   // The schedule of one work tile without overlap: per K/V tile, S, its softmax, then P V.
   FT_DEVICE void serial() {
     for (int t = 0; t < own; ++t) {
-      bar.k.wait(kv + t);
+      wait_kv(bar.k, kv + t);
       turn_begin();
       wgmma_fence();
       issue_s(acc.s, q_desc(q), k_desc(kv + t));
@@ -840,7 +945,7 @@ struct Consumer {
       const bool move = softmax_advance<NTILES, LAZY_RESCALE>(acc.s, acc.m, acc.l, acc.alpha, scale_log2);
       make_p();
       if (move) rescale_rows(acc.o, acc.alpha);
-      pv.wait(kv + t);
+      wait_kv(pv, kv + t);
       turn_begin();
       wgmma_pin(acc.o);
       wgmma_fence();
@@ -984,8 +1089,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
   if (tid == 0) {
     bar.q.init(1, CWG * 128);
     bar.tiles.init(1, CWG * 128 + (FP8 ? TRANSPOSERS : 0));
-    bar.k.init(1, CWG * 128 + MULTICAST_FREES);
-    bar.v.init(1, FP8 ? TRANSPOSERS : CWG * 128 + MULTICAST_FREES);
+    bar.k.init(GATHER_KV ? 128 : 1, CWG * 128 + MULTICAST_FREES);
+    bar.v.init(GATHER_KV ? 128 : 1, FP8 ? TRANSPOSERS : CWG * 128 + MULTICAST_FREES);
     if constexpr (FP8) bar.vt.init(TRANSPOSERS, CWG * 128);
     mbar_fence_init();
   }
@@ -994,13 +1099,19 @@ extern "C" __global__ void __launch_bounds__(NT, 1) FT_CLUSTER_DIMS
 
   if (wg == 0) {
     if constexpr (PRODUCER_REGS > 0) regs_shrink<PRODUCER_REGS>();
-    if (WARP_PRODUCER || WARP_PAGES ? tid < 32 : tid == 0) {
-#if CACHE_PAGES
+    // the producer's threads: its warpgroup (GATHER_KV), a warp, or one thread; thread 0 leads
+    constexpr int PRODUCERS = GATHER_KV ? 128 : WARP_PRODUCER || WARP_PAGES ? 32 : 1;
+    if (PRODUCERS == 1 ? tid == 0 : tid < PRODUCERS) {   // (tid < 1 cost ptxas its proof of one thread)
+#if GATHER_KV
+      const Pages pages{block_table + static_cast<long long>(bh / tile_heads) * bt_stride,
+                        KvSource{k, static_cast<int>(k_sb), static_cast<int>(k_sh), static_cast<int>(k_sn)},
+                        KvSource{v, static_cast<int>(v_sb), static_cast<int>(v_sh), static_cast<int>(v_sn)}};
+#elif CACHE_PAGES
       const Pages pages{block_table + static_cast<long long>(bh / tile_heads) * bt_stride};
 #else
       const Pages pages{};
 #endif
-      producer(sm, bar, sched, &tmap_q, &tmap_k, &tmap_v, &tmap_kt, tile_counter, !(WARP_PRODUCER || WARP_PAGES) || tid == 0, pages);
+      producer(sm, bar, sched, &tmap_q, &tmap_k, &tmap_v, &tmap_kt, tile_counter, PRODUCERS == 1 || tid == 0, pages);
     } else if (FP8 && tid >= 128 - TRANSPOSERS) {
       transpose_v(sm, bar, sched, tid / 32 - (4 - TRANSPOSERS / 32));
     }

@@ -20,7 +20,7 @@ from tuner.family import KernelFamily
 from tuner.gpu import GpuSpec
 from tuner.problem import Problem
 
-from .flash_fwd_sm90 import FlashFwdSm90, consumer_regs, p_in_smem
+from .flash_fwd_sm90 import FlashFwdSm90, consumer_regs, k_tail, p_in_smem
 from .flash_fwd_sm90_gqa import PackedGqaFlashFwdSm90
 from .flash_fwd_sm90_split import SplitFlashFwdSm90
 
@@ -31,10 +31,22 @@ class CacheLensVariant:
 
     dtypes: tuple[str, ...] = ("fp16", "bf16")
     pages: int = 0   # a paged cache's rows a page (CACHE_PAGES); 0: dense
+    gather: bool = True   # K/V tiles of several slots by cp.async where gathers() allows (False: boxes)
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
-        own = {"CACHE_LENS": 1, "CACHE_PAGES": self.pages} if self.pages else {"CACHE_LENS": 1}
+        own = {"CACHE_LENS": 1}
+        if self.pages:
+            own["CACHE_PAGES"] = self.pages
+            if self.gathers(params, problem):
+                own["GATHER_KV"] = 1
         return {**super().defines(params, problem), **own}
+
+    def gathers(self, params: dict, problem: Problem) -> bool:
+        """Whether the producer's warpgroup copies each K/V tile by cp.async (GATHER_KV) rather than
+        a TMA box per slot and panel: where a tile is several slots of a page and the producer keeps
+        40 registers (producer_regs)."""
+        return (self.gather and bool(self.pages) and self.slot_rows(params["Bc"]) < params["Bc"] <= 128
+                and params["split"] >= 40 and not k_tail(params, problem))
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         # cache_lens; paged: the block table and its row stride
@@ -101,7 +113,10 @@ class CacheLensVariant:
     def cache_args(self, make_args, q, k, v, o, lse, scale, cache_seqlens, block_table=None) -> tuple | None:
         """The kernel's values: its family's for q and the cache views (`make_args`, the plan's
         cache_arg_maker; (B, Hk, N, D), or paged (num_pages, Hk, page, D)), then the lengths and
-        (paged) the block table; None where the views are not kernel-ready."""
+        (paged) the block table; None where the views are not kernel-ready (on pages, a stride of
+        2^31 elements or more: GATHER_KV's copies step by 32-bit strides; a copy's are far under)."""
+        if self.pages and max(k.stride() + v.stride()) >= 2**31:
+            return None
         args = make_args(q, k, v, o, lse, scale)
         if args is None:
             return None

@@ -17,6 +17,11 @@ FT_DEVICE void mbar_expect_tx(unsigned long long* bar, unsigned bytes) {
 FT_DEVICE void mbar_arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
+// An arrival on `bar` once this thread's cp.async copies issued so far have landed (.noinc: it is one
+// of the arrivals the barrier was initialised to count), so a filler posts a stage without waiting.
+FT_DEVICE void mbar_arrive_on_copies(unsigned long long* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
 // Blocks until the phase with this parity has completed.
 FT_DEVICE void mbar_wait(unsigned long long* bar, unsigned parity) {
   asm volatile(

@@ -51,6 +51,8 @@ struct MbarRing {
   FT_DEVICE unsigned long long* full_bar(const PipelineState<DEPTH>& p) { return &full[p.index()]; }
   // The filler by its own threads' stores (made visible to the async proxy first).
   FT_DEVICE void commit(const PipelineState<DEPTH>& p) { mbar_arrive(&full[p.index()]); }
+  // The filler by cp.async (each of the `fills` threads): its arrival once its copies have landed.
+  FT_DEVICE void commit_copies(const PipelineState<DEPTH>& p) { mbar_arrive_on_copies(&full[p.index()]); }
   // A reader: until the buffer is filled; then, done with it, its release.
   FT_DEVICE void wait(const PipelineState<DEPTH>& p) { mbar_wait(&full[p.index()], p.phase()); }
   FT_DEVICE void release(const PipelineState<DEPTH>& p) { mbar_arrive(&empty[p.index()]); }

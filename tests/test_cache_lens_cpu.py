@@ -15,6 +15,7 @@ from tuner.compile import compile_kernel, sass_listing
 from tuner.dispatch import Dispatcher
 from tuner.gpu import H100_SXM
 from tuner.kernel_templates import FAMILIES, configs_family
+from tuner.kernel_templates.flash_fwd_sm90 import k_tail
 from tuner.kernel_templates.flash_fwd_sm90_cache import CACHE_VARIANTS
 from tuner.kvcache import held_keys_config
 from tuner.problem import Problem
@@ -62,7 +63,9 @@ def test_variants_compile_for_sm90a_without_spills(problem):
 @pytest.mark.parametrize("problem", CACHE_PROBLEMS[::2], ids=lambda p: p.key)
 def test_paged_variants_compile_for_sm90a_without_spills(problem, page):
     """On a paged cache (CACHE_PAGES): the page's rows among the defines, the block table and its row
-    stride two more parameters, no spills or local memory, K and V still by TMA (a box a slot)."""
+    stride two more parameters, no spills or local memory; K and V by a TMA box a slot, or where a
+    tile is several slots and the producer keeps 40 registers by its warpgroup's cp.async
+    (GATHER_KV: LDGSTS in the SASS, and only there)."""
     built = 0
     for base, dense in CACHE_VARIANTS.items():
         fam, variant = FAMILIES[base], dense.paged(page)
@@ -73,9 +76,15 @@ def test_paged_variants_compile_for_sm90a_without_spills(problem, page):
             params = variant.cache_form(seed, problem)
             if variant.check(params, H100_SXM, problem) is not None:
                 continue
-            assert variant.defines(params, problem) == {**dense.defines(params, problem), "CACHE_PAGES": page}
+            gathers = (math.gcd(params["Bc"], page) < params["Bc"] <= 128 and params["split"] == 40
+                       and not k_tail(params, problem))
+            assert variant.gathers(params, problem) == gathers
+            assert variant.defines(params, problem) == {**dense.defines(params, problem), "CACHE_PAGES": page,
+                                                        **({"GATHER_KV": 1} if gathers else {})}
             assert variant.param_kinds(params) == dense.param_kinds(params) + ("ptr", "i32")
             _assert_builds_clean(variant, params, problem)
+            sass = sass_listing(compile_kernel(variant, params, problem, H100_SXM.arch).cubin)
+            assert bool(re.search(r"\bLDGSTS(\.\w+)*\b", sass)) == gathers, (variant.name, params)
             built += 1
     assert built >= 2, problem.key
 
@@ -142,6 +151,49 @@ def test_producer_keeps_40_registers_where_a_tile_is_several_slots():
         assert variant.paged(16).check(form, H100_SXM, chunk) is None, form
 
 
+def test_paged_forms_gather_where_a_tile_is_several_slots():
+    """GATHER_KV where a K/V tile is several slots of a page and the producer keeps 40 registers; a
+    whole-tile page, a dense cache, the producer's 24 registers (d=256) or the variant's `gather`
+    off take a TMA box per slot and panel."""
+    chunk = Problem(2, 28, 256, 16384, 128, "bf16", "causal_br", 4)
+    wide = Problem(2, 16, 300, 20000, 256, "bf16", "causal_br", 2)
+    seed = dict(FAMILIES["flash_fwd_sm90"].seeds(H100_SXM, chunk)[0], Bc=128, split=24, cwg=2)
+    variant = CACHE_VARIANTS["flash_fwd_sm90"]
+    for page, gathers in ((8, True), (16, True), (48, True), (256, False)):
+        paged = variant.paged(page)
+        form = paged.cache_form(seed, chunk)
+        assert paged.gathers(form, chunk) == gathers and ("GATHER_KV" in paged.defines(form, chunk)) == gathers, page
+    assert not variant.gathers(variant.cache_form(seed, chunk), chunk) and "GATHER_KV" not in variant.defines(seed, chunk)
+    form = variant.paged(16).cache_form(dict(seed, Bc=64), wide)
+    assert form["split"] == 24 and not variant.paged(16).gathers(form, wide)
+    boxes = type(variant)()
+    boxes.gather, boxes.pages = False, 16
+    assert not boxes.gathers(variant.paged(16).cache_form(seed, chunk), chunk)
+
+
+def test_paged_views_of_strides_past_int32_are_not_kernel_ready():
+    """A paged cache view with a stride of 2^31 elements or more (GATHER_KV steps by 32-bit strides)
+    is not kernel-ready (kvcache_attention then copies it); one under takes the kernel's values."""
+
+    class View:   # a tensor's strides and address
+        def __init__(self, *strides):
+            self.strides = strides
+
+        def stride(self, dim=None):
+            return self.strides if dim is None else self.strides[dim]
+
+        def data_ptr(self):
+            return 4096
+
+    variant = CACHE_VARIANTS["flash_fwd_sm90"].paged(16)
+    small, table = View(2**20, 128, 1024, 1), View(64, 1)
+    make = lambda *views: ("values",)   # noqa: E731 - the family's arg maker, whose views pass
+    assert variant.cache_args(make, None, small, small, None, None, 1.0, None, table) == ("values", 0, 4096, 64)
+    for huge in (View(2**31, 128, 1024, 1), View(2**20, 2**31, 1024, 1)):
+        assert variant.cache_args(make, None, huge, small, None, None, 1.0, None, table) is None
+        assert variant.cache_args(make, None, small, huge, None, None, 1.0, None, table) is None
+
+
 def test_cache_form_is_a_grid_launch_of_the_familys_keys():
     """A persistent, chained config storing O by TMA (or a served form's, with keys of its own) runs
     on the grid, unchained, O by ordinary stores, its producer split as the grid takes it; a
@@ -195,16 +247,21 @@ def test_held_keys_config_follows_what_attention_serves(gpu, tmp_path, monkeypat
     assert {"flash_fwd_sm90_gqa_cache", "flash_fwd_sm90_cache"} <= seen, seen
 
 
-def test_the_benchmark_says_it_needs_a_gpu(capsys, monkeypatch):
-    """benchmarks/kvcache_steps.py without a GPU (none visible here, or made so): one clear line and
-    exit status 2, no traceback."""
+@pytest.mark.parametrize("name", ["kvcache_steps", "paged_copies_ab"])
+def test_the_benchmark_says_it_needs_a_gpu(name, capsys, monkeypatch):
+    """benchmarks/kvcache_steps.py and paged_copies_ab.py without a GPU (none visible here, or made
+    so): one clear line and exit status 2, no traceback; their bad arguments: argparse's one line."""
     import torch
 
     from benchmark_scripts import script
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert script("kvcache_steps").main([]) == 2
+    assert script(name).main([]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().err
+    bad = ["--boxes"] if name == "kvcache_steps" else ["--page", "12"]   # boxes without pages; a page of 12 rows
+    with pytest.raises(SystemExit) as exit_:
+        script(name).main(bad)
+    assert exit_.value.code == 2 and "error:" in capsys.readouterr().err
 
 
 def test_plans_are_chosen_again_after_a_reset(tmp_path):

@@ -610,6 +610,51 @@ PAGED_HELD_KEYS_CASES = list(zip(HELD_KEYS_CASES, (16, 256, 48, 80, 32, 128))) +
     (HELD_KEYS_CASES[3], 8), (HELD_KEYS_CASES[1], 112), ((2, 16, 2, 8, 256, 6000), 16)]
 
 
+# K/V by the producer's cp.async (GATHER_KV) on each ring layout: d=64 (one 128-byte panel), 88 (64-byte
+# panels, the last chunk past the head dim), 96 (three 64-byte panels), 128 (two 128-byte panels, Bc 128;
+# on pages of 48 Bc 96, slots starting 0, 16 or 32 rows into a page); slots of 8, 16, 32 and 48 rows
+@pytest.mark.parametrize("d,page", [(64, 16), (88, 16), (96, 8), (128, 32), (128, 48)])
+def test_paged_gather_lands_each_tile_as_the_boxes_do(d, page, tmp_path, monkeypatch):
+    """flash_fwd_sm90's paged cache form on tiles of several slots, two consumers, with the producer's
+    warpgroup copying K/V by cp.async (gather on) and with a TMA box per slot and panel (off): ragged
+    lengths (0, 1, page +- 1, a tile's edge, the capacity), NaN past them, both within budget of
+    float64, and O and the LSE bit for bit the same (the copies land the boxes' bytes: rows past a
+    length and before a page's first row as zeros)."""
+    import torch
+
+    from tuner import kvcache, kvcache_attention
+    from tuner.kernel_templates import FAMILIES
+    from tuner.kernel_templates.flash_fwd_sm90_cache import CACHE_VARIANTS
+
+    gpu = _hopper()
+    b, h, kvh, nq, cap = 6, 8, 2, 40, -(-3000 // page) * page
+    problem = Problem(b, h, nq, cap, d, "bf16", "causal_br", kvh)
+    variant = CACHE_VARIANTS["flash_fwd_sm90"].paged(page)
+    forms = (variant.cache_form(seed, problem) for seed in FAMILIES["flash_fwd_sm90"].seeds(gpu, problem))
+    params = next(f for f in forms if f["cwg"] == 2 and variant.check(f, gpu, problem) is None)
+    assert variant.gathers(params, problem), params
+    monkeypatch.setattr(kvcache, "held_keys_config", lambda *args: (variant, params))
+    rng = random.Random()
+    lens = [0, 1, page - 1, page + 1, rng.choice([127, 128, 129, 177]), cap]
+    rng.shuffle(lens)
+    k, v, table = _cache(rng, torch, b, kvh, d, cap, page, torch.bfloat16)
+    _poison_past(torch, k, v, table, lens, page)
+    q = torch.randn(b, nq, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    outs = []
+    with _untuned(tmp_path):
+        for gather in (True, False):
+            kvcache._plans.clear()
+            monkeypatch.setattr(variant, "gather", gather)
+            o, lse = kvcache_attention(q, k, v, seqlens, table, return_lse=True)
+            plan = next(p for key, p in kvcache._plans.items() if key[0] == q.shape and key[-1])
+            assert plan.family is variant and plan.params == params, (plan.family, plan.reason)
+            check_cached_sequences(o, lse, q, k, v, seqlens, table, lens, cap, True, "bf16",
+                                   f"{variant.name} {params} gather {gather} lens {lens}")
+            outs.append((o.clone(), lse.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), f"d={d} page {page} {params}"
+
+
 @pytest.mark.parametrize("case,page", PAGED_HELD_KEYS_CASES,
                          ids=lambda c: "page{}".format(c) if isinstance(c, int) else "B{}-H{}/kv{}-{}x{}-d{}".format(*c[:4], c[5], c[4]))
 def test_kvcache_runs_attentions_hopper_kernel_on_pages(case, page, tmp_path):

@@ -1,0 +1,131 @@
+"""A paged KV cache's K/V tiles by TMA boxes against the producer warpgroup's cp.async (GATHER_KV).
+
+    python3 benchmarks/paged_copies_ab.py [--page ROWS] [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
+
+For each call, kvcache_attention's paged plan (bf16, bottom-right causal, lengths in [cap/2, cap],
+zeros past them, a shuffled block table) in three forms, timed in turns (tuner.timing.Timer) beside
+the dense cache's plan on the same keys: "boxes", the served form with its variant's `gather` off (a
+TMA box per slot and panel); where that form's tile is wider than 128 keys, which GATHER_KV does not
+take, "boxes128", the same at Bc 128; and "gather", the form at Bc <= 128 with the producer's copies.
+Each output is checked against float64 on the first sequence; FA4 (`page_table`) beside where it loads.
+What the GATHER_KV rule (flash_fwd_sm90_cache.CacheLensVariant.gathers) and its Bc bound rest on
+(PERF_NOTES "x17").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CASES = ["8,32:8,16:8192,128", "32,32:8,8:8192,128", "64,8:1,16:4096,128", "4,32:8,512:8192,128",
+         "2,28:4,256:16384,128"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cases", nargs="*", default=CASES, help="B,H:KVH,NQ:CAP,D (default: %(default)s)")
+    ap.add_argument("--page", type=int, default=16, help="a page's rows (default: %(default)s)")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    if args.page <= 0 or args.page % 8:
+        ap.error(f"--page takes a page's rows, a positive multiple of 8, not {args.page}")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("paged_copies_ab needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    from kvcache_steps import fa4_paged_call, paged
+
+    from tuner import kvcache, kvcache_attention
+    from tuner.reference import attention_fp64, compare
+    from tuner.timing import Timer
+
+    served_config, force = kvcache.held_keys_config, {}
+
+    def config(*a):   # the served (variant, params), with `force`'s keys over its params
+        got = served_config(*a)
+        return got if got is None or not force else (got[0], dict(got[1], **force))
+
+    timer, rows = Timer(), []
+    kvcache.held_keys_config = config
+    try:
+        for case in args.cases:
+            parts = case.split(",")
+            b, (h, kvh), (nq, cap), d = int(parts[0]), map(int, parts[1].split(":")), map(int, parts[2].split(":")), int(parts[3])
+            cap = -(-cap // args.page) * args.page
+            rng = random.Random(case)
+            lens = [rng.randint(cap // 2, cap) for _ in range(b)]
+            g = torch.Generator(device="cuda").manual_seed(len(case))
+            q = torch.randn(b, nq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+            k, v = (torch.randn(b, cap, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+                    for _ in range(2))
+            for i, n in enumerate(lens):
+                k[i, :, n:], v[i, :, n:] = 0.0, 0.0
+            seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            per = cap // args.page
+            table = torch.randperm(b * per, device="cuda", generator=g).view(b, per).to(torch.int32)
+            kc, vc = paged(k, table, args.page), paged(v, table, args.page)
+
+            def plan_of(forced: dict):   # the plan kvcache_attention makes with `forced` over the served params
+                kvcache._plans.clear()
+                force.update(forced)
+                try:
+                    kvcache_attention(q, kc, vc, seqlens, table)
+                finally:
+                    force.clear()
+                key = next(key for key in kvcache._plans if key[0] == q.shape and key[-1])
+                return key, kvcache._plans[key]
+
+            _, served = plan_of({})
+            variant = served.family
+            if variant is None or not hasattr(variant, "gather"):
+                print(f"{case}: not served by a paged Hopper variant ({served.reason}); skipped", file=sys.stderr)
+                continue
+            wide = served.params["Bc"] > 128
+            plans = {}
+            variant.gather = False
+            try:
+                plans["boxes"] = plan_of({})
+                if wide:
+                    plans["boxes128"] = plan_of({"Bc": 128})
+            finally:
+                variant.gather = True
+            plans["gather"] = plan_of({"Bc": 128} if wide else {})
+
+            def with_plan(key, plan):
+                def call():
+                    kvcache._plans[key] = plan
+                    return kvcache_attention(q, kc, vc, seqlens, table)
+                return call
+            fns = {name: with_plan(*kp) for name, kp in plans.items()}
+            fns["dense"] = lambda: kvcache_attention(q, k, v, seqlens)
+            if (fa4 := fa4_paged_call(q, kc, vc, seqlens, table)) is not None:
+                fns["fa4"] = fa4[0]
+            ref_o, _ = attention_fp64(q[:1], k[:1, :, :lens[0]], v[:1, :, :lens[0]], "causal_br", 1 / math.sqrt(d))
+            errs = {}
+            for name, fn in fns.items():
+                err = compare(fn()[:1], None, ref_o, None)
+                errs[name] = err.rel if err.finite else math.inf
+            times = timer.interleaved(fns)
+            us = {n: t.median_ms * 1e3 for n, t in times.items()}
+            forms = {n: dict(family=p.family.name, params=p.params) for n, (_, p) in plans.items()}
+            rows.append(dict(case=case, page=args.page, lens=lens, us=us, forms=forms, rel_err=errs))
+            print(f"{case:<22} page {args.page} " + "  ".join(f"{n} {x:7.1f} us" for n, x in us.items())
+                  + "  Bc " + " ".join(f"{n}:{p.params['Bc']}" for n, (_, p) in plans.items())
+                  + f"  max err {max(errs.values()):.2g}", flush=True)
+    finally:
+        kvcache.held_keys_config = served_config
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
