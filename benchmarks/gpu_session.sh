@@ -2,7 +2,7 @@
 # One GPU-machine session: install the carried wheels and this working tree, run the GPU tests, tune,
 # benchmark, and record a replay fixture. Every log goes under $OUT (default .out/). Usage, from the
 # repo root:
-#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|kvcache|varlen|varlen-ship|fa4bench|alternatives|ab|ab-tree|sweep|profile|profile-fa4|power|all]...
+#   bash benchmarks/gpu_session.sh [tests|tune|bench|fixture|overhead|train|grid|ship|fill|decode|decode-ship|kvcache|paged|varlen|varlen-ship|fa4bench|alternatives|ab|ab-tree|sweep|profile|profile-fa4|power|all]...
 # `tests` runs `pytest -m gpu` as eleven processes side by side (test files split so each takes about
 # as long), to fit one call's time; `overhead` and `train` are benchmarks/overhead.py and
 # train_step.py (host cost per call; forward + backward step time), each alone on the GPU; `grid`
@@ -173,6 +173,12 @@ names = MODELS if w == '1' else [] if w == '0' else w.split(); print(' '.join('-
              # KVCACHE_ARGS its options (e.g. "--page 16 --tail zero": the same keys in pages)
           python3 benchmarks/kvcache_steps.py $KVCACHE_ARGS $KVCACHE_CASES --json "$OUT/kvcache_steps.json" 2>&1 | grep -v -i warn \
             | tee "$OUT/kvcache_steps.log" ;;&
+    paged) # a paged cache's K/V tiles by TMA boxes against the producer's cp.async (GATHER_KV), dense beside,
+           # on pages of each PAGED_ROWS (default "16 8"); PAGED_CASES for other calls than the script's
+          for rows in ${PAGED_ROWS:-16 8}; do
+            python3 benchmarks/paged_copies_ab.py --page "$rows" $PAGED_CASES --json "$OUT/paged_copies_$rows.json" 2>&1 \
+              | grep -v -i warn | tee -a "$OUT/paged_copies.log"
+          done ;;&
     varlen) # issue 23's varlen figure: packed sequences against the same padded, beside FA2's and FA4's varlen
             python3 benchmarks/varlen_bench.py --json "$OUT/varlen.json" 2>&1 | grep -v Warning | tee "$OUT/varlen.log" ;;&
     varlen-ship) # issue 23: the varlen variants tuned on the padded problems of varlen_bench's batches (each
