@@ -122,11 +122,14 @@ template <int WIDTH> FT_DEVICE float group_sum(float x) {
   return x;
 }
 
-// cp.async (sm_80+): 16 bytes global -> shared, zero-filled where `valid` is false.
-FT_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+// cp.async (sm_80+): 16 bytes global -> shared (its shared-space address, or a pointer to it),
+// zero-filled where `valid` is false.
+FT_DEVICE void cp_async16(unsigned smem, const void* gmem, bool valid) {
   const int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(n));
+}
+FT_DEVICE void cp_async16(void* smem, const void* gmem, bool valid) {
+  cp_async16(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem, valid);
 }
 FT_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 FT_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }

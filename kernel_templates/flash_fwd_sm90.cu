@@ -443,8 +443,7 @@ FT_DEVICE void gather_tile(T* stage, const KvSource& src, int hk, const SlotPlac
 #pragma unroll
     for (int s = 0; s < SEGS; ++s) {
       if (s * 8 + 8 > CH && c8 >= CH - s * 8) continue;   // (lanes past a short last segment: none)
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst[s][j & 1] + j * 4 * ROW_BYTES),
-                   "l"(from + s * 128), "r"(held && col_ok[s] ? 16 : 0) : "memory");
+      cp_async16(dst[s][j & 1] + j * 4 * ROW_BYTES, from + s * 128, held && col_ok[s]);
     }
   }
 #endif
