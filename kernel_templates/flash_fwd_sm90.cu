@@ -89,13 +89,14 @@
 // reads it as wgmma's A operand; the BC / 4 registers P held are what three consumers lack at
 // Bc = 128 (O 48 + S 64 + P 32 + 32 of their 160 at d = 96).
 //
-// GATHER_KV (CACHE_PAGES, 16-bit, pages that hold less than a K/V tile): the producer's whole warpgroup
-// copies each K/V tile by cp.async, 16 bytes a thread at a time into the swizzled layout the boxes
-// would give, each row from its page, and each thread's arrival on the stage's barrier lands with its
-// copies (cp.async.mbarrier.arrive.noinc), so no thread waits for its own; the consumers fence the
-// generic proxy's writes before their products read the stage. TMA takes a box per slot and panel
-// (two per 16 rows at d=128), and the copy engine's per-box cost set the paged cache's time at pages
-// of 16: 1.15x the dense cache's (benchmarks/PERF_NOTES.md, "x16").
+// GATHER_KV (CACHE_PAGES, 16-bit; a K/V tile of several slots of a page, Bc <= 128, no K tail panel):
+// the producer's whole warpgroup copies each K/V tile by cp.async (gather_tile) into the swizzled
+// layout the boxes would give, each row from its page, and each thread's arrival on the stage's
+// barrier lands with its copies (cp.async.mbarrier.arrive.noinc), so no thread waits for its own;
+// the consumers fence the generic proxy's writes before their products read the stage. TMA took a
+// box per slot and panel (two per 16 rows at d=128), and on pages of 16 the paged cache ran 1.15x
+// the dense cache's time; the copies ran 1.07-1.10x faster than those boxes (H200,
+// benchmarks/PERF_NOTES.md, "x16", "x17").
 //
 // Set by the family spec: BC HEAD_DIM D_VALID PROD_COLS (flash_fwd_sm90.prod_cols) PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV, TAIL_SPLIT,
