@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 
 CASES = ["8,32:8,16:8192,128", "32,32:8,8:8192,128", "8,28:4,8:32768,128", "64,8:1,16:4096,128",
          "4,32:8,16:16384,64", "4,32:8,512:8192,128", "2,28:4,256:16384,128"]
@@ -43,6 +44,56 @@ def paged(k, table, page: int):
     store = torch.empty(table.numel(), page, kvh, d, dtype=k.dtype, device=k.device)
     store[table.flatten().long()] = k.transpose(1, 2).reshape(b * (cap // page), page, kvh, d)
     return store.transpose(1, 2)
+
+
+@dataclass
+class CacheCase:
+    """One benchmark call's inputs: q (B, H, Nq, D), the dense cache k, v (B, Hk, cap, D) whose rows
+    past each length hold NaN or zeros, the lengths, and the cache the plans run on (kc, vc: the dense
+    one, or its pages through `table`)."""
+    b: int
+    h: int
+    kvh: int
+    nq: int
+    cap: int
+    d: int
+    lens: list
+    q: object
+    k: object
+    v: object
+    seqlens: object
+    table: object
+    kc: object
+    vc: object
+
+
+def cache_case(case: str, page: int, lo: float, hi: float, tail: str) -> CacheCase:
+    """CASE (B,H:KVH,NQ:CAP,D) as bf16 inputs on the GPU, seeded by the case: lengths drawn in
+    [LO, HI] x cap (cap rounded up to whole pages), `tail` ("nan" or "zero") past them, and with
+    `page` > 0 the same keys in pages of a shuffled block table."""
+    import random
+
+    import torch
+
+    parts = case.split(",")
+    b, (h, kvh), (nq, cap), d = int(parts[0]), map(int, parts[1].split(":")), map(int, parts[2].split(":")), int(parts[3])
+    if page:
+        cap = -(-cap // page) * page
+    rng = random.Random(f"{case}")
+    lens = [rng.randint(int(lo * cap), max(int(lo * cap), int(hi * cap))) for _ in range(b)]
+    g = torch.Generator(device="cuda").manual_seed(len(case))
+    q = torch.randn(b, nq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    k, v = (torch.randn(b, cap, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2) for _ in range(2))
+    for i, n in enumerate(lens):
+        k[i, :, n:], v[i, :, n:] = (float("nan"),) * 2 if tail == "nan" else (0.0, 0.0)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    table = None
+    kc, vc = k, v
+    if page:
+        per = cap // page
+        table = torch.randperm(b * per, device="cuda", generator=g).view(b, per).to(torch.int32)
+        kc, vc = paged(k, table, page), paged(v, table, page)
+    return CacheCase(b, h, kvh, nq, cap, d, lens, q, k, v, seqlens, table, kc, vc)
 
 
 def fa4_paged_call(q, k, v, seqlens, table):
@@ -117,8 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("kvcache_steps needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    import random
-
     import torch.nn.functional as F
 
     from tuner import kvcache, kvcache_attention
@@ -127,24 +176,9 @@ def main(argv: list[str] | None = None) -> int:
 
     timer, rows = Timer(), []
     for case in args.cases:
-        parts = case.split(",")
-        b, (h, kvh), (nq, cap), d = int(parts[0]), map(int, parts[1].split(":")), map(int, parts[2].split(":")), int(parts[3])
-        if args.page:
-            cap = -(-cap // args.page) * args.page
-        rng = random.Random(f"{case}")
-        lens = [rng.randint(int(lo * cap), max(int(lo * cap), int(hi * cap))) for _ in range(b)]
-        g = torch.Generator(device="cuda").manual_seed(len(case))
-        q = torch.randn(b, nq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-        k, v = (torch.randn(b, cap, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2) for _ in range(2))
-        for i, n in enumerate(lens):
-            k[i, :, n:], v[i, :, n:] = (float("nan"),) * 2 if args.tail == "nan" else (0.0, 0.0)
-        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        table = None
-        kc, vc = k, v   # the cache the plans run on: dense, or its pages
-        if args.page:
-            per = cap // args.page
-            table = torch.randperm(b * per, device="cuda", generator=g).view(b, per).to(torch.int32)
-            kc, vc = paged(k, table, args.page), paged(v, table, args.page)
+        c = cache_case(case, args.page, lo, hi, args.tail)
+        b, kvh, nq, cap, d, lens = c.b, c.kvh, c.nq, c.cap, c.d, c.lens
+        q, k, v, seqlens, table, kc, vc = c.q, c.k, c.v, c.seqlens, c.table, c.kc, c.vc   # kc, vc: dense, or pages
         outs = {}
         kvcache._plans.clear()
         outs["now"] = kvcache_attention(q, kc, vc, seqlens, table)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 from pathlib import Path
 
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("paged_copies_ab needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    from kvcache_steps import fa4_paged_call, paged
+    from kvcache_steps import cache_case, fa4_paged_call
 
     from tuner import kvcache, kvcache_attention
     from tuner.reference import attention_fp64, compare
@@ -56,21 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     kvcache.held_keys_config = config
     try:
         for case in args.cases:
-            parts = case.split(",")
-            b, (h, kvh), (nq, cap), d = int(parts[0]), map(int, parts[1].split(":")), map(int, parts[2].split(":")), int(parts[3])
-            cap = -(-cap // args.page) * args.page
-            rng = random.Random(case)
-            lens = [rng.randint(cap // 2, cap) for _ in range(b)]
-            g = torch.Generator(device="cuda").manual_seed(len(case))
-            q = torch.randn(b, nq, h, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-            k, v = (torch.randn(b, cap, kvh, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-                    for _ in range(2))
-            for i, n in enumerate(lens):
-                k[i, :, n:], v[i, :, n:] = 0.0, 0.0
-            seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-            per = cap // args.page
-            table = torch.randperm(b * per, device="cuda", generator=g).view(b, per).to(torch.int32)
-            kc, vc = paged(k, table, args.page), paged(v, table, args.page)
+            c = cache_case(case, args.page, 0.5, 1.0, "zero")   # kvcache_steps.py's inputs, --tail zero
+            q, k, v, lens, d, seqlens, table, kc, vc = c.q, c.k, c.v, c.lens, c.d, c.seqlens, c.table, c.kc, c.vc
 
             def plan_of(forced: dict):   # the plan kvcache_attention makes with `forced` over the served params
                 kvcache._plans.clear()
