@@ -18,11 +18,15 @@ import math
 
 from tuner.family import KernelFamily
 from tuner.gpu import GpuSpec
-from tuner.problem import Problem
+from tuner.problem import DTYPE_BYTES, Problem
 
-from .flash_fwd_sm90 import FlashFwdSm90, consumer_regs, k_tail, p_in_smem
+from .flash_fwd_sm90 import FlashFwdSm90, consumer_regs, k_tail, p_in_smem, tile_dim
+from .sm90_tma import tile_panel
 from .flash_fwd_sm90_gqa import PackedGqaFlashFwdSm90
 from .flash_fwd_sm90_split import SplitFlashFwdSm90
+
+
+GATHER_MAX_BC = 128   # GATHER_KV's widest K/V tile: a lane reads one row's place (Bc 176 spilled 16-32 B with two)
 
 
 class CacheLensVariant:
@@ -32,6 +36,7 @@ class CacheLensVariant:
     dtypes: tuple[str, ...] = ("fp16", "bf16")
     pages: int = 0   # a paged cache's rows a page (CACHE_PAGES); 0: dense
     gather: bool = True   # K/V tiles of several slots by cp.async where gathers() allows (False: boxes)
+    gather_min_boxes: int = 16   # the fewest boxes (tile_boxes) a K tile takes where it gathers
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         own = {"CACHE_LENS": 1}
@@ -43,10 +48,19 @@ class CacheLensVariant:
 
     def gathers(self, params: dict, problem: Problem) -> bool:
         """Whether the producer's warpgroup copies each K/V tile by cp.async (GATHER_KV) rather than
-        a TMA box per slot and panel: where a tile is several slots of a page and the producer keeps
-        40 registers (producer_regs)."""
-        return (self.gather and bool(self.pages) and self.slot_rows(params["Bc"]) < params["Bc"] <= 128
-                and params["split"] >= 40 and not k_tail(params, problem))
+        a TMA box per slot and panel: where a tile is several slots of a page, takes 16 boxes or more
+        (tile_boxes) and the producer keeps 40 registers (producer_regs). Where the boxes were fewer
+        they won: at d=64 on pages of 16 (8 boxes at Bc 128) the copies ran 0.91-0.97x the boxes'
+        speed (5 calls); at d=128 (16 boxes) 1.04-1.11x, at d=64 on pages of 8 (16) 1.14x (H200, x18)."""
+        bc = params["Bc"]
+        return (self.gather and bool(self.pages) and self.slot_rows(bc) < bc <= GATHER_MAX_BC
+                and params["split"] >= 40 and not k_tail(params, problem)
+                and self.tile_boxes(bc, problem) >= self.gather_min_boxes)
+
+    def tile_boxes(self, bc: int, problem: Problem) -> int:
+        """The TMA boxes a K tile of `bc` keys takes on this variant's pages: one per slot and panel."""
+        cols = tile_dim(problem)
+        return bc // self.slot_rows(bc) * (cols // tile_panel(cols, DTYPE_BYTES[problem.dtype]))
 
     def param_kinds(self, params: dict) -> tuple[str, ...]:
         # cache_lens; paged: the block table and its row stride
@@ -79,8 +93,16 @@ class CacheLensVariant:
         keys only, on the grid (FlashFwdSm90.schedule), unchained, O by ordinary stores (a TMA store
         pays only where a persistent warp has a next tile to start: the family's rule); on pages,
         the tile page_tile gives, and where a tile is several slots the producer's registers
-        producer_regs gives."""
-        return self.producer_regs(self.own_form(params, problem), problem)
+        producer_regs gives; and where the tile is wider than GATHER_KV takes, the form at Bc <= 128
+        if that one gathers: at d=128 Bc 128 by the copies ran 1.03-1.08x the speed of Bc 176 by boxes
+        on pages of 16 (6 calls), 1.47-1.75x on pages of 8 (7); at d=64 on pages of 8 1.24-1.33x (4),
+        and on pages of 16, where Bc 128 would not gather, it ran 0.91-0.95x (H200, x18)."""
+        form = self.producer_regs(self.own_form(params, problem), problem)
+        if self.gather and form["Bc"] > GATHER_MAX_BC and self.slot_rows(form["Bc"]) < form["Bc"]:
+            narrow = self.producer_regs(self.own_form(dict(params, Bc=GATHER_MAX_BC), problem), problem)
+            if self.gathers(narrow, problem):
+                return narrow
+        return form
 
     def own_form(self, params: dict, problem: Problem) -> dict:
         """cache_form before producer_regs: what each variant changes of its family's config."""

@@ -15,7 +15,7 @@ from tuner.compile import compile_kernel, sass_listing
 from tuner.dispatch import Dispatcher
 from tuner.gpu import H100_SXM
 from tuner.kernel_templates import FAMILIES, configs_family
-from tuner.kernel_templates.flash_fwd_sm90 import k_tail
+from tuner.kernel_templates.flash_fwd_sm90 import k_tail, tile_dim
 from tuner.kernel_templates.flash_fwd_sm90_cache import CACHE_VARIANTS
 from tuner.kvcache import held_keys_config
 from tuner.problem import Problem
@@ -76,8 +76,10 @@ def test_paged_variants_compile_for_sm90a_without_spills(problem, page):
             params = variant.cache_form(seed, problem)
             if variant.check(params, H100_SXM, problem) is not None:
                 continue
+            cols = tile_dim(problem) * 2   # bytes of a tile row, in 128-byte panels where they divide it
+            boxes = params["Bc"] // math.gcd(params["Bc"], page) * cols // (128 if cols % 128 == 0 else 64)
             gathers = (math.gcd(params["Bc"], page) < params["Bc"] <= 128 and params["split"] == 40
-                       and not k_tail(params, problem))
+                       and not k_tail(params, problem) and boxes >= 16)
             assert variant.gathers(params, problem) == gathers
             assert variant.defines(params, problem) == {**dense.defines(params, problem), "CACHE_PAGES": page,
                                                         **({"GATHER_KV": 1} if gathers else {})}
@@ -96,9 +98,10 @@ def test_paged_caches_take_the_variant_where_pages_are_whole_swizzle_atoms(tmp_p
     which flash_decode (row by row) or attention serves."""
     none = Dispatcher(tmp_path / "none.json")
     step, chunk = Problem(8, 32, 16, 8192, 128, "bf16", "causal_br", 8), Problem(4, 16, 150, 3040, 128, "bf16", "causal_br", 2)
-    # the chunk's Bc 176 on pages it shares fewer rows with than a smaller tile does: that tile; and
-    # the producer's 40 registers, not 24, where a tile is several slots (all but these: whole tiles)
-    tiles = {(chunk, 48): 96, (chunk, 80): 80, (chunk, 256): 128, (chunk, 1024): 128}
+    # the chunk's Bc 176 on pages it shares fewer rows with than a smaller tile does: that tile; on
+    # pages of 8 and 16, Bc 128 by the producer's copies (GATHER_KV); and the producer's 40 registers,
+    # not 24, where a tile is several slots (all but these: whole tiles)
+    tiles = {(chunk, 8): 128, (chunk, 16): 128, (chunk, 48): 96, (chunk, 80): 80, (chunk, 256): 128, (chunk, 1024): 128}
     whole = {(step, 256), (step, 1024), (chunk, 80), (chunk, 256), (chunk, 1024)}
     for problem in (step, chunk):
         dense = held_keys_config(none, problem, H100_SXM)
@@ -112,16 +115,24 @@ def test_paged_caches_take_the_variant_where_pages_are_whole_swizzle_atoms(tmp_p
         assert "8-row" in dense[0].paged(12).check(dense[1], H100_SXM, problem)
 
 
+def _boxes(variant, page: int):
+    """`variant` on pages of `page` rows with its `gather` off: K/V a TMA box per slot and panel."""
+    boxes = type(variant)()
+    boxes.gather, boxes.pages = False, page
+    return boxes
+
+
 def test_paged_tiles_take_the_largest_boxes_a_smaller_bc_gives():
-    """On pages a tile shares few rows with (Bc 176 on 256: eleven 16-row boxes), the form takes the
-    largest smaller Bc of the family with the most rows a box (128: one); on pages every Bc shares
-    alike (16) or that the tile divides, the tuned Bc stays; a dense cache keeps it always."""
+    """By boxes (gather off), on pages a tile shares few rows with (Bc 176 on 256: eleven 16-row
+    boxes), the form takes the largest smaller Bc of the family with the most rows a box (128: one);
+    on pages every Bc shares alike (16) or that the tile divides, the tuned Bc stays; a dense cache
+    keeps it always."""
     problem = Problem(2, 28, 256, 16384, 128, "bf16", "causal_br", 4)
     for base, dense in CACHE_VARIANTS.items():
         seed = dict(FAMILIES[base].seeds(H100_SXM, problem)[0], Bc=176)
         assert dense.cache_form(seed, problem)["Bc"] == 176
         for page, bc in ((16, 176), (32, 128), (256, 128), (1024, 128), (8, 176)):
-            assert dense.paged(page).cache_form(seed, problem)["Bc"] == bc, (base, page)
+            assert _boxes(dense, page).cache_form(seed, problem)["Bc"] == bc, (base, page)
         for page in (16, 32, 48, 64, 80, 256):
             for b in dense.space["Bc"]:
                 got = dense.paged(page).page_tile(b)
@@ -139,7 +150,7 @@ def test_producer_keeps_40_registers_where_a_tile_is_several_slots():
     variant = CACHE_VARIANTS["flash_fwd_sm90"]
     seed = dict(FAMILIES["flash_fwd_sm90"].seeds(H100_SXM, chunk)[0], Bc=176, split=24, cwg=2)
     assert variant.cache_form(seed, chunk)["split"] == 24                      # dense
-    assert variant.paged(16).cache_form(seed, chunk)["split"] == 40            # 11 slots
+    assert _boxes(variant, 16).cache_form(seed, chunk)["split"] == 40          # 11 slots
     assert variant.paged(256).cache_form(seed, chunk)["split"] == 24           # Bc 128: one slot
     assert variant.paged(16).cache_form(dict(seed, split=0), chunk)["split"] == 0
     assert variant.paged(16).cache_form(dict(seed, Bc=64), wide)["split"] == 24   # d=256: spills in 232
@@ -152,23 +163,56 @@ def test_producer_keeps_40_registers_where_a_tile_is_several_slots():
 
 
 def test_paged_forms_gather_where_a_tile_is_several_slots():
-    """GATHER_KV where a K/V tile is several slots of a page and the producer keeps 40 registers; a
-    whole-tile page, a dense cache, the producer's 24 registers (d=256) or the variant's `gather`
-    off take a TMA box per slot and panel."""
+    """GATHER_KV where a K/V tile is several slots of a page, 16 TMA boxes or more, and the producer
+    keeps 40 registers; fewer boxes (d=128 on pages of 32 or 48, d=64 on pages of 16), a whole-tile
+    page, a dense cache, the producer's 24 registers (d=256) or the variant's `gather` off take a
+    TMA box per slot and panel."""
     chunk = Problem(2, 28, 256, 16384, 128, "bf16", "causal_br", 4)
+    narrow = Problem(2, 28, 256, 16384, 64, "bf16", "causal_br", 4)
     wide = Problem(2, 16, 300, 20000, 256, "bf16", "causal_br", 2)
     seed = dict(FAMILIES["flash_fwd_sm90"].seeds(H100_SXM, chunk)[0], Bc=128, split=24, cwg=2)
     variant = CACHE_VARIANTS["flash_fwd_sm90"]
-    for page, gathers in ((8, True), (16, True), (48, True), (256, False)):
+    for problem, page, boxes, gathers in ((chunk, 8, 32, True), (chunk, 16, 16, True), (chunk, 32, 8, False),
+                                          (chunk, 48, 4, False), (chunk, 256, 2, False), (narrow, 8, 16, True),
+                                          (narrow, 16, 8, False)):
         paged = variant.paged(page)
-        form = paged.cache_form(seed, chunk)
-        assert paged.gathers(form, chunk) == gathers and ("GATHER_KV" in paged.defines(form, chunk)) == gathers, page
+        form = paged.cache_form(seed, problem)
+        assert paged.tile_boxes(form["Bc"], problem) == boxes, (problem.head_dim, page, form)
+        assert paged.gathers(form, problem) == gathers, (problem.head_dim, page, form)
+        assert ("GATHER_KV" in paged.defines(form, problem)) == gathers, (problem.head_dim, page)
     assert not variant.gathers(variant.cache_form(seed, chunk), chunk) and "GATHER_KV" not in variant.defines(seed, chunk)
     form = variant.paged(16).cache_form(dict(seed, Bc=64), wide)
     assert form["split"] == 24 and not variant.paged(16).gathers(form, wide)
-    boxes = type(variant)()
-    boxes.gather, boxes.pages = False, 16
-    assert not boxes.gathers(variant.paged(16).cache_form(seed, chunk), chunk)
+    assert not _boxes(variant, 16).gathers(variant.paged(16).cache_form(seed, chunk), chunk)
+
+
+def test_paged_tiles_wider_than_a_gather_narrow_to_one():
+    """A tuned Bc over 128 (which GATHER_KV does not take) on pages of several slots a tile runs at
+    Bc 128 by the producer's copies, in every family, where that form gathers; by boxes (gather
+    off), where the form at 128 would not gather (one consumer: no producer registers to raise; a
+    K tail panel at d=80; d=64 on pages of 16: 8 boxes), on a dense cache, or on pages of whole
+    128-key tiles, the tile stays as page_tile gives it."""
+    chunk = Problem(2, 28, 256, 16384, 128, "bf16", "causal_br", 4)
+    tail = Problem(2, 16, 300, 9000, 80, "bf16", "causal_br", 2)
+    narrow = Problem(2, 28, 256, 16384, 64, "bf16", "causal_br", 4)
+    for base, dense in CACHE_VARIANTS.items():
+        seed = dict(FAMILIES[base].seeds(H100_SXM, chunk)[0], Bc=176, split=24, cwg=2)
+        for page in (8, 16):
+            form = dense.paged(page).cache_form(seed, chunk)
+            assert form == dict(_boxes(dense, page).cache_form(seed, chunk), Bc=128), (base, page, form)
+            assert dense.paged(page).gathers(form, chunk) and dense.paged(page).check(form, H100_SXM, chunk) is None
+            assert _boxes(dense, page).cache_form(seed, chunk)["Bc"] == 176
+            one = dense.paged(page).cache_form(dict(seed, cwg=1, split=0), chunk)
+            assert one["Bc"] == 176 and not dense.paged(page).gathers(one, chunk), (base, page, one)
+        assert dense.cache_form(seed, chunk)["Bc"] == 176 and dense.paged(256).cache_form(seed, chunk)["Bc"] == 128
+        assert not dense.paged(256).gathers(dense.paged(256).cache_form(seed, chunk), chunk)
+        form = dense.paged(16).cache_form(seed, tail)
+        assert form["Bc"] == 176 and not dense.paged(16).gathers(form, tail), form
+        # d=64: Bc 128 on pages of 16 is 8 boxes, too few to gather (Bc 176's 11 stay); on pages of 8, 16
+        form = dense.paged(16).cache_form(seed, narrow)
+        assert form["Bc"] == 176 and not dense.paged(16).gathers(form, narrow), form
+        form = dense.paged(8).cache_form(seed, narrow)
+        assert form["Bc"] == 128 and dense.paged(8).gathers(form, narrow), form
 
 
 def test_paged_views_of_strides_past_int32_are_not_kernel_ready():

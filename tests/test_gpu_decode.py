@@ -612,14 +612,20 @@ PAGED_HELD_KEYS_CASES = list(zip(HELD_KEYS_CASES, (16, 256, 48, 80, 32, 128))) +
 
 # K/V by the producer's cp.async (GATHER_KV) on each ring layout: d=64 (one 128-byte panel), 88 (64-byte
 # panels, the last chunk past the head dim), 96 (three 64-byte panels), 128 (two 128-byte panels, Bc 128;
-# on pages of 48 Bc 96, slots starting 0, 16 or 32 rows into a page); slots of 8, 16, 32 and 48 rows
-@pytest.mark.parametrize("d,page", [(64, 16), (88, 16), (96, 8), (128, 32), (128, 48)])
-def test_paged_gather_lands_each_tile_as_the_boxes_do(d, page, tmp_path, monkeypatch):
-    """flash_fwd_sm90's paged cache form on tiles of several slots, two consumers, with the producer's
+# on pages of 48 Bc 96, slots starting 0, 16 or 32 rows into a page); slots of 8, 16, 32 and 48 rows;
+# and a tuned Bc of 176 narrowed to 128 (cache_form) in the split and packed-GQA families; on each, the
+# copies however few boxes the tile takes (gather_min_boxes 0: d=64 on pages of 16 and d=128 on pages of
+# 32 and 48 take boxes where served)
+@pytest.mark.parametrize("base,d,page,bc", [("flash_fwd_sm90", 64, 16, 0), ("flash_fwd_sm90", 88, 16, 0),
+                                            ("flash_fwd_sm90", 96, 8, 0), ("flash_fwd_sm90", 128, 32, 0),
+                                            ("flash_fwd_sm90", 128, 48, 0), ("flash_fwd_sm90_split", 128, 8, 176),
+                                            ("flash_fwd_sm90_gqa", 64, 8, 176)])
+def test_paged_gather_lands_each_tile_as_the_boxes_do(base, d, page, bc, tmp_path, monkeypatch):
+    """A family's paged cache form on tiles of several slots, two consumers, with the producer's
     warpgroup copying K/V by cp.async (gather on) and with a TMA box per slot and panel (off): ragged
     lengths (0, 1, page +- 1, a tile's edge, the capacity), NaN past them, both within budget of
     float64, and O and the LSE bit for bit the same (the copies land the boxes' bytes: rows past a
-    length and before a page's first row as zeros)."""
+    length and before a page's first row as zeros). `bc`: the seed's Bc (0: its own)."""
     import torch
 
     from tuner import kvcache, kvcache_attention
@@ -629,10 +635,12 @@ def test_paged_gather_lands_each_tile_as_the_boxes_do(d, page, tmp_path, monkeyp
     gpu = _hopper()
     b, h, kvh, nq, cap = 6, 8, 2, 40, -(-3000 // page) * page
     problem = Problem(b, h, nq, cap, d, "bf16", "causal_br", kvh)
-    variant = CACHE_VARIANTS["flash_fwd_sm90"].paged(page)
-    forms = (variant.cache_form(seed, problem) for seed in FAMILIES["flash_fwd_sm90"].seeds(gpu, problem))
-    params = next(f for f in forms if f["cwg"] == 2 and variant.check(f, gpu, problem) is None)
-    assert variant.gathers(params, problem), params
+    variant = CACHE_VARIANTS[base].paged(page)
+    monkeypatch.setattr(variant, "gather_min_boxes", 0)
+    seeds = (dict(seed, Bc=bc or seed["Bc"]) for seed in FAMILIES[base].seeds(gpu, problem))
+    forms = (variant.cache_form(seed, problem) for seed in seeds if seed["cwg"] == 2 and seed["split"])
+    params = next(f for f in forms if variant.check(f, gpu, problem) is None)
+    assert variant.gathers(params, problem) and params["Bc"] <= 128, params
     monkeypatch.setattr(kvcache, "held_keys_config", lambda *args: (variant, params))
     rng = random.Random()
     lens = [0, 1, page - 1, page + 1, rng.choice([127, 128, 129, 177]), cap]
