@@ -3,13 +3,15 @@
     python3 benchmarks/paged_copies_ab.py [--page ROWS] [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
 
 For each call, kvcache_attention's paged plan (bf16, bottom-right causal, lengths in [cap/2, cap],
-zeros past them, a shuffled block table) in three forms, timed in turns (tuner.timing.Timer) beside
-the dense cache's plan on the same keys: "boxes", the served form with its variant's `gather` off (a
+zeros past them, a shuffled block table) in up to three forms, timed in turns (tuner.timing.Timer)
+beside the dense cache's plan on the same keys: "boxes", the form with its variant's `gather` off (a
 TMA box per slot and panel); where that form's tile is wider than 128 keys, which GATHER_KV does not
-take, "boxes128", the same at Bc 128; and "gather", the form at Bc <= 128 with the producer's copies.
-Each output is checked against float64 on the first sequence; FA4 (`page_table`) beside where it loads.
-What the GATHER_KV rule (flash_fwd_sm90_cache.CacheLensVariant.gathers) and its Bc bound rest on
-(PERF_NOTES "x17").
+take, "boxes128", the same at Bc 128; and "gather", the form with the producer's copies (at Bc <=
+128 where cache_form finds one), however few boxes its tile would take (`gather_min_boxes` 0).
+"served" names the one kvcache_attention serves. Each output is checked against float64 on the
+first sequence; FA4 (`page_table`) beside where it loads. What the GATHER_KV rule
+(flash_fwd_sm90_cache.CacheLensVariant.gathers, cache_form's narrowing) rests on (PERF_NOTES
+"x17", "x18").
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     from tuner.reference import attention_fp64, compare
     from tuner.timing import Timer
 
-    served_config, force = kvcache.held_keys_config, {}
+    served_config, force, asked = kvcache.held_keys_config, {}, {}
 
     def config(*a):   # the served (variant, params), with `force`'s keys over its params
+        asked["problem"] = a[1]
         got = served_config(*a)
         return got if got is None or not force else (got[0], dict(got[1], **force))
 
@@ -73,16 +76,24 @@ def main(argv: list[str] | None = None) -> int:
             if variant is None or not hasattr(variant, "gather"):
                 print(f"{case}: not served by a paged Hopper variant ({served.reason}); skipped", file=sys.stderr)
                 continue
-            wide = served.params["Bc"] > 128
-            plans = {}
+            problem, plans = asked["problem"], {}
             variant.gather = False
             try:
                 plans["boxes"] = plan_of({})
-                if wide:
+                if plans["boxes"][1].params["Bc"] > 128:
                     plans["boxes128"] = plan_of({"Bc": 128})
             finally:
                 variant.gather = True
-            plans["gather"] = plan_of({"Bc": 128} if wide else {})
+            least, variant.gather_min_boxes = variant.gather_min_boxes, 0
+            try:
+                gather = plan_of({})
+                gathers = variant.gathers(gather[1].params, problem)   # however few boxes its tile takes
+            finally:
+                variant.gather_min_boxes = least
+            if gathers:
+                plans["gather"] = gather
+            served_name = "gather" if variant.gathers(served.params, problem) else "boxes"
+            assert plans[served_name][1].params == served.params, (case, served_name, served.params)
 
             def with_plan(key, plan):
                 def call():
@@ -101,15 +112,15 @@ def main(argv: list[str] | None = None) -> int:
             times = timer.interleaved(fns)
             us = {n: t.median_ms * 1e3 for n, t in times.items()}
             forms = {n: dict(family=p.family.name, params=p.params) for n, (_, p) in plans.items()}
-            rows.append(dict(case=case, page=args.page, lens=lens, us=us, forms=forms, rel_err=errs))
+            rows.append(dict(case=case, page=args.page, lens=lens, us=us, forms=forms, served=served_name, rel_err=errs))
             print(f"{case:<22} page {args.page} " + "  ".join(f"{n} {x:7.1f} us" for n, x in us.items())
                   + "  Bc " + " ".join(f"{n}:{p.params['Bc']}" for n, (_, p) in plans.items())
+                  + f"  served: {served_name}"
                   + f"  max err {max(errs.values()):.2g}", flush=True)
+            if args.json:   # after each call, so a run cut short keeps what it timed
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     finally:
         kvcache.held_keys_config = served_config
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
     return 0
 
 
