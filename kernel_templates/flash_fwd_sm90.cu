@@ -89,14 +89,16 @@
 // reads it as wgmma's A operand; the BC / 4 registers P held are what three consumers lack at
 // Bc = 128 (O 48 + S 64 + P 32 + 32 of their 160 at d = 96).
 //
-// GATHER_KV (CACHE_PAGES, 16-bit; a K/V tile of several slots of a page, Bc <= 128, no K tail panel):
+// GATHER_KV (CACHE_PAGES, 16-bit; a K/V tile of several slots of a page, Bc <= 128; K's tail panel,
+// where it has one, is a row's last 128-byte segment):
 // the producer's whole warpgroup copies each K/V tile by cp.async (gather_tile) into the swizzled
 // layout the boxes would give, each row from its page, and each thread's arrival on the stage's
 // barrier lands with its copies (cp.async.mbarrier.arrive.noinc), so no thread waits for its own;
 // the consumers fence the generic proxy's writes before their products read the stage. TMA took a
 // box per slot and panel (two per 16 rows at d=128), and on pages of 16 the paged cache ran 1.15x
-// the dense cache's time; the copies ran 1.07-1.10x faster than those boxes (H200,
-// benchmarks/PERF_NOTES.md, "x16", "x17").
+// the dense cache's time; the copies ran 1.07-1.10x faster than those boxes, at d=80 with the tail
+// panel 1.15x on pages of 16 and 1.64-1.80x on pages of 8 (H200, benchmarks/PERF_NOTES.md, "x16",
+// "x17", "x18").
 //
 // Set by the family spec: BC HEAD_DIM D_VALID PROD_COLS (flash_fwd_sm90.prod_cols) PANEL_COLS P_SMEM STAGES CWG PRODUCER_REGS CONSUMER_REGS OVERLAP PINGPONG
 // PERSISTENT TMA_STORE CHAIN IN_DTYPE IS_CAUSAL MASK_BR (causal: 0 top-left, 1 bottom-right), VARLEN, SPLIT_KV, TAIL_SPLIT,
@@ -419,21 +421,33 @@ FT_DEVICE void gather_tile(T* stage, const KvSource& src, int hk, const SlotPlac
   constexpr int SEGS = (CH + 7) / 8;     // 128-byte segments a row
   constexpr int CPP = ROW_BYTES / 16;    // chunks a panel's row
   constexpr int STEPS = GATHER_ROWS / 4;
-  static_assert(!R::TAIL && GATHER_OWN == 1 && GATHER_ROWS % 4 == 0,
-                "GATHER_KV: no K tail panel, a lane's own row per tile (Bc <= 128), whole steps of four rows");
+  // K's tail panel (R::TAIL): the segments from TAIL_SEG on land in it, TAIL_BYTES a row
+  constexpr int TAIL_SEG = R::TAIL ? TAIL_PANELS * ROW_BYTES / 128 : SEGS;
+  static_assert(GATHER_OWN == 1 && GATHER_ROWS % 4 == 0, "GATHER_KV: a lane's own row per tile (Bc <= 128), whole steps of four rows");
+  static_assert(!R::TAIL || (TAIL_PANELS * ROW_BYTES % 128 == 0 && TAIL_SEG == SEGS - 1),
+                "GATHER_KV with a K tail panel: the tail is a row's last 128-byte segment, from its start");
   const int lane = threadIdx.x % 32, c8 = lane % 8, sub = lane / 8;
   const int row0 = threadIdx.x / 32 * GATHER_ROWS + sub;   // this lane's row of step 0
   const T* own = src.base + wide_mul(hk, src.head) + wide_mul(max(at.page[0], 0), src.page) + wide_mul(at.row[0], src.row);
   const unsigned long long tagged = reinterpret_cast<unsigned long long>(own) | (at.page[0] < 0 ? 1ull : 0ull);
-  const unsigned x0 = (row0 * ROW_BYTES >> 7) & (CPP - 1);
+  // each segment's offset on even steps and on odd ones, which differ by the swizzle's flip; with a K
+  // tail panel both rings keep one and flip it by an XOR on odd steps (a second spilled 8 B at d=80)
+  constexpr bool ODD_XOR = K_TAIL > 0;
   unsigned dst[SEGS][2];
   bool col_ok[SEGS];
 #pragma unroll
   for (int s = 0; s < SEGS; ++s) {
     const int c = s * 8 + c8;
-    const unsigned at_row = smem_u32(stage) + (c / CPP) * BC * ROW_BYTES + row0 * ROW_BYTES;
-    dst[s][0] = at_row + (((c % CPP) ^ x0) << 4);
-    dst[s][1] = at_row + (((c % CPP) ^ x0 ^ (ROW_BYTES / 32)) << 4);
+    if (s < TAIL_SEG) {
+      const unsigned x0 = (row0 * ROW_BYTES >> 7) & (CPP - 1);
+      const unsigned at_row = smem_u32(stage) + (c / CPP) * BC * ROW_BYTES + row0 * ROW_BYTES;
+      dst[s][0] = at_row + (((c % CPP) ^ x0) << 4);
+      dst[s][1] = ODD_XOR ? 0 : at_row + (((c % CPP) ^ x0 ^ (ROW_BYTES / 32)) << 4);
+    } else {   // the tail panel's rows, in its own swizzle (TAIL_BYTES: 32 or 64)
+      const unsigned x0 = (row0 * TAIL_BYTES >> 7) & (TAIL_BYTES / 16 - 1);
+      dst[s][0] = smem_u32(stage) + TAIL_PANELS * BC * ROW_BYTES + row0 * TAIL_BYTES + ((c8 ^ x0) << 4);
+      dst[s][1] = 0;
+    }
     col_ok[s] = c < CH && c * ELEMS < D_VALID;
   }
 #pragma unroll
@@ -444,7 +458,9 @@ FT_DEVICE void gather_tile(T* stage, const KvSource& src, int hk, const SlotPlac
 #pragma unroll
     for (int s = 0; s < SEGS; ++s) {
       if (s * 8 + 8 > CH && c8 >= CH - s * 8) continue;   // (lanes past a short last segment: none)
-      cp_async16(dst[s][j & 1] + j * 4 * ROW_BYTES, from + s * 128, held && col_ok[s]);
+      const int b = s < TAIL_SEG ? ROW_BYTES : TAIL_BYTES;   // the segment's bytes a row in shared memory
+      const unsigned to = ODD_XOR ? (dst[s][0] ^ (j & 1 ? b / 32 << 4 : 0)) + j * 4 * b : dst[s][j & 1] + j * 4 * b;
+      cp_async16(to, from + s * 128, held && col_ok[s]);
     }
   }
 #endif

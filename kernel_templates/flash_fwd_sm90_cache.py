@@ -20,7 +20,7 @@ from tuner.family import KernelFamily
 from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem
 
-from .flash_fwd_sm90 import FlashFwdSm90, consumer_regs, k_tail, p_in_smem, tile_dim
+from .flash_fwd_sm90 import FlashFwdSm90, consumer_regs, k_tail, p_in_smem, prod_cols, tile_dim
 from .sm90_tma import tile_panel
 from .flash_fwd_sm90_gqa import PackedGqaFlashFwdSm90
 from .flash_fwd_sm90_split import SplitFlashFwdSm90
@@ -49,12 +49,16 @@ class CacheLensVariant:
     def gathers(self, params: dict, problem: Problem) -> bool:
         """Whether the producer's warpgroup copies each K/V tile by cp.async (GATHER_KV) rather than
         a TMA box per slot and panel: where a tile is several slots of a page, takes 16 boxes or more
-        (tile_boxes) and the producer keeps 40 registers (producer_regs). Where the boxes were fewer
+        (tile_boxes) and the producer keeps 40 registers (producer_regs); a K tail panel (d=72-80)
+        where it is a row's last 128-byte segment (gather_tile). Where the boxes were fewer
         they won: at d=64 on pages of 16 (8 boxes at Bc 128) the copies ran 0.91-0.97x the boxes'
-        speed (5 calls); at d=128 (16 boxes) 1.04-1.11x, at d=64 on pages of 8 (16) 1.14x (H200, x18)."""
-        bc = params["Bc"]
+        speed (5 calls), at d=128 on pages of 32 (8) 0.94-0.96x (3 of 4); at 16 boxes or more,
+        1.04-1.11x at d=128 on pages of 16, 1.14x at d=64 on pages of 8, 1.27-1.29x at d=96 (24) and
+        1.15x at d=80 (16, with the tail) on pages of 16 (H200, x18)."""
+        bc, tail = params["Bc"], k_tail(params, problem)
         return (self.gather and bool(self.pages) and self.slot_rows(bc) < bc <= GATHER_MAX_BC
-                and params["split"] >= 40 and not k_tail(params, problem)
+                and params["split"] >= 40
+                and (not tail or (prod_cols(params, problem) - tail) * DTYPE_BYTES[problem.dtype] % 128 == 0)
                 and self.tile_boxes(bc, problem) >= self.gather_min_boxes)
 
     def tile_boxes(self, bc: int, problem: Problem) -> int:

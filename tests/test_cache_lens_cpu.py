@@ -78,8 +78,7 @@ def test_paged_variants_compile_for_sm90a_without_spills(problem, page):
                 continue
             cols = tile_dim(problem) * 2   # bytes of a tile row, in 128-byte panels where they divide it
             boxes = params["Bc"] // math.gcd(params["Bc"], page) * cols // (128 if cols % 128 == 0 else 64)
-            gathers = (math.gcd(params["Bc"], page) < params["Bc"] <= 128 and params["split"] == 40
-                       and not k_tail(params, problem) and boxes >= 16)
+            gathers = math.gcd(params["Bc"], page) < params["Bc"] <= 128 and params["split"] == 40 and boxes >= 16
             assert variant.gathers(params, problem) == gathers
             assert variant.defines(params, problem) == {**dense.defines(params, problem), "CACHE_PAGES": page,
                                                         **({"GATHER_KV": 1} if gathers else {})}
@@ -89,6 +88,24 @@ def test_paged_variants_compile_for_sm90a_without_spills(problem, page):
             assert bool(re.search(r"\bLDGSTS(\.\w+)*\b", sass)) == gathers, (variant.name, params)
             built += 1
     assert built >= 2, problem.key
+
+
+@pytest.mark.parametrize("d", [72, 80])
+def test_paged_gather_with_a_k_tail_panel_compiles_without_spills(d):
+    """At d=72-80 K's ring row is a 128-byte panel and a 32-byte tail panel (K_TAIL): GATHER_KV copies
+    the tail's chunks into it, each family's two-consumer form on pages of 16 and 8 with no spills or
+    local memory (one offset a segment there: two spilled 8 B), and LDGSTS in the SASS."""
+    problem = Problem(4, 32, 512, 8192, d, "bf16", "causal_br", 4)
+    for base, dense in CACHE_VARIANTS.items():
+        seed = dict(FAMILIES[base].seeds(H100_SXM, problem)[0], Bc=128, split=24, cwg=2)
+        for page in (16, 8):
+            variant = dense.paged(page)
+            params = variant.cache_form(seed, problem)
+            assert k_tail(params, problem) == 16 and variant.gathers(params, problem), (base, page, params)
+            assert variant.defines(params, problem)["GATHER_KV"] == 1 and variant.defines(params, problem)["K_TAIL"] == 16
+            _assert_builds_clean(variant, params, problem)
+            sass = sass_listing(compile_kernel(variant, params, problem, H100_SXM.arch).cubin)
+            assert re.search(r"\bLDGSTS(\.\w+)*\b", sass), (base, page)
 
 
 def test_paged_caches_take_the_variant_where_pages_are_whole_swizzle_atoms(tmp_path):
@@ -189,9 +206,9 @@ def test_paged_forms_gather_where_a_tile_is_several_slots():
 def test_paged_tiles_wider_than_a_gather_narrow_to_one():
     """A tuned Bc over 128 (which GATHER_KV does not take) on pages of several slots a tile runs at
     Bc 128 by the producer's copies, in every family, where that form gathers; by boxes (gather
-    off), where the form at 128 would not gather (one consumer: no producer registers to raise; a
-    K tail panel at d=80; d=64 on pages of 16: 8 boxes), on a dense cache, or on pages of whole
-    128-key tiles, the tile stays as page_tile gives it."""
+    off), where the form at 128 would not gather (one consumer: no producer registers to raise;
+    d=64 on pages of 16: 8 boxes), on a dense cache, or on pages of whole 128-key tiles, the tile
+    stays as page_tile gives it."""
     chunk = Problem(2, 28, 256, 16384, 128, "bf16", "causal_br", 4)
     tail = Problem(2, 16, 300, 9000, 80, "bf16", "causal_br", 2)
     narrow = Problem(2, 28, 256, 16384, 64, "bf16", "causal_br", 4)
@@ -206,8 +223,8 @@ def test_paged_tiles_wider_than_a_gather_narrow_to_one():
             assert one["Bc"] == 176 and not dense.paged(page).gathers(one, chunk), (base, page, one)
         assert dense.cache_form(seed, chunk)["Bc"] == 176 and dense.paged(256).cache_form(seed, chunk)["Bc"] == 128
         assert not dense.paged(256).gathers(dense.paged(256).cache_form(seed, chunk), chunk)
-        form = dense.paged(16).cache_form(seed, tail)
-        assert form["Bc"] == 176 and not dense.paged(16).gathers(form, tail), form
+        form = dense.paged(16).cache_form(seed, tail)   # d=80: K's tail panel gathers too
+        assert form["Bc"] == 128 and k_tail(form, tail) and dense.paged(16).gathers(form, tail), form
         # d=64: Bc 128 on pages of 16 is 8 boxes, too few to gather (Bc 176's 11 stay); on pages of 8, 16
         form = dense.paged(16).cache_form(seed, narrow)
         assert form["Bc"] == 176 and not dense.paged(16).gathers(form, narrow), form

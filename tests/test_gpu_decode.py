@@ -611,12 +611,14 @@ PAGED_HELD_KEYS_CASES = list(zip(HELD_KEYS_CASES, (16, 256, 48, 80, 32, 128))) +
 
 
 # K/V by the producer's cp.async (GATHER_KV) on each ring layout: d=64 (one 128-byte panel), 88 (64-byte
-# panels, the last chunk past the head dim), 96 (three 64-byte panels), 128 (two 128-byte panels, Bc 128;
+# panels, the last chunk past the head dim), 80 and 72 (K's tail panel of 32-byte rows, the columns
+# past 72 zeros), 96 (three 64-byte panels), 128 (two 128-byte panels, Bc 128;
 # on pages of 48 Bc 96, slots starting 0, 16 or 32 rows into a page); slots of 8, 16, 32 and 48 rows;
 # and a tuned Bc of 176 narrowed to 128 (cache_form) in the split and packed-GQA families; on each, the
 # copies however few boxes the tile takes (gather_min_boxes 0: d=64 on pages of 16 and d=128 on pages of
 # 32 and 48 take boxes where served)
 @pytest.mark.parametrize("base,d,page,bc", [("flash_fwd_sm90", 64, 16, 0), ("flash_fwd_sm90", 88, 16, 0),
+                                            ("flash_fwd_sm90", 80, 16, 0), ("flash_fwd_sm90_gqa", 72, 8, 0),
                                             ("flash_fwd_sm90", 96, 8, 0), ("flash_fwd_sm90", 128, 32, 0),
                                             ("flash_fwd_sm90", 128, 48, 0), ("flash_fwd_sm90_split", 128, 8, 176),
                                             ("flash_fwd_sm90_gqa", 64, 8, 176)])
