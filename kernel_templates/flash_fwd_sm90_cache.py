@@ -21,9 +21,9 @@ from tuner.gpu import GpuSpec
 from tuner.problem import DTYPE_BYTES, Problem
 
 from .flash_fwd_sm90 import FlashFwdSm90, consumer_regs, k_tail, p_in_smem, prod_cols, tile_dim
-from .sm90_tma import tile_panel
 from .flash_fwd_sm90_gqa import PackedGqaFlashFwdSm90
 from .flash_fwd_sm90_split import SplitFlashFwdSm90
+from .sm90_tma import tile_panel
 
 
 GATHER_MAX_BC = 128   # GATHER_KV's widest K/V tile: a lane reads one row's place (Bc 176 spilled 16-32 B with two)
@@ -62,7 +62,8 @@ class CacheLensVariant:
                 and self.tile_boxes(bc, problem) >= self.gather_min_boxes)
 
     def tile_boxes(self, bc: int, problem: Problem) -> int:
-        """The TMA boxes a K tile of `bc` keys takes on this variant's pages: one per slot and panel."""
+        """The TMA boxes a K tile of `bc` keys takes on this variant's pages: one per slot and panel
+        (at d=72-80 the 128-byte panel and K's tail panel)."""
         cols = tile_dim(problem)
         return bc // self.slot_rows(bc) * (cols // tile_panel(cols, DTYPE_BYTES[problem.dtype]))
 
