@@ -9,7 +9,8 @@ TMA box per slot and panel); where that form's tile is wider than 128 keys, whic
 take, "boxes128", the same at Bc 128; and "gather", the form with the producer's copies (at Bc <=
 128 where cache_form finds one), however few boxes its tile would take (`gather_min_boxes` 0).
 "served" names the one kvcache_attention serves. Each output is checked against float64 on the
-first sequence; FA4 (`page_table`) beside where it loads. What the GATHER_KV rule
+first sequence; FA4 beside where it loads, on the pages (`page_table`) and on the dense cache
+("fa4_dense": whether a gap to FA4 is the pages' or the kernel's). What the GATHER_KV rule
 (flash_fwd_sm90_cache.CacheLensVariant.gathers, cache_form's narrowing) rests on (PERF_NOTES
 "x17", "x18").
 """
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("paged_copies_ab needs an NVIDIA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    from kvcache_steps import cache_case, fa4_paged_call
+    from kvcache_steps import cache_case, fa4_call, fa4_paged_call
 
     from tuner import kvcache, kvcache_attention
     from tuner.reference import attention_fp64, compare
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             fns["dense"] = lambda: kvcache_attention(q, k, v, seqlens)
             if (fa4 := fa4_paged_call(q, kc, vc, seqlens, table)) is not None:
                 fns["fa4"] = fa4[0]
+                if (fa4_dense := fa4_call(q, k, v, seqlens)) is not None:   # without pages: the kernel's gap
+                    fns["fa4_dense"] = fa4_dense[0]
             ref_o, _ = attention_fp64(q[:1], k[:1, :, :lens[0]], v[:1, :, :lens[0]], "causal_br", 1 / math.sqrt(d))
             errs = {}
             for name, fn in fns.items():
