@@ -25,8 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# x17's five d=128 calls, then one a head dim: a packed GQA chunk at d=64 (FA4 led on pages of 8, x18),
+# Phi-2's d=80 (K's tail panel), Phi-3's d=96 (64-byte panels), Gemma's d=256 (boxes: split 24)
 CASES = ["8,32:8,16:8192,128", "32,32:8,8:8192,128", "64,8:1,16:4096,128", "4,32:8,512:8192,128",
-         "2,28:4,256:16384,128"]
+         "2,28:4,256:16384,128", "8,40:5,200:8192,64", "2,32:32,256:8192,80", "2,32:32,256:8192,96",
+         "2,16:16,256:8192,256"]
 
 
 def main(argv: list[str] | None = None) -> int:
