@@ -52,7 +52,7 @@ class CacheLensVariant:
         (tile_boxes) and the producer keeps 40 registers (producer_regs); a K tail panel (d=72-80)
         where it is a row's last 128-byte segment (gather_tile). Where the boxes were fewer
         they won: at d=64 on pages of 16 (8 boxes at Bc 128) the copies ran 0.91-0.97x the boxes'
-        speed (5 calls), at d=128 on pages of 32 (8) 0.94-0.96x (3 of 4); at 16 boxes or more,
+        speed (5 calls), at d=128 on pages of 32 (8) 0.93-0.96x (3 of 4); at 16 boxes or more,
         1.04-1.11x at d=128 on pages of 16, 1.14x at d=64 on pages of 8, 1.27-1.29x at d=96 (24) and
         1.15x at d=80 (16, with the tail) on pages of 16 (H200, x18)."""
         bc, tail = params["Bc"], k_tail(params, problem)
