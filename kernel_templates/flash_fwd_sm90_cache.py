@@ -50,11 +50,11 @@ class CacheLensVariant:
         """Whether the producer's warpgroup copies each K/V tile by cp.async (GATHER_KV) rather than
         a TMA box per slot and panel: where a tile is several slots of a page, takes 16 boxes or more
         (tile_boxes) and the producer keeps 40 registers (producer_regs); a K tail panel (d=72-80)
-        where it is a row's last 128-byte segment (gather_tile). Where the boxes were fewer
-        they won: at d=64 on pages of 16 (8 boxes at Bc 128) the copies ran 0.91-0.97x the boxes'
-        speed (5 calls), at d=128 on pages of 32 (8) 0.93-0.96x (3 of 4); at 16 boxes or more,
-        1.04-1.11x at d=128 on pages of 16, 1.14x at d=64 on pages of 8, 1.27-1.29x at d=96 (24) and
-        1.15x at d=80 (16, with the tail) on pages of 16 (H200, x18)."""
+        where it is a row's last 128-byte segment (gather_tile). The copies against the boxes at
+        the same Bc (H200, x18): where a tile took 8 boxes, 0.94-1.00x at d=64 on pages of 16 (5
+        calls) and 0.93-0.96x at d=128 on pages of 32 (3 of 4); at 16 or more, 1.06-1.16x at d=128
+        on pages of 16 (7), 1.14-1.43x at d=64 on pages of 8 (5), 1.27-1.36x at d=96 (24 boxes)
+        and 1.15x at d=80 (16, with the tail) on pages of 16."""
         bc, tail = params["Bc"], k_tail(params, problem)
         return (self.gather and bool(self.pages) and self.slot_rows(bc) < bc <= GATHER_MAX_BC
                 and params["split"] >= 40
