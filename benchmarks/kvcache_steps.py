@@ -30,6 +30,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass
+from unittest import mock
 
 CASES = ["8,32:8,16:8192,128", "32,32:8,8:8192,128", "8,28:4,8:32768,128", "64,8:1,16:4096,128",
          "4,32:8,16:16384,64", "4,32:8,512:8192,128", "2,28:4,256:16384,128"]
@@ -194,12 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         variant = plans["now"].family
         if args.boxes and getattr(variant, "gather", None):   # the same form with TMA boxes
             kvcache._plans.clear()
-            variant.gather = False
-            try:
+            with mock.patch.object(variant, "gather", False):
                 outs["boxes"] = kvcache_attention(q, kc, vc, seqlens, table)
                 plans["boxes"] = kvcache._plans[key]
-            finally:
-                variant.gather = True
 
         def with_plan(plan):   # the two plans share a key: each call puts its own in place
             def call():

@@ -22,6 +22,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvcache_steps import cache_case, fa4_call, fa4_paged_call
 
     from tuner import kvcache, kvcache_attention
+    from tuner.kernel_templates.flash_fwd_sm90_cache import GATHER_MAX_BC
     from tuner.reference import attention_fp64, compare
     from tuner.timing import Timer
 
@@ -81,19 +83,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{case}: not served by a paged Hopper variant ({served.reason}); skipped", file=sys.stderr)
                 continue
             problem, plans = asked["problem"], {}
-            variant.gather = False
-            try:
+            with mock.patch.object(variant, "gather", False):
                 plans["boxes"] = plan_of({})
-                if plans["boxes"][1].params["Bc"] > 128:
-                    plans["boxes128"] = plan_of({"Bc": 128})
-            finally:
-                variant.gather = True
-            least, variant.gather_min_boxes = variant.gather_min_boxes, 0
-            try:
+                if plans["boxes"][1].params["Bc"] > GATHER_MAX_BC:
+                    plans["boxes128"] = plan_of({"Bc": GATHER_MAX_BC})
+            with mock.patch.object(variant, "gather_min_boxes", 0):   # however few boxes its tile takes
                 gather = plan_of({})
-                gathers = variant.gathers(gather[1].params, problem)   # however few boxes its tile takes
-            finally:
-                variant.gather_min_boxes = least
+                gathers = variant.gathers(gather[1].params, problem)
             if gathers:
                 plans["gather"] = gather
             served_name = "gather" if variant.gathers(served.params, problem) else "boxes"
