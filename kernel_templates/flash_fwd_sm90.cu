@@ -479,9 +479,8 @@ FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing
 #if GATHER_KV
   gather_tile<R>(ring + p.index() * R::STAGE_ELEMS, R::KEYS ? pages.k : pages.v, w.hk, at);
   bars.commit_copies(p);
-  return;
-#endif
-#if CACHE_PAGES && !GATHER_KV
+#else
+#if CACHE_PAGES
   if (leader) bars.expect(p, R::BYTES);
   if constexpr (WARP_PAGES) __syncwarp();   // (lanes' bytes may land before the post: its arrival is pending)
   else if (!leader) return;
@@ -500,7 +499,7 @@ FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing
     else tma_load_4d(dst, map, bars.full_bar(p), col, loaded_key(t, seq), w.hk, VARLEN ? 0 : w.b);
   };
   constexpr int panels = R::TAIL ? TAIL_PANELS : PANELS;
-#if CACHE_PAGES && !GATHER_KV
+#if CACHE_PAGES
   // this lane's slot from its page (`at`, place_slot): a box per panel
   const int slot = WARP_PAGES ? threadIdx.x % 32 : 0, rows = slot * PAGE_BOX;
   if (slot < PAGE_SLOTS) {
@@ -517,6 +516,7 @@ FT_DEVICE void load_kv(T* ring, const TmaMap* tmap, const TmaMap* tail, MbarRing
   for (int panel = 0; panel < panels; ++panel) box(stage + panel * BC * PANEL_COLS, tmap, panel * PANEL_COLS);
   if constexpr (R::TAIL > 0) box(stage + TAIL_PANELS * BC * PANEL_COLS, tail, TAIL_PANELS * PANEL_COLS);
 #endif
+#endif   // GATHER_KV
 }
 
 // WARP_PRODUCER: the whole warp runs the loop, so its values are warp-uniform and ptxas keeps them in
