@@ -431,8 +431,9 @@ FT_DEVICE void gather_tile(T* stage, const KvSource& src, int hk, const SlotPlac
   const T* own = src.base + wide_mul(hk, src.head) + wide_mul(max(at.page[0], 0), src.page) + wide_mul(at.row[0], src.row);
   const unsigned long long tagged = reinterpret_cast<unsigned long long>(own) | (at.page[0] < 0 ? 1ull : 0ull);
   // each segment's offset on even steps and on odd ones, which differ by the swizzle's flip; with a K
-  // tail panel both rings keep one and flip it by an XOR on odd steps (a second spilled 8 B at d=80)
-  constexpr bool ODD_XOR = K_TAIL > 0;
+  // tail panel, or in the producer's 24 registers, both rings keep one and flip it by an XOR on odd
+  // steps (a second spilled 8 B at d=80, and at d=64 under three consumers)
+  constexpr bool ODD_XOR = K_TAIL > 0 || PRODUCER_REGS < 40;
   unsigned dst[SEGS][2];
   bool col_ok[SEGS];
 #pragma unroll

@@ -37,6 +37,7 @@ class CacheLensVariant:
     pages: int = 0   # a paged cache's rows a page (CACHE_PAGES); 0: dense
     gather: bool = True   # K/V tiles of several slots by cp.async where gathers() allows (False: boxes)
     gather_min_boxes: int = 16   # the fewest boxes (tile_boxes) a K tile takes where it gathers
+    gather_min_split: int = 40   # the fewest producer registers (split) a form gathers in
 
     def defines(self, params: dict, problem: Problem) -> dict[str, int]:
         own = {"CACHE_LENS": 1}
@@ -49,7 +50,8 @@ class CacheLensVariant:
     def gathers(self, params: dict, problem: Problem) -> bool:
         """Whether the producer's warpgroup copies each K/V tile by cp.async (GATHER_KV) rather than
         a TMA box per slot and panel: where a tile is several slots of a page, takes 16 boxes or more
-        (tile_boxes) and the producer keeps 40 registers (producer_regs); a K tail panel (d=72-80)
+        (tile_boxes) and the producer keeps the registers its copies take (gather_split: 40, raised by
+        producer_regs; the packed family's at d=64 24); a K tail panel (d=72-80)
         where it is a row's last 128-byte segment (gather_tile). The copies against the boxes at
         the same Bc (H200, x18): where a tile took 8 boxes, 0.94-1.00x at d=64 on pages of 16 (5
         calls) and 0.93-0.96x at d=128 on pages of 32 (3 of 4); at 16 or more, 1.06-1.16x at d=128
@@ -57,9 +59,13 @@ class CacheLensVariant:
         and 1.15x at d=80 (16, with the tail) on pages of 16."""
         bc, tail = params["Bc"], k_tail(params, problem)
         return (self.gather and bool(self.pages) and self.slot_rows(bc) < bc <= GATHER_MAX_BC
-                and params["split"] >= 40
+                and params["split"] >= self.gather_split(problem)
                 and (not tail or (prod_cols(params, problem) - tail) * DTYPE_BYTES[problem.dtype] % 128 == 0)
                 and self.tile_boxes(bc, problem) >= self.gather_min_boxes)
+
+    def gather_split(self, problem: Problem) -> int:
+        """The fewest producer registers (split) the copies take without spilling: 40 (gather_min_split)."""
+        return self.gather_min_split
 
     def tile_boxes(self, bc: int, problem: Problem) -> int:
         """The TMA boxes a K tile of `bc` keys takes on this variant's pages: one per slot and panel
@@ -176,6 +182,13 @@ class CacheSplitFlashFwdSm90(CacheLensVariant, SplitFlashFwdSm90):
 class CachePackedGqaFlashFwdSm90(CacheLensVariant, PackedGqaFlashFwdSm90):
     name = "flash_fwd_sm90_gqa_cache"
     cuts_tail = False
+
+    def gather_split(self, problem: Problem) -> int:
+        # rows of one whole 128-byte segment (d=64, 16-bit): the packed producer's copies fit its 24
+        # registers, so three consumers (split 24) gather; 8-20 B spilled at d=56, and in flash_fwd_sm90's
+        # producer at d=32-64 (ptxas, sm_90a). On pages of 8 they ran 1.08x two consumers' copies at 40
+        # (H200, PERF_NOTES "x19").
+        return 24 if problem.head_dim * DTYPE_BYTES[problem.dtype] == 128 else super().gather_split(problem)
 
     def own_form(self, params: dict, problem: Problem) -> dict:
         # a persistent packed config splits no keys; its grid form's come from the occupancy

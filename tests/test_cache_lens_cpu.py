@@ -203,6 +203,25 @@ def test_paged_forms_gather_where_a_tile_is_several_slots():
     assert not _boxes(variant, 16).gathers(variant.paged(16).cache_form(seed, chunk), chunk)
 
 
+@pytest.mark.parametrize("page", [8, 16])
+def test_three_packed_consumers_gather_in_the_producer_s_24_registers_at_d64(page):
+    """The packed family's three consumers at d=64 (split 24: no registers to raise) gather on pages
+    of 8 (16 boxes a tile), with no spills or local memory and LDGSTS in the SASS; on pages of 16 (8
+    boxes) they take the boxes. At d=56 and in flash_fwd_sm90 the copies need 40 registers."""
+    problem = Problem(8, 40, 200, 8192, 64, "bf16", "causal_br", 5)
+    variant = CACHE_VARIANTS["flash_fwd_sm90_gqa"].paged(page)
+    params = variant.cache_form(FAMILIES["flash_fwd_sm90_gqa"].default(H100_SXM, problem), problem)
+    assert (params["Bc"], params["cwg"], params["split"]) == (128, 3, 24), params
+    assert variant.gathers(params, problem) == (page == 8) and variant.check(params, H100_SXM, problem) is None
+    _assert_builds_clean(variant, params, problem)
+    sass = sass_listing(compile_kernel(variant, params, problem, H100_SXM.arch).cubin)
+    assert bool(re.search(r"\bLDGSTS(\.\w+)*\b", sass)) == (page == 8)
+    odd = replace(problem, head_dim=56)
+    assert variant.gather_split(odd) == 40 and not variant.gathers(params, odd)
+    plain = CACHE_VARIANTS["flash_fwd_sm90"].paged(page)
+    assert plain.gather_split(problem) == 40 and not plain.gathers(dict(params, Bc=128, cwg=3, split=24), problem)
+
+
 def test_paged_tiles_wider_than_a_gather_narrow_to_one():
     """A tuned Bc over 128 (which GATHER_KV does not take) on pages of several slots a tile runs at
     Bc 128 by the producer's copies, in every family, where that form gathers; by boxes (gather

@@ -617,17 +617,18 @@ PAGED_HELD_KEYS_CASES = list(zip(HELD_KEYS_CASES, (16, 256, 48, 80, 32, 128))) +
 # and a tuned Bc of 176 narrowed to 128 (cache_form) in the split and packed-GQA families; on each, the
 # copies however few boxes the tile takes (gather_min_boxes 0: d=64 on pages of 16 and d=128 on pages of
 # 32 and 48 take boxes where served)
-@pytest.mark.parametrize("base,d,page,bc", [("flash_fwd_sm90", 64, 16, 0), ("flash_fwd_sm90", 88, 16, 0),
-                                            ("flash_fwd_sm90", 80, 16, 0), ("flash_fwd_sm90_gqa", 72, 8, 0),
-                                            ("flash_fwd_sm90", 96, 8, 0), ("flash_fwd_sm90", 128, 32, 0),
-                                            ("flash_fwd_sm90", 128, 48, 0), ("flash_fwd_sm90_split", 128, 8, 176),
-                                            ("flash_fwd_sm90_gqa", 64, 8, 176)])
-def test_paged_gather_lands_each_tile_as_the_boxes_do(base, d, page, bc, tmp_path, monkeypatch):
+@pytest.mark.parametrize("base,d,page,bc,cwg", [("flash_fwd_sm90", 64, 16, 0, 2), ("flash_fwd_sm90", 88, 16, 0, 2),
+                                                ("flash_fwd_sm90", 80, 16, 0, 2), ("flash_fwd_sm90_gqa", 72, 8, 0, 2),
+                                                ("flash_fwd_sm90", 96, 8, 0, 2), ("flash_fwd_sm90", 128, 32, 0, 2),
+                                                ("flash_fwd_sm90", 128, 48, 0, 2), ("flash_fwd_sm90_split", 128, 8, 176, 2),
+                                                ("flash_fwd_sm90_gqa", 64, 8, 176, 2), ("flash_fwd_sm90_gqa", 64, 8, 128, 3)])
+def test_paged_gather_lands_each_tile_as_the_boxes_do(base, d, page, bc, cwg, tmp_path, monkeypatch):
     """A family's paged cache form on tiles of several slots, two consumers, with the producer's
     warpgroup copying K/V by cp.async (gather on) and with a TMA box per slot and panel (off): ragged
     lengths (0, 1, page +- 1, a tile's edge, the capacity), NaN past them, both within budget of
     float64, and O and the LSE bit for bit the same (the copies land the boxes' bytes: rows past a
-    length and before a page's first row as zeros). `bc`: the seed's Bc (0: its own)."""
+    length and before a page's first row as zeros). `bc`: the seed's Bc (0: its own); `cwg` the
+    seed's consumers (three: the copies in the producer's 24 registers, gather_min_split 24)."""
     import torch
 
     from tuner import kvcache, kvcache_attention
@@ -639,10 +640,12 @@ def test_paged_gather_lands_each_tile_as_the_boxes_do(base, d, page, bc, tmp_pat
     problem = Problem(b, h, nq, cap, d, "bf16", "causal_br", kvh)
     variant = CACHE_VARIANTS[base].paged(page)
     monkeypatch.setattr(variant, "gather_min_boxes", 0)
+    if cwg == 3:
+        monkeypatch.setattr(variant, "gather_min_split", 24)
     seeds = (dict(seed, Bc=bc or seed["Bc"]) for seed in FAMILIES[base].seeds(gpu, problem))
-    forms = (variant.cache_form(seed, problem) for seed in seeds if seed["cwg"] == 2 and seed["split"])
+    forms = (variant.cache_form(seed, problem) for seed in seeds if seed["cwg"] == cwg and seed["split"])
     params = next(f for f in forms if variant.check(f, gpu, problem) is None)
-    assert variant.gathers(params, problem) and params["Bc"] <= 128, params
+    assert variant.gathers(params, problem) and params["Bc"] <= 128 and (cwg == 2 or params["split"] == 24), params
     monkeypatch.setattr(kvcache, "held_keys_config", lambda *args: (variant, params))
     rng = random.Random()
     lens = [0, 1, page - 1, page + 1, rng.choice([127, 128, 129, 177]), cap]
