@@ -60,12 +60,29 @@ def packed_blocks(params: dict, problem: Problem) -> int:
     return ceil_div(packed_rows(problem), block_rows(params, problem))
 
 
-def block_fill(problem: Problem) -> float:
-    """How full the call's g x Nq packed rows leave the blocks of two consumers (128 rows each) they
-    take: 0.625 for 80 rows, 0.5 for 64, 0.875 for 112 (one block of 7-head groups), 1.0 for 256."""
-    two = dict(cwg=2)
+def block_fill(problem: Problem, cwg: int = 2) -> float:
+    """How full the call's g x Nq packed rows leave the blocks of `cwg` consumers (64 rows each) they
+    take: at two, 0.625 for 80 rows, 0.5 for 64, 0.875 for 112 (one block of 7-head groups), 1.0 for
+    256; at three, 1.0 for 192 rows, 0.667 for 256."""
     rows = packed_rows(problem)
-    return rows / (ceil_div(rows, block_rows(two, problem)) * 128)
+    return rows / (ceil_div(rows, block_rows(dict(cwg=cwg), problem)) * 64 * cwg)
+
+
+# At d <= 64 the packed kernel's first seed is three consumers at Bc 128 (split 24: FlashAttention-4's
+# 192 x 128 tile there) where their 192-row blocks hold the packed rows THREE_CONSUMERS_FILL times as
+# full as two consumers' 128-row blocks, or fuller. On the H200 (bf16, bottom-right, 4096-12000 keys,
+# timed in turns, PERF_NOTES "x19"), against what served (prefills: Bc 176 at two consumers; steps: Bc
+# 128 at two, split 40): first 1.04-1.23x on four prefills of fill ratio 0.93-0.96, 1.57x on a step of
+# 48 queries x 4 heads (ratio 1.33: 192 rows), 0.81x on one of 64 x 4 (0.67: 256 rows in two 192-row
+# blocks), so at equal fill three consumers ran about 1.1x two; then, the rule in place, 1.01-1.39x on
+# the 8 calls it moves, 5 of them held out (B8-H28/kv4 180 x 12000 443.5 TFLOP/s against 385.1, FA4
+# 455.6; B64-H32/kv8 40 x 4096 417.4 against 299.8, FA4 401.1).
+THREE_CONSUMERS_FILL = 0.9
+
+
+def three_consumers_pay(problem: Problem) -> bool:
+    """Whether the packed kernel at d <= 64 starts from three consumers (THREE_CONSUMERS_FILL)."""
+    return problem.head_dim <= 64 and block_fill(problem, 3) >= THREE_CONSUMERS_FILL * block_fill(problem)
 
 
 def fill_gain(problem: Problem) -> float:
@@ -171,10 +188,14 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
         seeds = [seed(c) for c in cands]
         if problem.seqlen_q > DECODE_QUERIES and d <= 128:
             # A prefill of short rows (gqa_packing.packs_prefill): Bc 176 read 1.02-1.07x Bc 128 on 7 calls
-            # ("j1"), and served so 1.02-1.37x the plain kernel's configs on 18 of 19 ("y1").
+            # ("j1"), and served so 1.02-1.37x the plain kernel's configs on 18 of 19 ("y1"); at d <= 64
+            # three consumers where their blocks fill as well (three_consumers_pay, "x19").
             first = seed((176, 2, 2, 24, 1))
+            persistent = persistent_pays(first, problem, gpu)
+            if three_consumers_pay(problem):   # (d <= 64; persistent or not as Bc 176 would run)
+                first = seed((128, 2, 3, 24, 1))
             seeds = [first] + [s for s in seeds if s != first]
-            if persistent_pays(first, problem, gpu):
+            if persistent:
                 seeds.insert(0, dict(seed((128, 2, 2, 40, 1)), persistent=1))
         elif 64 < d <= 128:
             # Timed in turns on the H200 (d=128, 19 decode steps of 48-256 packed rows, PERF_NOTES
@@ -188,6 +209,8 @@ class PackedGqaFlashFwdSm90(SplitFlashFwdSm90):
             one_block = packed_rows(problem) <= block_rows(dict(cwg=2), problem)
             first = 64 if fill <= 0.5 else 80 if fill <= 0.75 and one_wave and one_block else 128
             seeds.sort(key=lambda s: (s["Bc"], s["split"]) != (first, 24 if first < 128 else 40))
+        elif three_consumers_pay(problem):   # (d <= 64) 192-row blocks as full as 128-row ones
+            seeds.sort(key=lambda s: s["cwg"] != 3)
         elif packed_rows(problem) <= block_rows(dict(cwg=1), problem):   # one consumer holds the call's rows
             seeds.sort(key=lambda s: s["cwg"] != 1)
         return seeds

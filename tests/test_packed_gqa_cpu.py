@@ -23,7 +23,7 @@ from tuner.gqa_packing import (PACK_FEW_ROWS_SM_SHARE, PACK_ONE_CONSUMER_KEYS, P
 from tuner.kernel_templates import get_family
 from tuner.kernel_templates.flash_fwd_sm90_gqa import (block_fill, block_rows, fill_gain, group_of, packed_blocks,
                                                        packed_problem, packed_rows, persistent_pays, wave_gain)
-from tuner.problem import Problem
+from tuner.problem import DECODE_QUERIES, Problem
 
 GQA = get_family("flash_fwd_sm90_gqa")
 SPEC = Problem(32, 64, 16, 8192, 128, "bf16", "causal_br", 8)   # a speculative step of a GQA-8 model: 128 rows
@@ -96,6 +96,29 @@ def test_one_cubin_per_tile_the_split_count_a_launch_parameter():
     assert "#define PACK_GQA 1" in lines and "#define SPLIT_KV 1" in lines
     assert GQA.define_lines(dict(a, splits=4), SPEC) == lines
     assert GQA.param_kinds(a) == get_family("flash_fwd_sm90_split").param_kinds(a)
+
+
+@pytest.mark.parametrize("shape,fill3,fill2,cwg", [
+    ("8,40:5,200:8192,64,causal_br", 1600 / 1728, 1600 / 1664, 3),   # ratio 0.96 (1.04x at three, x19)
+    ("16,32:8,200:8192,64,causal_br", 800 / 960, 800 / 896, 3),       # 0.93 (1.09x)
+    ("32,32:8,48:8192,64,causal_br", 1.0, 0.75, 3),                   # 192 rows: 1.33 (1.57x)
+    ("8,32:8,64:8192,64,causal_br", 256 / 384, 1.0, 2),               # 256 rows: 0.67 (0.81x at three)
+    ("4,24:8,400:8192,64,causal_br", 1200 / 1344, 1200 / 1260 * 126 / 128, 3),   # groups of 3: 126-row blocks
+    ("16,32:8,200:8192,128,causal_br", 800 / 960, 800 / 896, 2),      # d=128: two consumers' Bc 176
+])
+def test_a_packed_prefill_at_d64_takes_three_consumers_where_their_blocks_fill(shape, fill3, fill2, cwg):
+    """At d <= 64 the packed kernel's default is three consumers at Bc 128 (192-row blocks) where
+    they hold the packed rows THREE_CONSUMERS_FILL times as full as two consumers' blocks, on a
+    prefill or a step (48 and 64 queries); else, and past d=64, two consumers (a prefill's Bc 176)."""
+    from tuner.kernel_templates.flash_fwd_sm90_gqa import THREE_CONSUMERS_FILL, three_consumers_pay
+
+    p = Problem.parse(shape, "bf16")
+    assert (block_fill(p, 3), block_fill(p)) == (pytest.approx(fill3), pytest.approx(fill2))
+    assert three_consumers_pay(p) == (cwg == 3) == (p.head_dim <= 64 and fill3 >= THREE_CONSUMERS_FILL * fill2)
+    params = GQA.default(H100_SXM, p)
+    two = (176, 2, 24) if p.seqlen_q > DECODE_QUERIES else (128, 2, 40)   # a prefill's, a step's
+    assert (params["Bc"], params["cwg"], params["split"]) == ((128, 3, 24) if cwg == 3 else two), params
+    assert GQA.check(params, H100_SXM, p) is None and GQA.seeds(H100_SXM, p)[0] == params
 
 
 @pytest.mark.parametrize("shape,persistent", [
@@ -444,10 +467,12 @@ def test_seeds_compile_for_sm90a_without_spills(d, mask):
 @pytest.mark.parametrize("d,mask,heads,kvh", [(128, "causal_br", 16, 8), (96, "causal", 28, 4), (64, "none", 32, 4)])
 def test_the_packed_prefill_config_compiles_without_spills(d, mask, heads, kvh):
     """The default of a short GQA prefill as it runs (groups of 2, 7 and 8): Bc 176 and split 24 on
-    the grid, and under PERSISTENT_KEYS keys persistent, Bc 128 and split 40."""
+    the grid (at d=64, where 192-row blocks fill as well, three consumers at Bc 128), and under
+    PERSISTENT_KEYS keys persistent, Bc 128 and split 40."""
     from tuner.compile import compile_kernel
 
-    for nk, want in ((8192, (176, 24, 2, 0)), (2000, (128, 40, 2, 1))):
+    grid = (128, 24, 3, 0) if d <= 64 else (176, 24, 2, 0)
+    for nk, want in ((8192, grid), (2000, (128, 40, 2, 1))):
         p = Problem(8, heads, 300, nk, d, "bf16", mask, kvh)
         params = GQA.default(H100_SXM, p)
         assert (params["Bc"], params["split"], params["cwg"], params["persistent"]) == want
