@@ -1,6 +1,6 @@
 """A paged KV cache's K/V tiles by TMA boxes against the producer warpgroup's cp.async (GATHER_KV).
 
-    python3 benchmarks/paged_copies_ab.py [--page ROWS] [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
+    python3 benchmarks/paged_copies_ab.py [--page ROWS] [--form NAME=JSON]... [--json OUT] [CASE ...]    # CASE: B,H:KVH,NQ:CAP,D
 
 For each call, kvcache_attention's paged plan (bf16, bottom-right causal, lengths in [cap/2, cap],
 zeros past them, a shuffled block table) in up to three forms, timed in turns (tuner.timing.Timer)
@@ -10,7 +10,10 @@ take, "boxes128", the same at Bc 128; and "gather", the form with the producer's
 128 where cache_form finds one), however few boxes its tile would take (`gather_min_boxes` 0).
 "served" names the one kvcache_attention serves. Each output is checked against float64 on the
 first sequence; FA4 beside where it loads, on the pages (`page_table`) and on the dense cache
-("fa4_dense": whether a gap to FA4 is the pages' or the kernel's). What the GATHER_KV rule
+("fa4_dense": whether a gap to FA4 is the pages' or the kernel's). `--form NAME=JSON` times one
+more config, the served one with JSON's params over it, on the pages and ("NAME_dense") on the dense
+cache; JSON's "gather": true makes its paged form gather however few boxes and producer registers it
+has (`gather_min_boxes` 0, `gather_min_split` 24), false takes the boxes. What the GATHER_KV rule
 (flash_fwd_sm90_cache.CacheLensVariant.gathers, cache_form's narrowing) rests on (PERF_NOTES
 "x17", "x18").
 """
@@ -18,6 +21,7 @@ first sequence; FA4 beside where it loads, on the pages (`page_table`) and on th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -37,8 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cases", nargs="*", default=CASES, help="B,H:KVH,NQ:CAP,D (default: %(default)s)")
     ap.add_argument("--page", type=int, default=16, help="a page's rows (default: %(default)s)")
+    ap.add_argument("--form", action="append", default=[], metavar="NAME=JSON",
+                    help='one more config: the served one with JSON over it (e.g. c3=\'{"cwg": 3, "Bc": 128, "gather": true}\')')
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    try:
+        extra = {name: json.loads(spec) for name, _, spec in (f.partition("=") for f in args.form)}
+    except json.JSONDecodeError as e:
+        ap.error(f"--form takes NAME=JSON: {e}")
     if args.page <= 0 or args.page % 8:
         ap.error(f"--page takes a page's rows, a positive multiple of 8, not {args.page}")
     import torch
@@ -67,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             c = cache_case(case, args.page, 0.5, 1.0, "zero")   # kvcache_steps.py's inputs, --tail zero
             q, k, v, lens, d, seqlens, table, kc, vc = c.q, c.k, c.v, c.lens, c.d, c.seqlens, c.table, c.kc, c.vc
 
-            def plan_of(forced: dict):   # the plan kvcache_attention makes with `forced` over the served params
+            def plan_of(forced: dict, dense: bool = False):   # the plan kvcache_attention makes with `forced` over the served params
                 kvcache._plans.clear()
                 force.update(forced)
                 try:
-                    kvcache_attention(q, kc, vc, seqlens, table)
+                    kvcache_attention(q, *((k, v, seqlens) if dense else (kc, vc, seqlens, table)))
                 finally:
                     force.clear()
                 key = next(key for key in kvcache._plans if key[0] == q.shape and key[-1])
@@ -92,16 +102,29 @@ def main(argv: list[str] | None = None) -> int:
                 gathers = variant.gathers(gather[1].params, problem)
             if gathers:
                 plans["gather"] = gather
+            gathered, dense_plans = {"gather": gathers}, {"dense": plan_of({}, dense=True)}
+            for name, spec in extra.items():
+                spec = dict(spec)
+                how = spec.pop("gather", None)
+                with contextlib.ExitStack() as stack:
+                    if how is False:
+                        stack.enter_context(mock.patch.object(variant, "gather", False))
+                    elif how:
+                        stack.enter_context(mock.patch.object(variant, "gather_min_boxes", 0))
+                        stack.enter_context(mock.patch.object(variant, "gather_min_split", 24))
+                    plans[name] = plan_of(spec)
+                    gathered[name] = variant.gathers(plans[name][1].params, problem)
+                dense_plans[f"{name}_dense"] = plan_of(spec, dense=True)
             served_name = "gather" if variant.gathers(served.params, problem) else "boxes"
             assert plans[served_name][1].params == served.params, (case, served_name, served.params)
 
-            def with_plan(key, plan):
+            def with_plan(key, plan, dense: bool = False):
                 def call():
                     kvcache._plans[key] = plan
-                    return kvcache_attention(q, kc, vc, seqlens, table)
+                    return kvcache_attention(q, *((k, v, seqlens) if dense else (kc, vc, seqlens, table)))
                 return call
-            fns = {name: with_plan(*kp) for name, kp in plans.items()}
-            fns["dense"] = lambda: kvcache_attention(q, k, v, seqlens)
+            fns = {name: with_plan(*kp) for name, kp in plans.items()}   # (the dense forms share a key: each sets its plan)
+            fns.update({name: with_plan(*kp, dense=True) for name, kp in dense_plans.items()})
             if (fa4 := fa4_paged_call(q, kc, vc, seqlens, table)) is not None:
                 fns["fa4"] = fa4[0]
                 if (fa4_dense := fa4_call(q, k, v, seqlens)) is not None:   # without pages: the kernel's gap
@@ -113,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 errs[name] = err.rel if err.finite else math.inf
             times = timer.interleaved(fns)
             us = {n: t.median_ms * 1e3 for n, t in times.items()}
-            forms = {n: dict(family=p.family.name, params=p.params) for n, (_, p) in plans.items()}
+            forms = {n: dict(family=p.family.name, params=p.params, gathers=gathered.get(n, False))
+                     for n, (_, p) in {**plans, **dense_plans}.items()}
             rows.append(dict(case=case, page=args.page, lens=lens, us=us, forms=forms, served=served_name, rel_err=errs))
             print(f"{case:<22} page {args.page} " + "  ".join(f"{n} {x:7.1f} us" for n, x in us.items())
                   + "  Bc " + " ".join(f"{n}:{p.params['Bc']}" for n, (_, p) in plans.items())
