@@ -474,6 +474,20 @@ def test_a_quick_build_is_filed_apart_from_the_production_build(tmp_path, monkey
     assert _is_elf(quick.cubin) and quick.cubin != prod.cubin
 
 
+def test_a_quick_build_goes_to_the_caller_s_cache_after_it_moves(tmp_path, monkeypatch):
+    """The quick-build process keeps the environment it was spawned with: a quick build after the
+    caller's TUNER_CACHE_DIR changed reads and fills the new cache, not the first (a build filed
+    in the first answered as cached, and one made was written where the caller never looks)."""
+    problem = GPT2_FP32[0]
+    params = FAM.default(A100_SXM, problem)
+    monkeypatch.setenv("TUNER_CACHE_DIR", str(tmp_path / "first"))
+    assert not compile_kernel(FAM, params, problem, A100_SXM.arch, quick=True).cached
+    monkeypatch.setenv("TUNER_CACHE_DIR", str(tmp_path / "moved"))
+    moved = compile_kernel(FAM, params, problem, A100_SXM.arch, quick=True)
+    assert not moved.cached and list((tmp_path / "moved").rglob(f"{moved.key}*"))
+    assert compile_kernel(FAM, params, problem, A100_SXM.arch, quick=True).cached
+
+
 def test_a_production_build_after_quick_builds_is_the_one_a_fresh_process_makes(tmp_path, monkeypatch):
     """NVRTC 13.0 carries -Ofast-compile into later builds of its process (another cubin for the
     same source): quick builds run in a process of their own, so this one's production builds are

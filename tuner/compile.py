@@ -204,7 +204,7 @@ def compile_kernel(family: KernelFamily, params: dict, problem: Problem, arch: s
     smem = family.smem_bytes(params, problem)
     hit = _read_cache(key, family, arch)
     if hit is None and quick and not _quick_process:
-        return _quick_builder().submit(_quick_build, family, params, problem, arch).result()
+        return _quick_builder().submit(_quick_build, family, params, problem, arch, str(cache_dir())).result()
     if hit is None:
         with one_maker(_paths(key)[0].with_suffix(".lock")):   # another process building it: wait for it
             hit = _read_cache(key, family, arch)
@@ -266,8 +266,11 @@ def _be_quick_process() -> None:
     _quick_process = True
 
 
-def _quick_build(family: KernelFamily, params: dict, problem: Problem, arch: str) -> CompiledKernel:
-    """compile_kernel(quick=True), run in the quick-build process."""
+def _quick_build(family: KernelFamily, params: dict, problem: Problem, arch: str, cache: str) -> CompiledKernel:
+    """compile_kernel(quick=True), run in the quick-build process, in the caller's cache (`cache`: the
+    process was spawned with the environment of its first caller, whose TUNER_CACHE_DIR may since
+    have changed)."""
+    os.environ["TUNER_CACHE_DIR"] = cache
     return compile_kernel(family, params, problem, arch, quick=True)
 
 
