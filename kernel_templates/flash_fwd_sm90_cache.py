@@ -50,8 +50,8 @@ class CacheLensVariant:
     def gathers(self, params: dict, problem: Problem) -> bool:
         """Whether the producer's warpgroup copies each K/V tile by cp.async (GATHER_KV) rather than
         a TMA box per slot and panel: where a tile is several slots of a page, takes 16 boxes or more
-        (tile_boxes) and the producer keeps the registers its copies take (gather_split: 40, raised by
-        producer_regs; the packed family's at d=64 24); a K tail panel (d=72-80)
+        (tile_boxes) and the producer has the registers its copies take (gather_split: 40, which
+        producer_regs raises it to; 24 in the packed family at d=64); a K tail panel (d=72-80)
         where it is a row's last 128-byte segment (gather_tile). The copies against the boxes at
         the same Bc (H200, x18): where a tile took 8 boxes, 0.94-1.00x at d=64 on pages of 16 (5
         calls) and 0.93-0.96x at d=128 on pages of 32 (3 of 4); at 16 or more, 1.06-1.16x at d=128
@@ -185,9 +185,9 @@ class CachePackedGqaFlashFwdSm90(CacheLensVariant, PackedGqaFlashFwdSm90):
 
     def gather_split(self, problem: Problem) -> int:
         # rows of one whole 128-byte segment (d=64, 16-bit): the packed producer's copies fit its 24
-        # registers, so three consumers (split 24) gather; 8-20 B spilled at d=56, and in flash_fwd_sm90's
-        # producer at d=32-64 (ptxas, sm_90a). On pages of 8 they ran 1.08x two consumers' copies at 40
-        # (H200, PERF_NOTES "x19").
+        # registers, so three consumers (split 24) gather; 8 B spilled at d=56 (groups of 5), 20-36 B in
+        # flash_fwd_sm90's producer at d=32-64 (ptxas, sm_90a). On pages of 8 they ran 1.06-1.08x two
+        # consumers' copies at 40 (H200, PERF_NOTES "x19").
         return 24 if problem.head_dim * DTYPE_BYTES[problem.dtype] == 128 else super().gather_split(problem)
 
     def own_form(self, params: dict, problem: Problem) -> dict:
