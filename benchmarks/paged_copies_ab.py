@@ -77,11 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             c = cache_case(case, args.page, 0.5, 1.0, "zero")   # kvcache_steps.py's inputs, --tail zero
             q, k, v, lens, d, seqlens, table, kc, vc = c.q, c.k, c.v, c.lens, c.d, c.seqlens, c.table, c.kc, c.vc
 
+            def cache(dense: bool) -> tuple:   # kvcache_attention's arguments after q: the dense cache, or the pages
+                return (k, v, seqlens) if dense else (kc, vc, seqlens, table)
+
             def plan_of(forced: dict, dense: bool = False):   # the plan kvcache_attention makes with `forced` over the served params
                 kvcache._plans.clear()
                 force.update(forced)
                 try:
-                    kvcache_attention(q, *((k, v, seqlens) if dense else (kc, vc, seqlens, table)))
+                    kvcache_attention(q, *cache(dense))
                 finally:
                     force.clear()
                 key = next(key for key in kvcache._plans if key[0] == q.shape and key[-1])
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             def with_plan(key, plan, dense: bool = False):
                 def call():
                     kvcache._plans[key] = plan
-                    return kvcache_attention(q, *((k, v, seqlens) if dense else (kc, vc, seqlens, table)))
+                    return kvcache_attention(q, *cache(dense))
                 return call
             fns = {name: with_plan(*kp) for name, kp in plans.items()}   # (the dense forms share a key: each sets its plan)
             fns.update({name: with_plan(*kp, dense=True) for name, kp in dense_plans.items()})
